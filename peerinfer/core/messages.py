@@ -1,0 +1,645 @@
+"""Wire messages: typed, frozen, versioned, msgpack-encoded, validated on the way in.
+
+Theory of operation
+-------------------
+Every message is a frozen dataclass registered under a one-byte *tag*. A frame is the msgpack
+array ``[PROTOCOL_VERSION, tag, field_1, ..., field_n]``; nested records (``Load``,
+``SamplingParams``, ...) are plain arrays of their fields, without version or tag. Each class
+declares a ``SCHEMA``: one validator per field, in field order. Decoding is:
+
+1. ``msgpack.unpackb`` with hard limits on every string, binary, array and map length and on the
+   whole frame, so a hostile frame cannot make us allocate more than a small multiple of its own
+   size, nor recurse without bound (msgpack's own nesting limit raises ``StackError``).
+2. The version and tag are checked, then every field is checked against its validator: type,
+   integer range, float finiteness and range, length. Nothing is coerced silently.
+3. Any failure in 1 or 2, whatever the foreign exception, becomes ``ProtocolError`` here, and
+   nowhere else, with the original as ``__cause__``.
+
+Encoding is the inverse and never validates (our own values are built by our own code; tests
+check that every constructed message round-trips). Maps are not used on the wire: arrays are
+smaller and have no key-ordering question.
+
+Where bytes must be deterministic (a hash or a signature over a record) use ``canonical_cbor``,
+not msgpack: canonical CBOR (RFC 8949, section 4.2) fixes integer widths and map key order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
+
+import cbor2
+import msgpack
+
+from peerinfer.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: The largest frame any peer may send us (bytes). Stream protocols enforce it before decoding.
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+#: The longest prompt, in tokens, a peer may forward to us.
+MAX_PROMPT_TOKENS = 131_072
+#: The longest prompt text, in characters.
+MAX_PROMPT_CHARS = 1_048_576
+MAX_ID_CHARS = 128
+MAX_TEXT_CHARS = 65_536
+MAX_LIST = 65_536
+MAX_DELTA = 4096
+U8 = 2**8 - 1
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+# --------------------------------------------------------------------------------------------
+# Validators. Each is a callable (value, path) -> value that raises _Invalid with a message.
+
+
+class _Invalid(Exception):
+    pass
+
+
+Validator = Callable[[Any, str], Any]
+
+
+def UInt(maximum: int = U64, minimum: int = 0) -> Validator:
+    def check(v: Any, path: str) -> int:
+        if type(v) is not int:
+            raise _Invalid(f"{path}: expected an integer, got {type(v).__name__}")
+        if not minimum <= v <= maximum:
+            raise _Invalid(f"{path}: {v} is outside [{minimum}, {maximum}]")
+        return v
+
+    return check
+
+
+def Float(minimum: float = -math.inf, maximum: float = math.inf) -> Validator:
+    def check(v: Any, path: str) -> float:
+        if type(v) is int:
+            v = float(v)
+        if type(v) is not float:
+            raise _Invalid(f"{path}: expected a number, got {type(v).__name__}")
+        if not math.isfinite(v) or not minimum <= v <= maximum:
+            raise _Invalid(f"{path}: {v!r} is outside [{minimum}, {maximum}]")
+        return v
+
+    return check
+
+
+def Bool() -> Validator:
+    def check(v: Any, path: str) -> bool:
+        if type(v) is not bool:
+            raise _Invalid(f"{path}: expected a boolean, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+def Text(max_chars: int = MAX_TEXT_CHARS, choices: frozenset[str] | None = None) -> Validator:
+    def check(v: Any, path: str) -> str:
+        if type(v) is not str:
+            raise _Invalid(f"{path}: expected a string, got {type(v).__name__}")
+        if len(v) > max_chars:
+            raise _Invalid(f"{path}: string of {len(v)} characters exceeds {max_chars}")
+        if choices is not None and v not in choices:
+            raise _Invalid(f"{path}: {v!r} is not one of {sorted(choices)}")
+        return v
+
+    return check
+
+
+def Bin(max_bytes: int = MAX_FRAME_BYTES) -> Validator:
+    def check(v: Any, path: str) -> bytes:
+        if type(v) is not bytes:
+            raise _Invalid(f"{path}: expected bytes, got {type(v).__name__}")
+        if len(v) > max_bytes:
+            raise _Invalid(f"{path}: {len(v)} bytes exceeds {max_bytes}")
+        return v
+
+    return check
+
+
+def Optional(inner: Validator) -> Validator:
+    def check(v: Any, path: str) -> Any:
+        return None if v is None else inner(v, path)
+
+    return check
+
+
+def ListOf(inner: Validator, max_len: int = MAX_LIST) -> Validator:
+    def check(v: Any, path: str) -> tuple[Any, ...]:
+        if type(v) is not list and type(v) is not tuple:
+            raise _Invalid(f"{path}: expected a list, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise _Invalid(f"{path}: list of {len(v)} items exceeds {max_len}")
+        return tuple(inner(item, f"{path}[{i}]") for i, item in enumerate(v))
+
+    return check
+
+
+def UIntList(maximum: int = U64, max_len: int = MAX_LIST) -> Validator:
+    """A list of unsigned integers, checked in one tight loop (digests carry thousands)."""
+
+    def check(v: Any, path: str) -> tuple[int, ...]:
+        if type(v) is not list and type(v) is not tuple:
+            raise _Invalid(f"{path}: expected a list, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise _Invalid(f"{path}: list of {len(v)} items exceeds {max_len}")
+        for i, item in enumerate(v):
+            if type(item) is not int or not 0 <= item <= maximum:
+                raise _Invalid(f"{path}[{i}]: expected an integer in [0, {maximum}]")
+        return tuple(v)
+
+    return check
+
+
+R = TypeVar("R", bound="Record")
+
+
+def Nested(cls: type[R]) -> Validator:
+    def check(v: Any, path: str) -> R:
+        return cls._from_fields(v, path)
+
+    return check
+
+
+# --------------------------------------------------------------------------------------------
+# Records and messages.
+
+
+class Record:
+    """A frozen dataclass with a SCHEMA; encoded as an array of its fields."""
+
+    SCHEMA: ClassVar[tuple[Validator, ...]] = ()
+
+    def _to_fields(self) -> list[Any]:
+        out: list[Any] = []
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out.append(_to_wire(v))
+        return out
+
+    @classmethod
+    def _from_fields(cls: type[R], v: Any, path: str) -> R:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        if type(v) is not list and type(v) is not tuple:
+            raise _Invalid(f"{path}: expected a {cls.__name__} record (a list)")
+        if len(v) != len(names):
+            raise _Invalid(
+                f"{path}: {cls.__name__} has {len(names)} fields, got {len(v)}"
+            )
+        values = {
+            name: check(item, f"{path}.{name}")
+            for name, check, item in zip(names, cls.SCHEMA, v, strict=True)
+        }
+        return cls(**values)
+
+
+def _to_wire(v: Any) -> Any:
+    if isinstance(v, Record):
+        return v._to_fields()
+    if isinstance(v, tuple | list):
+        return [_to_wire(x) for x in v]
+    return v
+
+
+class Message(Record):
+    """A top-level wire message: a Record with a registered one-byte tag."""
+
+    TAG: ClassVar[int] = -1
+
+
+_REGISTRY: dict[int, type[Message]] = {}
+M = TypeVar("M", bound=type[Message])
+
+
+def _register(tag: int) -> Callable[[M], M]:
+    def wrap(cls: M) -> M:
+        if tag in _REGISTRY:
+            raise RuntimeError(f"duplicate message tag {tag}")
+        cls.TAG = tag
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def encode(message: Message) -> bytes:
+    """The msgpack frame of ``message``."""
+    frame: list[Any] = [PROTOCOL_VERSION, message.TAG, *message._to_fields()]
+    return msgpack.packb(frame, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(data: bytes, expected: type[Message] | tuple[type[Message], ...] | None = None) -> Message:
+    """Decode and validate one frame; raise ProtocolError on anything else.
+
+    ``expected`` restricts which message classes are acceptable in this context (a sync stream
+    only accepts sync messages, for example).
+    """
+    if type(data) is not bytes:
+        raise ProtocolError(f"a frame must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        frame = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=MAX_PROMPT_CHARS * 4,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_array_len=max(MAX_LIST, MAX_PROMPT_TOKENS),
+            max_map_len=0,  # maps never appear on the wire
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types: translate them all, here only
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+    try:
+        if type(frame) is not list or len(frame) < 2:
+            raise _Invalid("a frame is an array [version, tag, fields...]")
+        version, tag = frame[0], frame[1]
+        if version != PROTOCOL_VERSION or type(version) is not int:
+            raise _Invalid(f"protocol version {version!r} is not supported (we speak {PROTOCOL_VERSION})")
+        cls = _REGISTRY.get(tag) if type(tag) is int else None
+        if cls is None:
+            raise _Invalid(f"unknown message tag {tag!r}")
+        if expected is not None and not issubclass(cls, expected):
+            raise _Invalid(f"{cls.__name__} is not acceptable here")
+        return cls._from_fields(frame[2:], cls.__name__)
+    except _Invalid as exc:
+        raise ProtocolError(str(exc)) from None
+    except (TypeError, ValueError) as exc:  # a dataclass __post_init__ refusing a value
+        raise ProtocolError(f"invalid message: {exc}") from exc
+
+
+def canonical_cbor(value: Any) -> bytes:
+    """Deterministic bytes for hashing or signing (canonical CBOR)."""
+    return cbor2.dumps(_to_wire(value), canonical=True)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------
+# Shared records.
+
+PEER_ID = Text(MAX_ID_CHARS)
+REQUEST_ID = Text(MAX_ID_CHARS)
+HASH = UInt(U64)
+
+
+@dataclass(frozen=True, slots=True)
+class Load(Record):
+    """A node's announced load: requests waiting, running, and how many it runs at once."""
+
+    queued: int = 0
+    running: int = 0
+    slots: int = 1
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U32), UInt(U32), UInt(U32, minimum=1))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams(Record):
+    """How to generate. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(65_536, minimum=1),
+        Float(0.0, 100.0),
+        Float(1e-6, 1.0),
+        Optional(UInt(U64)),
+        ListOf(Text(256), 16),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage(Record):
+    role: str
+    content: str
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (Text(32), Text(MAX_PROMPT_CHARS))
+
+
+# --------------------------------------------------------------------------------------------
+# Anti-entropy (gossip + sync stream).
+
+
+@_register(1)
+@dataclass(frozen=True, slots=True)
+class Announce(Message):
+    """Broadcast on the model's gossip topic: 'my cache digest is now ``root`` at ``epoch``'.
+
+    ``added``/``removed`` are the block hashes changed since ``prev_epoch`` when they fit; a peer
+    whose replica is at ``prev_epoch`` applies them without a pull. ``truncated`` says the delta
+    was too large to carry (then a pull repairs). ``time_ms`` is the sender's wall clock, used
+    only for a freshness window against replays.
+    """
+
+    sender: str
+    epoch: int
+    prev_epoch: int
+    root: int
+    count: int
+    load: Load
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    truncated: bool = False
+    time_ms: int = 0
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        PEER_ID,
+        UInt(U64),
+        UInt(U64),
+        HASH,
+        UInt(U64),
+        Nested(Load),
+        UIntList(U64, MAX_DELTA),
+        UIntList(U64, MAX_DELTA),
+        Bool(),
+        UInt(U64),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SyncQuery(Record):
+    """One node of the Merkle tree the requester wants explained.
+
+    ``level`` and ``prefix`` name the node (see ``peerinfer.core.digest``). ``fingerprints`` is
+    empty to ask for the node's child summaries, or, for a small node, the requester's packed
+    short fingerprints of the elements it holds there, asking for the element difference.
+    """
+
+    level: int
+    prefix: int
+    fingerprints: bytes = b""
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(64), UInt(U64), Bin(MAX_FRAME_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class SyncNode(Record):
+    """The responder's answer for one queried node.
+
+    ``summaries``: packed truncated hashes of the node's children (when it explains children);
+    ``elements``: block hashes the requester lacks under this node; ``absent``: packed
+    fingerprints the requester holds there that the responder does not (to delete).
+    """
+
+    level: int
+    prefix: int
+    summaries: bytes = b""
+    elements: tuple[int, ...] = ()
+    absent: bytes = b""
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(64),
+        UInt(U64),
+        Bin(MAX_FRAME_BYTES),
+        UIntList(U64, 1_000_000),
+        Bin(MAX_FRAME_BYTES),
+    )
+
+
+@_register(2)
+@dataclass(frozen=True, slots=True)
+class SyncRequest(Message):
+    """A pull of the parts of a digest whose hashes differ from the requester's replica.
+
+    ``since_epoch``: the epoch the requester's replica last matched (0 for none); a responder
+    whose change log reaches back that far may answer with the delta alone. ``slice`` selects
+    which bits of each node hash the truncated summaries carry, so a rare truncated-hash
+    collision is not repeated on the next attempt.
+    """
+
+    session: int
+    since_epoch: int
+    slice: int
+    queries: tuple[SyncQuery, ...] = ()
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(U64),
+        UInt(U64),
+        UInt(U8),
+        ListOf(Nested(SyncQuery), MAX_LIST),
+    )
+
+
+@_register(3)
+@dataclass(frozen=True, slots=True)
+class SyncResponse(Message):
+    """The responder's current root and the explanations of the queried nodes.
+
+    When ``delta`` is true, ``added``/``removed`` carry every change since the request's
+    ``since_epoch`` and ``nodes`` is empty.
+    """
+
+    session: int
+    epoch: int
+    root: int
+    count: int
+    nodes: tuple[SyncNode, ...] = ()
+    delta: bool = False
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(U64),
+        UInt(U64),
+        HASH,
+        UInt(U64),
+        ListOf(Nested(SyncNode), MAX_LIST),
+        Bool(),
+        UIntList(U64, 1_000_000),
+        UIntList(U64, 1_000_000),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Inference (client -> node, and node -> node when forwarding).
+
+ERROR_CODES = frozenset(
+    {"busy", "invalid", "timeout", "unavailable", "protocol", "internal", "shutdown"}
+)
+
+
+@_register(10)
+@dataclass(frozen=True, slots=True)
+class GenerateRequest(Message):
+    """Generate a completion.
+
+    A client sends ``prompt`` (text) or ``messages`` (chat). A node forwarding to a peer sends
+    ``tokens`` (already tokenized, so the target's cache is matched on exactly these ids) and
+    ``forwarded=True``: a forwarded request is served where it lands, never forwarded again.
+    ``deadline_ms`` is a relative budget for the first token.
+    """
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    tokens: tuple[int, ...] = ()
+    forwarded: bool = False
+    origin: str = ""
+    deadline_ms: int = 0
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        REQUEST_ID,
+        Nested(SamplingParams),
+        Optional(Text(MAX_PROMPT_CHARS)),
+        ListOf(Nested(ChatMessage), 1024),
+        UIntList(U32, MAX_PROMPT_TOKENS),
+        Bool(),
+        PEER_ID,
+        UInt(U32),
+    )
+
+
+@_register(11)
+@dataclass(frozen=True, slots=True)
+class TokenChunk(Message):
+    """Some generated tokens (and their text) of a request, in order."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        REQUEST_ID,
+        UIntList(U32, 65_536),
+        Text(MAX_TEXT_CHARS),
+    )
+
+
+@_register(12)
+@dataclass(frozen=True, slots=True)
+class GenerateDone(Message):
+    """The end of a successful generation, with its accounting."""
+
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    served_by: str
+    ttft_s: float
+    latency_s: float
+    finish_reason: str
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        REQUEST_ID,
+        UInt(U32),
+        UInt(U32),
+        UInt(U32),
+        PEER_ID,
+        Float(0.0, 1e9),
+        Float(0.0, 1e9),
+        Text(32),
+    )
+
+
+@_register(13)
+@dataclass(frozen=True, slots=True)
+class ErrorMessage(Message):
+    """A request (or a whole stream) failed. ``code`` says who must act."""
+
+    request_id: str
+    code: str
+    message: str
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        Text(MAX_ID_CHARS),
+        Text(32, ERROR_CODES),
+        Text(4096),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Status, liveness and peer exchange.
+
+
+@_register(20)
+@dataclass(frozen=True, slots=True)
+class StatusRequest(Message):
+    SCHEMA: ClassVar[tuple[Validator, ...]] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatus(Record):
+    peer_id: str
+    digest_age_s: float
+    load: Load
+    cached_tokens: int
+    rtt_ms: float
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        PEER_ID,
+        Float(0.0, 1e12),
+        Nested(Load),
+        UInt(U64),
+        Float(0.0, 1e12),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStatus(Record):
+    tokens: int
+    bytes: int
+    capacity_bytes: int
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U64), UInt(U64), UInt(U64))
+
+
+@_register(21)
+@dataclass(frozen=True, slots=True)
+class StatusResponse(Message):
+    peer_id: str
+    addrs: tuple[str, ...]
+    model: str
+    peers: tuple[PeerStatus, ...]
+    cache: CacheStatus
+    load: Load
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        PEER_ID,
+        ListOf(Text(512), 64),
+        Text(512),
+        ListOf(Nested(PeerStatus), 4096),
+        Nested(CacheStatus),
+        Nested(Load),
+    )
+
+
+@_register(22)
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    nonce: int
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U64),)
+
+
+@_register(23)
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    nonce: int
+    load: Load
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U64), Nested(Load))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddrs(Record):
+    peer_id: str
+    addrs: tuple[str, ...]
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (PEER_ID, ListOf(Text(512), 16))
+
+
+@_register(24)
+@dataclass(frozen=True, slots=True)
+class PeerExchange(Message):
+    """Peers the sender knows that serve the same model, so a newcomer learns the network."""
+
+    peers: tuple[PeerAddrs, ...]
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (ListOf(Nested(PeerAddrs), 1024),)
+
+
+def message_types() -> dict[int, type[Message]]:
+    """Every registered message class by tag (for tests and tooling)."""
+    return dict(_REGISTRY)
+
+
+def _check_schemas(classes: Sequence[type[Record]]) -> None:
+    for cls in classes:
+        n = len(fields(cls))  # type: ignore[arg-type]
+        if len(cls.SCHEMA) != n:
+            raise RuntimeError(f"{cls.__name__}.SCHEMA has {len(cls.SCHEMA)} validators for {n} fields")
+
+
+_check_schemas(
+    [Load, SamplingParams, ChatMessage, SyncQuery, SyncNode, PeerStatus, CacheStatus, PeerAddrs]
+    + list(_REGISTRY.values())
+)

@@ -1,0 +1,118 @@
+"""Prefix hashing: a token sequence becomes a chain of keyed block hashes.
+
+Algorithm
+---------
+The tokens are cut into fixed blocks of ``block_size`` tokens (default 16); a trailing partial
+block is not hashed (it cannot be shared at block granularity). Block ``i``'s hash is::
+
+    h[-1] = root       = BLAKE2b-64(key=K, person="peerinfer-root", data=fingerprint)
+    h[i]               = BLAKE2b-64(key=K, person="peerinfer-blk", data=h[i-1] || tokens_le32[i])
+
+so each hash names the whole prefix up to and including its block. ``fingerprint`` identifies the
+model (and tokenizer): two different models never produce the same chain. ``K`` is the swarm key:
+hashes are a keyed MAC, so a digest broadcast to the swarm does not let an outsider test whether a
+node saw a given prompt. Token ids are encoded as little-endian unsigned 32-bit integers, so the
+chain is identical on every machine and process (no reliance on Python's ``hash``).
+
+Hashes are 64 bits. A collision only makes a routing estimate wrong (a cache miss); the engine's
+cache is keyed on the tokens themselves, so it can never produce a wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash
+
+DEFAULT_BLOCK_SIZE = 16
+MAX_TOKEN_ID = 2**32 - 1
+_KEY_BYTES = 32
+
+
+def derive_swarm_key(fingerprint: bytes, secret: bytes | None = None) -> bytes:
+    """The key that block hashes are MACed with.
+
+    With no ``secret`` the key is derived from the model fingerprint alone: every swarm serving
+    the same model shares it, which still hides prompts from anyone who does not know the model.
+    A private swarm passes its own secret (``--swarm-key``).
+    """
+    h = hashlib.blake2b(digest_size=_KEY_BYTES, person=b"peerinfer-swarm")
+    h.update(fingerprint)
+    if secret is not None:
+        h.update(b"\x00secret\x00")
+        h.update(secret)
+    return h.digest()
+
+
+class PrefixHasher:
+    """Computes block-hash chains for one (model fingerprint, swarm key, block size)."""
+
+    __slots__ = ("block_size", "fingerprint", "key", "root", "_pack")
+
+    def __init__(
+        self,
+        fingerprint: bytes,
+        key: bytes | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        if not fingerprint:
+            raise ConfigError("the model fingerprint must not be empty")
+        self.block_size = block_size
+        self.fingerprint = bytes(fingerprint)
+        self.key = derive_swarm_key(self.fingerprint) if key is None else bytes(key)
+        if len(self.key) > 64:
+            raise ConfigError("the swarm key must be at most 64 bytes")
+        digest = hashlib.blake2b(
+            self.fingerprint, digest_size=8, key=self.key, person=b"peerinfer-root"
+        ).digest()
+        self.root = BlockHash(int.from_bytes(digest, "little"))
+        self._pack = struct.Struct(f"<Q{block_size}I").pack
+
+    def block_hash(self, parent: BlockHash, block: Sequence[int]) -> BlockHash:
+        """The hash of ``block`` (exactly ``block_size`` token ids) following ``parent``."""
+        if len(block) != self.block_size:
+            raise ValueError(f"a block has {self.block_size} tokens, got {len(block)}")
+        try:
+            data = self._pack(parent, *block)
+        except struct.error as exc:
+            raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
+        digest = hashlib.blake2b(data, digest_size=8, key=self.key, person=b"peerinfer-blk")
+        return BlockHash(int.from_bytes(digest.digest(), "little"))
+
+    def chain(
+        self, tokens: Sequence[int], parent: BlockHash | None = None, start: int = 0
+    ) -> list[BlockHash]:
+        """Hashes of every full block of ``tokens[start:]``, chained from ``parent``.
+
+        ``parent`` defaults to the root; ``start`` must then be 0. Passing the hash of the block
+        that ends at ``start`` extends an existing chain without rehashing it.
+        """
+        bs = self.block_size
+        h = self.root if parent is None else parent
+        out: list[BlockHash] = []
+        key = self.key
+        pack = self._pack
+        blake = hashlib.blake2b
+        end = start + ((len(tokens) - start) // bs) * bs
+        try:
+            for i in range(start, end, bs):
+                d = blake(
+                    pack(h, *tokens[i : i + bs]), digest_size=8, key=key, person=b"peerinfer-blk"
+                ).digest()
+                h = BlockHash(int.from_bytes(d, "little"))
+                out.append(h)
+        except struct.error as exc:
+            raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
+        return out
+
+    def full_blocks(self, n_tokens: int) -> int:
+        """How many full blocks ``n_tokens`` tokens make."""
+        return n_tokens // self.block_size
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "PrefixHasher", "derive_swarm_key"]
