@@ -1,0 +1,632 @@
+"""The peer index: every known peer's cache replica, combined for one-walk prefix matching.
+
+Theory of operation
+-------------------
+Each remote peer we know gets a *replica*: our copy of its cache digest (a set of block hashes,
+kept in step by gossip and anti-entropy, see ``peerinfer.core.antientropy``). Routing a prompt
+needs, for every peer, how many leading blocks of the prompt's hash chain that peer holds. Asking
+each replica in turn costs ``peers x depth`` lookups; the index answers for all peers in one walk.
+
+*Slots and masks.* Every peer owns a *slot*, a small integer, and so a bit ``1 << slot``. The
+index keeps one combined dict ``BlockHash -> int`` whose value is the bitmask of the peers whose
+replica holds that hash. Matching a chain ``h[0], h[1], ...`` is::
+
+    alive = mask(h[0])
+    for i = 1, 2, ...:  next = alive & mask(h[i]);  the bits in alive & ~next matched exactly i
+                        blocks;  alive = next;  stop when alive == 0
+    the bits still alive matched the whole chain
+
+One dict lookup and one big-integer AND per block, whatever the number of peers. Because a
+block hash names its whole prefix, "the longest run of leading blocks present" is exactly the
+prefix length that peer can serve from its cache (as far as its digest says).
+
+*Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
+``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
+that peer's bit. A reconciliation therefore updates the index as it goes, in time proportional
+to the change. A removed peer's observer is disarmed first (the anti-entropy code may still hold
+its replica), then every bit it had is cleared, and only then is its slot reused: a reused slot
+never inherits a stale bit. Free slots are handed out lowest first, to keep masks short.
+
+*Speculative entries.* Right after we route a prompt to a peer, that peer will cache it, but its
+digest will not say so until its next announcement. ``add_speculative`` records "``peer`` holds
+``chain``" in a second mask dict (with per-peer reference counts, because several pending
+requests may share blocks). The walk ORs the two masks. An entry goes away when
+
+* the peer's replica is confirmed current at a time later than the entry plus a grace period
+  (``confirm``; the grace covers an announcement that was already in flight when we routed),
+* it is older than ``speculative_ttl_s`` (``expire``), or
+* the speculative budget ``max_speculative_blocks`` is full: the oldest entries go first.
+
+Entry times are clamped to be non-decreasing (``now`` is expected to be monotonic), so the
+oldest entry is always at the front of a queue and every removal is amortized O(blocks).
+
+Memory bounds
+-------------
+* At most ``max_peers`` peers. Adding one more drops the *least recently fresh* peer (never
+  fresh counts as oldest; ties go to the earliest added).
+* At most ``max_replica_blocks`` indexed hashes per peer. A replica that grows past the cap keeps
+  its elements (the replica is the anti-entropy module's object), but the index stops indexing
+  the excess: that peer's matches can then only be *under*-estimated, never over, and
+  ``overflowed(peer)`` reports it. When the replica shrinks to three quarters of the cap, the
+  index rescans it and indexes what it skipped (the hysteresis keeps the rescan amortized; the
+  rescan runs at the next query, never inside the digest's own change callback).
+* At most ``max_speculative_blocks`` speculative block references in total.
+
+So the combined mask dict holds at most ``max_peers * max_replica_blocks`` keys and the
+speculative structures at most ``2 * max_speculative_blocks`` (``memory_entries`` counts them).
+
+The index never reads a clock: every time is a ``now`` parameter, in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+from peerinfer.core.messages import Load
+from peerinfer.core.routing import Candidate
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash, PeerId
+
+
+class CacheObserver(Protocol):
+    """What a digest reports to: one call per real change of its set."""
+
+    def block_added(self, h: BlockHash) -> None: ...
+
+    def block_removed(self, h: BlockHash) -> None: ...
+
+
+class DigestLike(Protocol):
+    """The part of a digest the index reads: iteration, membership and size."""
+
+    def __iter__(self) -> Iterator[BlockHash]: ...
+
+    def __contains__(self, h: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+class ReplicaLike(Protocol):
+    """The part of ``peerinfer.core.antientropy.Replica`` the index relies on."""
+
+    @property
+    def digest(self) -> DigestLike: ...
+
+
+#: Builds a replica whose digest reports its changes to ``observer``.
+ReplicaFactory = Callable[[CacheObserver], ReplicaLike]
+
+_NO_LOAD = Load()
+
+
+def _default_replica_factory(observer: CacheObserver) -> ReplicaLike:
+    # Imported here so that the index can be built (and tested) with any replica class.
+    from peerinfer.core.antientropy import Replica
+
+    replica: ReplicaLike = Replica(observer=observer)
+    return replica
+
+
+class _PeerState:
+    """Everything the index keeps about one peer."""
+
+    __slots__ = (
+        "peer",
+        "slot",
+        "bit",
+        "added_seq",
+        "replica",
+        "indexed",
+        "skipped",
+        "load",
+        "load_at",
+        "fresh_at",
+        "spec_refs",
+        "spec_entries",
+        "spec_live",
+    )
+
+    def __init__(self, peer: PeerId, slot: int, added_seq: int) -> None:
+        self.peer = peer
+        self.slot = slot
+        self.bit = 1 << slot
+        self.added_seq = added_seq
+        self.replica: ReplicaLike | None = None
+        self.indexed = 0  # how many of the replica's hashes carry this peer's bit
+        self.skipped = False  # some hash was not indexed (cap reached) since the last rescan
+        self.load = _NO_LOAD
+        self.load_at = -math.inf
+        self.fresh_at = -math.inf
+        self.spec_refs: dict[BlockHash, int] = {}
+        self.spec_entries: deque[_SpecEntry] = deque()
+        self.spec_live = 0
+
+
+class _SpecEntry:
+    __slots__ = ("state", "blocks", "time", "alive")
+
+    def __init__(self, state: _PeerState, blocks: tuple[BlockHash, ...], time: float) -> None:
+        self.state = state
+        self.blocks = blocks
+        self.time = time
+        self.alive = True
+
+
+class _PeerObserver:
+    """The observer given to one peer's replica; disarmed when the peer is removed."""
+
+    __slots__ = ("_index", "_state", "armed")
+
+    def __init__(self, index: PeerIndex, state: _PeerState) -> None:
+        self._index = index
+        self._state = state
+        self.armed = True
+
+    def block_added(self, h: BlockHash) -> None:
+        if self.armed:
+            self._index._index_block(self._state, h)
+
+    def block_removed(self, h: BlockHash) -> None:
+        if self.armed:
+            self._index._unindex_block(self._state, h)
+
+
+class PeerIndex:
+    """All known peers' replicas, combined so that one chain walk matches every peer."""
+
+    def __init__(
+        self,
+        *,
+        max_peers: int = 4096,
+        max_speculative_blocks: int = 1_000_000,
+        speculative_ttl_s: float = 30.0,
+        max_replica_blocks: int = 1_000_000,
+        confirm_grace_s: float = 1.0,
+        replica_factory: ReplicaFactory | None = None,
+    ) -> None:
+        if max_peers < 1:
+            raise ConfigError(f"peer index: max_peers must be >= 1, got {max_peers}")
+        if max_speculative_blocks < 0:
+            raise ConfigError("peer index: max_speculative_blocks must be >= 0")
+        if max_replica_blocks < 1:
+            raise ConfigError("peer index: max_replica_blocks must be >= 1")
+        if not speculative_ttl_s > 0.0:
+            raise ConfigError("peer index: speculative_ttl_s must be > 0")
+        if not confirm_grace_s >= 0.0:
+            raise ConfigError("peer index: confirm_grace_s must be >= 0")
+        self.max_peers = max_peers
+        self.max_speculative_blocks = max_speculative_blocks
+        self.speculative_ttl_s = speculative_ttl_s
+        self.max_replica_blocks = max_replica_blocks
+        self.confirm_grace_s = confirm_grace_s
+        self._replica_factory = replica_factory or _default_replica_factory
+        self._states: dict[PeerId, _PeerState] = {}
+        self._observers: dict[PeerId, _PeerObserver] = {}
+        self._by_slot: dict[int, _PeerState] = {}
+        self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
+        self._next_slot = 0
+        self._added_seq = 0
+        self._masks: dict[BlockHash, int] = {}
+        self._spec_masks: dict[BlockHash, int] = {}
+        self._spec_queue: deque[_SpecEntry] = deque()  # every entry, oldest first (some dead)
+        self._spec_live = 0
+        self._spec_blocks = 0
+        self._spec_clock = -math.inf
+        self._pending_rescan: dict[PeerId, _PeerState] = {}
+
+    # ---------------------------------------------------------------------------- peers
+
+    def add_peer(self, peer: PeerId) -> ReplicaLike:
+        """The replica of ``peer``, created (and observed by the index) if it is new.
+
+        When the index is full, the least recently fresh peer is removed first.
+        """
+        state = self._states.get(peer)
+        if state is not None:
+            assert state.replica is not None
+            return state.replica
+        if len(self._states) >= self.max_peers:
+            victim = min(self._states.values(), key=lambda s: (s.fresh_at, s.added_seq))
+            self.remove_peer(victim.peer)
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        self._added_seq += 1
+        state = _PeerState(peer, slot, self._added_seq)
+        observer = _PeerObserver(self, state)
+        self._states[peer] = state
+        self._observers[peer] = observer
+        self._by_slot[slot] = state
+        replica = self._replica_factory(observer)
+        state.replica = replica
+        # A factory may hand back a replica that already holds elements (none of ours do, but
+        # the contract is cheap to keep): index whatever the observer was not told about.
+        if len(replica.digest) != state.indexed:
+            self._rescan(state)
+        return replica
+
+    def remove_peer(self, peer: PeerId) -> None:
+        """Forget ``peer``: disarm its observer, clear every bit it had, free its slot."""
+        state = self._states.pop(peer, None)
+        if state is None:
+            return
+        self._observers.pop(peer).armed = False
+        bit = state.bit
+        masks = self._masks
+        assert state.replica is not None
+        if state.indexed:
+            for h in state.replica.digest:
+                m = masks.get(h)
+                if m is not None and m & bit:
+                    m &= ~bit
+                    if m:
+                        masks[h] = m
+                    else:
+                        del masks[h]
+        state.indexed = 0
+        for entry in state.spec_entries:
+            self._drop_entry(entry)
+        state.spec_entries.clear()
+        assert not state.spec_refs
+        self._pending_rescan.pop(peer, None)
+        del self._by_slot[state.slot]
+        heapq.heappush(self._free_slots, state.slot)
+
+    def replica(self, peer: PeerId) -> ReplicaLike | None:
+        state = self._states.get(peer)
+        return None if state is None else state.replica
+
+    def peers(self) -> list[PeerId]:
+        return list(self._states)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def overflowed(self, peer: PeerId) -> bool:
+        """Whether ``peer``'s replica holds hashes the index skipped (``max_replica_blocks``)."""
+        if self._pending_rescan:
+            self._run_pending_rescans()
+        state = self._states.get(peer)
+        if state is None or state.replica is None:
+            return False
+        return len(state.replica.digest) > state.indexed
+
+    # ---------------------------------------------------------------------- load, freshness
+
+    def set_load(self, peer: PeerId, load: Load, now: float) -> None:
+        """Record ``peer``'s announced load. Unknown peers are ignored."""
+        state = self._states.get(peer)
+        if state is not None:
+            state.load = load
+            state.load_at = now
+
+    def load(self, peer: PeerId) -> Load:
+        """The last load ``peer`` announced (an idle one-slot ``Load()`` if none)."""
+        state = self._states.get(peer)
+        return _NO_LOAD if state is None else state.load
+
+    def load_age(self, peer: PeerId, now: float) -> float:
+        state = self._states.get(peer)
+        return math.inf if state is None else max(0.0, now - state.load_at)
+
+    def mark_fresh(self, peer: PeerId, now: float) -> None:
+        """``peer``'s replica was confirmed current at ``now``; implies ``confirm(peer, now)``."""
+        state = self._states.get(peer)
+        if state is None:
+            return
+        if now > state.fresh_at:
+            state.fresh_at = now
+        self.confirm(peer, now)
+
+    def digest_age(self, peer: PeerId, now: float) -> float:
+        """Seconds since ``peer``'s replica was last confirmed current (inf if never)."""
+        state = self._states.get(peer)
+        if state is None or state.fresh_at == -math.inf:
+            return math.inf
+        return max(0.0, now - state.fresh_at)
+
+    # ------------------------------------------------------------------------- matching
+
+    def match_blocks(self, chain: Sequence[BlockHash]) -> dict[PeerId, int]:
+        """For every peer holding at least the first block: how many leading blocks it holds."""
+        if self._pending_rescan:
+            self._run_pending_rescans()
+        if not chain:
+            return {}
+        masks = self._masks
+        spec = self._spec_masks
+        by_slot = self._by_slot
+        out: dict[PeerId, int] = {}
+        h0 = chain[0]
+        alive = masks.get(h0, 0) | spec.get(h0, 0) if spec else masks.get(h0, 0)
+        if not alive:
+            return out
+        depth = 1
+        n = len(chain)
+        while depth < n:
+            h = chain[depth]
+            nxt = alive & (masks.get(h, 0) | spec.get(h, 0) if spec else masks.get(h, 0))
+            if nxt != alive:
+                dropped = alive ^ nxt
+                while dropped:
+                    low = dropped & -dropped
+                    out[by_slot[low.bit_length() - 1].peer] = depth
+                    dropped ^= low
+                alive = nxt
+                if not alive:
+                    return out
+            depth += 1
+        while alive:
+            low = alive & -alive
+            out[by_slot[low.bit_length() - 1].peer] = n
+            alive ^= low
+        return out
+
+    def candidates(
+        self,
+        chain: Sequence[BlockHash],
+        *,
+        block_size: int,
+        local_peer: PeerId,
+        local_matched_tokens: int,
+        local_load: Load,
+        now: float,
+        rtt_s: Mapping[PeerId, float],
+        default_rtt_s: float = 0.05,
+        inflight: Mapping[PeerId, int] | None = None,
+    ) -> list[Candidate]:
+        """One routing candidate per known peer plus the local one (first), for ``chain``.
+
+        A remote peer's matched tokens are its matched blocks times ``block_size``; the local
+        figure comes from the caller's own radix cache (exact, digest age 0). ``inflight``
+        counts requests this node sent to a peer that have not finished yet.
+        """
+        matched = self.match_blocks(chain)
+        inflight = inflight or {}
+        out = [
+            Candidate(
+                local_peer, True, local_matched_tokens, local_load, 0.0, 0.0,
+                inflight.get(local_peer, 0),
+            )
+        ]
+        get_match = matched.get
+        get_rtt = rtt_s.get
+        get_inflight = inflight.get
+        inf = math.inf
+        for peer, state in self._states.items():
+            if peer == local_peer:
+                continue
+            fresh_at = state.fresh_at
+            out.append(
+                Candidate(
+                    peer,
+                    False,
+                    get_match(peer, 0) * block_size,
+                    state.load,
+                    get_rtt(peer, default_rtt_s),
+                    inf if fresh_at == -inf else max(0.0, now - fresh_at),
+                    get_inflight(peer, 0),
+                )
+            )
+        return out
+
+    # ---------------------------------------------------------------------- speculation
+
+    def add_speculative(self, peer: PeerId, chain: Sequence[BlockHash], now: float) -> None:
+        """Assume ``peer`` will hold ``chain`` (we just routed it there) until confirmed.
+
+        Unknown peers are ignored. A chain longer than the whole budget keeps its prefix.
+        """
+        state = self._states.get(peer)
+        if state is None or not chain or self.max_speculative_blocks == 0:
+            return
+        time = max(now, self._spec_clock)
+        self._spec_clock = time
+        self.expire(time)
+        blocks = tuple(chain[: self.max_speculative_blocks])
+        while self._spec_blocks + len(blocks) > self.max_speculative_blocks:
+            self._drop_entry(self._spec_queue.popleft())
+        entry = _SpecEntry(state, blocks, time)
+        bit = state.bit
+        refs = state.spec_refs
+        spec = self._spec_masks
+        for h in blocks:
+            count = refs.get(h, 0)
+            refs[h] = count + 1
+            if not count:
+                spec[h] = spec.get(h, 0) | bit
+        self._spec_queue.append(entry)
+        state.spec_entries.append(entry)
+        state.spec_live += 1
+        self._spec_live += 1
+        self._spec_blocks += len(blocks)
+        self._compact_queues(state)
+
+    def confirm(self, peer: PeerId, now: float) -> None:
+        """``peer``'s replica was refreshed at ``now``: drop its entries older than
+        ``now - confirm_grace_s`` (what they predicted is in the replica now, or never was)."""
+        state = self._states.get(peer)
+        if state is None:
+            return
+        cutoff = now - self.confirm_grace_s
+        entries = state.spec_entries
+        while entries and (not entries[0].alive or entries[0].time < cutoff):
+            self._drop_entry(entries.popleft())
+        self._compact_queues(state)
+
+    def expire(self, now: float) -> None:
+        """Drop speculative entries older than ``speculative_ttl_s``."""
+        cutoff = now - self.speculative_ttl_s
+        queue = self._spec_queue
+        while queue and (not queue[0].alive or queue[0].time <= cutoff):
+            self._drop_entry(queue.popleft())
+
+    def speculative_blocks(self) -> int:
+        """How many speculative block references are held (at most the budget)."""
+        return self._spec_blocks
+
+    def speculative_holders(self, h: BlockHash) -> list[PeerId]:
+        """The peers with a live speculative entry containing ``h`` (for tests and status)."""
+        m = self._spec_masks.get(h, 0)
+        return [s.peer for s in self._by_slot.values() if m & s.bit]
+
+    # -------------------------------------------------------------------------- memory
+
+    def memory_entries(self) -> int:
+        """Hash-keyed entries the index holds: combined masks plus speculative structures."""
+        return len(self._masks) + len(self._spec_masks) + self._spec_blocks
+
+    def replica_blocks(self) -> int:
+        """Elements held by all replicas together (owned by the replicas, bounded by them)."""
+        return sum(len(s.replica.digest) for s in self._states.values() if s.replica is not None)
+
+    # ----------------------------------------------------------------------- internals
+
+    def _index_block(self, state: _PeerState, h: BlockHash) -> None:
+        masks = self._masks
+        m = masks.get(h, 0)
+        if m & state.bit:
+            return
+        if state.indexed >= self.max_replica_blocks:
+            state.skipped = True
+            return
+        masks[h] = m | state.bit
+        state.indexed += 1
+
+    def _unindex_block(self, state: _PeerState, h: BlockHash) -> None:
+        masks = self._masks
+        m = masks.get(h, 0)
+        bit = state.bit
+        if m & bit:
+            m &= ~bit
+            if m:
+                masks[h] = m
+            else:
+                del masks[h]
+            state.indexed -= 1
+        if state.skipped and state.indexed <= (self.max_replica_blocks * 3) // 4:
+            # Not now: inside the digest's callback its own state may be mid-update.
+            self._pending_rescan[state.peer] = state
+
+    def _rescan(self, state: _PeerState) -> None:
+        """Index the replica's hashes that lack this peer's bit, up to the cap."""
+        assert state.replica is not None
+        digest = state.replica.digest
+        masks = self._masks
+        bit = state.bit
+        cap = self.max_replica_blocks
+        complete = True
+        for h in digest:
+            m = masks.get(h, 0)
+            if m & bit:
+                continue
+            if state.indexed >= cap:
+                complete = False
+                break
+            masks[h] = m | bit
+            state.indexed += 1
+        state.skipped = not complete
+
+    def _run_pending_rescans(self) -> None:
+        pending = self._pending_rescan
+        self._pending_rescan = {}
+        for state in pending.values():
+            self._rescan(state)
+
+    def _drop_entry(self, entry: _SpecEntry) -> None:
+        if not entry.alive:
+            return
+        entry.alive = False
+        state = entry.state
+        refs = state.spec_refs
+        spec = self._spec_masks
+        for h in entry.blocks:
+            count = refs[h] - 1
+            if count:
+                refs[h] = count
+            else:
+                del refs[h]
+                m = spec[h] & ~state.bit
+                if m:
+                    spec[h] = m
+                else:
+                    del spec[h]
+        state.spec_live -= 1
+        self._spec_live -= 1
+        self._spec_blocks -= len(entry.blocks)
+
+    def _compact_queues(self, state: _PeerState) -> None:
+        # Dead entries are removed lazily; rebuild a queue once they are the majority so the
+        # queues stay within a constant factor of the live entries.
+        if len(state.spec_entries) > 2 * state.spec_live + 8:
+            state.spec_entries = deque(e for e in state.spec_entries if e.alive)
+        if len(self._spec_queue) > 2 * self._spec_live + 8:
+            self._spec_queue = deque(e for e in self._spec_queue if e.alive)
+
+    # ----------------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any internal structure disagrees with the others."""
+        states = self._states
+        assert len(states) <= self.max_peers
+        assert set(self._observers) == set(states)
+        assert all(o.armed for o in self._observers.values())
+        assert {s.slot: s for s in states.values()} == self._by_slot
+        assert all(state.bit == 1 << slot for slot, state in self._by_slot.items())
+        assert not set(self._free_slots) & set(self._by_slot)
+        assert len(set(self._free_slots)) == len(self._free_slots)
+        assert set(self._free_slots) | set(self._by_slot) == set(range(self._next_slot))
+        used = 0
+        for state in states.values():
+            used |= state.bit
+        # Combined masks: no empty mask, no bit of a free slot, each bit a replica element.
+        indexed_count = dict.fromkeys(states, 0)
+        for h, m in self._masks.items():
+            assert m, "an empty mask must be deleted"
+            assert m & ~used == 0, f"hash {h:#x} carries a bit of a free slot"
+            for state in states.values():
+                if m & state.bit:
+                    assert state.replica is not None and h in state.replica.digest
+                    indexed_count[state.peer] += 1
+        for state in states.values():
+            assert state.replica is not None
+            assert indexed_count[state.peer] == state.indexed
+            assert state.indexed <= self.max_replica_blocks
+            if not state.skipped:
+                assert state.indexed == len(state.replica.digest)
+            else:
+                assert len(state.replica.digest) >= state.indexed
+        assert all(self._states.get(p) is s for p, s in self._pending_rescan.items())
+        # Speculative structures agree with the live entries.
+        live = [e for e in self._spec_queue if e.alive]
+        assert len(live) == self._spec_live
+        assert sum(len(e.blocks) for e in live) == self._spec_blocks
+        assert self._spec_blocks <= self.max_speculative_blocks
+        times = [e.time for e in live]
+        assert times == sorted(times)
+        expected_masks: dict[BlockHash, int] = {}
+        for state in states.values():
+            refs: dict[BlockHash, int] = {}
+            mine = [e for e in state.spec_entries if e.alive]
+            assert len(mine) == state.spec_live
+            for e in mine:
+                assert e.state is state
+                for h in e.blocks:
+                    refs[h] = refs.get(h, 0) + 1
+            assert refs == state.spec_refs
+            for h in refs:
+                expected_masks[h] = expected_masks.get(h, 0) | state.bit
+        assert sum(s.spec_live for s in states.values()) == self._spec_live
+        assert expected_masks == self._spec_masks
+
+
+__all__ = ["CacheObserver", "PeerIndex", "ReplicaFactory", "ReplicaLike"]

@@ -1,0 +1,507 @@
+"""Routing policies: given a prompt and the candidate peers, choose who serves it, and say why.
+
+Every policy implements one interface, ``choose(request, candidates, rng) -> RouteDecision``.
+It is a pure decision: the candidates carry everything known (matched prefix length, announced
+load, round trip, digest age, requests we already sent there), randomness comes from ``rng``,
+and the decision carries a human-readable ``reason`` and ``ranked``, the failover order (best
+first, every candidate exactly once, the target first). Exactly one candidate is the local node,
+and serving locally is always possible. ``round_robin`` keeps a turn counter; the others keep no
+state between calls.
+
+Load below means ``outstanding / slots`` where ``outstanding = max(queued + running, inflight)``:
+a peer's announced load already counts the requests we sent it once the announcement catches
+up, so the larger of the two figures is used, not their sum.
+
+The policies
+------------
+``local``
+    Always serve locally: the paper's no-routing baseline. Failover order: local, then the
+    others by load.
+
+``random``
+    A uniformly random candidate (local included). Failover order: a random permutation.
+
+``round_robin``
+    Candidates sorted by peer id; the policy's turn counter picks the next one (modulo the
+    number of candidates) on each call. Failover order: the rotation starting at the target.
+
+``least_loaded``
+    The lowest load; ties prefer the local node (no network hop), then a random one among the
+    tied. Failover order: by load.
+
+``longest_prefix``
+    The paper's rule: the longest estimated prefix match (``matched_tokens``, the local node's
+    from its own radix cache, a remote's from its digest replica); ties broken by the lowest
+    load, then at random. With no match anywhere this degrades to least loaded. Failover order:
+    by (match descending, load).
+
+``cost`` (the default)
+    Estimate each candidate's time to first token (TTFT) and take the smallest::
+
+        TTFT(c) = rtt(c)                      (0 for the local node)
+                + wait(c)                     (expected queueing delay)
+                + E[prefill(prompt, cached)]  (cost model, cached tokens discounted by staleness)
+
+    * ``wait``: with ``n`` outstanding requests on ``s`` slots, a new request waits for a slot
+      only when ``n >= s``; then ``n - s + 1`` requests must finish first, the oldest of them
+      half done on average, so ``wait = (n - s + 0.5) * T / s``. ``T`` is the mean service time
+      of a request, by default the cost model's ``service_s`` of a request shaped like this one
+      with half its prompt cached (option ``mean_service_s`` overrides it).
+    * Staleness: a remote's ``matched_tokens`` come from a digest that is ``digest_age_s`` old;
+      the peer may have evicted them since. The match is trusted with confidence
+      ``p = 0.5 ** (age / staleness_half_life_s)`` (1 for the local node, whose radix cache is
+      exact; 0 for a digest never confirmed), and the prefill estimate is the expectation
+      ``p * prefill(prompt, matched) + (1 - p) * prefill(prompt, 0)``.
+    * Hysteresis: a remote wins only if it beats the local estimate by a margin,
+      ``max(min_gain_s, min_gain_fraction * TTFT(local))``. So the policy never picks a remote
+      peer unless, by its own estimate, that is better than serving locally; forwarding on a
+      near tie is not worth the network risk. Among remotes with equal estimates, the less
+      loaded, then a random one, wins.
+    * Hot prefixes: the queueing term is the load-aware penalty that keeps a popular prefix from
+      piling onto one node. Each request sent to the best holder raises its ``inflight`` (and,
+      once announced, its load) by one, so its ``wait`` grows by ``T / s`` per request. As soon
+      as ``wait(holder) > prefill(prompt, 0) - prefill(prompt, cached) + rtt differences``, an
+      idle node that does not hold the prefix has the smaller TTFT and gets the request; the
+      node marks it as a speculative holder (``PeerIndex.add_speculative``), so the next request
+      for that prefix sees two holders and spreads over both. Load is shed exactly when waiting
+      for the hot holder costs more than recomputing the prefix elsewhere.
+
+Ranked lists break remaining ties by peer id, so they are deterministic given the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.messages import Load
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash, PeerId
+
+POLICY_NAMES = ("local", "random", "round_robin", "least_loaded", "longest_prefix", "cost")
+DEFAULT_POLICY = "cost"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One node that could serve the request, with what we know about it.
+
+    ``matched_tokens``: estimated prompt tokens it holds in cache (exact for the local node).
+    ``rtt_s``: network round trip to it (ignored for the local node). ``digest_age_s``: seconds
+    since its digest was confirmed current (0 for the local node, inf if never).
+    ``inflight``: requests we routed there that have not finished.
+    """
+
+    peer: PeerId
+    is_local: bool
+    matched_tokens: int
+    load: Load
+    rtt_s: float
+    digest_age_s: float
+    inflight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the policy knows of the request: its size and its block-hash chain."""
+
+    prompt_tokens: int
+    max_tokens: int
+    chain: tuple[BlockHash, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The chosen node, why, and the failover order (``ranked[0] == target``)."""
+
+    target: PeerId
+    is_local: bool
+    expected_cached_tokens: int
+    reason: str
+    estimated_ttft_s: float | None = None
+    ranked: tuple[PeerId, ...] = ()
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision: ...
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def describe_peer(peer: PeerId) -> str:
+    """A short form of a peer id for reasons and logs (libp2p ids share a long prefix)."""
+    return f"peer {peer}" if len(peer) <= 16 else f"peer ..{peer[-8:]}"
+
+
+def _who(c: Candidate) -> str:
+    return "local" if c.is_local else describe_peer(c.peer)
+
+
+def _outstanding(c: Candidate) -> int:
+    load = c.load
+    return max(load.queued + load.running, c.inflight)
+
+
+def _load_ratio(c: Candidate) -> float:
+    return _outstanding(c) / max(1, c.load.slots)
+
+
+def _load_text(c: Candidate) -> str:
+    load = c.load
+    extra = f", {c.inflight} sent by us" if c.inflight else ""
+    return f"{load.queued} queued + {load.running} running on {load.slots} slot(s){extra}"
+
+
+def _age_text(age_s: float) -> str:
+    return "digest never confirmed" if math.isinf(age_s) else f"digest {age_s:.1f} s old"
+
+
+def _local_index(candidates: Sequence[Candidate]) -> int:
+    """The position of the one local candidate; ValueError if there is not exactly one."""
+    found = -1
+    for i, c in enumerate(candidates):
+        if c.is_local:
+            if found >= 0:
+                raise ValueError("routing: more than one local candidate")
+            found = i
+    if found < 0:
+        raise ValueError("routing: the local node must be among the candidates")
+    return found
+
+
+def _ranked(target: Candidate, ordered: Sequence[Candidate]) -> tuple[PeerId, ...]:
+    return (target.peer, *(c.peer for c in ordered if c is not target))
+
+
+# ------------------------------------------------------------------------------ policies
+
+
+class LocalPolicy:
+    """Always serve locally (the no-routing baseline)."""
+
+    name = "local"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        local = candidates[_local_index(candidates)]
+        ordered = sorted(candidates, key=lambda c: (_load_ratio(c), c.peer))
+        cached = min(local.matched_tokens, request.prompt_tokens)
+        return RouteDecision(
+            local.peer,
+            True,
+            cached,
+            f"local: serving locally without routing (local cache holds "
+            f"{cached}/{request.prompt_tokens} tokens)",
+            ranked=_ranked(local, ordered),
+        )
+
+
+class RandomPolicy:
+    """A uniformly random candidate."""
+
+    name = "random"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        _local_index(candidates)
+        order = list(candidates)
+        rng.shuffle(order)
+        target = order[0]
+        return RouteDecision(
+            target.peer,
+            target.is_local,
+            min(target.matched_tokens, request.prompt_tokens),
+            f"random: picked {_who(target)} uniformly among {len(candidates)} candidates",
+            ranked=tuple(c.peer for c in order),
+        )
+
+
+class RoundRobinPolicy:
+    """The next candidate in peer-id order, one turn per call."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        _local_index(candidates)
+        order = sorted(candidates, key=lambda c: c.peer)
+        turn = self.turn
+        self.turn += 1
+        start = turn % len(order)
+        rotation = order[start:] + order[:start]
+        target = rotation[0]
+        return RouteDecision(
+            target.peer,
+            target.is_local,
+            min(target.matched_tokens, request.prompt_tokens),
+            f"round_robin: turn {turn} -> {_who(target)} "
+            f"({start + 1} of {len(order)} candidates by peer id)",
+            ranked=tuple(c.peer for c in rotation),
+        )
+
+
+class LeastLoadedPolicy:
+    """The lowest outstanding-per-slot load; ties prefer local, then random."""
+
+    name = "least_loaded"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        _local_index(candidates)
+        ordered = sorted(candidates, key=lambda c: (_load_ratio(c), not c.is_local, c.peer))
+        best = ordered[0]
+        best_ratio = _load_ratio(best)
+        if not best.is_local:
+            tied = [c for c in ordered if _load_ratio(c) == best_ratio]
+            best = tied[rng.randrange(len(tied))] if len(tied) > 1 else best
+        return RouteDecision(
+            best.peer,
+            best.is_local,
+            min(best.matched_tokens, request.prompt_tokens),
+            f"least_loaded: {_who(best)} has the lowest load ({_load_text(best)})",
+            ranked=_ranked(best, ordered),
+        )
+
+
+class LongestPrefixPolicy:
+    """The longest estimated prefix match; ties by load, then at random."""
+
+    name = "longest_prefix"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        _local_index(candidates)
+        prompt = request.prompt_tokens
+
+        def matched(c: Candidate) -> int:
+            return min(c.matched_tokens, prompt)
+
+        ordered = sorted(candidates, key=lambda c: (-matched(c), _load_ratio(c), c.peer))
+        first = ordered[0]
+        top = (matched(first), _load_ratio(first))
+        tied = [c for c in ordered if (matched(c), _load_ratio(c)) == top]
+        best = tied[rng.randrange(len(tied))] if len(tied) > 1 else first
+        held = matched(best)
+        if held == 0:
+            reason = (
+                f"longest_prefix: no candidate holds any of the {prompt} prompt tokens; "
+                f"{_who(best)} is least loaded ({_load_text(best)})"
+            )
+        else:
+            where = (
+                "local cache holds"
+                if best.is_local
+                else f"{_who(best)} holds"
+            )
+            age = "" if best.is_local else f" ({_age_text(best.digest_age_s)})"
+            ties = f"; tie among {len(tied)} broken by load, then at random" if len(tied) > 1 else ""
+            reason = f"longest_prefix: {where} {held}/{prompt} tokens{age}{ties}"
+        return RouteDecision(best.peer, best.is_local, held, reason, ranked=_ranked(best, ordered))
+
+
+class CostPolicy:
+    """The smallest estimated time to first token, with hysteresis in favour of local."""
+
+    name = "cost"
+
+    def __init__(
+        self,
+        costs: CostModel = DEFAULT_COSTS,
+        *,
+        staleness_half_life_s: float = 60.0,
+        min_gain_s: float = 0.01,
+        min_gain_fraction: float = 0.1,
+        mean_service_s: float | None = None,
+    ) -> None:
+        if not staleness_half_life_s > 0.0:
+            raise ConfigError("cost policy: staleness_half_life_s must be > 0")
+        if not (0.0 <= min_gain_s < math.inf):
+            raise ConfigError("cost policy: min_gain_s must be a non-negative number")
+        if not (0.0 <= min_gain_fraction < math.inf):
+            raise ConfigError("cost policy: min_gain_fraction must be a non-negative number")
+        if mean_service_s is not None and not (0.0 <= mean_service_s < math.inf):
+            raise ConfigError("cost policy: mean_service_s must be a non-negative number")
+        self.costs = costs
+        self.staleness_half_life_s = staleness_half_life_s
+        self.min_gain_s = min_gain_s
+        self.min_gain_fraction = min_gain_fraction
+        self.mean_service_s = mean_service_s
+        self._decay = math.log(2.0) / staleness_half_life_s  # per second
+
+    def confidence(self, c: Candidate) -> float:
+        """How far ``c.matched_tokens`` is trusted: 1 for local, halving per half-life of age."""
+        if c.is_local:
+            return 1.0
+        age = c.digest_age_s
+        if not age > 0.0:
+            return 1.0
+        return math.exp(-age * self._decay)  # 0.0 for age == inf
+
+    def estimate(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float]:
+        """``(ttft_s, expected_cached_tokens, wait_s)`` for serving ``request`` on ``c``."""
+        costs = self.costs
+        prompt = request.prompt_tokens
+        service = self._mean_service(request)
+        return self._estimate(c, prompt, service, costs.prefill_s(prompt, 0))
+
+    def _mean_service(self, request: RouteRequest) -> float:
+        if self.mean_service_s is not None:
+            return self.mean_service_s
+        prompt = request.prompt_tokens
+        return self.costs.service_s(prompt, prompt // 2, request.max_tokens)
+
+    def _estimate(
+        self, c: Candidate, prompt: int, service: float, cold_prefill: float
+    ) -> tuple[float, float, float]:
+        costs = self.costs
+        load = c.load
+        slots = load.slots if load.slots > 0 else 1
+        queued = load.queued + load.running
+        n = queued if queued > c.inflight else c.inflight
+        wait = (n - slots + 0.5) * service / slots if n >= slots else 0.0
+        matched = c.matched_tokens if c.matched_tokens < prompt else prompt
+        if c.is_local:
+            p = 1.0
+        else:
+            age = c.digest_age_s
+            p = 1.0 if not age > 0.0 else math.exp(-age * self._decay)
+        cached = p * matched
+        # prefill_s is linear in the cached count, so this is the expectation over a hit.
+        prefill = cold_prefill - cached * (costs.prefill_s_per_token - costs.cached_s_per_token)
+        rtt = 0.0 if c.is_local else c.rtt_s
+        return rtt + wait + prefill, cached, wait
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        local_i = _local_index(candidates)
+        prompt = request.prompt_tokens
+        service = self._mean_service(request)
+        cold = self.costs.prefill_s(prompt, 0)
+        estimate = self._estimate
+        estimates = [estimate(c, prompt, service, cold) for c in candidates]
+        local = candidates[local_i]
+        local_ttft, local_cached, _ = estimates[local_i]
+
+        order = sorted(
+            range(len(candidates)),
+            key=lambda i: (estimates[i][0], _load_ratio(candidates[i]), candidates[i].peer),
+        )
+        best_remote = next((i for i in order if i != local_i), None)
+        margin = max(self.min_gain_s, self.min_gain_fraction * local_ttft)
+        target_i = local_i
+        if best_remote is not None:
+            remote_ttft = estimates[best_remote][0]
+            if local_ttft - remote_ttft > margin:
+                target_i = best_remote
+                best_key = (remote_ttft, _load_ratio(candidates[best_remote]))
+                tied = [
+                    i
+                    for i in order
+                    if i != local_i
+                    and (estimates[i][0], _load_ratio(candidates[i])) == best_key
+                ]
+                if len(tied) > 1:
+                    target_i = tied[rng.randrange(len(tied))]
+        target = candidates[target_i]
+        ttft, cached, wait = estimates[target_i]
+        ranked = (target.peer, *(candidates[i].peer for i in order if i != target_i))
+
+        if target.is_local:
+            if best_remote is None:
+                reason = (
+                    f"cost: local is the only candidate; est. TTFT {local_ttft:.3f} s "
+                    f"({local_cached:.0f}/{prompt} tokens cached)"
+                )
+            else:
+                r = candidates[best_remote]
+                r_ttft = estimates[best_remote][0]
+                reason = (
+                    f"cost: local est. TTFT {local_ttft:.3f} s ({local_cached:.0f}/{prompt} "
+                    f"tokens cached, queue {estimates[local_i][2]:.3f} s); best remote "
+                    f"{_who(r)} {r_ttft:.3f} s does not beat it by the "
+                    f"{margin:.3f} s margin"
+                )
+        else:
+            reason = (
+                f"cost: {_who(target)} est. TTFT {ttft:.3f} s (holds ~{cached:.0f}/{prompt} "
+                f"tokens, {_age_text(target.digest_age_s)}, queue {wait:.3f} s, "
+                f"rtt {target.rtt_s * 1000:.0f} ms) vs local {local_ttft:.3f} s "
+                f"({local_cached:.0f} cached, {_load_text(local)})"
+            )
+        return RouteDecision(
+            target.peer,
+            target.is_local,
+            int(cached),
+            reason,
+            estimated_ttft_s=ttft,
+            ranked=ranked,
+        )
+
+
+_COST_OPTIONS = frozenset(
+    {"staleness_half_life_s", "min_gain_s", "min_gain_fraction", "mean_service_s"}
+)
+
+
+def make_policy(name: str, *, costs: CostModel = DEFAULT_COSTS, **options: float) -> RoutingPolicy:
+    """A fresh policy by name (one of ``POLICY_NAMES``); ConfigError on an unknown name/option."""
+    if name == "cost":
+        unknown = set(options) - _COST_OPTIONS
+        if unknown:
+            raise ConfigError(f"routing policy 'cost' has no option(s) {sorted(unknown)}")
+        try:
+            return CostPolicy(costs, **options)
+        except TypeError as exc:
+            raise ConfigError(f"routing policy 'cost': {exc}") from exc
+    classes: dict[str, type[LocalPolicy | RandomPolicy | RoundRobinPolicy | LeastLoadedPolicy
+                                 | LongestPrefixPolicy]] = {
+        "local": LocalPolicy,
+        "random": RandomPolicy,
+        "round_robin": RoundRobinPolicy,
+        "least_loaded": LeastLoadedPolicy,
+        "longest_prefix": LongestPrefixPolicy,
+    }
+    cls = classes.get(name)
+    if cls is None:
+        raise ConfigError(
+            f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+        )
+    if options:
+        raise ConfigError(f"routing policy {name!r} takes no options, got {sorted(options)}")
+    return cls()
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "Candidate",
+    "CostPolicy",
+    "LeastLoadedPolicy",
+    "LocalPolicy",
+    "LongestPrefixPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingPolicy",
+    "describe_peer",
+    "make_policy",
+]

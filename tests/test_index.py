@@ -1,0 +1,464 @@
+"""PeerIndex: one walk over a chain agrees with asking every peer's replica in turn."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from peerinfer.core.index import CacheObserver, PeerIndex
+from peerinfer.core.messages import Load
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash, PeerId
+
+# ------------------------------------------------------------------ a stand-in replica
+
+
+class SetDigest:
+    """The digest contract the index relies on: a set that reports each real change."""
+
+    def __init__(self, observer: CacheObserver) -> None:
+        self._elements: set[BlockHash] = set()
+        self._observer = observer
+
+    def add(self, h: BlockHash) -> None:
+        if h not in self._elements:
+            self._elements.add(h)
+            self._observer.block_added(h)
+
+    def discard(self, h: BlockHash) -> None:
+        if h in self._elements:
+            self._elements.remove(h)
+            self._observer.block_removed(h)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._elements
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return iter(list(self._elements))
+
+    def __len__(self) -> int:
+        return len(self._elements)
+
+
+class SetReplica:
+    def __init__(self, observer: CacheObserver) -> None:
+        self.digest = SetDigest(observer)
+
+
+def make_index(**kwargs: object) -> PeerIndex:
+    return PeerIndex(replica_factory=SetReplica, **kwargs)  # type: ignore[arg-type]
+
+
+def digest_of(index: PeerIndex, peer: PeerId) -> SetDigest:
+    replica = index.replica(peer)
+    assert isinstance(replica, SetReplica)
+    return replica.digest
+
+
+def H(*xs: int) -> list[BlockHash]:
+    return [BlockHash(x) for x in xs]
+
+
+P = [PeerId(f"peer-{i}") for i in range(12)]
+
+# ------------------------------------------------------------------------ examples
+
+
+def test_match_counts_leading_blocks_per_peer() -> None:
+    index = make_index()
+    for peer, held in [(P[0], H(1, 2, 3)), (P[1], H(1, 2)), (P[2], H(2, 3)), (P[3], H())]:
+        index.add_peer(peer)
+        for h in held:
+            digest_of(index, peer).add(h)
+    assert index.match_blocks(H(1, 2, 3, 4)) == {P[0]: 3, P[1]: 2}
+    assert index.match_blocks(H(1, 2, 3)) == {P[0]: 3, P[1]: 2}
+    assert index.match_blocks(H(2, 3)) == {P[2]: 2, P[0]: 2, P[1]: 1}
+    assert index.match_blocks(H(9, 1)) == {}
+    assert index.match_blocks([]) == {}
+    index.check_invariants()
+
+
+def test_add_peer_is_idempotent_and_returns_the_same_replica() -> None:
+    index = make_index()
+    first = index.add_peer(P[0])
+    assert index.add_peer(P[0]) is first
+    assert index.peers() == [P[0]] and P[0] in index and P[1] not in index
+    assert index.replica(P[1]) is None
+
+
+def test_removed_peer_slot_is_reused_without_stale_bits() -> None:
+    index = make_index()
+    index.add_peer(P[0])
+    index.add_peer(P[1])
+    digest_of(index, P[0]).add(BlockHash(7))
+    index.add_speculative(P[0], H(7, 8), now=0.0)
+    old_replica = digest_of(index, P[0])
+    index.remove_peer(P[0])
+    index.check_invariants()
+    assert index.match_blocks(H(7, 8)) == {}
+    # The anti-entropy code may still hold the old replica: changes to it must go nowhere.
+    old_replica.add(BlockHash(9))
+    index.add_peer(P[2])  # takes P[0]'s freed slot
+    index.check_invariants()
+    assert index.match_blocks(H(7, 8)) == {}
+    assert index.match_blocks(H(9)) == {}
+    digest_of(index, P[2]).add(BlockHash(7))
+    assert index.match_blocks(H(7, 8)) == {P[2]: 1}
+    assert index.speculative_holders(BlockHash(8)) == []
+
+
+def test_full_index_drops_the_least_recently_fresh_peer() -> None:
+    index = make_index(max_peers=3)
+    for i in range(3):
+        index.add_peer(P[i])
+    index.mark_fresh(P[0], now=5.0)
+    index.mark_fresh(P[1], now=1.0)
+    index.mark_fresh(P[2], now=3.0)
+    index.add_peer(P[3])
+    assert sorted(index.peers()) == sorted([P[0], P[2], P[3]])
+    index.add_peer(P[4])  # P[3] was never fresh: it goes first
+    assert sorted(index.peers()) == sorted([P[0], P[2], P[4]])
+    index.check_invariants()
+
+
+def test_freshness_and_load_bookkeeping() -> None:
+    index = make_index()
+    index.add_peer(P[0])
+    assert index.digest_age(P[0], now=10.0) == math.inf
+    assert index.digest_age(P[5], now=10.0) == math.inf
+    index.mark_fresh(P[0], now=4.0)
+    assert index.digest_age(P[0], now=10.0) == 6.0
+    index.mark_fresh(P[0], now=2.0)  # an older confirmation does not make it staler
+    assert index.digest_age(P[0], now=10.0) == 6.0
+    assert index.load(P[0]) == Load()
+    index.set_load(P[0], Load(queued=3, running=1, slots=2), now=4.0)
+    assert index.load(P[0]) == Load(queued=3, running=1, slots=2)
+    index.set_load(P[5], Load(queued=9), now=4.0)  # unknown: ignored
+    assert P[5] not in index and index.load(P[5]) == Load()
+
+
+def test_speculative_entries_confirm_and_expire() -> None:
+    index = make_index(speculative_ttl_s=10.0, confirm_grace_s=1.0)
+    index.add_peer(P[0])
+    index.add_speculative(P[0], H(1, 2, 3), now=0.0)
+    index.add_speculative(P[0], H(1, 2), now=5.0)
+    assert index.match_blocks(H(1, 2, 3)) == {P[0]: 3}
+    index.confirm(P[0], now=5.5)  # drops the entry from t=0, keeps the one within the grace
+    assert index.match_blocks(H(1, 2, 3)) == {P[0]: 2}
+    index.check_invariants()
+    index.expire(now=15.0)
+    assert index.match_blocks(H(1, 2, 3)) == {}
+    assert index.speculative_blocks() == 0
+    index.add_speculative(P[7], H(1), now=16.0)  # unknown peer: ignored
+    assert index.match_blocks(H(1)) == {}
+    index.check_invariants()
+
+
+def test_speculative_budget_drops_the_oldest_entries() -> None:
+    index = make_index(max_speculative_blocks=5)
+    index.add_peer(P[0])
+    index.add_peer(P[1])
+    index.add_speculative(P[0], H(1, 2, 3), now=0.0)
+    index.add_speculative(P[1], H(1, 2), now=1.0)
+    assert index.match_blocks(H(1, 2, 3)) == {P[0]: 3, P[1]: 2}
+    index.add_speculative(P[1], H(4), now=2.0)
+    assert index.match_blocks(H(1, 2, 3)) == {P[1]: 2}
+    index.add_speculative(P[0], H(10, 11, 12, 13, 14, 15, 16), now=3.0)  # longer than the budget
+    assert index.match_blocks(H(10, 11, 12, 13, 14, 15, 16)) == {P[0]: 5}
+    assert index.speculative_blocks() == 5
+    index.check_invariants()
+
+
+def test_replica_over_the_cap_is_underestimated_then_rescanned() -> None:
+    index = make_index(max_replica_blocks=4)
+    index.add_peer(P[0])
+    digest = digest_of(index, P[0])
+    for h in range(1, 7):
+        digest.add(BlockHash(h))
+    assert index.overflowed(P[0])
+    assert index.memory_entries() == 4
+    assert index.match_blocks(H(1, 2, 3, 4, 5, 6)) == {P[0]: 4}
+    index.check_invariants()
+    for h in (1, 2, 3):  # down to 3 elements: the rescan indexes 5 and 6 again
+        digest.discard(BlockHash(h))
+    assert not index.overflowed(P[0])
+    assert index.match_blocks(H(4, 5, 6)) == {P[0]: 3}
+    index.check_invariants()
+
+
+def test_memory_stays_bounded_with_many_peers_and_prefixes() -> None:
+    index = make_index(max_peers=8, max_replica_blocks=50, max_speculative_blocks=100)
+    for i in range(40):
+        peer = PeerId(f"churn-{i}")
+        index.add_peer(peer)
+        index.mark_fresh(peer, now=float(i))
+        digest = digest_of(index, peer)
+        for j in range(80):
+            digest.add(BlockHash(i * 1000 + j))
+        index.add_speculative(peer, H(*range(i * 1000, i * 1000 + 30)), now=float(i))
+        assert len(index) <= 8
+        assert index.memory_entries() <= 8 * 50 + 2 * 100
+    index.check_invariants()
+    # Removing everyone leaves nothing behind.
+    for peer in index.peers():
+        index.remove_peer(peer)
+    assert index.memory_entries() == 0
+    index.check_invariants()
+
+
+def test_candidates_put_local_first_and_convert_blocks_to_tokens() -> None:
+    index = make_index()
+    index.add_peer(P[1])
+    index.add_peer(P[2])
+    digest_of(index, P[1]).add(BlockHash(1))
+    index.mark_fresh(P[1], now=2.0)
+    index.set_load(P[2], Load(queued=2), now=2.0)
+    cands = index.candidates(
+        H(1, 2),
+        block_size=16,
+        local_peer=P[0],
+        local_matched_tokens=20,
+        local_load=Load(running=1),
+        now=3.0,
+        rtt_s={P[1]: 0.02},
+        default_rtt_s=0.1,
+        inflight={P[2]: 4},
+    )
+    assert [c.peer for c in cands] == [P[0], P[1], P[2]]
+    local, one, two = cands
+    assert local.is_local and local.matched_tokens == 20 and local.digest_age_s == 0.0
+    assert not one.is_local and one.matched_tokens == 16 and one.rtt_s == 0.02
+    assert one.digest_age_s == 1.0
+    assert two.matched_tokens == 0 and two.rtt_s == 0.1 and two.inflight == 4
+    assert two.load == Load(queued=2) and two.digest_age_s == math.inf
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        PeerIndex(max_peers=0)
+    with pytest.raises(ConfigError):
+        PeerIndex(speculative_ttl_s=0.0)
+    with pytest.raises(ConfigError):
+        PeerIndex(max_replica_blocks=0)
+
+
+# ---------------------------------------------------------------- against a brute force
+
+hashes = st.integers(min_value=0, max_value=11).map(BlockHash)
+chains = st.lists(hashes, max_size=6)
+
+
+def brute_match(holdings: dict[PeerId, set[BlockHash]], chain: list[BlockHash]) -> dict[PeerId, int]:
+    out: dict[PeerId, int] = {}
+    for peer, held in holdings.items():
+        n = 0
+        while n < len(chain) and chain[n] in held:
+            n += 1
+        if n:
+            out[peer] = n
+    return out
+
+
+@given(
+    replicas=st.dictionaries(st.sampled_from(P), st.sets(hashes), max_size=len(P)),
+    chain=chains,
+)
+def test_one_walk_agrees_with_asking_each_replica(
+    replicas: dict[PeerId, set[BlockHash]], chain: list[BlockHash]
+) -> None:
+    index = make_index()
+    for peer, held in replicas.items():
+        index.add_peer(peer)
+        for h in held:
+            digest_of(index, peer).add(h)
+    assert index.match_blocks(chain) == brute_match(replicas, chain)
+
+
+class IndexModel(RuleBasedStateMachine):
+    """Random operations on the index and on a plain model; they must always agree.
+
+    The model: per peer a set (its replica) plus a list of live speculative entries
+    ``(peer, blocks, time)``; the index's speculative rules restated naively.
+    """
+
+    MAX_PEERS = 4
+    MAX_SPEC = 8
+    TTL = 5.0
+    GRACE = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = make_index(
+            max_peers=self.MAX_PEERS,
+            max_speculative_blocks=self.MAX_SPEC,
+            speculative_ttl_s=self.TTL,
+            confirm_grace_s=self.GRACE,
+        )
+        self.replicas: dict[PeerId, set[BlockHash]] = {}
+        self.fresh: dict[PeerId, float] = {}
+        self.order: dict[PeerId, int] = {}
+        self.seq = 0
+        self.spec: list[tuple[PeerId, tuple[BlockHash, ...], float]] = []
+        self.clock = 0.0
+        self.spec_clock = -math.inf
+
+    @initialize()
+    def start(self) -> None:
+        self.index.check_invariants()
+
+    def _drop_peer(self, peer: PeerId) -> None:
+        del self.replicas[peer]
+        self.fresh.pop(peer, None)
+        self.spec = [e for e in self.spec if e[0] != peer]
+
+    @rule(peer=st.sampled_from(P))
+    def add_peer(self, peer: PeerId) -> None:
+        self.index.add_peer(peer)
+        if peer in self.replicas:
+            return
+        if len(self.replicas) >= self.MAX_PEERS:
+            victim = min(self.replicas, key=lambda p: (self.fresh.get(p, -math.inf), self.order[p]))
+            self._drop_peer(victim)
+        self.seq += 1
+        self.order[peer] = self.seq
+        self.replicas[peer] = set()
+
+    @rule(peer=st.sampled_from(P))
+    def remove_peer(self, peer: PeerId) -> None:
+        self.index.remove_peer(peer)
+        if peer in self.replicas:
+            self._drop_peer(peer)
+
+    @precondition(lambda self: self.replicas)
+    @rule(data=st.data(), blocks=st.lists(hashes, max_size=4))
+    def replica_add(self, data: st.DataObject, blocks: list[BlockHash]) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.replicas)))
+        for h in blocks:
+            digest_of(self.index, peer).add(h)
+            self.replicas[peer].add(h)
+
+    @precondition(lambda self: self.replicas)
+    @rule(data=st.data(), blocks=st.lists(hashes, max_size=4))
+    def replica_discard(self, data: st.DataObject, blocks: list[BlockHash]) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.replicas)))
+        for h in blocks:
+            digest_of(self.index, peer).discard(h)
+            self.replicas[peer].discard(h)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+    def tick(self, dt: float) -> None:
+        self.clock += dt
+
+    @rule(peer=st.sampled_from(P), chain=chains)
+    def add_speculative(self, peer: PeerId, chain: list[BlockHash]) -> None:
+        self.index.add_speculative(peer, chain, self.clock)
+        if peer not in self.replicas or not chain:
+            return
+        t = max(self.clock, self.spec_clock)
+        self.spec_clock = t
+        self._expire(t)
+        blocks = tuple(chain[: self.MAX_SPEC])
+        while sum(len(e[1]) for e in self.spec) + len(blocks) > self.MAX_SPEC:
+            self.spec.pop(0)
+        self.spec.append((peer, blocks, t))
+
+    def _expire(self, now: float) -> None:
+        self.spec = [e for e in self.spec if e[2] > now - self.TTL]
+
+    @rule(peer=st.sampled_from(P), fresh=st.booleans())
+    def confirm(self, peer: PeerId, fresh: bool) -> None:
+        if fresh:
+            self.index.mark_fresh(peer, self.clock)
+            if peer in self.replicas:
+                self.fresh[peer] = max(self.fresh.get(peer, -math.inf), self.clock)
+        else:
+            self.index.confirm(peer, self.clock)
+        cutoff = self.clock - self.GRACE
+        self.spec = [e for e in self.spec if not (e[0] == peer and e[2] < cutoff)]
+
+    @rule()
+    def expire(self) -> None:
+        self.index.expire(self.clock)
+        self._expire(self.clock)
+
+    @rule(chain=chains)
+    def match(self, chain: list[BlockHash]) -> None:
+        holdings = {p: set(s) for p, s in self.replicas.items()}
+        for peer, blocks, _ in self.spec:
+            holdings[peer] |= set(blocks)
+        assert self.index.match_blocks(chain) == brute_match(holdings, chain)
+
+    @invariant()
+    def agrees(self) -> None:
+        self.index.check_invariants()
+        assert sorted(self.index.peers()) == sorted(self.replicas)
+        assert self.index.speculative_blocks() == sum(len(e[1]) for e in self.spec)
+        for peer in self.replicas:
+            age = self.index.digest_age(peer, self.clock)
+            expected = self.clock - self.fresh[peer] if peer in self.fresh else math.inf
+            assert age == expected
+
+
+IndexModel.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_index_agrees_with_a_naive_model = IndexModel.TestCase
+
+
+class OverflowModel(RuleBasedStateMachine):
+    """With a tiny per-peer cap, matches may only be underestimated, never overestimated."""
+
+    CAP = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = make_index(max_replica_blocks=self.CAP)
+        self.replicas: dict[PeerId, set[BlockHash]] = {}
+
+    @rule(peer=st.sampled_from(P[:3]), blocks=st.lists(hashes, max_size=4), add=st.booleans())
+    def change(self, peer: PeerId, blocks: list[BlockHash], add: bool) -> None:
+        self.index.add_peer(peer)
+        held = self.replicas.setdefault(peer, set())
+        digest = digest_of(self.index, peer)
+        for h in blocks:
+            if add:
+                digest.add(h)
+                held.add(h)
+            else:
+                digest.discard(h)
+                held.discard(h)
+
+    @rule(chain=chains)
+    def match(self, chain: list[BlockHash]) -> None:
+        got = self.index.match_blocks(chain)
+        want = brute_match(self.replicas, chain)
+        for peer, n in got.items():
+            assert n <= want[peer]
+        for peer, n in want.items():
+            if not self.index.overflowed(peer):
+                assert got.get(peer) == n
+
+    @invariant()
+    def valid(self) -> None:
+        self.index.check_invariants()
+        assert self.index.memory_entries() <= self.CAP * len(P[:3])
+
+
+OverflowModel.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None
+)
+test_overflow_only_underestimates = OverflowModel.TestCase
