@@ -1,0 +1,67 @@
+"""peerinfer's network shell: the only package that imports py-libp2p (0.8.1) and trio's I/O.
+
+The API, in one screen::
+
+    from peerinfer.net import HostConfig, open_host
+
+    async with open_host(HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), persist_identity=False)) as host:
+        host.peer_id                                   # "12D3KooW..."
+        host.listen_addrs() / host.dialable_addrs()    # full multiaddrs with /p2p/<id>
+        await host.connect("/ip4/.../tcp/4737/p2p/12D3KooW...")   # -> verified peer id
+        host.add_known_peer(peer_id, addrs); await host.dial(peer_id)
+
+        host.set_handler("/peerinfer/x/1", handler)    # async def handler(stream: FramedStream)
+        stream = await host.open_stream(peer_id, "/peerinfer/x/1")
+        await stream.send(b"..."); frame = await stream.receive(); await stream.aclose()
+        reply = await host.request(peer_id, "/peerinfer/x/1", b"...")   # one frame each way
+
+        messages = await host.subscribe(topic, validator)   # channel of GossipMessage
+        await host.publish(topic, b"...")
+        rtt = await host.ping(peer_id)                 # seconds
+        events = host.peer_events()                    # channel of PeerEvent
+        host.connected_peers(); await host.disconnect(peer_id); host.statistics()
+
+Errors are those of ``peerinfer.errors``: ``PeerUnavailableError`` (unreachable, reset, protocol
+refused), ``RequestTimeoutError`` (a deadline passed), ``ProtocolError`` (malformed or oversized
+frame), ``ConfigError`` / ``InvalidRequestError`` / ``ClosedError`` (ours to fix). A clean end
+of stream is ``trio.EndOfChannel``, as for trio channels.
+
+Module map: ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, Host,
+the theory of operation), ``framing`` (FramedStream), ``gossip`` (the guarded gossipsub),
+``discovery`` (mDNS bridge, dialable addresses), ``identity`` (the persistent key), ``pacing``
+(backoff and token bucket, pure), ``_errors`` (the one translation table).
+
+QUIC is not offered: py-libp2p 0.8.1's QUIC transport did connect and carry streams on
+loopback in our trial, but it secures connections with its own TLS stack rather than Noise, so
+the "Noise only" guarantee and the attack tests here would not cover it.
+"""
+
+from peerinfer.net.config import DEFAULT_PORT, HostConfig, default_identity_path, gossip_rate_limit
+from peerinfer.net.framing import FramedStream
+from peerinfer.net.gossip import GossipMessage, Validator
+from peerinfer.net.host import (
+    PING_PROTOCOL,
+    Host,
+    HostStatistics,
+    PeerEvent,
+    PeerEventKind,
+    StreamHandler,
+    open_host,
+)
+
+__all__ = [
+    "DEFAULT_PORT",
+    "PING_PROTOCOL",
+    "FramedStream",
+    "GossipMessage",
+    "Host",
+    "HostConfig",
+    "HostStatistics",
+    "PeerEvent",
+    "PeerEventKind",
+    "StreamHandler",
+    "Validator",
+    "default_identity_path",
+    "gossip_rate_limit",
+    "open_host",
+]

@@ -1,0 +1,186 @@
+"""Gossipsub, configured and guarded: what py-libp2p 0.8.1 needs before a hostile peer meets it.
+
+What is changed from the library's defaults, and why:
+
+* ``heartbeat_interval`` 1 s (the spec's) instead of 120 s: the heartbeat drives mesh repair,
+  gossip (IHAVE) and score decay.
+* ``adaptive_gossip_enabled=False``: its "network health" heuristic rewrites the heartbeat to
+  30-60 s whenever health drops below 0.7, silently undoing the line above.
+* ``max_messages_per_topic_per_second`` from a capacity estimate (``config.gossip_rate_limit``)
+  instead of 10: above it, messages from one *forwarder* are dropped without a trace.
+* ``eclipse_protection_enabled=False``: it grafts extra peers for IP diversity, which means
+  nothing on a home LAN (or on loopback) where peers share one NAT address.
+* ``strict_signing=True`` (the default, kept): every message is signed by its origin and checked
+  against the origin's peer id before validators run, so ``GossipMessage.sender`` is proven.
+
+``GuardedPubsub`` closes two crashes, both reachable by any connected peer:
+
+1. A malformed RPC on the pubsub stream: ``continuously_read_stream`` lets protobuf's
+   ``DecodeError`` escape, which kills the Pubsub service and then the whole host.
+2. A well-formed RPC carrying a message with a garbage ``key``: the signature check calls
+   ``deserialize_public_key``, which raises inside a ``push_msg`` service task; any exception
+   in a service task cancels the Pubsub service (found while writing this adapter).
+
+Both now reset the stream, drop the peer from pubsub and report a protocol violation through a
+callback (the host disconnects the peer and emits a ``misbehaved`` event).
+
+Validators: py-libp2p calls a synchronous validator inline (an exception there crashes the
+node) and counts an async one that raises as a rejection. We register every validator as async,
+wrapped so that it never raises: an exception is logged and counts as a rejection. A validator
+must return True for well-formed messages it merely does not want (stale, duplicate, from a peer
+we ignore) and False only for provable garbage, because False penalises the forwarder.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IncompleteReadError
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+
+from peerinfer.net.config import HostConfig
+
+logger = logging.getLogger(__name__)
+
+#: The gossipsub versions we speak, preferred first. All peers run py-libp2p, so we keep to the
+#: versions without the v1.3+ extension machinery (less code reachable by a peer).
+GOSSIP_PROTOCOLS: tuple[str, ...] = ("/meshsub/1.2.0", "/meshsub/1.1.0")
+
+#: Room for the RPC envelope around a message (signature, key, ids, the signed peer record).
+RPC_OVERHEAD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GossipMessage:
+    """One pubsub message as delivered to a subscriber or a validator."""
+
+    topic: str
+    #: The origin's peer id, proven by its signature (not the neighbour that relayed it).
+    sender: str
+    data: bytes
+    #: The origin's sequence number (unique per origin; not necessarily contiguous).
+    seqno: int
+
+
+#: A topic validator: True accepts (and forwards), False rejects and penalises the forwarder.
+Validator = Callable[[GossipMessage], Awaitable[bool] | bool]
+
+#: Called with (peer id, reason) when a peer sent pubsub bytes we cannot accept.
+ViolationCallback = Callable[[str, str], None]
+
+
+def gossip_message_from_pb(topic: str, msg: rpc_pb2.Message) -> GossipMessage:
+    return GossipMessage(
+        topic=topic,
+        sender=ID(msg.from_id).to_base58(),
+        data=bytes(msg.data),
+        seqno=int.from_bytes(msg.seqno, "big"),
+    )
+
+
+def wrap_validator(topic: str, validator: Validator) -> Callable[[ID, rpc_pb2.Message], Awaitable[bool]]:
+    """An async libp2p validator that never raises (an exception counts as a rejection)."""
+
+    async def validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        try:
+            verdict = validator(gossip_message_from_pb(topic, msg))
+            if inspect.isawaitable(verdict):
+                verdict = await verdict
+            return bool(verdict)
+        except Exception:
+            logger.exception("validator for topic %r raised; rejecting the message", topic)
+            return False
+
+    return validate
+
+
+def make_router(config: HostConfig) -> GossipSub:
+    """A GossipSub router with the settings explained in the module docstring."""
+    degree, degree_low, degree_high = config.gossip_degree
+    return GossipSub(
+        protocols=[TProtocol(p) for p in GOSSIP_PROTOCOLS],
+        degree=degree,
+        degree_low=degree_low,
+        degree_high=degree_high,
+        heartbeat_interval=config.heartbeat_interval_s,
+        adaptive_gossip_enabled=False,
+        spam_protection_enabled=True,
+        max_messages_per_topic_per_second=config.effective_gossip_rate_limit(),
+        eclipse_protection_enabled=False,
+        do_px=False,
+    )
+
+
+class GuardedPubsub(Pubsub):
+    """``Pubsub`` whose remote-input paths cannot raise into the service (see module doc)."""
+
+    def __init__(
+        self,
+        host: IHost,
+        router: GossipSub,
+        config: HostConfig,
+        on_violation: ViolationCallback,
+    ) -> None:
+        super().__init__(
+            host,
+            router,
+            strict_signing=True,
+            validation_timeout=config.validation_timeout_s,
+            max_inbound_rpc_size=config.gossip_max_message_bytes + RPC_OVERHEAD_BYTES,
+            allowed_topics=None if config.gossip_topics is None else set(config.gossip_topics),
+        )
+        self._on_violation = on_violation
+
+    def _report(self, peer_id: ID, reason: str) -> None:
+        try:
+            self._on_violation(peer_id.to_base58(), reason)
+        except Exception:
+            logger.exception("violation callback failed")
+
+    async def continuously_read_stream(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id
+        try:
+            await super().continuously_read_stream(stream)
+        except (StreamError, ParseError, IncompleteReadError):
+            raise  # the base stream_handler resets and forgets the peer: a hangup, not an attack
+        except Exception as exc:
+            logger.warning("malformed pubsub RPC from %s: %r; dropping the peer", peer_id, exc)
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+            self._handle_dead_peer(peer_id)
+            self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
+
+    async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except Exception as exc:
+            if msg_forwarder == self.my_id:
+                raise  # our own publish: the caller sees (and translates) it
+            logger.warning("unprocessable pubsub message from %s: %r", msg_forwarder, exc)
+            self._report(msg_forwarder, f"unprocessable pubsub message: {exc!r}")
+
+
+__all__ = [
+    "GOSSIP_PROTOCOLS",
+    "GossipMessage",
+    "GuardedPubsub",
+    "Validator",
+    "gossip_message_from_pb",
+    "make_router",
+    "wrap_validator",
+]

@@ -1,0 +1,863 @@
+"""``open_host``: a py-libp2p host, locked down, behind a narrow trio API.
+
+Theory of operation
+-------------------
+``open_host(config)`` builds one libp2p ``BasicHost`` and runs, inside one nursery that it
+owns, everything the node needs from the network:
+
+* **Transport and security.** TCP, Noise (XX) as the *only* security protocol and Yamux as the
+  only muxer. py-libp2p's ``new_host`` offers plaintext, SECIO and TLS too by default; a
+  plaintext dialer can claim any peer id. With Noise only, every connection proves possession of
+  the private key behind the peer id, so ``FramedStream.remote_peer`` and ``GossipMessage.sender``
+  are authenticated.
+* **Limits.** A resource manager bounds pending and established connections (total, per
+  direction, per peer); its memory limit (which refuses every connection once the *machine* is
+  above 90 % memory, i.e. whenever a model is loaded), circuit breaker (five refusals block all
+  connections for 60 s) and "graceful degradation" (which shrinks limits) are turned off. The
+  swarm's auto-connector and retry loop are disabled: dialing policy is ours (bootstrap redial,
+  mDNS, ``dial``). Frames are bounded by ``max_frame_bytes``; inbound handler invocations per peer
+  by ``max_streams_per_peer`` (excess streams are reset on arrival).
+* **Stream handlers** registered with ``set_handler`` run wrapped: an exception is logged, the
+  stream reset, and the host carries on (in py-libp2p an exception escaping a handler crashes
+  the host). A handler that returns normally has its stream closed for it.
+* **Gossip** (``subscribe``/``publish``): see ``peerinfer.net.gossip``. Each topic has one pump
+  task copying libp2p's 32-slot subscription queue (full: libp2p drops) into per-subscriber
+  channels of ``subscription_buffer`` slots (full: we drop and count, ``statistics()``). Our own
+  ``publish`` is paced by a token bucket per topic and waits, rather than letting libp2p drop.
+* **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
+  ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
+  consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
+  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes).
+* **Discovery.** One task per bootstrap address keeps it connected, redialing with capped
+  exponential backoff forever (libp2p's own bootstrap gives up after 3 failures). mDNS
+  discoveries are dialed (libp2p's mDNS only fills the peerstore). ``add_known_peer`` +
+  ``dial`` serve peer exchange.
+* **Events.** ``peer_events()`` gives a channel of ``PeerEvent``: ``connected`` and
+  ``disconnected`` (first connection opened / last one closed), ``discovered`` (mDNS, bootstrap
+  config, ``add_known_peer``), ``unresponsive`` (liveness), ``misbehaved`` (protocol violation;
+  the peer is disconnected). The node keeps its own reputation from these: libp2p's peer scores
+  are wiped on disconnect.
+
+Every libp2p failure reaching the caller is translated in ``peerinfer.net._errors``.
+Deadlines: every stream open, frame read and frame write runs under ``trio.fail_after``
+(default ``stream_timeout_s``); ``connect``/``dial`` under ``connect_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.swarm import Swarm
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.rcmgr import ResourceLimits, ResourceManager
+from libp2p.rcmgr.connection_limits import ConnectionLimits
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from peerinfer.errors import (
+    ClosedError,
+    ConfigError,
+    InvalidRequestError,
+    ProtocolError,
+    RemoteError,
+)
+from peerinfer.net._errors import translated
+from peerinfer.net.config import HostConfig, own_publish_rate
+from peerinfer.net.discovery import MdnsBridge, expand_unspecified, local_ipv4s
+from peerinfer.net.framing import FramedStream, peer_id_text
+from peerinfer.net.gossip import (
+    GossipMessage,
+    GuardedPubsub,
+    Validator,
+    gossip_message_from_pb,
+    make_router,
+    wrap_validator,
+)
+from peerinfer.net.identity import load_or_create_identity, new_identity, peer_id_of
+from peerinfer.net.pacing import Backoff, TokenBucket
+
+logger = logging.getLogger(__name__)
+
+#: Our liveness protocol: the dialer sends one frame of up to 64 bytes, the listener echoes it.
+PING_PROTOCOL = "/peerinfer/ping/1.0.0"
+PING_MAX_BYTES = 64
+#: How long addresses learned from config, mDNS or peer exchange stay in the peerstore.
+KNOWN_ADDR_TTL_S = 3600
+#: Buffer of each ``peer_events()`` channel; a full one drops events (counted).
+PEER_EVENT_BUFFER = 256
+#: Bound on disconnecting a peer (closing a hung connection can block on a full socket).
+DISCONNECT_TIMEOUT_S = 2.0
+
+PeerEventKind = Literal["connected", "disconnected", "discovered", "unresponsive", "misbehaved"]
+StreamHandler = Callable[[FramedStream], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvent:
+    """Something happened to a peer (see the module docstring for each kind)."""
+
+    kind: PeerEventKind
+    peer_id: str
+    #: For ``discovered``: the multiaddrs (without /p2p) it was found at.
+    addrs: tuple[str, ...] = ()
+    #: Human-readable reason, for logs (``misbehaved``, ``unresponsive``).
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HostStatistics:
+    """A snapshot of counters since the host started."""
+
+    peer_id: str
+    connected_peers: int
+    handler_streams_running: int
+    streams_refused: int
+    handler_errors: int
+    protocol_violations: int
+    gossip_dropped: int
+    peer_events_dropped: int
+    dial_failures: int
+    bootstrap_attempts: int
+    unresponsive_disconnects: int
+
+
+@dataclass
+class _Counters:
+    streams_refused: int = 0
+    handler_errors: int = 0
+    protocol_violations: int = 0
+    gossip_dropped: int = 0
+    peer_events_dropped: int = 0
+    dial_failures: int = 0
+    bootstrap_attempts: int = 0
+    unresponsive_disconnects: int = 0
+
+
+@dataclass
+class _Subscriber:
+    channel: trio.MemorySendChannel[GossipMessage]
+    include_own: bool
+
+
+@dataclass
+class _Topic:
+    subscribers: list[_Subscriber] = field(default_factory=list)
+
+
+def parse_peer_id(text: str, error: type[Exception] = InvalidRequestError) -> ID:
+    """The libp2p ID for a base58 peer id; ``error`` if it is not one."""
+    try:
+        return ID.from_base58(text)
+    except Exception as exc:
+        raise error(f"not a peer id: {text!r}") from exc
+
+
+def parse_peer_multiaddr(text: str, error: type[Exception] = ConfigError) -> PeerInfo:
+    """A full ``/.../p2p/<id>`` multiaddr as libp2p PeerInfo; ``error`` if malformed."""
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(text))
+    except Exception as exc:
+        raise error(f"not a multiaddr ending in /p2p/<peer id>: {text!r}") from exc
+
+
+def _parse_multiaddr(text: str, error: type[Exception]) -> multiaddr.Multiaddr:
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception as exc:
+        raise error(f"not a multiaddr: {text!r}") from exc
+
+
+class _ConnectionNotifee(INotifee):
+    """Feeds connection open/close into the host (inline in libp2p's notify path)."""
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._host._connection_opened(conn.muxed_conn.peer_id.to_base58())
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._host._connection_closed(conn.muxed_conn.peer_id.to_base58())
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+
+class Host:
+    """A running peerinfer network host. Created only by ``open_host``."""
+
+    def __init__(self, config: HostConfig, libp2p_host: IHost, key_pair: KeyPair) -> None:
+        self._config = config
+        self._h = libp2p_host
+        network = libp2p_host.get_network()
+        assert isinstance(network, Swarm)
+        self._network: Swarm = network
+        self._peer_id = peer_id_of(key_pair)
+        self._counters = _Counters()
+        self._rng = random.Random(secrets.randbits(64))
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+        self._connections: dict[str, int] = defaultdict(int)
+        self._disconnect_events: dict[str, trio.Event] = {}
+        self._inflight: dict[str, int] = defaultdict(int)
+        self._liveness_failures: dict[str, int] = defaultdict(int)
+        self._rtts: dict[str, float] = {}
+        self._event_channels: list[trio.MemorySendChannel[PeerEvent]] = []
+        self._topics: dict[str, _Topic] = {}
+        self._buckets: dict[str, TokenBucket] = {}
+        self._publish_rate = own_publish_rate(config.effective_gossip_rate_limit())
+        self._router = make_router(config)
+        self._pubsub = GuardedPubsub(libp2p_host, self._router, config, self._on_violation)
+        self._mdns: MdnsBridge | None = None
+        self._network.register_notifee(_ConnectionNotifee(self))
+        self.set_handler(PING_PROTOCOL, self._serve_ping)
+
+    # -- identity and addresses ---------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        """Our base58 peer id (``12D3KooW...``)."""
+        return self._peer_id
+
+    def listen_addrs(self) -> list[str]:
+        """The addresses we are bound to, as full multiaddrs with ``/p2p/<our id>``.
+
+        Exactly what the sockets are bound to: ``/ip4/0.0.0.0/...`` stays as is. Use
+        ``dialable_addrs()`` for addresses another node can dial.
+        """
+        suffix = f"/p2p/{self._peer_id}"
+        return [str(a) + suffix for a in self._h.get_transport_addrs()]
+
+    def dialable_addrs(self) -> list[str]:
+        """Addresses others can dial: unspecified binds expanded to 127.0.0.1 (same machine)
+        and this machine's primary LAN address, each with ``/p2p/<our id>``."""
+        return [str(a) for a in self._h.get_addrs()]
+
+    def known_addrs(self, peer_id: str) -> list[str]:
+        """What the peerstore knows about how to reach ``peer_id`` (without /p2p), for peer
+        exchange. Empty if nothing is known."""
+        pid = parse_peer_id(peer_id)
+        try:
+            return [str(a) for a in self._h.get_peerstore().addrs(pid)]
+        except Exception:  # PeerStoreError: unknown peer
+            return []
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def connect(self, maddr: str, *, timeout: float | None = None) -> str:
+        """Connect to ``/.../p2p/<id>`` (no-op if connected); return the verified peer id.
+
+        Raises ``ConfigError`` for a malformed address, ``PeerUnavailableError`` if the peer
+        cannot be reached or is not who the address says (Noise checks the id),
+        ``RequestTimeoutError`` after ``timeout`` (default ``connect_timeout_s``).
+        """
+        info = parse_peer_multiaddr(maddr, ConfigError)
+        return await self._connect_info(info, timeout)
+
+    def add_known_peer(self, peer_id: str, addrs: Sequence[str]) -> None:
+        """Remember addresses (without ``/p2p``; a trailing one is tolerated) for a peer learned
+        from another node. Raises ``ProtocolError`` for a malformed id or address (it came from
+        a peer). Emits a ``discovered`` event; does not dial (use ``dial``)."""
+        pid = parse_peer_id(peer_id, ProtocolError)
+        if peer_id == self._peer_id:
+            return
+        parsed = [_parse_multiaddr(a, ProtocolError) for a in addrs]
+        cleaned: list[multiaddr.Multiaddr] = []
+        for addr in parsed:
+            try:
+                if addr.value_for_protocol("p2p") not in (None, peer_id):
+                    raise ProtocolError(f"address {addr} names another peer than {peer_id}")
+                addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer_id}"))
+            except ProtocolError:
+                raise
+            except Exception:
+                pass  # no /p2p component
+            cleaned.append(addr)
+        self._h.get_peerstore().add_addrs(pid, cleaned, KNOWN_ADDR_TTL_S)
+        self._emit(PeerEvent("discovered", peer_id, tuple(str(a) for a in cleaned)))
+
+    async def dial(self, peer_id: str, *, timeout: float | None = None) -> None:
+        """Connect to a peer whose addresses we know (``add_known_peer``, mDNS, identify)."""
+        pid = parse_peer_id(peer_id)
+        await self._connect_info(PeerInfo(pid, []), timeout)
+
+    async def _connect_info(self, info: PeerInfo, timeout: float | None) -> str:
+        self._check_open()
+        peer = info.peer_id.to_base58()
+        if peer == self._peer_id:
+            raise InvalidRequestError("cannot connect to ourselves")
+        deadline = self._config.connect_timeout_s if timeout is None else timeout
+        # The swarm blocks a peer for 60 s after a failed dial; our callers pace themselves.
+        self._network.unblock_peer(info.peer_id)
+        try:
+            with translated("connect", peer, deadline), trio.fail_after(deadline):
+                await self._h.connect(info)
+        except RemoteError:
+            self._counters.dial_failures += 1
+            raise
+        return peer
+
+    def connected_peers(self) -> list[str]:
+        """Peers with at least one open connection."""
+        return [pid.to_base58() for pid in self._h.get_connected_peers()]
+
+    def is_connected(self, peer_id: str) -> bool:
+        return bool(self._network.get_connections(parse_peer_id(peer_id)))
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close every connection to ``peer_id`` (bounded even if the peer is hung)."""
+        pid = parse_peer_id(peer_id)
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S) as scope:
+            scope.shield = True
+            try:
+                await self._network.close_peer(pid)
+            except Exception as exc:
+                logger.debug("disconnecting %s: %r", peer_id, exc)
+        if scope.cancelled_caught:
+            # Closing blocked (a hung peer with a full socket): forget the connections anyway.
+            for conn in list(self._network.get_connections(pid)):
+                self._nursery_or_closed().start_soon(self._close_in_background, conn)
+            self._network.connections.pop(pid, None)
+
+    async def _close_in_background(self, conn: INetConn) -> None:
+        with trio.move_on_after(30):
+            try:
+                await conn.close()
+            except Exception:
+                pass
+
+    def _connection_opened(self, peer_id: str) -> None:
+        self._connections[peer_id] += 1
+        if self._connections[peer_id] == 1:
+            self._emit(PeerEvent("connected", peer_id))
+
+    def _connection_closed(self, peer_id: str) -> None:
+        if self._connections.get(peer_id, 0) <= 0:
+            return
+        self._connections[peer_id] -= 1
+        if self._connections[peer_id] == 0:
+            del self._connections[peer_id]
+            self._liveness_failures.pop(peer_id, None)
+            self._rtts.pop(peer_id, None)
+            event = self._disconnect_events.pop(peer_id, None)
+            if event is not None:
+                event.set()
+            self._emit(PeerEvent("disconnected", peer_id))
+
+    async def _wait_disconnected(self, peer_id: str) -> None:
+        event = self._disconnect_events.setdefault(peer_id, trio.Event())
+        if not self.is_connected(peer_id):
+            self._disconnect_events.pop(peer_id, None)
+            return
+        await event.wait()
+
+    # -- streams ------------------------------------------------------------------------------
+
+    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve ``protocol`` with ``handler``; it gets a ``FramedStream`` per inbound stream.
+
+        The handler may raise: the exception is logged (a ``RemoteError`` briefly, anything
+        else with its traceback), the stream reset, the host unharmed. If it returns, the
+        stream is closed. At most ``max_streams_per_peer`` handlers run per peer (all
+        protocols together); streams beyond that are reset unanswered.
+        """
+
+        async def run(net_stream: INetStream) -> None:
+            await self._run_handler(protocol, handler, net_stream)
+
+        self._h.set_stream_handler(TProtocol(protocol), run)
+
+    def remove_handler(self, protocol: str) -> None:
+        self._h.remove_stream_handler(TProtocol(protocol))
+
+    async def _run_handler(self, protocol: str, handler: StreamHandler, net_stream: INetStream) -> None:
+        try:
+            peer = peer_id_text(net_stream)
+        except Exception:
+            return  # no peer behind the stream (connection torn down meanwhile)
+        stream = FramedStream(
+            net_stream,
+            max_frame_bytes=self._config.max_frame_bytes,
+            timeout_s=self._config.stream_timeout_s,
+        )
+        if self._inflight[peer] >= self._config.max_streams_per_peer:
+            self._counters.streams_refused += 1
+            logger.info("refusing a %s stream from %s: %d already running", protocol, peer, self._inflight[peer])
+            await stream.reset()
+            return
+        self._inflight[peer] += 1
+        failed = True
+        try:
+            await handler(stream)
+            failed = False
+        except RemoteError as exc:
+            self._counters.handler_errors += 1
+            logger.info("%s handler for %s: %s", protocol, peer, exc)
+        except Exception:
+            self._counters.handler_errors += 1
+            logger.exception("%s handler for %s raised; resetting the stream", protocol, peer)
+        finally:
+            self._inflight[peer] -= 1
+            if self._inflight[peer] <= 0:
+                del self._inflight[peer]
+            if failed:
+                await stream.reset()
+            else:
+                await stream.aclose()
+
+    async def open_stream(self, peer_id: str, protocol: str, *, timeout: float | None = None) -> FramedStream:
+        """Open a stream to ``peer_id`` speaking ``protocol`` (dialing known addresses if not
+        connected). Raises ``PeerUnavailableError`` (unreachable, or protocol refused) or
+        ``RequestTimeoutError`` after ``timeout`` (default ``stream_timeout_s``)."""
+        self._check_open()
+        pid = parse_peer_id(peer_id)
+        deadline = self._config.stream_timeout_s if timeout is None else timeout
+        with translated("open_stream", peer_id, deadline), trio.fail_after(deadline):
+            net_stream = await self._h.new_stream(pid, [TProtocol(protocol)])
+        return FramedStream(
+            net_stream,
+            max_frame_bytes=self._config.max_frame_bytes,
+            timeout_s=self._config.stream_timeout_s,
+        )
+
+    async def request(
+        self, peer_id: str, protocol: str, data: bytes, *, timeout: float | None = None
+    ) -> bytes:
+        """Open a stream, send one frame, half-close, return the one-frame reply, close.
+
+        ``timeout`` bounds the whole exchange. A reply-less end of stream is a ProtocolError.
+        """
+        deadline = trio.current_time() + (self._config.stream_timeout_s if timeout is None else timeout)
+
+        def left() -> float:
+            return max(0.0, deadline - trio.current_time())
+
+        stream = await self.open_stream(peer_id, protocol, timeout=left())
+        async with stream:
+            await stream.send(data, timeout=left())
+            await stream.close_write()
+            try:
+                return await stream.receive(timeout=left())
+            except trio.EndOfChannel:
+                raise ProtocolError(f"{peer_id} closed {protocol} without replying") from None
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    async def ping(self, peer_id: str, *, timeout: float | None = None) -> float:
+        """Round-trip time to ``peer_id`` in seconds (one echo on a fresh stream; the stream
+        opening is not counted). ``timeout`` bounds the whole ping."""
+        total = self._config.stream_timeout_s if timeout is None else timeout
+        deadline = trio.current_time() + total
+
+        def left() -> float:
+            return max(0.0, deadline - trio.current_time())
+
+        stream = await self.open_stream(peer_id, PING_PROTOCOL, timeout=left())
+        async with stream:
+            nonce = secrets.token_bytes(8)
+            started = trio.current_time()
+            await stream.send(nonce, timeout=left())
+            echo = await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+            rtt = trio.current_time() - started
+            if echo != nonce:
+                raise ProtocolError(f"{peer_id} answered a ping with the wrong bytes")
+        self._rtts[peer_id] = rtt
+        return rtt
+
+    def last_rtt(self, peer_id: str) -> float | None:
+        """The last measured round trip to ``peer_id`` (seconds), if any."""
+        return self._rtts.get(peer_id)
+
+    async def _serve_ping(self, stream: FramedStream) -> None:
+        async for frame in stream:
+            if len(frame) > PING_MAX_BYTES:
+                raise ProtocolError("ping frame too large")
+            await stream.send(frame)
+
+    async def _liveness_loop(self) -> None:
+        interval = self._config.liveness_interval_s
+        while True:
+            await trio.sleep(interval)
+            async with trio.open_nursery() as nursery:
+                for peer in self.connected_peers():
+                    nursery.start_soon(self._check_liveness, peer)
+
+    async def _check_liveness(self, peer: str) -> None:
+        try:
+            await self.ping(peer, timeout=self._config.liveness_timeout_s)
+        except RemoteError as exc:
+            self._liveness_failures[peer] += 1
+            failures = self._liveness_failures[peer]
+            logger.info("liveness ping to %s failed (%d): %s", peer, failures, exc)
+            if failures >= self._config.liveness_max_failures:
+                self._liveness_failures.pop(peer, None)
+                self._counters.unresponsive_disconnects += 1
+                self._emit(PeerEvent("unresponsive", peer, detail=str(exc)))
+                await self.disconnect(peer)
+        except ClosedError:
+            return
+        else:
+            self._liveness_failures.pop(peer, None)
+
+    # -- gossip -------------------------------------------------------------------------------
+
+    async def subscribe(
+        self, topic: str, validator: Validator | None = None, *, include_own: bool = False
+    ) -> trio.MemoryReceiveChannel[GossipMessage]:
+        """Receive the messages of ``topic``; each call returns a new channel.
+
+        ``validator`` (sync or async, see ``peerinfer.net.gossip``) applies to the topic, for
+        every subscriber; a later one replaces an earlier one. ``include_own`` also delivers our
+        own publications. Closing the channel ends that subscription (the topic stays joined;
+        see ``unsubscribe``). If the channel is not drained, messages beyond
+        ``subscription_buffer`` are dropped and counted.
+        """
+        self._check_open()
+        self._check_topic(topic)
+        if validator is not None:
+            self._pubsub.set_topic_validator(topic, wrap_validator(topic, validator), True)
+        state = self._topics.get(topic)
+        if state is None:
+            with translated("subscribe"):
+                subscription = await self._pubsub.subscribe(topic)
+            state = self._topics[topic] = _Topic()
+            self._nursery_or_closed().start_soon(self._pump, topic, subscription, state)
+        send, receive = trio.open_memory_channel[GossipMessage](self._config.subscription_buffer)
+        state.subscribers.append(_Subscriber(send, include_own))
+        return receive
+
+    async def unsubscribe(self, topic: str) -> None:
+        """Leave ``topic``: every subscriber's channel ends (``EndOfChannel``)."""
+        if topic in self._topics:
+            with translated("unsubscribe"):
+                await self._pubsub.unsubscribe(topic)
+            self._pubsub.remove_topic_validator(topic)
+
+    async def _pump(self, topic: str, subscription: AsyncIterator[object], state: _Topic) -> None:
+        try:
+            async for raw in subscription:
+                message = gossip_message_from_pb(topic, raw)  # type: ignore[arg-type]
+                own = message.sender == self._peer_id
+                for subscriber in list(state.subscribers):
+                    if own and not subscriber.include_own:
+                        continue
+                    try:
+                        subscriber.channel.send_nowait(message)
+                    except trio.WouldBlock:
+                        self._counters.gossip_dropped += 1
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        state.subscribers.remove(subscriber)
+        finally:
+            self._topics.pop(topic, None)
+            for subscriber in state.subscribers:
+                subscriber.channel.close()
+
+    async def publish(self, topic: str, data: bytes, *, timeout: float | None = None) -> None:
+        """Sign and publish ``data`` on ``topic``.
+
+        Paced per topic (a quarter of the gossip rate limit, see ``peerinfer.net.config``):
+        waits for the pacer rather than letting libp2p drop. Raises ``InvalidRequestError`` for
+        data above ``gossip_max_message_bytes``, ``RequestTimeoutError`` if the pacer does not
+        admit it within ``timeout`` (default ``stream_timeout_s``).
+        """
+        self._check_open()
+        self._check_topic(topic)
+        if len(data) > self._config.gossip_max_message_bytes:
+            raise InvalidRequestError(
+                f"gossip message of {len(data)} bytes exceeds {self._config.gossip_max_message_bytes}"
+            )
+        bucket = self._buckets.get(topic)
+        if bucket is None:
+            bucket = self._buckets[topic] = TokenBucket(self._publish_rate, self._publish_rate)
+        deadline = self._config.stream_timeout_s if timeout is None else timeout
+        with translated("publish", None, deadline), trio.fail_after(deadline):
+            while not bucket.take(trio.current_time()):
+                await trio.sleep(bucket.delay(trio.current_time()))
+            await self._pubsub.publish(topic, bytes(data))
+
+    def gossip_peers(self, topic: str) -> list[str]:
+        """Connected peers known to be subscribed to ``topic``."""
+        return [pid.to_base58() for pid in self._pubsub.peer_topics.get(topic, ())]
+
+    def mesh_peers(self, topic: str) -> list[str]:
+        """Peers in our gossipsub mesh for ``topic`` (they get our messages first-hand)."""
+        return [pid.to_base58() for pid in self._router.mesh.get(topic, ())]
+
+    def _check_topic(self, topic: str) -> None:
+        if not topic:
+            raise InvalidRequestError("empty topic")
+        allowed = self._config.gossip_topics
+        if allowed is not None and topic not in allowed:
+            raise ConfigError(f"topic {topic!r} is not in the configured gossip_topics")
+
+    def _on_violation(self, peer_id: str, reason: str) -> None:
+        self._counters.protocol_violations += 1
+        self._emit(PeerEvent("misbehaved", peer_id, detail=reason))
+        if self._nursery is not None and not self._closed:
+            self._nursery.start_soon(self.disconnect, peer_id)
+
+    # -- events and statistics ----------------------------------------------------------------
+
+    def peer_events(self, buffer: int = PEER_EVENT_BUFFER) -> trio.MemoryReceiveChannel[PeerEvent]:
+        """A new channel receiving every later ``PeerEvent``; close it when done. If it is not
+        drained, events beyond ``buffer`` are dropped (counted in ``statistics()``)."""
+        send, receive = trio.open_memory_channel[PeerEvent](buffer)
+        self._event_channels.append(send)
+        return receive
+
+    def _emit(self, event: PeerEvent) -> None:
+        for channel in list(self._event_channels):
+            try:
+                channel.send_nowait(event)
+            except trio.WouldBlock:
+                self._counters.peer_events_dropped += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._event_channels.remove(channel)
+
+    def statistics(self) -> HostStatistics:
+        c = self._counters
+        return HostStatistics(
+            peer_id=self._peer_id,
+            connected_peers=len(self._h.get_connected_peers()),
+            handler_streams_running=sum(self._inflight.values()),
+            streams_refused=c.streams_refused,
+            handler_errors=c.handler_errors,
+            protocol_violations=c.protocol_violations,
+            gossip_dropped=c.gossip_dropped,
+            peer_events_dropped=c.peer_events_dropped,
+            dial_failures=c.dial_failures,
+            bootstrap_attempts=c.bootstrap_attempts,
+            unresponsive_disconnects=c.unresponsive_disconnects,
+        )
+
+    # -- discovery ----------------------------------------------------------------------------
+
+    async def _keep_connected(self, info: PeerInfo) -> None:
+        """Bootstrap: stay connected to one peer forever, redialing with backoff."""
+        peer = info.peer_id.to_base58()
+        self._h.get_peerstore().add_addrs(info.peer_id, info.addrs, KNOWN_ADDR_TTL_S)
+        self._emit(PeerEvent("discovered", peer, tuple(str(a) for a in info.addrs)))
+        backoff = Backoff(self._config.bootstrap_backoff_min_s, self._config.bootstrap_backoff_max_s)
+        while True:
+            if self.is_connected(peer):
+                backoff.reset()
+                await self._wait_disconnected(peer)
+                continue
+            self._counters.bootstrap_attempts += 1
+            try:
+                await self._connect_info(info, None)
+                backoff.reset()
+            except RemoteError as exc:
+                delay = backoff.next_delay(self._rng)
+                logger.info("bootstrap peer %s unreachable (%s); retrying in %.1f s", peer, exc, delay)
+                await trio.sleep(delay)
+
+    def _on_discovered(self, peer_id: str, addrs: tuple[str, ...]) -> None:
+        """An mDNS discovery (trio thread): remember, announce, dial in the background."""
+        if self._closed or self._nursery is None or peer_id == self._peer_id:
+            return
+        try:
+            self.add_known_peer(peer_id, addrs)
+        except ProtocolError as exc:
+            logger.info("ignoring a malformed mDNS record for %s: %s", peer_id, exc)
+            return
+        if not self.is_connected(peer_id):
+            self._nursery.start_soon(self._dial_quietly, peer_id)
+
+    async def _dial_quietly(self, peer_id: str) -> None:
+        try:
+            await self.dial(peer_id)
+        except (RemoteError, ClosedError) as exc:
+            logger.info("could not connect to discovered peer %s: %s", peer_id, exc)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the host is closed")
+
+    def _nursery_or_closed(self) -> trio.Nursery:
+        if self._nursery is None or self._closed:
+            raise ClosedError("the host is closed")
+        return self._nursery
+
+    async def _start(self, nursery: trio.Nursery, bootstrap: Sequence[PeerInfo]) -> None:
+        self._nursery = nursery
+        for info in bootstrap:
+            nursery.start_soon(self._keep_connected, info)
+        if self._config.liveness_interval_s > 0:
+            nursery.start_soon(self._liveness_loop)
+        if self._config.mdns:
+            self._mdns = MdnsBridge(self._network, self._peer_id, self._on_discovered)
+            bare = [multiaddr.Multiaddr(a.rsplit("/p2p/", 1)[0]) for a in self.dialable_addrs()]
+            await self._mdns.start(bare)
+
+    async def _stop(self) -> None:
+        self._closed = True
+        if self._mdns is not None:
+            await self._mdns.stop()
+        for channel in self._event_channels:
+            channel.close()
+        self._event_channels.clear()
+
+
+def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multiaddr.Multiaddr]) -> IHost:
+    per_peer = config.max_connections_per_peer
+    connection_config = ConnectionConfig(
+        max_connections=config.max_connections,
+        min_connections=0,
+        low_watermark=0,  # no auto-connector: dialing policy is ours
+        high_watermark=config.max_connections,
+        max_connections_per_peer=per_peer,
+        dial_timeout=config.connect_timeout_s,
+        inbound_upgrade_timeout=config.connect_timeout_s,
+        outbound_upgrade_timeout=config.connect_timeout_s,
+        outbound_stream_protocol_negotiation_timeout=config.stream_timeout_s,
+        inbound_stream_protocol_negotiation_timeout=config.stream_timeout_s,
+    )
+    resource_manager = ResourceManager(
+        limits=ResourceLimits(
+            max_connections=config.max_connections + config.max_pending_connections,
+            max_streams=config.max_connections * (config.max_streams_per_peer + 8),
+        ),
+        connection_limits=ConnectionLimits(
+            max_pending_inbound=config.max_pending_connections,
+            max_pending_outbound=config.max_pending_connections,
+            max_established_inbound=config.max_connections,
+            max_established_outbound=config.max_connections,
+            max_established_per_peer=per_peer,
+            max_established_total=config.max_connections,
+        ),
+        enable_memory_limits=False,
+        enable_circuit_breaker=False,
+        enable_graceful_degradation=False,
+    )
+    ipv4s = local_ipv4s()
+    noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=listen,
+        enable_mDNS=False,
+        bootstrap=None,
+        negotiate_timeout=max(1, int(config.stream_timeout_s)),
+        resource_manager=resource_manager,
+        connection_config=connection_config,
+        addrs_factory=lambda candidates: expand_unspecified(candidates, ipv4s),
+    )
+    network = host.get_network()
+    if isinstance(network, Swarm):
+        network.retry_config = RetryConfig(max_retries=0)  # one attempt per dial; we pace retries
+        # The auto-connector dials peerstore entries until half of high_watermark is connected,
+        # whatever low_watermark says; it would redial peers we just dropped for misbehaving.
+        network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]
+    return host
+
+
+async def _no_auto_connect() -> None:
+    return None
+
+
+@asynccontextmanager
+async def open_host(config: HostConfig) -> AsyncIterator[Host]:
+    """Start a host; on exit stop everything it started (connections, tasks, mDNS).
+
+    Raises ``ConfigError`` for an invalid config, an unreadable identity key or an address we
+    cannot listen on.
+    """
+    config.check()
+    listen = [_parse_multiaddr(a, ConfigError) for a in config.listen]
+    bootstrap = [parse_peer_multiaddr(a, ConfigError) for a in config.bootstrap]
+    key_pair = (
+        load_or_create_identity(config.effective_identity_path())
+        if config.persist_identity
+        else new_identity()
+    )
+    libp2p_host = _build_libp2p_host(config, key_pair, listen)
+    host = Host(config, libp2p_host, key_pair)
+    if any(info.peer_id.to_base58() == host.peer_id for info in bootstrap):
+        bootstrap = [info for info in bootstrap if info.peer_id.to_base58() != host.peer_id]
+    try:
+        async with _running(host, libp2p_host, listen, bootstrap):
+            yield host
+    except BaseExceptionGroup as group:
+        # libp2p's run() and its services yield inside their own nurseries, so an exception
+        # from the body (or our own startup checks) arrives wrapped in one group per nursery.
+        # A lone exception is unwrapped so callers can catch what was raised.
+        leaf = _sole_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from leaf.__cause__
+
+
+def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    while len(group.exceptions) == 1:
+        inner = group.exceptions[0]
+        if not isinstance(inner, BaseExceptionGroup):
+            return inner
+        group = inner
+    return None
+
+
+@asynccontextmanager
+async def _running(
+    host: Host, libp2p_host: IHost, listen: list[multiaddr.Multiaddr], bootstrap: list[PeerInfo]
+) -> AsyncIterator[None]:
+    async with libp2p_host.run(listen):
+        listening = set(host._network.listeners)
+        failed = [str(a) for a in listen if str(a) not in listening]
+        if failed:
+            raise ConfigError(f"cannot listen on {failed} (address in use or not local?)")
+        async with background_trio_service(host._pubsub), background_trio_service(host._router):
+            await host._pubsub.wait_until_ready()
+            try:
+                async with trio.open_nursery() as nursery:
+                    await host._start(nursery, bootstrap)
+                    try:
+                        yield
+                    finally:
+                        nursery.cancel_scope.cancel()
+            finally:
+                await host._stop()
+
+
+__all__ = [
+    "PING_PROTOCOL",
+    "Host",
+    "HostStatistics",
+    "PeerEvent",
+    "PeerEventKind",
+    "StreamHandler",
+    "open_host",
+    "parse_peer_id",
+    "parse_peer_multiaddr",
+]

@@ -1,0 +1,413 @@
+"""The network shell's ordinary behaviour: hosts on 127.0.0.1, ephemeral ports, real libp2p.
+
+Pure pieces (config sizing, pacing, identity files, address expansion) are tested directly;
+everything else runs two or three in-process hosts under pytest-trio. Every wait is bounded by
+``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import multiaddr
+import pytest
+import trio
+from libp2p.discovery.events.peerDiscovery import peerDiscovery
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+import peerinfer.net as net
+from peerinfer.errors import (
+    ClosedError,
+    ConfigError,
+    InvalidRequestError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from peerinfer.net import FramedStream, Host, HostConfig, PeerEvent, open_host
+from peerinfer.net.config import gossip_rate_limit, own_publish_rate
+from peerinfer.net.discovery import expand_unspecified
+from peerinfer.net.identity import load_or_create_identity, peer_id_of
+from peerinfer.net.pacing import Backoff, TokenBucket
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def config(**overrides: object) -> HostConfig:
+    """A test host: loopback, ephemeral port, throwaway identity, no mDNS, no liveness loop."""
+    base: dict[str, object] = {
+        "listen": LOOPBACK,
+        "persist_identity": False,
+        "mdns": False,
+        "liveness_interval_s": 0.0,
+        "stream_timeout_s": 5.0,
+        "connect_timeout_s": 5.0,
+    }
+    base.update(overrides)
+    return HostConfig(**base)  # type: ignore[arg-type]
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+async def next_event(events: trio.MemoryReceiveChannel[PeerEvent], kind: str, peer: str) -> PeerEvent:
+    with trio.fail_after(10):
+        async for event in events:
+            if event.kind == kind and event.peer_id == peer:
+                return event
+    raise AssertionError("event channel closed")
+
+
+async def echo(stream: FramedStream) -> None:
+    async for frame in stream:
+        await stream.send(frame)
+
+
+async def mesh_ready(hosts: list[Host], topic: str) -> None:
+    """Every host sees at least one mesh peer for ``topic``."""
+    await wait_until(lambda: all(h.mesh_peers(topic) for h in hosts))
+
+
+# --- pure pieces -----------------------------------------------------------------------------
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(net.__all__) == sorted(
+        [
+            "DEFAULT_PORT",
+            "PING_PROTOCOL",
+            "FramedStream",
+            "GossipMessage",
+            "Host",
+            "HostConfig",
+            "HostStatistics",
+            "PeerEvent",
+            "PeerEventKind",
+            "StreamHandler",
+            "Validator",
+            "default_identity_path",
+            "gossip_rate_limit",
+            "open_host",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"listen": ()},
+        {"stream_timeout_s": 0},
+        {"max_streams_per_peer": 0},
+        {"gossip_degree": (6, 8, 12)},
+        {"bootstrap_backoff_min_s": 5.0, "bootstrap_backoff_max_s": 1.0},
+        {"gossip_max_message_bytes": 2 * 1024 * 1024},
+        {"gossip_topics": ("",)},
+    ],
+)
+def test_config_check_rejects_values_that_cannot_work(overrides: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        config(**overrides).check()
+
+
+def test_default_config_is_valid_and_listens_on_the_documented_port() -> None:
+    default = HostConfig()
+    default.check()
+    assert default.listen == (f"/ip4/0.0.0.0/tcp/{net.DEFAULT_PORT}",)
+    assert default.heartbeat_interval_s == 1
+
+
+def test_gossip_rate_limit_covers_a_swarm_announcing_in_the_same_second() -> None:
+    # libp2p drops above 10/s per forwarder; a 64-peer swarm can relay 64 in one second.
+    assert gossip_rate_limit(64, 5.0) >= 64
+    assert gossip_rate_limit(256, 5.0) >= 256
+    # Sub-second announcements: the steady rate dominates.
+    assert gossip_rate_limit(10, 0.1) >= 100
+    # Never below libp2p's own default.
+    assert gossip_rate_limit(1, 60.0) == 10
+    assert HostConfig().effective_gossip_rate_limit() > 10
+    assert own_publish_rate(HostConfig().effective_gossip_rate_limit()) < HostConfig().effective_gossip_rate_limit()
+
+
+def test_backoff_grows_to_its_cap_and_resets() -> None:
+    rng = random.Random(7)
+    backoff = Backoff(1.0, 30.0)
+    delays = [backoff.next_delay(rng) for _ in range(20)]
+    assert all(0.5 <= d <= 30.0 for d in delays)
+    assert max(delays[-5:]) > 15.0  # it did grow
+    backoff.reset()
+    assert backoff.next_delay(rng) <= 1.0
+
+
+def test_token_bucket_paces_after_its_burst() -> None:
+    bucket = TokenBucket(rate=2.0, burst=2.0)
+    assert bucket.take(0.0) and bucket.take(0.0)
+    assert not bucket.take(0.0)
+    assert bucket.delay(0.0) == pytest.approx(0.5)
+    assert bucket.take(0.5)
+    assert not bucket.take(0.5)
+    assert bucket.take(10.0) and bucket.take(10.0) and not bucket.take(10.0)  # burst caps saving
+
+
+def test_identity_is_created_private_and_reloaded(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "identity.key"
+    first = load_or_create_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = load_or_create_identity(path)
+    assert peer_id_of(first) == peer_id_of(again)
+    assert [p.name for p in path.parent.iterdir()] == ["identity.key"]  # no temp file left
+
+
+def test_identity_refuses_a_corrupt_or_exposed_key(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.key"
+    corrupt.write_bytes(b"not a key")
+    corrupt.chmod(0o600)
+    with pytest.raises(ConfigError, match="corrupt"):
+        load_or_create_identity(corrupt)
+    exposed = tmp_path / "exposed.key"
+    load_or_create_identity(exposed)
+    exposed.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_or_create_identity(exposed)
+
+
+def test_unspecified_addresses_expand_to_dialable_ones() -> None:
+    bound = [multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4737"), multiaddr.Multiaddr("/ip4/10.1.2.3/tcp/9")]
+    expanded = [str(a) for a in expand_unspecified(bound, ["127.0.0.1", "192.168.1.5"])]
+    assert expanded == ["/ip4/127.0.0.1/tcp/4737", "/ip4/192.168.1.5/tcp/4737", "/ip4/10.1.2.3/tcp/9"]
+
+
+# --- hosts -----------------------------------------------------------------------------------
+
+
+async def test_persistent_identity_survives_a_restart(tmp_path: Path) -> None:
+    cfg = config(persist_identity=True, identity_path=tmp_path / "id.key")
+    async with open_host(cfg) as first:
+        peer_id = first.peer_id
+    async with open_host(cfg) as second:
+        assert second.peer_id == peer_id
+
+
+async def test_connect_request_response_and_events() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        seen_by: dict[str, str] = {}
+
+        async def who_am_i(stream: FramedStream) -> None:
+            request = await stream.receive()
+            seen_by["remote"] = stream.remote_peer
+            await stream.send(request[::-1])
+
+        b.set_handler("/test/reverse/1", who_am_i)
+        events = a.peer_events()
+        assert await a.connect(b.listen_addrs()[0]) == b.peer_id
+        await next_event(events, "connected", b.peer_id)
+        assert a.connected_peers() == [b.peer_id]
+        assert await a.request(b.peer_id, "/test/reverse/1", b"abc") == b"cba"
+        assert seen_by["remote"] == a.peer_id  # the handler sees the authenticated dialer
+        await a.disconnect(b.peer_id)
+        await next_event(events, "disconnected", b.peer_id)
+        assert not a.is_connected(b.peer_id)
+
+
+async def test_listen_and_dialable_addresses_carry_our_peer_id() -> None:
+    async with open_host(config(listen=("/ip4/0.0.0.0/tcp/0",))) as host:
+        (bound,) = host.listen_addrs()
+        assert bound.startswith("/ip4/0.0.0.0/tcp/") and bound.endswith(f"/p2p/{host.peer_id}")
+        dialable = host.dialable_addrs()
+        assert dialable[0].startswith("/ip4/127.0.0.1/tcp/")
+        assert all(a.endswith(f"/p2p/{host.peer_id}") for a in dialable)
+        async with open_host(config()) as other:
+            assert await other.connect(dialable[0]) == host.peer_id
+
+
+async def test_frames_stream_both_ways_until_a_clean_end() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        b.set_handler("/test/echo/1", echo)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/echo/1")
+        async with stream:
+            frames = [b"", b"x", os.urandom(200_000), b"last"]
+            for frame in frames:
+                await stream.send(frame)
+            await stream.close_write()
+            received = [frame async for frame in stream]
+        assert received == frames
+        with pytest.raises(ClosedError):
+            await stream.receive()  # we closed it
+
+
+async def test_unknown_protocol_and_unknown_peer_are_unavailable() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        await a.connect(b.listen_addrs()[0])
+        with pytest.raises(PeerUnavailableError):
+            await a.open_stream(b.peer_id, "/test/nobody-serves-this/1")
+        async with open_host(config()) as c:
+            stranger = c.peer_id
+        with pytest.raises(PeerUnavailableError):
+            await a.open_stream(stranger, "/test/echo/1")
+
+
+async def test_address_with_the_wrong_peer_id_is_refused() -> None:
+    """The Noise handshake proves the peer id: B's address with C's id must not connect."""
+    async with open_host(config()) as a, open_host(config()) as b, open_host(config()) as c:
+        forged = b.listen_addrs()[0].rsplit("/p2p/", 1)[0] + f"/p2p/{c.peer_id}"
+        with pytest.raises(PeerUnavailableError):
+            await a.connect(forged)
+        assert a.connected_peers() == []
+
+
+async def test_bad_addresses_are_config_or_protocol_errors() -> None:
+    async with open_host(config()) as a:
+        with pytest.raises(ConfigError):
+            await a.connect("/ip4/127.0.0.1/tcp/1")  # no /p2p
+        with pytest.raises(ProtocolError):
+            a.add_known_peer("not-a-peer-id", ["/ip4/127.0.0.1/tcp/1"])
+        with pytest.raises(InvalidRequestError):
+            await a.connect(a.listen_addrs()[0])  # ourselves
+
+
+async def test_listening_on_a_busy_port_is_a_config_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError):
+            async with open_host(config(listen=(f"/ip4/127.0.0.1/tcp/{port}",))):
+                pass
+
+
+async def test_ping_measures_a_round_trip() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        await a.connect(b.listen_addrs()[0])
+        rtt = await a.ping(b.peer_id)
+        assert 0 < rtt < 5
+        assert a.last_rtt(b.peer_id) == rtt
+
+
+async def test_gossip_is_relayed_signed_and_not_echoed_to_its_sender() -> None:
+    topic = "peerinfer/test/announce"
+    async with open_host(config()) as a, open_host(config()) as b, open_host(config()) as c:
+        # A line: A - B - C. C hears A only through B.
+        await a.connect(b.listen_addrs()[0])
+        await c.connect(b.listen_addrs()[0])
+        at_a = await a.subscribe(topic)
+        own_at_a = await a.subscribe(topic, include_own=True)
+        await b.subscribe(topic)
+        at_c = await c.subscribe(topic)
+        await mesh_ready([a, b, c], topic)
+        await a.publish(topic, b"hello")
+        with trio.fail_after(10):
+            message = await at_c.receive()
+            own = await own_at_a.receive()
+        assert (message.sender, message.data, message.topic) == (a.peer_id, b"hello", topic)
+        assert own.sender == a.peer_id
+        with pytest.raises(trio.WouldBlock):
+            at_a.receive_nowait()  # our own message is not delivered unless asked for
+
+
+async def test_gossip_topics_restrict_what_we_subscribe_and_publish() -> None:
+    async with open_host(config(gossip_topics=("allowed",))) as a:
+        await a.subscribe("allowed")
+        with pytest.raises(ConfigError):
+            await a.subscribe("other")
+        with pytest.raises(ConfigError):
+            await a.publish("other", b"x")
+        with pytest.raises(InvalidRequestError):
+            await a.publish("allowed", b"x" * (a._config.gossip_max_message_bytes + 1))
+
+
+async def test_unsubscribe_ends_every_subscriber_channel() -> None:
+    async with open_host(config()) as a:
+        first = await a.subscribe("t")
+        second = await a.subscribe("t")
+        await a.unsubscribe("t")
+        with trio.fail_after(5):
+            with pytest.raises(trio.EndOfChannel):
+                await first.receive()
+            with pytest.raises(trio.EndOfChannel):
+                await second.receive()
+
+
+async def test_add_known_peer_then_dial() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        events = a.peer_events()
+        bare = b.listen_addrs()[0].rsplit("/p2p/", 1)[0]
+        a.add_known_peer(b.peer_id, [bare])
+        discovered = await next_event(events, "discovered", b.peer_id)
+        assert discovered.addrs == (bare,)
+        assert a.known_addrs(b.peer_id) == [bare]
+        await a.dial(b.peer_id)
+        assert a.is_connected(b.peer_id)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_bootstrap_peer_down_at_first_is_connected_once_it_starts(tmp_path: Path) -> None:
+    """Issue item 7: our redial loop keeps trying (libp2p's gives up after 3 failures)."""
+    key = tmp_path / "bootstrap.key"
+    port = _free_port()
+    bootstrap_id = peer_id_of(load_or_create_identity(key))
+    bootstrap_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{bootstrap_id}"
+    cfg = config(bootstrap=(bootstrap_addr,), bootstrap_backoff_min_s=0.1, bootstrap_backoff_max_s=0.4)
+    async with open_host(cfg) as node:
+        events = node.peer_events()
+        # More failed attempts than libp2p's own bootstrap would ever make.
+        await wait_until(lambda: node.statistics().bootstrap_attempts >= 5)
+        assert not node.is_connected(bootstrap_id)
+        bootstrap_cfg = config(listen=(f"/ip4/127.0.0.1/tcp/{port}",), persist_identity=True, identity_path=key)
+        async with open_host(bootstrap_cfg) as bootstrap:
+            assert bootstrap.peer_id == bootstrap_id
+            await next_event(events, "connected", bootstrap_id)
+            # And it reconnects after the connection drops.
+            await bootstrap.disconnect(node.peer_id)
+            await next_event(events, "disconnected", bootstrap_id)
+            await next_event(events, "connected", bootstrap_id)
+
+
+async def test_mdns_discovery_connects_to_the_discovered_peer() -> None:
+    """Issue item 8, through the hook libp2p's mDNS listener calls (from zeroconf's thread).
+
+    Real multicast is not used here: tests stay on 127.0.0.1, and zeroconf would announce on
+    every interface of the machine. The hook is the process-global ``peerDiscovery`` event.
+    """
+    async with open_host(config(mdns=True)) as a, open_host(config()) as b:
+        events = a.peer_events()
+        bare = b.listen_addrs()[0].rsplit("/p2p/", 1)[0]
+        info = PeerInfo(ID.from_base58(b.peer_id), [multiaddr.Multiaddr(bare)])
+        # Emitted from a foreign thread, exactly as zeroconf's ServiceBrowser does.
+        thread = threading.Thread(target=peerDiscovery.emit_peer_discovered, args=(info,))
+        thread.start()
+        await trio.to_thread.run_sync(thread.join)
+        await next_event(events, "discovered", b.peer_id)
+        await next_event(events, "connected", b.peer_id)
+
+
+async def test_without_mdns_discoveries_are_ignored() -> None:
+    async with open_host(config(mdns=False)) as a, open_host(config()) as b:
+        bare = b.listen_addrs()[0].rsplit("/p2p/", 1)[0]
+        peerDiscovery.emit_peer_discovered(PeerInfo(ID.from_base58(b.peer_id), [multiaddr.Multiaddr(bare)]))
+        await trio.sleep(0.3)  # give a (wrong) dial time to happen; the assertion is absence
+        assert a.connected_peers() == []
+        assert a.known_addrs(b.peer_id) == []
+
+
+async def test_closed_host_refuses_use() -> None:
+    async with open_host(config()) as a:
+        pass
+    with pytest.raises(ClosedError):
+        await a.publish("t", b"x")
+    with pytest.raises(ClosedError):
+        await a.open_stream(a.peer_id, "/x")
