@@ -15,6 +15,11 @@ the peer, the stream is reset before the error is raised (``RequestTimeoutError`
 ``ProtocolError``, ``PeerUnavailableError``). A clean end of stream at a frame boundary is not
 an error: ``receive`` raises ``trio.EndOfChannel``, like a trio channel, and ``async for`` stops.
 
+Beware: py-libp2p 0.8.1's yamux drops a stream's state when a reset (RST) arrives, so once the
+buffered data is read a reset *looks like a clean end of stream*. A reset is only reported as
+such when it lands while a read is waiting. Protocols must therefore end with an explicit final
+frame (a "done" message); ``EndOfChannel`` before it means the peer gave up or failed.
+
 Use: at most one task sending and one task receiving at a time. ``async with stream:`` closes
 it on exit, or resets it when the body raised.
 """

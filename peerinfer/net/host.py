@@ -77,6 +77,7 @@ from peerinfer.errors import (
     ClosedError,
     ConfigError,
     InvalidRequestError,
+    PeerUnavailableError,
     ProtocolError,
     RemoteError,
 )
@@ -453,7 +454,8 @@ class Host:
     ) -> bytes:
         """Open a stream, send one frame, half-close, return the one-frame reply, close.
 
-        ``timeout`` bounds the whole exchange. A reply-less end of stream is a ProtocolError.
+        ``timeout`` bounds the whole exchange. A reply-less end of stream (the handler failed
+        or refused) is a PeerUnavailableError.
         """
         deadline = trio.current_time() + (self._config.stream_timeout_s if timeout is None else timeout)
 
@@ -467,7 +469,8 @@ class Host:
             try:
                 return await stream.receive(timeout=left())
             except trio.EndOfChannel:
-                raise ProtocolError(f"{peer_id} closed {protocol} without replying") from None
+                # py-libp2p's yamux reports a reset (the handler failed) as a clean end.
+                raise PeerUnavailableError(f"{peer_id} ended {protocol} without replying") from None
 
     # -- liveness -----------------------------------------------------------------------------
 
