@@ -1,0 +1,7 @@
+"""``python -m peerinfer.sim``: the same as ``peerinfer sim``."""
+
+import sys
+
+from peerinfer.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""The simulator's one configuration object: every parameter of a run, seed included."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.routing import POLICY_NAMES
+from peerinfer.errors import ConfigError
+from peerinfer.sim.network import DelayModel
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A simulation run. Two runs with equal configs produce equal results (``wall_s`` aside).
+
+    Arrivals are Poisson at ``rate`` requests per second *per node* (each node is one home
+    user's entry point, so the offered load per node stays the same as the swarm grows), unless
+    ``clients`` > 0: then that many closed-loop clients, client ``c`` attached to node
+    ``c % nodes``, each sending its next request ``think_s`` (exponential mean) after the
+    previous one completed.
+    """
+
+    nodes: int = 8
+    requests: int = 2000
+    policy: str = "cost"
+    #: one-way link delay spec in ms (see ``peerinfer.sim.network``)
+    delay_ms: str = "5"
+    announce_interval_s: float = 1.0
+    min_announce_gap_s: float = 0.25
+    sync_timeout_s: float = 5.0
+    #: per-node prefix cache capacity in tokens (None: unbounded)
+    cache_tokens: int | None = 32768
+    costs: CostModel = DEFAULT_COSTS
+    #: where the cost model came from ("default" or a file path), for the record
+    costs_source: str = "default"
+    rate: float = 1.0
+    clients: int = 0
+    think_s: float = 0.0
+    workload: str = "mmlu"
+    skew: str = "zipf:1.1"
+    #: MMLU directory (``dev/`` and ``test/`` CSVs); None: the packaged excerpt
+    data: str | None = None
+    max_tokens: int | None = None
+    #: forwarded requests are refused as busy beyond this many queued on the target
+    max_queue: int = 8
+    first_token_timeout_s: float = 30.0
+    #: probability that one delivery of an announcement is lost (gossipsub may drop)
+    gossip_loss: float = 0.0
+    seed: int = 0
+    #: moving window (requests) and stride for the per-node subject share series
+    share_window: int = 300
+    share_stride: int = 30
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
+        if self.requests < 0:
+            raise ConfigError(f"requests must be >= 0, got {self.requests}")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {POLICY_NAMES}")
+        DelayModel.parse(self.delay_ms)
+        for name in ("announce_interval_s", "sync_timeout_s", "first_token_timeout_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        if not (self.min_announce_gap_s >= 0):
+            raise ConfigError("min_announce_gap_s must be >= 0")
+        if self.cache_tokens is not None and self.cache_tokens < 0:
+            raise ConfigError("cache_tokens must be >= 0")
+        if self.clients < 0:
+            raise ConfigError("clients must be >= 0")
+        if self.clients == 0 and not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ConfigError(f"rate must be a positive number, got {self.rate!r}")
+        if self.think_s < 0:
+            raise ConfigError("think_s must be >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError("max_tokens must be >= 1")
+        if self.share_window < 1 or self.share_stride < 1:
+            raise ConfigError("share window and stride must be >= 1")
+        if not (0.0 <= self.gossip_loss < 1.0):
+            raise ConfigError(f"gossip_loss must be in [0, 1), got {self.gossip_loss!r}")
+        if self.max_queue < 0:
+            raise ConfigError("max_queue must be >= 0")
+
+    @property
+    def delay(self) -> DelayModel:
+        return DelayModel.parse(self.delay_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every parameter, JSON-ready (the cost model as its figures)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if isinstance(v, CostModel) else v
+        out["delay_ms"] = self.delay.spec()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if isinstance(kw.get("costs"), dict):
+            kw["costs"] = CostModel.from_dict(kw["costs"])
+        return cls(**kw)
+
+
+def load_costs(path: str | Path) -> CostModel:
+    """A cost model from a JSON file: ``peerinfer calibrate``'s output, or a bare CostModel dict.
+
+    The figures may sit at the top level or under a ``"costs"`` / ``"cost_model"`` key.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the cost model {path}: {exc}") from exc
+    if isinstance(data, dict):
+        for key in ("costs", "cost_model"):
+            if isinstance(data.get(key), dict):
+                data = data[key]
+                break
+    if not isinstance(data, dict) or "prefill_s_per_token" not in data:
+        raise ConfigError(f"{path} holds no cost model (no prefill_s_per_token)")
+    return CostModel.from_dict(data)
+
+
+__all__ = ["SimConfig", "load_costs"]

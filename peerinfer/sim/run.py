@@ -1,0 +1,169 @@
+"""Assembling a run: the workload as token sequences, one simulated engine per node, the figures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from peerinfer.core.messages import SamplingParams
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.errors import ConfigError
+from peerinfer.sim.config import SimConfig
+from peerinfer.sim.metrics import summarize
+from peerinfer.sim.simulator import EngineLike, PlanLike, SimRequest, Simulation
+from peerinfer.types import BlockHash
+from peerinfer.workload import (
+    MMLU,
+    WorkloadItem,
+    default_data_dir,
+    load_workload,
+    mmlu_workload,
+    multiturn_workload,
+)
+
+#: Synthetic multi-turn conversations open at once, and turns per conversation.
+MULTITURN_CONVERSATIONS = 64
+MULTITURN_TURNS = 8
+
+_MMLU_CACHE: dict[str | None, MMLU] = {}
+
+
+def _mmlu(data: str | None) -> MMLU:
+    key = data
+    if key not in _MMLU_CACHE:
+        path = data if data is not None else default_data_dir()
+        _MMLU_CACHE[key] = MMLU.load(path)
+    return _MMLU_CACHE[key]
+
+
+def workload_items(config: SimConfig) -> list[WorkloadItem]:
+    """The run's workload items (prompts as text), from ``config.workload`` and its seed."""
+    n = config.requests
+    kw: dict[str, Any] = {}
+    if config.max_tokens is not None:
+        kw["max_tokens"] = config.max_tokens
+    if config.workload == "mmlu":
+        return mmlu_workload(_mmlu(config.data), n, skew=config.skew, seed=config.seed, **kw)
+    if config.workload == "multiturn":
+        return multiturn_workload(
+            n,
+            conversations=MULTITURN_CONVERSATIONS,
+            turns=MULTITURN_TURNS,
+            seed=config.seed,
+            **kw,
+        )
+    items = load_workload(config.workload)
+    if config.max_tokens is not None:
+        from dataclasses import replace
+
+        items = [replace(it, max_tokens=config.max_tokens) for it in items]
+    return items
+
+
+def _label(item: WorkloadItem) -> str:
+    if item.conversation is not None:
+        return f"conversation {item.conversation}"
+    key = item.prefix_key
+    return key.split(":", 1)[1] if key.startswith("mmlu:") else key
+
+
+class _Tokens:
+    """Tokenizes prompts once each: the shared prefix and the suffix separately, joined when that
+    equals tokenizing the whole prompt (the prefix ends in whitespace and the suffix does not
+    start with it, so no token spans the seam)."""
+
+    def __init__(self, engine: SimulatedEngine) -> None:
+        self.engine = engine
+        self._parts: dict[str, tuple[int, ...]] = {}
+        self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
+
+    def _part(self, text: str) -> tuple[int, ...]:
+        got = self._parts.get(text)
+        if got is None:
+            got = self._parts[text] = tuple(self.engine.tokenize(text))
+        return got
+
+    def __call__(self, prefix: str, suffix: str) -> tuple[int, ...]:
+        key = (prefix, suffix)
+        got = self._prompts.get(key)
+        if got is None:
+            seam_safe = (
+                prefix and suffix and prefix[-1].isspace() and not suffix[0].isspace()
+            )
+            if seam_safe:
+                got = self._part(prefix) + self._part(suffix)
+            else:
+                got = tuple(self.engine.tokenize(prefix + suffix))
+            self._prompts[key] = got
+        return got
+
+
+def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]:
+    """The workload as the simulator's requests (token ids, sampling, label)."""
+    tokens = _Tokens(engine)
+    params: dict[int, SamplingParams] = {}
+    out = []
+    for item in workload_items(config):
+        p = params.get(item.max_tokens)
+        if p is None:
+            p = params[item.max_tokens] = SamplingParams(max_tokens=item.max_tokens)
+        out.append(SimRequest(tokens(item.prefix, item.suffix), p, _label(item)))
+    if config.requests and not out:
+        raise ConfigError(f"the workload {config.workload!r} holds no requests")
+    return out
+
+
+class _EngineAdapter:
+    """A node's ``SimulatedEngine`` as the simulator uses it."""
+
+    __slots__ = ("engine", "plan", "cached")
+
+    def __init__(self, engine: SimulatedEngine) -> None:
+        self.engine = engine
+        self.plan: Callable[[Sequence[int], SamplingParams], PlanLike] = engine.plan
+        cache = engine.radix_cache
+        assert cache is not None
+        self.cached: Callable[[BlockHash], bool] = cache.__contains__
+
+
+def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], EngineLike]]:
+    """The swarm's prefix hasher and a builder of each node's simulated engine."""
+    probe = SimulatedEngine(costs=config.costs)
+    hasher = PrefixHasher(probe.fingerprint)
+
+    def make(index: int) -> EngineLike:
+        engine = SimulatedEngine(costs=config.costs, max_context_tokens=1 << 20)
+        engine.configure_cache(hasher, capacity_tokens=config.cache_tokens)
+        return _EngineAdapter(engine)
+
+    return hasher, make
+
+
+def simulate(
+    config: SimConfig,
+    *,
+    series: int = 0,
+    check: bool = False,
+    requests: Sequence[SimRequest] | None = None,
+) -> tuple[Simulation, dict[str, Any]]:
+    """Build and run one simulation; returns it and its summary (``summarize``)."""
+    started = time.perf_counter()
+    hasher, make = engine_factory(config)
+    if requests is None:
+        requests = sim_requests(config, SimulatedEngine(costs=config.costs))
+    sim = Simulation(config, requests, hasher, make, check=check)
+    setup_s = time.perf_counter() - started
+    sim.run()
+    summary = summarize(sim, series=series)
+    summary["setup_s"] = round(setup_s, 3)
+    summary["loop_s"] = round(sim.wall_s, 3)
+    summary["wall_s"] = round(time.perf_counter() - started, 3)
+    summary["requests_per_wall_s"] = (
+        round(sim.total / summary["wall_s"], 1) if summary["wall_s"] > 0 else None
+    )
+    return sim, summary
+
+
+__all__ = ["engine_factory", "sim_requests", "simulate", "workload_items"]

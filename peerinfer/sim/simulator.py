@@ -1,0 +1,653 @@
+"""The discrete-event simulator: many ``NodeCore`` objects driven in virtual time.
+
+Theory of operation
+-------------------
+The simulator is a second *shell* around ``peerinfer.core.node.NodeCore``, next to the real
+trio + libp2p one (``peerinfer.net``). Every node of the simulated swarm is a real ``NodeCore``
+with its own ``random.Random`` (seeded from the run's seed and the node's index) and a real
+simulated engine (``peerinfer.engine.simulated``: the same radix cache as the real engine, with
+service times from the cost model). The simulator decides nothing: routing, anti-entropy,
+admission, failover and liveness are the cores'; the simulator only *executes* their effects,
+delaying every message by the link model, and feeds the resulting events back.
+
+The event heap
+    holds tuples ``(time, seq, kind, ...)``; ``seq`` grows by one per push, so events at equal
+    times run in the order they were scheduled and a run is deterministic. ``kind`` is a small
+    integer; the payload depends on it:
+
+    ==============  ===========================================================================
+    ``_NODE``       ``(node, event)``: hand a core event to a node (``NodeCore.handle``)
+    ``_TICK``       ``(node,)``: the node's timers are due (``NodeCore.tick``); each node has
+                    at most one live tick, at its ``next_deadline()``, re-armed earlier when an
+                    effect sets a nearer deadline (a forward, a pull, an unannounced change)
+    ``_ARRIVAL``    ``(request,)``: a client request reaches its entry node
+    ``_GOSSIP``     ``(sender, AnnounceReceived, group, sent_at)``: an announcement reaches
+                    every recipient at one link delay from the sender (groups of recipients
+                    with equal delays are delivered together, then the next group is scheduled)
+    ``_SYNC``       ``(responder, requester, SyncRequest)``: a pull reaches its responder,
+                    which answers from its digest as it is *then*; the response travels back
+                    one link delay later as a ``SyncResponseReceived``
+    ``_FIRST``      ``(node, request_id, run)``: the engine produced the first token
+    ``_DONE``       ``(node, request_id, run)``: the engine finished
+    ``_RELAY``      ``(origin, event, server, cached, prompt)``: a forwarded request's first
+                    token or end reaches its origin (which relays it to the client)
+    ==============  ===========================================================================
+
+How effects are executed
+    ``Publish``: the announcement is encoded once (its length is the bytes per recipient) and
+    gossiped to every other node. ``SendSyncRequest``: delivered to the responder after the
+    link delay; the response is ``answer_sync`` there, back after another delay; both are
+    encoded to count bytes, one round trip each. ``Forward``: the request arrives at the peer
+    as a ``ClientRequest(forwarded=True)``; the peer's own core admits it or rejects it as busy
+    (the ``Reject`` travels back as ``ForwardFailed(reason="busy")``). ``RunLocal``: the node's
+    engine *plans* the request (``plan`` matches and inserts the prompt in its radix cache and
+    returns the cached tokens and the times); ``LocalStarted`` is reported at once, the first
+    token and the end are scheduled after ``ttft_s`` and ``service_s``, and the end reports
+    ``LocalFinished`` with the cache changes accumulated since the node's previous report.
+    ``CancelForward`` sends ``Cancel`` to the peer; ``CancelLocal`` stops the run (its pending
+    events are dropped) and reports ``LocalFinished(ok=False)``. ``PingPeer`` is answered with
+    ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts.
+
+The client's view
+    A request's TTFT is from its arrival at its entry node to the first token reaching the
+    client there (a forwarded request's first token travels back one link delay); its latency
+    is to the end of the stream. Only the stream of the forward the origin currently relays
+    counts (``target``): a late token from a peer the origin gave up on is dropped, as the real
+    shell's relay drops it. Every request completes exactly once, or the run fails loudly.
+
+What is simplified
+    Gossip is a direct broadcast with the pair's link delay (gossipsub's mesh adds hops and
+    duplicates); bytes count one copy per recipient. Each delivery of an announcement may be
+    lost with probability ``gossip_loss`` (the pulls then repair the replicas); every other
+    message is reliable and in order. Nodes do not fail. The engine serves requests whole: with ``slots`` > 1 they do not slow each other.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from peerinfer.core.messages import SamplingParams, encode
+from peerinfer.core.node import (
+    AnnounceReceived,
+    CacheChanged,
+    Cancel,
+    CancelForward,
+    CancelLocal,
+    ClientRequest,
+    DropPeer,
+    Forward,
+    ForwardFailed,
+    ForwardFinished,
+    ForwardFirstToken,
+    LocalFinished,
+    LocalStarted,
+    NodeConfig,
+    NodeCore,
+    PeerSeen,
+    PingPeer,
+    Publish,
+    Reject,
+    RunLocal,
+    SendSyncRequest,
+    SyncResponseReceived,
+)
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.errors import PeerInferError
+from peerinfer.sim.config import SimConfig
+from peerinfer.types import BlockHash, PeerId, RequestId
+
+_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _FIRST, _DONE, _RELAY = range(8)
+_INF = math.inf
+
+#: Reject codes as ForwardFailed reasons (the rest are "internal").
+_REJECT_REASONS = {"busy": "busy", "invalid": "invalid", "timeout": "timeout",
+                   "unavailable": "unavailable", "protocol": "protocol", "shutdown": "unavailable"}
+
+
+class SimulationError(PeerInferError):
+    """The simulation broke one of its own invariants (a lost or twice-completed request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of the workload: its tokens, sampling and a label (its subject) for series."""
+
+    tokens: tuple[int, ...]
+    params: SamplingParams
+    label: str = ""
+
+
+class PlanLike(Protocol):
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    service_s: float
+    cache_added: Sequence[BlockHash]
+    cache_removed: Sequence[BlockHash]
+
+
+class EngineLike(Protocol):
+    """What the simulator needs of a node's engine (``SimulatedEngine`` provides it)."""
+
+    def plan(self, tokens: Sequence[int], params: SamplingParams) -> PlanLike: ...
+
+    def cached(self, h: BlockHash) -> bool: ...
+
+
+def peer_name(index: int) -> PeerId:
+    """A simulated node's peer id: as long as a real libp2p id (52 chars), so bytes are real."""
+    return PeerId(f"12D3KooW{index:044d}")
+
+
+class Simulation:
+    """One run. ``Simulation(config, requests, hasher, make_engine).run()`` -> ``RunRecord``.
+
+    ``requests`` are served in order, request ``i`` being the ``i``-th to arrive (the list is
+    cycled if shorter than ``config.requests``). ``make_engine(node_index)`` builds each node's
+    engine; its block hashes must use ``hasher``.
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        requests: Sequence[SimRequest],
+        hasher: PrefixHasher,
+        make_engine: Callable[[int], EngineLike],
+        *,
+        arrivals: Sequence[tuple[float, int]] | None = None,
+        check: bool = False,
+    ) -> None:
+        if config.requests and not requests:
+            raise SimulationError("the workload is empty")
+        if arrivals is not None and len(arrivals) < config.requests:
+            raise SimulationError(f"{len(arrivals)} arrivals for {config.requests} requests")
+        self._fixed_arrivals = arrivals
+        self.config = config
+        self.workload = requests
+        self.hasher = hasher
+        self.check = check
+        n = config.nodes
+        seed = config.seed
+        self.peer_ids = [peer_name(i) for i in range(n)]
+        self._index_of = {p: i for i, p in enumerate(self.peer_ids)}
+        costs = config.costs
+        self.cores: list[NodeCore] = []
+        for i in range(n):
+            node_config = NodeConfig(
+                peer_id=self.peer_ids[i],
+                policy=config.policy,
+                costs=costs,
+                announce_interval_s=config.announce_interval_s,
+                min_announce_gap_s=config.min_announce_gap_s,
+                sync_timeout_s=config.sync_timeout_s,
+                first_token_timeout_s=config.first_token_timeout_s,
+                max_queue=config.max_queue,
+                max_peers=max(4096, n),
+            )
+            self.cores.append(
+                NodeCore(node_config, hasher, rng=random.Random(f"{seed}:node:{i}"), now=0.0)
+            )
+        self.engines = [make_engine(i) for i in range(n)]
+        self.delay = config.delay.matrix_s(n, random.Random(f"{seed}:network"))
+        self._arrival_rng = random.Random(f"{seed}:arrivals")
+        self._loss_rng = random.Random(f"{seed}:loss")
+        self._loss = config.gossip_loss
+        # Gossip recipients of each sender, grouped by equal delay, nearest first.
+        self._groups: list[list[tuple[float, list[int]]]] = []
+        for s in range(n):
+            by_delay: dict[float, list[int]] = {}
+            for r in range(n):
+                if r != s:
+                    by_delay.setdefault(self.delay[s][r], []).append(r)
+            self._groups.append(sorted(by_delay.items()))
+
+        total = config.requests
+        self.total = total
+        self.arrival = [0.0] * total
+        self.first = [-1.0] * total
+        self.finish = [-1.0] * total
+        self.origin = [-1] * total
+        self.server = [-1] * total
+        self.cached = [0] * total
+        self.prompt = [0] * total
+        self.status = [0] * total  # 0 pending, 1 served, 2 rejected
+        self.forwards = [0] * total
+        self.target = [-1] * total  # the node whose stream the origin relays now
+        self._rid_index: dict[RequestId, int] = {}
+        self._client_of = [-1] * total
+        self.completed = 0
+        self.rejected = 0
+
+        self._heap: list[tuple[Any, ...]] = []
+        self._seq = itertools.count()
+        self._tick_at = [_INF] * n
+        self._runs: list[dict[RequestId, int]] = [{} for _ in range(n)]
+        self._enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
+        self._touched: list[set[BlockHash]] = [set() for _ in range(n)]
+        self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
+        self._next_request = 0
+        self._live_events = 0  # events other than ticks in the heap
+
+        # per-node figures
+        self.served = [0] * n
+        self.busy_s = [0.0] * n
+        self.waits: list[list[float]] = [[] for _ in range(n)]
+        self.node_cached = [0] * n
+        self.node_prompt = [0] * n
+        # anti-entropy figures
+        self.announces = 0
+        self.announce_bytes = 0
+        self.announce_deliveries = 0
+        self.announces_lost = 0
+        self.pull_requests = 0
+        self.pull_request_bytes = 0
+        self.pull_response_bytes = 0
+        self.pings = 0
+        self.drops = 0
+        self.events = 0
+        self.now = 0.0
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _push(self, t: float, kind: int, *payload: Any) -> None:
+        self._live_events += 1
+        heapq.heappush(self._heap, (t, next(self._seq), kind, *payload))
+
+    def _arm_tick(self, n: int, t: float) -> None:
+        if t < self._tick_at[n]:
+            self._tick_at[n] = t
+            heapq.heappush(self._heap, (t, next(self._seq), _TICK, n))
+
+    def _rearm(self, n: int, now: float) -> None:
+        d = self.cores[n].next_deadline()
+        self._arm_tick(n, d if d > now else now + 1e-9)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> Simulation:
+        """Run until every request has completed; returns ``self`` (the figures are attributes)."""
+        started = time.perf_counter()
+        cfg = self.config
+        n = cfg.nodes
+        cores = self.cores
+        delay = self.delay
+        # Everyone knows everyone from the start (the bootstrap and peer exchange are not
+        # simulated); the round trips are measured by a first ping.
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    cores[i].handle(PeerSeen(self.peer_ids[j], rtt_s=2 * delay[i][j]), 0.0)
+            self._execute(i, cores[i].tick(0.0), 0.0)
+            self._rearm(i, 0.0)
+        self._start_arrivals()
+
+        heap = self._heap
+        pop = heapq.heappop
+        tick_at = self._tick_at
+        idle_since = -1.0
+        patience = cfg.first_token_timeout_s + cfg.sync_timeout_s + 3 * cfg.announce_interval_s
+        total = self.total
+        events = 0
+        while self.completed < total:
+            if not heap:
+                raise SimulationError("the event heap ran dry with requests outstanding")
+            item = pop(heap)
+            now = item[0]
+            kind = item[2]
+            events += 1
+            if kind == _TICK:
+                node = item[3]
+                if tick_at[node] != now:
+                    continue  # superseded by an earlier tick
+                tick_at[node] = _INF
+                self.now = now
+                effects = cores[node].tick(now)
+                if effects:
+                    self._execute(node, effects, now)
+                self._rearm(node, now)
+                if self._live_events == 0:
+                    if idle_since < 0:
+                        idle_since = now
+                    elif now - idle_since > patience:
+                        self._lost(now)
+                continue
+            self._live_events -= 1
+            idle_since = -1.0
+            self.now = now
+            if kind == _NODE:
+                self._deliver(item[3], item[4], now)
+            elif kind == _GOSSIP:
+                self._gossip(item, now)
+            elif kind == _DONE:
+                self._done(item[3], item[4], item[5], now)
+            elif kind == _FIRST:
+                self._first(item[3], item[4], item[5], now)
+            elif kind == _ARRIVAL:
+                self._arrive(item[3], now)
+            elif kind == _SYNC:
+                self._sync(item[3], item[4], item[5], now)
+            elif kind == _RELAY:
+                self._relay(item, now)
+        self.events = events
+        self.wall_s = time.perf_counter() - started
+        if self.check:
+            self.check_invariants()
+        return self
+
+    def _lost(self, now: float) -> None:
+        pending = [i for i in range(self.total) if self.status[i] == 0 and self.arrival[i] >= 0]
+        raise SimulationError(
+            f"at t={now:.3f} s nothing is left to happen but {len(pending)} request(s) are "
+            f"outstanding (first: {pending[:5]}); a request was lost"
+        )
+
+    def _deliver(self, n: int, event: Any, now: float) -> None:
+        t = type(event)
+        if t is ClientRequest or t is ForwardFailed:
+            # The request may join this node's queue now (queueing delay is measured from here).
+            self._enqueued[n][event.request_id] = now
+        effects = self.cores[n].handle(event, now)
+        if effects:
+            self._execute(n, effects, now)
+        if t is LocalFinished or t is CacheChanged:
+            # An unannounced change sets a deadline (the minimum gap between announcements).
+            self._rearm(n, now)
+
+    # ------------------------------------------------------------------ arrivals
+
+    def _start_arrivals(self) -> None:
+        cfg = self.config
+        if self.total == 0:
+            return
+        if self._fixed_arrivals is not None:
+            for i in range(self.total):
+                t, node = self._fixed_arrivals[i]
+                if not 0 <= node < cfg.nodes:
+                    raise SimulationError(f"arrival {i} names node {node} of {cfg.nodes}")
+                self.origin[i] = node
+                self.arrival[i] = t
+                self._push(t, _ARRIVAL, i)
+            self._next_request = self.total
+            return
+        if cfg.clients > 0:
+            for c in range(min(cfg.clients, self.total)):
+                t = self._arrival_rng.expovariate(1.0 / cfg.think_s) if cfg.think_s > 0 else 0.0
+                self._issue(c, t)
+        else:
+            t = self._arrival_rng.expovariate(cfg.rate * cfg.nodes)
+            self._issue(-1, t)
+
+    def _issue(self, client: int, t: float) -> None:
+        """Schedule the next request of the workload to arrive at ``t`` (from ``client``)."""
+        i = self._next_request
+        if i >= self.total:
+            return
+        self._next_request = i + 1
+        n = self.config.nodes
+        self.origin[i] = client % n if client >= 0 else self._arrival_rng.randrange(n)
+        self._client_of[i] = client
+        self.arrival[i] = t
+        self._push(t, _ARRIVAL, i)
+
+    def _arrive(self, i: int, now: float) -> None:
+        cfg = self.config
+        if cfg.clients == 0 and self._fixed_arrivals is None:
+            self._issue(-1, now + self._arrival_rng.expovariate(cfg.rate * cfg.nodes))
+        item = self.workload[i % len(self.workload)]
+        rid = RequestId(f"r{i}")
+        self._rid_index[rid] = i
+        n = self.origin[i]
+        self._deliver(n, ClientRequest(rid, item.tokens, item.params), now)
+
+    def _complete(self, i: int, now: float, ok: bool) -> None:
+        if self.status[i] != 0:
+            raise SimulationError(f"request {i} completed twice")
+        self.status[i] = 1 if ok else 2
+        self.finish[i] = now
+        self.completed += 1
+        if not ok:
+            self.rejected += 1
+        client = self._client_of[i]
+        if client >= 0:
+            think = self.config.think_s
+            self._issue(client, now + (self._arrival_rng.expovariate(1.0 / think) if think else 0.0))
+
+    # ------------------------------------------------------------------ effects
+
+    def _execute(self, n: int, effects: list[Any], now: float) -> None:
+        rearm = False
+        for eff in effects:
+            t = type(eff)
+            if t is RunLocal:
+                self._run_local(n, eff, now)
+            elif t is Publish:
+                self._publish(n, eff, now)
+            elif t is Forward:
+                self._forward(n, eff, now)
+                rearm = True
+            elif t is SendSyncRequest:
+                p = self._index_of[eff.peer]
+                self.pull_requests += 1
+                self.pull_request_bytes += len(encode(eff.request))
+                self._push(now + self.delay[n][p], _SYNC, p, n, eff.request)
+                rearm = True
+            elif t is Reject:
+                self._reject(n, eff, now)
+            elif t is CancelForward:
+                p = self._index_of[eff.peer]
+                self._push(now + self.delay[n][p], _NODE, p, Cancel(eff.request_id))
+            elif t is CancelLocal:
+                self._cancel_local(n, eff.request_id, now)
+            elif t is PingPeer:
+                p = self._index_of.get(eff.peer)
+                if p is not None:
+                    self.pings += 1
+                    rtt = 2 * self.delay[n][p]
+                    self._push(now + rtt, _NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
+            elif t is DropPeer:
+                self.drops += 1
+            else:  # pragma: no cover - a new effect type the simulator does not know
+                raise SimulationError(f"the simulator cannot execute {t.__name__}")
+        if rearm:
+            self._rearm(n, now)
+
+    def _publish(self, n: int, eff: Publish, now: float) -> None:
+        size = len(encode(eff.announce))
+        recipients = self.config.nodes - 1
+        self.announces += 1
+        self.announce_bytes += size * recipients
+        self.announce_deliveries += recipients
+        if recipients:
+            groups = self._groups[n]
+            ev = AnnounceReceived(self.peer_ids[n], eff.announce)
+            self._push(now + groups[0][0], _GOSSIP, n, ev, 0, now)
+
+    def _gossip(self, item: tuple[Any, ...], now: float) -> None:
+        _, _, _, s, ev, g, sent = item
+        groups = self._groups[s]
+        cores = self.cores
+        loss = self._loss
+        for r in groups[g][1]:
+            if loss and self._loss_rng.random() < loss:
+                self.announces_lost += 1
+                continue
+            effects = cores[r].handle(ev, now)
+            if effects:
+                self._execute(r, effects, now)
+        g += 1
+        if g < len(groups):
+            self._push(sent + groups[g][0], _GOSSIP, s, ev, g, sent)
+
+    def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
+        response = self.cores[responder].answer_sync(request)
+        self.pull_response_bytes += len(encode(response))
+        self._push(
+            now + self.delay[responder][requester],
+            _NODE,
+            requester,
+            SyncResponseReceived(self.peer_ids[responder], response),
+        )
+
+    def _forward(self, n: int, eff: Forward, now: float) -> None:
+        p = self._index_of[eff.peer]
+        i = self._rid_index[eff.request_id]
+        self.target[i] = p
+        self.forwards[i] += 1
+        self._push(
+            now + self.delay[n][p],
+            _NODE,
+            p,
+            ClientRequest(eff.request_id, eff.tokens, eff.params, True, self.peer_ids[n]),
+        )
+
+    def _reject(self, n: int, eff: Reject, now: float) -> None:
+        i = self._rid_index[eff.request_id]
+        origin = self.origin[i]
+        self._enqueued[n].pop(eff.request_id, None)
+        if origin == n:
+            self._complete(i, now, ok=False)
+            return
+        # A peer refused a forwarded request: the refusal travels back to the origin.
+        reason = _REJECT_REASONS.get(eff.code, "internal")
+        self._push(
+            now + self.delay[n][origin],
+            _NODE,
+            origin,
+            ForwardFailed(eff.request_id, self.peer_ids[n], reason),
+        )
+
+    def _run_local(self, n: int, eff: RunLocal, now: float) -> None:
+        rid = eff.request_id
+        plan = self.engines[n].plan(eff.tokens, eff.params)
+        touched = self._touched[n]
+        touched.update(plan.cache_added)
+        touched.update(plan.cache_removed)
+        run = next(self._seq)
+        self._runs[n][rid] = run
+        i = self._rid_index[rid]
+        if self.origin[i] == n:
+            self.target[i] = n
+        self.served[n] += 1
+        self.busy_s[n] += plan.service_s
+        self.node_cached[n] += plan.cached_tokens
+        self.node_prompt[n] += plan.prompt_tokens
+        self.waits[n].append(now - self._enqueued[n].pop(rid, now))
+        self._push(now + plan.ttft_s, _FIRST, n, rid, run)
+        self._push(now + plan.service_s, _DONE, n, rid, (run, plan.cached_tokens, plan.prompt_tokens))
+        self._deliver(n, LocalStarted(rid, plan.cached_tokens), now)
+
+    def _flush_changes(self, n: int) -> tuple[tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+        """The node's cache changes since its last report, as the engine would report them."""
+        touched = self._touched[n]
+        if not touched:
+            return (), ()
+        reported = self._reported[n]
+        cached = self.engines[n].cached
+        added: list[BlockHash] = []
+        removed: list[BlockHash] = []
+        for h in touched:
+            if cached(h):
+                if h not in reported:
+                    added.append(h)
+                    reported.add(h)
+            elif h in reported:
+                removed.append(h)
+                reported.discard(h)
+        touched.clear()
+        return tuple(added), tuple(removed)
+
+    def _first(self, n: int, rid: RequestId, run: int, now: float) -> None:
+        if self._runs[n].get(rid) != run:
+            return  # cancelled
+        i = self._rid_index[rid]
+        origin = self.origin[i]
+        if origin == n:
+            if self.first[i] < 0:
+                self.first[i] = now
+        else:
+            self._push(
+                now + self.delay[n][origin],
+                _RELAY,
+                origin,
+                ForwardFirstToken(rid, self.peer_ids[n]),
+                n,
+                0,
+                0,
+            )
+
+    def _done(self, n: int, rid: RequestId, info: tuple[int, int, int], now: float) -> None:
+        run, cached, prompt = info
+        runs = self._runs[n]
+        if runs.get(rid) != run:
+            return  # cancelled
+        del runs[rid]
+        i = self._rid_index[rid]
+        origin = self.origin[i]
+        if origin == n:
+            if self.first[i] < 0:
+                self.first[i] = now
+            self.server[i] = n
+            self.cached[i] = cached
+            self.prompt[i] = prompt
+            self._complete(i, now, ok=True)
+        else:
+            self._push(
+                now + self.delay[n][origin],
+                _RELAY,
+                origin,
+                ForwardFinished(rid, self.peer_ids[n]),
+                n,
+                cached,
+                prompt,
+            )
+        added, removed = self._flush_changes(n)
+        self._deliver(n, LocalFinished(rid, True, added, removed), now)
+
+    def _relay(self, item: tuple[Any, ...], now: float) -> None:
+        _, _, _, origin, event, server, cached, prompt = item
+        i = self._rid_index[event.request_id]
+        if self.target[i] == server and self.status[i] == 0:
+            if type(event) is ForwardFirstToken:
+                if self.first[i] < 0:
+                    self.first[i] = now
+            else:
+                if self.first[i] < 0:
+                    self.first[i] = now
+                self.server[i] = server
+                self.cached[i] = cached
+                self.prompt[i] = prompt
+                self._complete(i, now, ok=True)
+        self._deliver(origin, event, now)
+
+    def _cancel_local(self, n: int, rid: RequestId, now: float) -> None:
+        if self._runs[n].pop(rid, None) is None:
+            return
+        added, removed = self._flush_changes(n)
+        self._deliver(n, LocalFinished(rid, False, added, removed, "cancelled"), now)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """After a run: every request completed exactly once, no core holds a request, no run
+        is left, and every node's reported cache equals its engine's cache."""
+        if self.completed != self.total or any(s == 0 for s in self.status):
+            raise SimulationError("not every request completed")
+        for n, core in enumerate(self.cores):
+            if core.pending_requests():
+                raise SimulationError(f"node {n} still holds {core.pending_requests()[:5]}")
+            if self._runs[n]:
+                raise SimulationError(f"node {n} still runs {list(self._runs[n])[:5]}")
+            st = core.statistics()
+            if st.queued or st.running:
+                raise SimulationError(f"node {n} still has {st.queued} queued, {st.running} running")
+
+
+__all__ = ["EngineLike", "PlanLike", "SimRequest", "Simulation", "SimulationError", "peer_name"]
