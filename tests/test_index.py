@@ -285,6 +285,54 @@ def test_one_walk_agrees_with_asking_each_replica(
     assert index.match_blocks(chain) == brute_match(replicas, chain)
 
 
+MANY = [PeerId(f"many-{i}") for i in range(200)]
+
+
+def test_a_few_high_slots_in_a_wide_mask() -> None:
+    """Sparse wide masks (a few peers among many slots) are read bit by bit."""
+    index = make_index()
+    for peer in MANY:
+        index.add_peer(peer)
+    for h in H(1, 2, 3):
+        digest_of(index, MANY[190]).add(h)
+    for h in H(1, 2):
+        digest_of(index, MANY[77]).add(h)
+    digest_of(index, MANY[33]).add(BlockHash(1))
+    assert index.match_blocks(H(1, 2, 3, 4)) == {MANY[190]: 3, MANY[77]: 2, MANY[33]: 1}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    holdings=st.lists(st.sets(hashes, max_size=8), min_size=1, max_size=len(MANY)),
+    removed=st.sets(st.integers(0, len(MANY) - 1), max_size=60),
+    chain=chains,
+)
+def test_many_peers_sparse_and_dense_masks_agree_with_brute_force(
+    holdings: list[set[BlockHash]], removed: set[int], chain: list[BlockHash]
+) -> None:
+    """Up to 200 slots: masks wide enough for both ways of reading bits out of a mask."""
+    index = make_index()
+    replicas = {}
+    for peer, held in zip(MANY, holdings, strict=False):
+        index.add_peer(peer)
+        for h in held:
+            digest_of(index, peer).add(h)
+        replicas[peer] = held
+    for i in removed:
+        if MANY[i] in replicas:
+            index.remove_peer(MANY[i])
+            del replicas[MANY[i]]
+    assert index.match_blocks(chain) == brute_match(replicas, chain)
+    cands = index.candidates(
+        chain, block_size=4, local_peer=P[0], local_matched_tokens=0, local_load=Load(),
+        now=0.0, rtt_s={},
+    )
+    want = brute_match(replicas, chain)
+    assert {c.peer: c.matched_tokens for c in cands[1:]} == {
+        p: 4 * want.get(p, 0) for p in replicas
+    }
+
+
 class IndexModel(RuleBasedStateMachine):
     """Random operations on the index and on a plain model; they must always agree.
 

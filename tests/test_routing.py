@@ -18,6 +18,7 @@ from peerinfer.core.routing import (
     CostPolicy,
     RouteDecision,
     RouteRequest,
+    make_candidate,
     make_policy,
 )
 from peerinfer.errors import ConfigError
@@ -281,3 +282,16 @@ def test_cost_never_forwards_unless_it_beats_local_by_the_margin(
     # The failover order follows the estimates after the target.
     rest = [estimates[p] for p in d.ranked[1:]]
     assert rest == sorted(rest)
+
+
+@given(case=candidate_sets())
+def test_make_candidate_is_exactly_the_constructor(
+    case: tuple[RouteRequest, list[Candidate]],
+) -> None:
+    for c in case[1]:
+        fast = make_candidate(
+            c.peer, c.is_local, c.matched_tokens, c.load, c.rtt_s, c.digest_age_s, c.inflight
+        )
+        assert type(fast) is Candidate and fast == c and hash(fast) == hash(c)
+        with pytest.raises(AttributeError):
+            fast.peer = PeerId("other")  # type: ignore[misc]

@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from peerinfer.core.messages import Load
-from peerinfer.core.routing import Candidate
+from peerinfer.core.routing import Candidate, make_candidate
 from peerinfer.errors import ConfigError
 from peerinfer.types import BlockHash, PeerId
 
@@ -175,6 +175,12 @@ class _PeerObserver:
             self._index._unindex_block(self._state, h)
 
 
+#: The set bits of each byte value, ascending.
+_BYTE_BITS = tuple(tuple(i for i in range(8) if b >> i & 1) for b in range(256))
+#: Maps every non-zero byte to 1, so ``bytes.find(1)`` skips runs of empty bytes in C.
+_NONZERO = bytes([0] + [1] * 255)
+
+
 class PeerIndex:
     """All known peers' replicas, combined so that one chain walk matches every peer."""
 
@@ -217,6 +223,9 @@ class PeerIndex:
         self._spec_blocks = 0
         self._spec_clock = -math.inf
         self._pending_rescan: dict[PeerId, _PeerState] = {}
+        # _slots_in's tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB per
+        # slot in use), grown on demand up to the highest slot ever handed out.
+        self._byte_tables: list[tuple[tuple[int, ...], ...]] = []
 
     # ---------------------------------------------------------------------------- peers
 
@@ -338,14 +347,25 @@ class PeerIndex:
 
     def match_blocks(self, chain: Sequence[BlockHash]) -> dict[PeerId, int]:
         """For every peer holding at least the first block: how many leading blocks it holds."""
+        by_slot = self._by_slot
+        return {
+            by_slot[slot].peer: depth
+            for depth, mask in self._walk(chain)
+            for slot in self._slots_in(mask)
+        }
+
+    def _walk(self, chain: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """``(depth, mask)`` pairs: the peers in ``mask`` hold exactly ``depth`` leading blocks.
+
+        Depths are distinct and ascending, masks disjoint and non-zero.
+        """
         if self._pending_rescan:
             self._run_pending_rescans()
+        out: list[tuple[int, int]] = []
         if not chain:
-            return {}
+            return out
         masks = self._masks
         spec = self._spec_masks
-        by_slot = self._by_slot
-        out: dict[PeerId, int] = {}
         h0 = chain[0]
         alive = masks.get(h0, 0) | spec.get(h0, 0) if spec else masks.get(h0, 0)
         if not alive:
@@ -356,19 +376,12 @@ class PeerIndex:
             h = chain[depth]
             nxt = alive & (masks.get(h, 0) | spec.get(h, 0) if spec else masks.get(h, 0))
             if nxt != alive:
-                dropped = alive ^ nxt
-                while dropped:
-                    low = dropped & -dropped
-                    out[by_slot[low.bit_length() - 1].peer] = depth
-                    dropped ^= low
+                out.append((depth, alive ^ nxt))
                 alive = nxt
                 if not alive:
                     return out
             depth += 1
-        while alive:
-            low = alive & -alive
-            out[by_slot[low.bit_length() - 1].peer] = n
-            alive ^= low
+        out.append((n, alive))
         return out
 
     def candidates(
@@ -390,31 +403,37 @@ class PeerIndex:
         figure comes from the caller's own radix cache (exact, digest age 0). ``inflight``
         counts requests this node sent to a peer that have not finished yet.
         """
-        matched = self.match_blocks(chain)
+        matched = [0] * self._next_slot
+        for depth, mask in self._walk(chain):
+            tokens = depth * block_size
+            for slot in self._slots_in(mask):
+                matched[slot] = tokens
         inflight = inflight or {}
+        get_inflight = inflight.get
+        make = make_candidate
         out = [
-            Candidate(
+            make(
                 local_peer, True, local_matched_tokens, local_load, 0.0, 0.0,
-                inflight.get(local_peer, 0),
+                get_inflight(local_peer, 0),
             )
         ]
-        get_match = matched.get
+        append = out.append
         get_rtt = rtt_s.get
-        get_inflight = inflight.get
         inf = math.inf
         for peer, state in self._states.items():
             if peer == local_peer:
                 continue
             fresh_at = state.fresh_at
-            out.append(
-                Candidate(
+            age = now - fresh_at
+            append(
+                make(
                     peer,
                     False,
-                    get_match(peer, 0) * block_size,
+                    matched[state.slot],
                     state.load,
                     get_rtt(peer, default_rtt_s),
-                    inf if fresh_at == -inf else max(0.0, now - fresh_at),
-                    get_inflight(peer, 0),
+                    (age if age > 0.0 else 0.0) if fresh_at != -inf else inf,
+                    get_inflight(peer, 0) if inflight else 0,
                 )
             )
         return out
@@ -535,6 +554,31 @@ class PeerIndex:
             masks[h] = m | bit
             state.indexed += 1
         state.skipped = not complete
+
+    def _slots_in(self, mask: int) -> list[int]:
+        """The slots (set bit indices) of ``mask``, ascending."""
+        if mask.bit_count() * 32 <= mask.bit_length():
+            # Sparse: peel the lowest bit off, a few big-integer operations per peer.
+            out = []
+            while mask:
+                low = mask & -mask
+                out.append(low.bit_length() - 1)
+                mask ^= low
+            return out
+        # Dense: walk the non-zero bytes; a per-byte-position table gives their slots at once.
+        data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        tables = self._byte_tables
+        while len(tables) < len(data):
+            base = 8 * len(tables)
+            tables.append(tuple(tuple(base + i for i in bits) for bits in _BYTE_BITS))
+        slots: list[int] = []
+        extend = slots.extend
+        nonzero = data.translate(_NONZERO)
+        j = nonzero.find(1)
+        while j >= 0:
+            extend(tables[j][data[j]])
+            j = nonzero.find(1, j + 1)
+        return slots
 
     def _run_pending_rescans(self) -> None:
         pending = self._pending_rescan
