@@ -1,0 +1,293 @@
+"""The simulated engine: a deterministic stand-in for a model, timed by the cost model.
+
+No torch, no weights. It exists so that nodes, clusters and the discrete-event simulator can run
+anywhere, fast, with the same prefix-cache behaviour as the real engine:
+
+* **Tokenizer.** Text is cut into words, numbers and punctuation runs (each with its leading
+  space, long words in pieces of at most 8 characters, roughly like a BPE tokenizer's counts);
+  each piece's id is a keyed BLAKE2b hash of its UTF-8 bytes into the vocabulary (ids 0-3 are
+  reserved: pad, bos, eos, unk). Stable across processes and machines (never Python's
+  ``hash()``), but lossy: ``detokenize`` spells every id as a made-up word (``" kobu"``), so
+  ``detokenize(tokenize(text)) != text``.
+* **Output.** The completion is a pure function of the prompt, the seed (when sampling) and the
+  position: id ``i`` is a hash of (prompt digest, seed, i). It never emits end-of-sequence, so a
+  request ends by ``max_tokens``, a stop sequence, the context limit or cancellation.
+* **Cache.** The same :class:`~peerinfer.core.radix.RadixCache` as the real engine, with payload
+  None and ``kv_bytes_per_token * block_size`` bytes per block, matched and filled by the same
+  rules (match ``prompt[:-1]``; insert ``prompt + completion[:-1]``), so hits, capacity and
+  eviction behave alike.
+* **Time.** :meth:`SimulatedEngine.plan` is the pure part: it validates a request, updates the
+  cache and returns the timings the cost model gives (TTFT, service time) without sleeping; the
+  discrete-event simulator schedules virtual events from it. :meth:`Engine.generate` serves the
+  same request in real time: it sleeps the TTFT, then ``decode_s_per_token`` per further token
+  (times ``time_scale``; 0 never sleeps), checking the cancel token while it sleeps. A plan
+  ignores stop sequences (the simulator has no text); ``generate`` honours them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.messages import SamplingParams
+from peerinfer.engine.base import (
+    CancelToken,
+    Decoder,
+    DecodeRequest,
+    Engine,
+    FinishReason,
+    KVSegment,
+    wait_cancelled,
+)
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash
+
+#: Ids below this are reserved (pad, bos, eos, unk) and never produced by the tokenizer.
+RESERVED_IDS = 4
+EOS_ID = 2
+#: SmolLM2-135M's KV state per token in float32 (30 layers x K,V x 3 heads x 64 x 4 bytes).
+DEFAULT_KV_BYTES_PER_TOKEN = 46_080
+_MAX_PIECE_CHARS = 8
+
+_PIECES = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\w\s]+|\s+")
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What serving a request costs on the simulated engine, computed without waiting.
+
+    ``ttft_s``: time to first token once the request runs (overhead + prefill);
+    ``service_s``: the whole generation. ``cache_added``/``cache_removed``: the cache changes
+    since the previous report, this request's included (as ``Finished`` would carry them).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    completion_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    ttft_s: float
+    service_s: float
+    cache_added: tuple[BlockHash, ...]
+    cache_removed: tuple[BlockHash, ...]
+
+
+def _syllable_word(token: int) -> str:
+    n = token
+    parts: list[str] = []
+    while True:
+        n, r = divmod(n, len(_CONSONANTS) * len(_VOWELS))
+        parts.append(_CONSONANTS[r // len(_VOWELS)] + _VOWELS[r % len(_VOWELS)])
+        if n == 0:
+            break
+    return " " + "".join(parts)
+
+
+class SimulatedEngine(Engine):
+    """A deterministic, torch-free engine whose timing follows a :class:`CostModel`."""
+
+    supports_prefix_cache = True
+
+    def __init__(
+        self,
+        *,
+        costs: CostModel | None = None,
+        vocab_size: int = 32_000,
+        max_context_tokens: int = 8192,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+        model: str = "simulated",
+        time_scale: float = 1.0,
+        capacity_bytes: int | None = None,
+        block_size: int = 16,
+    ) -> None:
+        if vocab_size <= RESERVED_IDS:
+            raise ConfigError(f"vocab_size must be > {RESERVED_IDS}, got {vocab_size}")
+        if max_context_tokens < 2:
+            raise ConfigError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
+        if kv_bytes_per_token < 0:
+            raise ConfigError(f"kv_bytes_per_token must be >= 0, got {kv_bytes_per_token}")
+        if not time_scale >= 0:
+            raise ConfigError(f"time_scale must be >= 0, got {time_scale}")
+        self.costs = costs if costs is not None else DEFAULT_COSTS
+        self._vocab_size = vocab_size
+        self._max_context = max_context_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._model = model
+        self.time_scale = time_scale
+        self.default_capacity_bytes = capacity_bytes
+        self.default_block_size = block_size
+        self._fingerprint = hashlib.blake2b(
+            f"peerinfer-simulated/1\0{model}\0{vocab_size}".encode(), digest_size=32
+        ).digest()
+        self._piece_ids: dict[str, int] = {}
+
+    # ------------------------------------------------------------ identity and tokenizer
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fingerprint
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._max_context
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({EOS_ID})
+
+    @property
+    def model_name(self) -> str:
+        return self._model
+
+    def _piece_id(self, piece: str) -> int:
+        token = self._piece_ids.get(piece)
+        if token is None:
+            digest = hashlib.blake2b(
+                piece.encode("utf-8", "surrogatepass"), digest_size=8, person=b"peerinfer-simtok"
+            ).digest()
+            token = RESERVED_IDS + int.from_bytes(digest, "little") % (
+                self._vocab_size - RESERVED_IDS
+            )
+            if len(self._piece_ids) < 1_000_000:
+                self._piece_ids[piece] = token
+        return token
+
+    def tokenize(self, text: str) -> list[int]:
+        out: list[int] = []
+        for match in _PIECES.finditer(text):
+            piece = match.group()
+            for i in range(0, len(piece), _MAX_PIECE_CHARS):
+                out.append(self._piece_id(piece[i : i + _MAX_PIECE_CHARS]))
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return "".join(_syllable_word(t) for t in tokens if t >= RESERVED_IDS)
+
+    # ------------------------------------------------------------ output and timing
+
+    def completion_ids(self, prompt: Sequence[int], params: SamplingParams, n: int) -> list[int]:
+        """The first ``n`` tokens the engine generates for ``prompt`` (greedy: seed ignored)."""
+        seed = params.seed if params.temperature > 0 and params.seed is not None else 0
+        state = hashlib.blake2b(digest_size=16, person=b"peerinfer-simout")
+        state.update(struct.pack(f"<Q{len(prompt)}I", seed, *prompt))
+        key = state.digest()
+        span = self._vocab_size - RESERVED_IDS
+        out = []
+        for i in range(n):
+            d = hashlib.blake2b(i.to_bytes(4, "little"), digest_size=8, key=key).digest()
+            out.append(RESERVED_IDS + int.from_bytes(d, "little") % span)
+        return out
+
+    def plan(self, tokens: Sequence[int], params: SamplingParams | None = None) -> Plan:
+        """Serve ``tokens`` instantly: update the cache and return the cost model's timings.
+
+        Raises InvalidRequestError for a bad request, like ``generate``. Ignores stop
+        sequences. Call it in the same thread as the engine's other methods.
+        """
+        self._check_open()
+        if params is None:
+            params = SamplingParams()
+        prompt = self.validate_request(tokens, params)
+        if params.temperature > 0 and params.seed is None:
+            # Unseeded sampling differs per call, as on a real model; still a pure function of
+            # what the caller passed, so draw the seed from the prompt and a counter.
+            params = _with_seed(params, self._next_unseeded())
+        n = min(params.max_tokens, self._max_context - len(prompt))
+        completion = self.completion_ids(prompt, params, n)
+        cache = self._ensure_cache()
+        cached = 0
+        if cache is not None:
+            cached = cache.match(prompt[: len(prompt) - 1]).tokens
+            seq = prompt + tuple(completion[:-1])
+            cache.insert(seq, nbytes=self.kv_bytes_per_token * cache.block_size)
+        changes = self.take_cache_changes()
+        return Plan(
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            completion_tokens=n,
+            completion_ids=tuple(completion),
+            finish_reason="length",
+            ttft_s=self.costs.prefill_s(len(prompt), cached),
+            service_s=self.costs.service_s(len(prompt), cached, n),
+            cache_added=changes.added,
+            cache_removed=changes.removed,
+        )
+
+    _unseeded = 0
+
+    def _next_unseeded(self) -> int:
+        self._unseeded += 1
+        return self._unseeded
+
+    def open_decoder(self, request: DecodeRequest) -> Decoder:
+        params = request.params
+        if params.temperature > 0 and params.seed is None:
+            params = _with_seed(params, request.seed)
+        n = min(params.max_tokens, self._max_context - len(request.tokens))
+        return _SimulatedDecoder(
+            request.tokens,
+            self.completion_ids(request.tokens, params, n),
+            self.costs.prefill_s(len(request.tokens), request.prefix.tokens) * self.time_scale,
+            self.costs.decode_s_per_token * self.time_scale,
+            request.cancel,
+            self.kv_bytes_per_token * request.block_size,
+            request.block_size,
+        )
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return SamplingParams(params.max_tokens, params.temperature, params.top_p, seed, params.stop)
+
+
+class _SimulatedDecoder(Decoder):
+    """Sleeps the cost model's time, then hands out the precomputed completion."""
+
+    def __init__(
+        self,
+        prompt: tuple[int, ...],
+        completion: list[int],
+        first_token_s: float,
+        per_token_s: float,
+        cancel: CancelToken,
+        block_nbytes: int,
+        block_size: int,
+    ) -> None:
+        self._prompt_len = len(prompt)
+        self._completion = completion
+        self._first_s = first_token_s
+        self._per_token_s = per_token_s
+        self._cancel = cancel
+        self._block_nbytes = block_nbytes
+        self._block_size = block_size
+        self._produced = 0
+
+    def step(self) -> int | None:
+        if self._produced >= len(self._completion):
+            return None
+        wait_cancelled(self._cancel, self._first_s if self._produced == 0 else self._per_token_s)
+        token = self._completion[self._produced]
+        self._produced += 1
+        return token
+
+    @property
+    def kv_tokens(self) -> int:
+        # As on a real model: the prompt, and every generated token but the last (fed back only
+        # to produce the next one).
+        return self._prompt_len + max(0, self._produced - 1) if self._produced else 0
+
+    def export_segments(self, first_block: int) -> list[KVSegment]:
+        n_full = self.kv_tokens // self._block_size
+        return [KVSegment(None, self._block_nbytes) for _ in range(first_block, n_full)]
+
+
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "Plan", "SimulatedEngine"]
