@@ -244,6 +244,31 @@ def test_candidates_put_local_first_and_convert_blocks_to_tokens() -> None:
     assert two.load == Load(queued=2) and two.digest_age_s == math.inf
 
 
+def test_candidates_filter_and_cap() -> None:
+    index = make_index()
+    for peer in P[1:5]:
+        index.add_peer(peer)
+        digest_of(index, peer).add(BlockHash(1))
+        digest_of(index, peer).add(BlockHash(2))
+    index.mark_fresh(P[1], now=9.0)
+    index.mark_fresh(P[2], now=1.0)
+    index.mark_fresh(P[3], now=9.5)
+    cands = index.candidates(
+        H(1, 2),
+        block_size=16,
+        local_peer=P[0],
+        local_matched_tokens=32,
+        local_load=Load(),
+        now=10.0,
+        rtt_s={},
+        exclude={P[3]},
+        max_digest_age_s=5.0,
+        max_matched_tokens=31,
+    )
+    # P[2] is too stale, P[3] excluded, P[4] never confirmed; P[1] stays, capped at 31.
+    assert [(c.peer, c.matched_tokens) for c in cands] == [(P[0], 31), (P[1], 31)]
+
+
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ConfigError):
         PeerIndex(max_peers=0)

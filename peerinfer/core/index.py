@@ -63,7 +63,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from peerinfer.core.messages import Load
@@ -396,16 +396,25 @@ class PeerIndex:
         rtt_s: Mapping[PeerId, float],
         default_rtt_s: float = 0.05,
         inflight: Mapping[PeerId, int] | None = None,
+        exclude: Container[PeerId] = (),
+        max_digest_age_s: float = math.inf,
+        max_matched_tokens: int | None = None,
     ) -> list[Candidate]:
-        """One routing candidate per known peer plus the local one (first), for ``chain``.
+        """The local candidate (first) and one per known peer, for a prompt with ``chain``.
 
         A remote peer's matched tokens are its matched blocks times ``block_size``; the local
-        figure comes from the caller's own radix cache (exact, digest age 0). ``inflight``
-        counts requests this node sent to a peer that have not finished yet.
+        figure comes from the caller's own radix cache (exact, digest age 0). All are capped at
+        ``max_matched_tokens`` when given (e.g. prompt length - 1: the engine must run the last
+        token). ``inflight`` counts requests this node sent to a peer that have not finished.
+        Peers in ``exclude`` (already tried) and peers whose digest is older than
+        ``max_digest_age_s`` are left out; the local candidate never is.
         """
+        cap = math.inf if max_matched_tokens is None else max_matched_tokens
         matched = [0] * self._next_slot
         for depth, mask in self._walk(chain):
             tokens = depth * block_size
+            if tokens > cap:
+                tokens = int(cap)
             for slot in self._slots_in(mask):
                 matched[slot] = tokens
         inflight = inflight or {}
@@ -413,17 +422,22 @@ class PeerIndex:
         make = make_candidate
         out = [
             make(
-                local_peer, True, local_matched_tokens, local_load, 0.0, 0.0,
+                local_peer,
+                True,
+                int(min(local_matched_tokens, cap)),
+                local_load,
+                0.0,
+                0.0,
                 get_inflight(local_peer, 0),
             )
         ]
         append = out.append
         get_rtt = rtt_s.get
-        inf = math.inf
+        oldest = now - max_digest_age_s  # fresh_at below this: too old
         for peer, state in self._states.items():
-            if peer == local_peer:
-                continue
             fresh_at = state.fresh_at
+            if fresh_at < oldest or peer == local_peer or (exclude and peer in exclude):
+                continue
             age = now - fresh_at
             append(
                 make(
@@ -432,7 +446,7 @@ class PeerIndex:
                     matched[state.slot],
                     state.load,
                     get_rtt(peer, default_rtt_s),
-                    (age if age > 0.0 else 0.0) if fresh_at != -inf else inf,
+                    age if age > 0.0 else 0.0,  # inf when never fresh (fresh_at == -inf)
                     get_inflight(peer, 0) if inflight else 0,
                 )
             )
