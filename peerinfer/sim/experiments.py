@@ -1,0 +1,383 @@
+"""The experiments behind docs/evaluation.md: sweeps of simulator runs, their tables and figures.
+
+``python -m peerinfer.sim.experiments NAME [--out DIR] [--jobs J]`` runs one experiment (or
+``all``), writes ``DIR/NAME.json`` (every run's parameters and figures) and ``DIR/NAME*.png``,
+and prints a table. Every run is an ordinary ``peerinfer sim`` run: the JSON records each run's
+``params``, so any point can be re-run alone with the matching command line.
+
+Experiments
+    ``delay``    mean / p99 latency against the one-way link delay, for ``local`` (no routing),
+                 ``longest_prefix`` (the paper) and ``cost``, on a Zipf and a uniform workload
+    ``share``    per-node share of the most requested subject over time (300-request window,
+                 stride 30), ``longest_prefix``, under Zipf and under uniform popularity
+    ``cycle``    the specialization-eviction cycle: the same with caches too small for the
+                 subjects a specialized node attracts
+    ``hot``      tail latency on a hot-subject workload (``hot:K``) for the three policies
+    ``scale``    the gains of routing from 4 to 256 nodes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from peerinfer.sim.config import SimConfig
+
+POLICIES = ("local", "longest_prefix", "cost")
+DELAYS_MS = (0, 1, 2, 5, 10, 20, 50, 100)
+
+#: The common setting of the experiments (see docs/evaluation.md for why).
+BASE = SimConfig(
+    nodes=16,
+    requests=6000,
+    cache_tokens=8192,
+    rate=1.0,
+    delay_ms="5",
+    skew="zipf:1.1",
+    seed=1,
+)
+SKEWED = "zipf:1.1"
+HOT = "hot:2"
+
+_KEEP = (
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "latency_mean_s",
+    "latency_p50_s",
+    "latency_p99_s",
+    "hit_ratio",
+    "forwarded_fraction",
+    "failovers",
+    "rejected",
+    "sync_bytes",
+    "virtual_s",
+    "wall_s",
+    "requests_per_wall_s",
+    "load",
+    "anti_entropy",
+    "specialization",
+)
+
+
+def command_line(config: SimConfig) -> str:
+    """The ``peerinfer sim`` command that repeats ``config``'s run."""
+    d = SimConfig()
+    parts = ["peerinfer sim"]
+    flags = (
+        ("nodes", "--nodes"),
+        ("requests", "--requests"),
+        ("policy", "--policy"),
+        ("delay_ms", "--delay-ms"),
+        ("workload", "--workload"),
+        ("skew", "--skew"),
+        ("cache_tokens", "--cache-tokens"),
+        ("rate", "--rate"),
+        ("clients", "--clients"),
+        ("announce_interval_s", "--announce-interval"),
+        ("min_announce_gap_s", "--min-announce-gap"),
+        ("max_queue", "--max-queue"),
+        ("gossip_loss", "--gossip-loss"),
+        ("seed", "--seed"),
+    )
+    for attr, flag in flags:
+        value = getattr(config, attr)
+        if value != getattr(d, attr) or attr in ("nodes", "requests", "policy", "seed"):
+            parts.append(f"{flag} {'none' if value is None else value}")
+    if config.costs != d.costs:
+        parts.append(f"--costs {config.costs_source}")
+    return " ".join(parts)
+
+
+def _run_one(config: SimConfig, series: int) -> dict[str, Any]:
+    from peerinfer.sim.run import simulate
+
+    _, summary = simulate(config, series=series)
+    out = {k: summary[k] for k in _KEEP if k in summary}
+    if series:
+        out["share_series"] = summary.get("share_series", {})
+    out["params"] = summary["params"]
+    out["command"] = command_line(config)
+    return out
+
+
+def run_all(
+    configs: Sequence[SimConfig], *, jobs: int = 2, series: int = 0, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Run ``configs`` on ``jobs`` processes; results in the same order."""
+    started = time.perf_counter()
+    results: list[dict[str, Any] | None] = [None] * len(configs)
+    if jobs <= 1:
+        for i, c in enumerate(configs):
+            results[i] = _run_one(c, series)
+            log(f"  [{i + 1}/{len(configs)}] {command_line(c)}  ({results[i]['wall_s']} s)")
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_run_one, c, series) for c in configs]
+            for i, f in enumerate(futures):
+                results[i] = f.result()
+                log(f"  [{i + 1}/{len(configs)}] {command_line(configs[i])}  "
+                    f"({results[i]['wall_s']} s)")
+    log(f"  {len(configs)} runs in {time.perf_counter() - started:.0f} s")
+    return [r for r in results if r is not None]
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
+# ------------------------------------------------------------------------------ delay sweep
+
+
+def delay_configs(base: SimConfig, delays: Sequence[float], skews: Sequence[str]) -> list[SimConfig]:
+    return [
+        replace(base, skew=skew, delay_ms=f"{d:g}", policy=policy)
+        for skew in skews
+        for d in delays
+        for policy in POLICIES
+    ]
+
+
+def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    skews = (SKEWED, "uniform")
+    configs = delay_configs(base, DELAYS_MS, skews)
+    results = run_all(configs, jobs=jobs, log=log)
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    for col, skew in enumerate(skews):
+        for row, metric in enumerate(("latency_mean_s", "latency_p99_s")):
+            ax = axes[row][col]
+            for policy in POLICIES:
+                pts = [
+                    (float(r["params"]["delay_ms"]), r[metric])
+                    for r in results
+                    if r["params"]["skew"] == skew and r["params"]["policy"] == policy
+                ]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy, markersize=4)
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xlabel("one-way link delay (ms)")
+            ax.set_ylabel(("mean" if row == 0 else "p99") + " latency (s)")
+            ax.set_title(f"{skew} popularity, {base.nodes} nodes", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    _save(fig, out / "delay_sweep.png")
+    table = []
+    for skew in skews:
+        for d in DELAYS_MS:
+            row = {"skew": skew, "delay_ms": d}
+            for r in results:
+                p = r["params"]
+                if p["skew"] == skew and float(p["delay_ms"]) == d:
+                    row[p["policy"]] = {
+                        k: r[k] for k in ("latency_mean_s", "latency_p99_s", "ttft_mean_s",
+                                          "hit_ratio", "forwarded_fraction")
+                    }
+            table.append(row)
+    return {"runs": results, "table": table}
+
+
+def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
+    log(f"{'skew':<10}{'delay':>6}  " + "".join(f"{p + ' mean/p99':>26}" for p in POLICIES)
+        + "   cost<=min(local,lp)")
+    for row in data["table"]:
+        cells = []
+        for p in POLICIES:
+            r = row[p]
+            cells.append(f"{r['latency_mean_s']:>12.4f} /{r['latency_p99_s']:>10.4f}  ")
+        best = min(row["local"]["latency_mean_s"], row["longest_prefix"]["latency_mean_s"])
+        ok = row["cost"]["latency_mean_s"] <= best
+        log(f"{row['skew']:<10}{row['delay_ms']:>6}  " + "".join(cells) + f"   {ok}")
+
+
+# ------------------------------------------------------------------------------ share and cycle
+
+
+def _share_figure(results: list[dict], titles: Sequence[str], path: Path) -> None:
+    from peerinfer.sim.figures import plot_shares
+
+    plt = _plt()
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
+    for ax, r, title in zip(axes[:, 0], results, titles, strict=True):
+        (subject, s), *_ = r["share_series"].items()
+        plot_shares(s["window_end"], s["share"], path, f"{title}: '{subject}'", ax=ax)
+    _save(fig, path)
+
+
+def share_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    configs = [
+        replace(base, policy="longest_prefix", delay_ms="1", skew=skew)
+        for skew in (SKEWED, "uniform")
+    ]
+    results = run_all(configs, jobs=jobs, series=1, log=log)
+    _share_figure(
+        results,
+        [f"longest_prefix, {c.skew}, delay {c.delay_ms} ms" for c in configs],
+        out / "share_over_time.png",
+    )
+    return {"runs": results}
+
+
+def cycle_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    # Caches of 2048 tokens hold three or four 5-shot prefixes: a node that specializes in the
+    # top subject also attracts others, and the LRU evicts the top subject's prefix now and then.
+    caps = (2048, base.cache_tokens)
+    configs = [
+        replace(base, policy="longest_prefix", delay_ms="1", skew=SKEWED, cache_tokens=c)
+        for c in caps
+    ]
+    results = run_all(configs, jobs=jobs, series=1, log=log)
+    _share_figure(
+        results,
+        [f"longest_prefix, {c.skew}, cache {c.cache_tokens} tokens/node" for c in configs],
+        out / "eviction_cycle.png",
+    )
+    return {"runs": results}
+
+
+# ------------------------------------------------------------------------------ hot subjects
+
+
+def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    delays = (0, 1, 5, 20)
+    configs = [
+        replace(base, skew=HOT, delay_ms=f"{d:g}", policy=p) for d in delays for p in POLICIES
+    ]
+    results = run_all(configs, jobs=jobs, log=log)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for policy in POLICIES:
+        pts = [
+            (float(r["params"]["delay_ms"]), r["latency_p99_s"])
+            for r in results
+            if r["params"]["policy"] == policy
+        ]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("one-way link delay (ms)")
+    ax.set_ylabel("p99 latency (s)")
+    ax.set_title(f"{HOT} (80% of requests on 2 subjects), {base.nodes} nodes", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, out / "hot_p99.png")
+    return {"runs": results}
+
+
+# ------------------------------------------------------------------------------ scaling
+
+
+SCALE_NODES = (4, 16, 64, 256)
+
+
+def scale_configs(base: SimConfig, requests_per_node: int) -> list[SimConfig]:
+    return [
+        replace(base, nodes=n, requests=requests_per_node * n, skew=SKEWED, policy=p)
+        for n in SCALE_NODES
+        for p in POLICIES
+    ]
+
+
+def scale_experiment(
+    out: Path, base: SimConfig, jobs: int, log: Callable[[str], None], requests_per_node: int = 100
+) -> dict:
+    configs = scale_configs(base, requests_per_node)
+    results = run_all(configs, jobs=jobs, log=log)
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in POLICIES:
+        pts = [(r["params"]["nodes"], r) for r in results if r["params"]["policy"] == policy]
+        axes[0].plot([n for n, _ in pts], [r["latency_mean_s"] for _, r in pts], "o-", label=policy)
+        axes[1].plot([n for n, _ in pts], [r["hit_ratio"] for _, r in pts], "o-", label=policy)
+    for ax, label in zip(axes, ("mean latency (s)", "token hit ratio"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{SKEWED}, delay {base.delay_ms} ms, {requests_per_node} requests per node", fontsize=10
+    )
+    _save(fig, out / "scaling.png")
+    return {"runs": results}
+
+
+# ------------------------------------------------------------------------------ command line
+
+EXPERIMENTS: dict[str, Callable[..., dict]] = {
+    "delay": delay_experiment,
+    "share": share_experiment,
+    "cycle": cycle_experiment,
+    "hot": hot_experiment,
+    "scale": scale_experiment,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m peerinfer.sim.experiments",
+        description="Run the simulator experiments of docs/evaluation.md.",
+    )
+    parser.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    parser.add_argument("--out", default="docs/figures", help="output directory (PNG + JSON)")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel runs (default 2)")
+    parser.add_argument("--requests", type=int, help=f"requests per run (default {BASE.requests})")
+    parser.add_argument("--nodes", type=int, help=f"nodes (default {BASE.nodes})")
+    parser.add_argument("--seed", type=int, help=f"seed (default {BASE.seed})")
+    parser.add_argument(
+        "--requests-per-node", type=int, default=100, help="scale: requests per node (default 100)"
+    )
+    args = parser.parse_args(argv)
+    base = BASE
+    if args.requests is not None:
+        base = replace(base, requests=args.requests)
+    if args.nodes is not None:
+        base = replace(base, nodes=args.nodes)
+    if args.seed is not None:
+        base = replace(base, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        log(f"experiment {name}:")
+        kw = {"requests_per_node": args.requests_per_node} if name == "scale" else {}
+        data = EXPERIMENTS[name](out, base, args.jobs, log, **kw)
+        data["experiment"] = name
+        data["argv"] = sys.argv
+        (out / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+        if name == "delay":
+            print_delay_table(data, log)
+        else:
+            for r in data["runs"]:
+                p = r["params"]
+                log(
+                    f"  {p['policy']:<15} nodes {p['nodes']:>4} delay {p['delay_ms']:>4} "
+                    f"{p['skew']:<10} cache {p['cache_tokens']}: mean {r['latency_mean_s']:.4f} "
+                    f"p99 {r['latency_p99_s']:.4f} hit {r['hit_ratio']:.3f} "
+                    f"fwd {r['forwarded_fraction']:.3f} spec {r.get('specialization')}"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
