@@ -1,0 +1,253 @@
+"""Calibration: measure an engine's per-token costs on this machine, as a CostModel.
+
+Method (every figure is a median over ``repeats`` runs, after one warm-up request):
+
+* **Prefill and overhead.** Time to first token (from calling ``generate`` to the first
+  ``Tokens`` event) for fresh random prompts of several lengths, nothing cached; a least-squares
+  line through (length, TTFT) gives ``prefill_s_per_token`` (slope) and ``overhead_s``
+  (intercept, at least 0).
+* **Cached tokens.** A random prefix of ``P`` tokens is cached by one request, then prompts of
+  that prefix plus a fresh ``suffix``-token tail are timed; with two prefix lengths, the slope
+  of TTFT against ``P`` is the cost of one cached token (rebuilding the model's cache from its
+  segments and attending over it).
+* **Decode.** The median gap between consecutive ``Tokens`` events of a greedy generation.
+
+Prompts are random token ids from the upper part of the vocabulary (clear of the special tokens
+that tokenizers put first), drawn from ``random.Random(seed)``, so runs are repeatable and never
+hit each other's cache by accident. Calibration works through the public ``Engine`` interface
+only, so it measures any backend, and it leaves the engine's cache as it found it configured
+(it clears it at the end).
+
+``peerinfer calibrate`` calls :func:`run_calibrate_command` with the options that
+:func:`add_calibrate_arguments` declares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peerinfer.core.costmodel import CostModel
+from peerinfer.core.messages import SamplingParams
+from peerinfer.engine.base import Engine, Finished, Tokens
+from peerinfer.errors import ConfigError, EngineError
+
+DEFAULT_LENGTHS = (32, 128, 384)
+DEFAULT_PREFIXES = (128, 512)
+DEFAULT_SUFFIX = 16
+DEFAULT_DECODE_TOKENS = 24
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """The fitted cost model and the medians it was fitted to (seconds)."""
+
+    costs: CostModel
+    miss_ttft_s: dict[int, float] = field(default_factory=dict)
+    hit_ttft_s: dict[int, float] = field(default_factory=dict)
+    suffix_tokens: int = DEFAULT_SUFFIX
+    decode_gaps: int = 0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "costs": self.costs.to_dict(),
+            "measurements": {
+                "miss_ttft_s": {str(k): round(v, 6) for k, v in self.miss_ttft_s.items()},
+                "hit_ttft_s": {str(k): round(v, 6) for k, v in self.hit_ttft_s.items()},
+                "hit_suffix_tokens": self.suffix_tokens,
+                "decode_gaps_measured": self.decode_gaps,
+                "wall_s": round(self.wall_s, 3),
+            },
+        }
+
+
+def _random_prompt(rng: random.Random, engine: Engine, n: int) -> list[int]:
+    vocab = engine.vocab_size
+    low = min(vocab // 4, 1000)
+    return [rng.randrange(low, vocab) for _ in range(n)]
+
+
+def _ttft(engine: Engine, prompt: Sequence[int], max_tokens: int = 1) -> float:
+    t0 = time.perf_counter()
+    first = None
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=max_tokens)):
+        if first is None and isinstance(ev, Tokens):
+            first = time.perf_counter() - t0
+    if first is None:
+        raise EngineError("the engine produced no token while calibrating")
+    return first
+
+
+def _fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (slope, intercept)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return 0.0, my
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
+
+
+def calibrate_report(
+    engine: Engine,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    prefixes: Sequence[int] = DEFAULT_PREFIXES,
+    suffix: int = DEFAULT_SUFFIX,
+    decode_tokens: int = DEFAULT_DECODE_TOKENS,
+    repeats: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure ``engine`` and fit a cost model (see the module docstring)."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if len(set(lengths)) < 2 or len(set(prefixes)) < 2:
+        raise ConfigError("calibration needs at least two prompt lengths and two prefix lengths")
+    limit = engine.max_context_tokens - decode_tokens - 2
+    if max(lengths) >= limit or max(prefixes) + suffix >= limit:
+        raise ConfigError(f"calibration prompts must stay under the context ({limit} tokens)")
+    say = progress or (lambda _msg: None)
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    _ttft(engine, _random_prompt(rng, engine, 16), max_tokens=2)  # warm-up
+
+    miss: dict[int, float] = {}
+    for n in lengths:
+        miss[n] = statistics.median(
+            _ttft(engine, _random_prompt(rng, engine, n)) for _ in range(repeats)
+        )
+        say(f"miss ttft {n:5d} tokens: {miss[n] * 1000:8.1f} ms")
+    prefill, overhead = _fit_line(list(miss.items()))
+
+    hit: dict[int, float] = {}
+    for p in prefixes:
+        prefix = _random_prompt(rng, engine, p)
+        _ttft(engine, [*prefix, *_random_prompt(rng, engine, 1)])  # caches the prefix
+        times = []
+        for _ in range(repeats):
+            prompt = [*prefix, *_random_prompt(rng, engine, suffix)]
+            times.append(_ttft(engine, prompt))
+        hit[p] = statistics.median(times)
+        say(f"hit ttft  {p:5d} cached + {suffix} new: {hit[p] * 1000:8.1f} ms")
+    cached, _ = _fit_line(list(hit.items()))
+
+    gaps: list[float] = []
+    for _ in range(repeats):
+        last = None
+        prompt = _random_prompt(rng, engine, 64)
+        for ev in engine.generate(prompt, SamplingParams(max_tokens=decode_tokens)):
+            if isinstance(ev, Tokens) and ev.token_ids:
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            elif isinstance(ev, Finished):
+                break
+    if not gaps:
+        raise EngineError("the engine never generated two tokens in a row while calibrating")
+    decode = statistics.median(gaps)
+    say(f"decode: {decode * 1000:.2f} ms/token over {len(gaps)} gaps")
+
+    cache = engine.radix_cache
+    if cache is not None:
+        cache.clear()
+        engine.take_cache_changes()
+    costs = CostModel(
+        prefill_s_per_token=max(0.0, prefill),
+        cached_s_per_token=max(0.0, cached),
+        decode_s_per_token=max(0.0, decode),
+        overhead_s=max(0.0, overhead),
+        slots=1,
+    )
+    return Calibration(costs, miss, hit, suffix, len(gaps), time.perf_counter() - started)
+
+
+def calibrate(engine: Engine, **options: Any) -> CostModel:
+    """The cost model of ``engine`` on this machine (options as :func:`calibrate_report`)."""
+    return calibrate_report(engine, **options).costs
+
+
+# --------------------------------------------------------------------------------------------
+# The command line (``peerinfer calibrate``).
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", default="hf", help="backend to measure (default: hf)")
+    parser.add_argument("--model", help="hub id, local directory or GGUF file (hf default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", help="cpu, cuda, ... (hf default: CUDA when available)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (hf; default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point; medians are kept (default: 3)")
+    parser.add_argument("--quick", action="store_true", help="shorter prompts (a rough figure in seconds)")
+    parser.add_argument("--output", type=Path, help="also write the result as JSON to this file (for --costs)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run_calibrate_command(args: argparse.Namespace) -> int:
+    from peerinfer.engine.registry import load_engine
+
+    options: dict[str, Any] = {}
+    for name in ("model", "device", "threads"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    engine = load_engine(args.engine, **options)
+    try:
+        kwargs: dict[str, Any] = {"repeats": args.repeats}
+        if args.quick:
+            kwargs.update(lengths=(16, 64), prefixes=(64, 128), decode_tokens=8)
+        report = calibrate_report(
+            engine,
+            progress=None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True)),
+            **kwargs,
+        )
+    finally:
+        engine.close()
+    data = report.to_dict()
+    data["model"] = engine.model_name
+    if args.output is not None:
+        args.output.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(data))
+    else:
+        c = report.costs
+        print(f"model                {engine.model_name}")
+        print(f"prefill_s_per_token  {c.prefill_s_per_token:.6f}   (uncached prompt token)")
+        print(f"cached_s_per_token   {c.cached_s_per_token:.6f}   (prompt token from cache)")
+        print(f"decode_s_per_token   {c.decode_s_per_token:.6f}   (generated token)")
+        print(f"overhead_s           {c.overhead_s:.6f}   (per request)")
+        if args.output is not None:
+            print(f"written to {args.output} (use with --costs)")
+    return 0
+
+
+def main_calibrate(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m peerinfer.engine.calibrate [options]``."""
+    parser = argparse.ArgumentParser(prog="peerinfer calibrate", description="Measure an engine's per-token costs on this machine.")
+    add_calibrate_arguments(parser)
+    return run_calibrate_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_calibrate())
+
+
+__all__ = [
+    "Calibration",
+    "add_calibrate_arguments",
+    "calibrate",
+    "calibrate_report",
+    "main_calibrate",
+    "run_calibrate_command",
+]
