@@ -115,7 +115,7 @@ class MdnsBridge:
             return mdns
 
         try:
-            self._mdns = await trio.to_thread.run_sync(start_blocking, abandon_on_cancel=True)
+            self._mdns = await trio.to_thread.run_sync(start_blocking, abandon_on_cancel=True)  # type: ignore[call-arg]
         except Exception as exc:  # no multicast on this machine: run without mDNS
             logger.warning("mDNS unavailable, continuing without it: %r", exc)
 
@@ -133,7 +133,7 @@ class MdnsBridge:
         with trio.move_on_after(5) as scope:
             scope.shield = True
             try:
-                await trio.to_thread.run_sync(stop_blocking, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(stop_blocking, abandon_on_cancel=True)  # type: ignore[call-arg]
             except Exception as exc:
                 logger.debug("stopping mDNS: %r", exc)
 

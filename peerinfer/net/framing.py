@@ -109,7 +109,9 @@ class FramedStream:
         try:
             with translated("close_write", self.remote_peer, CLOSE_TIMEOUT_S):
                 with trio.fail_after(CLOSE_TIMEOUT_S):
-                    await self._stream.close_write()
+                    # NetStream has close_write (a yamux FIN); the INetStream interface does not.
+                    close_write = getattr(self._stream, "close_write", None)
+                    await (self._stream.close() if close_write is None else close_write())
         except RemoteError:
             await self.reset()
             raise

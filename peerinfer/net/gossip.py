@@ -13,7 +13,9 @@ What is changed from the library's defaults, and why:
 * ``strict_signing=True`` (the default, kept): every message is signed by its origin and checked
   against the origin's peer id before validators run, so ``GossipMessage.sender`` is proven.
 
-``GuardedPubsub`` closes two crashes, both reachable by any connected peer:
+``GuardedPubsub`` delivers accepted messages through a callback (``notify_subscriptions``)
+instead of libp2p's 32-slot subscription channel, and closes two crashes, both reachable by any
+connected peer:
 
 1. A malformed RPC on the pubsub stream: ``continuously_read_stream`` lets protobuf's
    ``DecodeError`` escape, which kills the Pubsub service and then the whole host.
@@ -53,9 +55,12 @@ from peerinfer.net.config import HostConfig
 
 logger = logging.getLogger(__name__)
 
-#: The gossipsub versions we speak, preferred first. All peers run py-libp2p, so we keep to the
-#: versions without the v1.3+ extension machinery (less code reachable by a peer).
-GOSSIP_PROTOCOLS: tuple[str, ...] = ("/meshsub/1.2.0", "/meshsub/1.1.0")
+#: The gossipsub version we speak. All peers run peerinfer on py-libp2p, so one version: v1.1
+#: (scoring, PRUNE backoff). v1.2 adds IDONTWANT, which py-libp2p sends for each message to
+#: every mesh peer *including the one it is sending the message to*, doubling the outbound RPCs
+#: (and the per-peer queue of 32 RPCs then overflows, silently, after 16 quick publishes);
+#: v1.3+ adds an extension machinery we do not need (less code reachable by a peer).
+GOSSIP_PROTOCOLS: tuple[str, ...] = ("/meshsub/1.1.0",)
 
 #: Room for the RPC envelope around a message (signature, key, ids, the signed peer record).
 RPC_OVERHEAD_BYTES = 64 * 1024
@@ -78,6 +83,9 @@ Validator = Callable[[GossipMessage], Awaitable[bool] | bool]
 
 #: Called with (peer id, reason) when a peer sent pubsub bytes we cannot accept.
 ViolationCallback = Callable[[str, str], None]
+
+#: Called (synchronously, in push order) with each accepted message for a topic we joined.
+DeliveryCallback = Callable[[str, rpc_pb2.Message], None]
 
 
 def gossip_message_from_pb(topic: str, msg: rpc_pb2.Message) -> GossipMessage:
@@ -131,6 +139,7 @@ class GuardedPubsub(Pubsub):
         router: GossipSub,
         config: HostConfig,
         on_violation: ViolationCallback,
+        deliver: DeliveryCallback,
     ) -> None:
         super().__init__(
             host,
@@ -141,6 +150,7 @@ class GuardedPubsub(Pubsub):
             allowed_topics=None if config.gossip_topics is None else set(config.gossip_topics),
         )
         self._on_violation = on_violation
+        self._deliver = deliver
 
     def _report(self, peer_id: ID, reason: str) -> None:
         try:
@@ -164,6 +174,16 @@ class GuardedPubsub(Pubsub):
                     pass
             self._handle_dead_peer(peer_id)
             self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
+
+    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
+        # Instead of libp2p's 32-slot channel per topic (full: dropped with a log line), hand
+        # each message straight to the host, which buffers per subscriber and counts drops.
+        for topic in publish_message.topicIDs:
+            if topic in self.subscribed_topics_receive:
+                try:
+                    self._deliver(topic, publish_message)
+                except Exception:
+                    logger.exception("delivering a message on %r failed", topic)
 
     async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         try:

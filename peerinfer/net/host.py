@@ -20,10 +20,11 @@ owns, everything the node needs from the network:
 * **Stream handlers** registered with ``set_handler`` run wrapped: an exception is logged, the
   stream reset, and the host carries on (in py-libp2p an exception escaping a handler crashes
   the host). A handler that returns normally has its stream closed for it.
-* **Gossip** (``subscribe``/``publish``): see ``peerinfer.net.gossip``. Each topic has one pump
-  task copying libp2p's 32-slot subscription queue (full: libp2p drops) into per-subscriber
-  channels of ``subscription_buffer`` slots (full: we drop and count, ``statistics()``). Our own
-  ``publish`` is paced by a token bucket per topic and waits, rather than letting libp2p drop.
+* **Gossip** (``subscribe``/``publish``): see ``peerinfer.net.gossip``. Accepted messages go
+  straight from libp2p's push path into per-subscriber channels of ``subscription_buffer``
+  slots (full: dropped and counted in ``statistics()``), bypassing libp2p's 32-slot queue.
+  Our own ``publish`` is paced by a token bucket per topic and waits (briefly) for libp2p's
+  32-RPC per-peer outbound queues to drain, rather than letting libp2p drop silently.
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
   consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
@@ -65,6 +66,8 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.rpc_queue import OutBoundQueueSize
 from libp2p.rcmgr import ResourceLimits, ResourceManager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -107,6 +110,10 @@ KNOWN_ADDR_TTL_S = 3600
 PEER_EVENT_BUFFER = 256
 #: Bound on disconnecting a peer (closing a hung connection can block on a full socket).
 DISCONNECT_TIMEOUT_S = 2.0
+#: Before publishing, wait (at most OUTBOUND_DRAIN_WAIT_S) until every peer's libp2p outbound
+#: queue is below this many RPCs (of OutBoundQueueSize = 32; a full queue drops silently).
+OUTBOUND_HIGH_WATER = OutBoundQueueSize // 2
+OUTBOUND_DRAIN_WAIT_S = 0.25
 
 PeerEventKind = Literal["connected", "disconnected", "discovered", "unresponsive", "misbehaved"]
 StreamHandler = Callable[[FramedStream], Awaitable[None]]
@@ -236,7 +243,7 @@ class Host:
         self._buckets: dict[str, TokenBucket] = {}
         self._publish_rate = own_publish_rate(config.effective_gossip_rate_limit())
         self._router = make_router(config)
-        self._pubsub = GuardedPubsub(libp2p_host, self._router, config, self._on_violation)
+        self._pubsub = GuardedPubsub(libp2p_host, self._router, config, self._on_violation, self._deliver)
         self._mdns: MdnsBridge | None = None
         self._network.register_notifee(_ConnectionNotifee(self))
         self.set_handler(PING_PROTOCOL, self._serve_ping)
@@ -550,38 +557,39 @@ class Host:
         state = self._topics.get(topic)
         if state is None:
             with translated("subscribe"):
-                subscription = await self._pubsub.subscribe(topic)
+                await self._pubsub.subscribe(topic)  # messages arrive through _deliver
             state = self._topics[topic] = _Topic()
-            self._nursery_or_closed().start_soon(self._pump, topic, subscription, state)
         send, receive = trio.open_memory_channel[GossipMessage](self._config.subscription_buffer)
         state.subscribers.append(_Subscriber(send, include_own))
         return receive
 
     async def unsubscribe(self, topic: str) -> None:
         """Leave ``topic``: every subscriber's channel ends (``EndOfChannel``)."""
-        if topic in self._topics:
-            with translated("unsubscribe"):
-                await self._pubsub.unsubscribe(topic)
-            self._pubsub.remove_topic_validator(topic)
+        state = self._topics.pop(topic, None)
+        if state is None:
+            return
+        for subscriber in state.subscribers:
+            subscriber.channel.close()
+        self._pubsub.remove_topic_validator(topic)
+        with translated("unsubscribe"):
+            await self._pubsub.unsubscribe(topic)
 
-    async def _pump(self, topic: str, subscription: AsyncIterator[object], state: _Topic) -> None:
-        try:
-            async for raw in subscription:
-                message = gossip_message_from_pb(topic, raw)  # type: ignore[arg-type]
-                own = message.sender == self._peer_id
-                for subscriber in list(state.subscribers):
-                    if own and not subscriber.include_own:
-                        continue
-                    try:
-                        subscriber.channel.send_nowait(message)
-                    except trio.WouldBlock:
-                        self._counters.gossip_dropped += 1
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        state.subscribers.remove(subscriber)
-        finally:
-            self._topics.pop(topic, None)
-            for subscriber in state.subscribers:
-                subscriber.channel.close()
+    def _deliver(self, topic: str, raw: rpc_pb2.Message) -> None:
+        """Called by GuardedPubsub, synchronously, for each accepted message of a joined topic."""
+        state = self._topics.get(topic)
+        if state is None:
+            return
+        message = gossip_message_from_pb(topic, raw)
+        own = message.sender == self._peer_id
+        for subscriber in list(state.subscribers):
+            if own and not subscriber.include_own:
+                continue
+            try:
+                subscriber.channel.send_nowait(message)
+            except trio.WouldBlock:
+                self._counters.gossip_dropped += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                state.subscribers.remove(subscriber)
 
     async def publish(self, topic: str, data: bytes, *, timeout: float | None = None) -> None:
         """Sign and publish ``data`` on ``topic``.
@@ -604,7 +612,18 @@ class Host:
         with translated("publish", None, deadline), trio.fail_after(deadline):
             while not bucket.take(trio.current_time()):
                 await trio.sleep(bucket.delay(trio.current_time()))
+            await self._wait_for_outbound_room()
             await self._pubsub.publish(topic, bytes(data))
+
+    async def _wait_for_outbound_room(self) -> None:
+        """Let libp2p's per-peer outbound queues (32 RPCs, full: dropped) drain below half.
+
+        Bounded: a hung peer's queue never drains, and must not stall publishing to others.
+        """
+        with trio.move_on_after(OUTBOUND_DRAIN_WAIT_S):
+            while any(len(q) >= OUTBOUND_HIGH_WATER for q in self._pubsub.peer_queues.values()):
+                await trio.sleep(0.001)
+        await trio.lowlevel.checkpoint()
 
     def gossip_peers(self, topic: str) -> list[str]:
         """Connected peers known to be subscribed to ``topic``."""
