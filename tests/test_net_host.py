@@ -411,3 +411,22 @@ async def test_closed_host_refuses_use() -> None:
         await a.publish("t", b"x")
     with pytest.raises(ClosedError):
         await a.open_stream(a.peer_id, "/x")
+
+
+async def test_a_reset_is_not_mistaken_for_a_clean_end() -> None:
+    """py-libp2p's yamux turns a RST into a plain EOF; FramedStream must still tell them apart."""
+
+    async def answer_then_fail(stream: FramedStream) -> None:
+        await stream.receive()
+        await stream.send(b"partial answer")
+        raise RuntimeError("failed mid-answer")
+
+    async with open_host(config()) as a, open_host(config()) as b:
+        b.set_handler("/test/fails/1", answer_then_fail)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/fails/1")
+        await stream.send(b"question")
+        await stream.close_write()
+        assert await stream.receive() == b"partial answer"
+        with pytest.raises(PeerUnavailableError):
+            await stream.receive()

@@ -15,10 +15,11 @@ the peer, the stream is reset before the error is raised (``RequestTimeoutError`
 ``ProtocolError``, ``PeerUnavailableError``). A clean end of stream at a frame boundary is not
 an error: ``receive`` raises ``trio.EndOfChannel``, like a trio channel, and ``async for`` stops.
 
-Beware: py-libp2p 0.8.1's yamux drops a stream's state when a reset (RST) arrives, so once the
-buffered data is read a reset *looks like a clean end of stream*. A reset is only reported as
-such when it lands while a read is waiting. Protocols must therefore end with an explicit final
-frame (a "done" message); ``EndOfChannel`` before it means the peer gave up or failed.
+py-libp2p 0.8.1's yamux drops a stream's state when a reset (RST) arrives and then reports a
+plain end of stream; we tell the two apart by the ``reset_received`` flag left on the yamux
+stream object (so a reset is ``PeerUnavailableError``, not ``EndOfChannel``). Protocols should
+still end with an explicit final frame (a "done" message): a peer that closes cleanly in the
+middle of an answer, having given up, is indistinguishable from one that finished.
 
 Use: at most one task sending and one task receiving at a time. ``async with stream:`` closes
 it on exit, or resets it when the body raised.
@@ -34,7 +35,13 @@ from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.utils.varint import encode_uvarint
 
-from peerinfer.errors import ClosedError, InvalidRequestError, ProtocolError, RemoteError
+from peerinfer.errors import (
+    ClosedError,
+    InvalidRequestError,
+    PeerUnavailableError,
+    ProtocolError,
+    RemoteError,
+)
 from peerinfer.net._errors import translated
 
 logger = logging.getLogger(__name__)
@@ -155,10 +162,18 @@ class FramedStream:
             except StreamEOF:
                 chunk = b""
             if not chunk:
+                if self._reset_by_peer():
+                    raise PeerUnavailableError(f"stream reset by {self.remote_peer}")
                 if self._pending_length is None and not self._buffer:
                     raise trio.EndOfChannel
                 raise ProtocolError(f"{self.remote_peer} ended the stream inside a frame")
             self._buffer += chunk
+
+    def _reset_by_peer(self) -> bool:
+        # py-libp2p's yamux forgets a stream once a RST arrives and then reports a plain EOF;
+        # the flag on the muxed stream object is the only trace left of the reset.
+        muxed = getattr(self._stream, "muxed_stream", None)
+        return bool(getattr(muxed, "reset_received", False))
 
     def __aiter__(self) -> FramedStream:
         return self

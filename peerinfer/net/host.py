@@ -461,8 +461,8 @@ class Host:
     ) -> bytes:
         """Open a stream, send one frame, half-close, return the one-frame reply, close.
 
-        ``timeout`` bounds the whole exchange. A reply-less end of stream (the handler failed
-        or refused) is a PeerUnavailableError.
+        ``timeout`` bounds the whole exchange. A reset, or an end of stream without a reply,
+        is a PeerUnavailableError.
         """
         deadline = trio.current_time() + (self._config.stream_timeout_s if timeout is None else timeout)
 
@@ -476,7 +476,6 @@ class Host:
             try:
                 return await stream.receive(timeout=left())
             except trio.EndOfChannel:
-                # py-libp2p's yamux reports a reset (the handler failed) as a clean end.
                 raise PeerUnavailableError(f"{peer_id} ended {protocol} without replying") from None
 
     # -- liveness -----------------------------------------------------------------------------
