@@ -85,6 +85,7 @@ class MdnsBridge:
         self._on_discovered = on_discovered
         self._token = trio.lowlevel.current_trio_token()
         self._mdns: MDNSDiscovery | None = None
+        self._stopped = False
 
     # Runs in zeroconf's thread (or any thread): never touch host state here.
     def handle_peer_info(self, peer_info: PeerInfo) -> None:
@@ -115,27 +116,37 @@ class MdnsBridge:
             return mdns
 
         try:
-            self._mdns = await trio.to_thread.run_sync(start_blocking, abandon_on_cancel=True)  # type: ignore[call-arg]
+            # Shielded: a cancelled start would leak a running zeroconf (its threads, its socket).
+            with trio.CancelScope(shield=True):
+                mdns = await trio.to_thread.run_sync(start_blocking)
         except Exception as exc:  # no multicast on this machine: run without mDNS
             logger.warning("mDNS unavailable, continuing without it: %r", exc)
+            return
+        if self._stopped:  # stop() ran while we were starting: undo
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_close_mdns, mdns)
+        else:
+            self._mdns = mdns
 
     async def stop(self) -> None:
+        self._stopped = True
         peerDiscovery.unregister_peer_discovered_handler(self.handle_peer_info)
         mdns, self._mdns = self._mdns, None
         if mdns is None:
             return
-
-        def stop_blocking() -> None:
-            mdns.broadcaster.unregister()
-            mdns.listener.stop()
-            mdns.zeroconf.close()
-
         with trio.move_on_after(5) as scope:
             scope.shield = True
-            try:
-                await trio.to_thread.run_sync(stop_blocking, abandon_on_cancel=True)  # type: ignore[call-arg]
-            except Exception as exc:
-                logger.debug("stopping mDNS: %r", exc)
+            await trio.to_thread.run_sync(_close_mdns, mdns, abandon_on_cancel=True)  # type: ignore[call-arg]
+
+
+def _close_mdns(mdns: MDNSDiscovery) -> None:
+    """Unannounce and close zeroconf (blocking: run in a thread)."""
+    try:
+        mdns.broadcaster.unregister()
+        mdns.listener.stop()
+        mdns.zeroconf.close()
+    except Exception as exc:
+        logger.debug("stopping mDNS: %r", exc)
 
 
 __all__ = ["MdnsBridge", "expand_unspecified", "local_ipv4s", "primary_ipv4"]

@@ -649,7 +649,10 @@ class Host:
 
     def peer_events(self, buffer: int = PEER_EVENT_BUFFER) -> trio.MemoryReceiveChannel[PeerEvent]:
         """A new channel receiving every later ``PeerEvent``; close it when done. If it is not
-        drained, events beyond ``buffer`` are dropped (counted in ``statistics()``)."""
+        drained, events beyond ``buffer`` are dropped (counted in ``statistics()``).
+
+        Discovery (bootstrap, mDNS) starts only at the first checkpoint of the ``open_host``
+        body, so a channel opened before the body's first ``await`` misses no event."""
         send, receive = trio.open_memory_channel[PeerEvent](buffer)
         self._event_channels.append(send)
         return receive
@@ -730,7 +733,7 @@ class Host:
             raise ClosedError("the host is closed")
         return self._nursery
 
-    async def _start(self, nursery: trio.Nursery, bootstrap: Sequence[PeerInfo]) -> None:
+    def _start(self, nursery: trio.Nursery, bootstrap: Sequence[PeerInfo]) -> None:
         self._nursery = nursery
         for info in bootstrap:
             nursery.start_soon(self._keep_connected, info)
@@ -739,7 +742,7 @@ class Host:
         if self._config.mdns:
             self._mdns = MdnsBridge(self._network, self._peer_id, self._on_discovered)
             bare = [multiaddr.Multiaddr(a.rsplit("/p2p/", 1)[0]) for a in self.dialable_addrs()]
-            await self._mdns.start(bare)
+            nursery.start_soon(self._mdns.start, bare)
 
     async def _stop(self) -> None:
         self._closed = True
@@ -862,7 +865,7 @@ async def _running(
             await host._pubsub.wait_until_ready()
             try:
                 async with trio.open_nursery() as nursery:
-                    await host._start(nursery, bootstrap)
+                    host._start(nursery, bootstrap)
                     try:
                         yield
                     finally:
