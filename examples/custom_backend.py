@@ -7,7 +7,7 @@ It has no prefix cache, so it reports ``cached_tokens=0`` and no cache changes.
 
 Use it without installing anything::
 
-    peerinfer serve --engine examples/custom_backend.py:EchoEngine
+    peerinfer node --engine examples/custom_backend.py:EchoEngine
 
 or from Python: ``load_engine("examples/custom_backend.py:EchoEngine", delay_s=0.01)``. A
 package registers it under a name with an entry point in its ``pyproject.toml``::

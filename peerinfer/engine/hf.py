@@ -207,7 +207,7 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> tuple[Path, bytes]:
             raise ConfigError(f"cannot load the GGUF file {gguf}: {exc}") from exc
         # The weights are dequantized by now: drop the quantizer so save_pretrained writes
         # plain safetensors.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         try:
@@ -242,12 +242,12 @@ def _quiet_progress() -> Iterator[None]:
     """Loading a model draws progress bars; a daemon's log is no place for them."""
     hf_logging = transformers.utils.logging
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         yield
     finally:
         if was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _pick_device(device: str | None) -> torch.device:
@@ -348,7 +348,7 @@ class TransformersEngine(Engine):
                 )
         except Exception as exc:  # OSError, ValueError, HF hub errors...: all mean "cannot load"
             raise ConfigError(f"cannot load model {self._name!r}: {exc}") from exc
-        self.model = loaded.to(self.device).eval()
+        self.model: Any = loaded.to(self.device).eval()
         if self._fingerprint is None:  # a hub id: fingerprint the downloaded snapshot
             self._fingerprint = self._hub_fingerprint(str(directory), revision)
         config = self.model.config
@@ -406,7 +406,7 @@ class TransformersEngine(Engine):
 
     @staticmethod
     def _hub_fingerprint(name: str, revision: str | None) -> bytes:
-        from transformers.utils import cached_file
+        from transformers.utils import cached_file  # type: ignore[attr-defined]
 
         try:
             config = cached_file(name, "config.json", revision=revision)
@@ -493,7 +493,8 @@ class TransformersEngine(Engine):
         cache = DynamicCache(config=self.model.config)
         if segments:
             kv = segments[0] if len(segments) == 1 else torch.cat(tuple(segments), dim=3)
-            for i, layer in enumerate(cache.layers):
+            layers: list[Any] = list(cache.layers)  # all DynamicLayer (checked at load)
+            for i, layer in enumerate(layers):
                 keys = kv[i, 0].unsqueeze(0)  # [1, kv_heads, tokens, head_dim], a view
                 values = kv[i, 1].unsqueeze(0)
                 layer.lazy_initialization(keys, values)
@@ -510,17 +511,19 @@ class TransformersEngine(Engine):
             kwargs[self._logits_kw] = 1
         with torch.inference_mode():
             out = self.model(input_ids=ids, **kwargs)
-        return out.logits[0, -1]
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
 
     def export_blocks(self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int) -> list[KVSegment]:
         """Copies of blocks ``first_block .. first_block + n_blocks`` of ``cache``."""
         if n_blocks <= 0:
             return []
         a, b = first_block * block_size, (first_block + n_blocks) * block_size
+        layers: list[Any] = list(cache.layers)
         with torch.inference_mode():
             # [layers, 2, kv_heads, b - a, head_dim]
             kv = torch.stack(
-                [torch.stack((layer.keys[0, :, a:b], layer.values[0, :, a:b])) for layer in cache.layers]
+                [torch.stack((layer.keys[0, :, a:b], layer.values[0, :, a:b])) for layer in layers]
             )
             out = []
             for i in range(n_blocks):

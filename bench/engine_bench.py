@@ -1,0 +1,320 @@
+"""Engine benchmark: what KV reuse from the radix cache buys on a real model.
+
+Run ``python bench/engine_bench.py`` for a table, ``--json`` for one JSON object with the keys
+``ttft_miss_s``, ``ttft_hit_s``, ``suffix_floor_s``, ``decode_tokens_per_s_reuse``,
+``decode_tokens_per_s_hf``, ``cache_build_s``, ``second_load_s`` and ``kv_bytes_per_token`` (and
+a few more: ratios, prompt sizes, hit TTFT against prefix length).
+
+Workload: MMLU 5-shot prompts (``../shared/data/mmlu`` or ``--data``). A subject's *prefix* is
+the standard header plus its five ``dev`` examples with answers; a *suffix* is one ``test``
+question ending in ``Answer:``. Prefix and suffix are tokenized separately and concatenated, as
+a client reusing a prefix would. Model: the engine's default (SmolLM2-135M-Instruct), greedy.
+
+What is timed (medians over subjects x repetitions)
+---------------------------------------------------
+* ``ttft_miss_s``: ``generate`` to the first token, nothing cached.
+* ``ttft_hit_s``: the same with the subject's prefix cached (by an earlier request with another
+  question): build the model's cache from stored segments, run the suffix, pick a token.
+* ``suffix_floor_s``: one forward pass over exactly the tokens the hit ran, after a ready-made
+  cache of the same prefix (built untimed): the least any reuse scheme could cost.
+* ``cache_build_s``: the hit's cache assembly alone (the engine's own measurement).
+* ``decode_tokens_per_s_reuse`` / ``_hf``: tokens per second after the first, through the engine
+  (prefix cached) and through ``model.generate`` on the full prompt (a streamer timestamps each
+  token), for the same number of tokens.
+* ``second_load_s``: a fresh Python process importing the engine and loading the default model
+  once its converted copy exists (imports included).
+* ``hit TTFT against prefix length``: 1- to 5-shot prefixes cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "mmlu"
+CHOICES = "ABCD"
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return [row for row in csv.reader(f) if len(row) == 6]
+
+
+def _format(row: Sequence[str], with_answer: bool) -> str:
+    text = row[0].strip()
+    for letter, choice in zip(CHOICES, row[1:5], strict=True):
+        text += f"\n{letter}. {choice}"
+    text += "\nAnswer:"
+    if with_answer:
+        text += f" {row[5]}\n\n"
+    return text
+
+
+def mmlu_prompts(data: Path, subjects: int, questions: int, shots: int = 5) -> list[tuple[str, str, list[str]]]:
+    """(subject, k-shot prefix text, test question texts) for the first ``subjects`` subjects."""
+    out = []
+    for dev in sorted((data / "dev").glob("*_dev.csv"))[:subjects]:
+        subject = dev.name[: -len("_dev.csv")]
+        test = data / "test" / f"{subject}_test.csv"
+        header = (
+            "The following are multiple choice questions (with answers) about "
+            f"{subject.replace('_', ' ')}.\n\n"
+        )
+        prefix = header + "".join(_format(r, True) for r in _rows(dev)[:shots])
+        out.append((subject, prefix, [_format(r, False) for r in _rows(test)[:questions]]))
+    if not out:
+        raise SystemExit(f"no MMLU data under {data} (give --data PATH)")
+    return out
+
+
+class _Stamps:
+    """A transformers streamer that timestamps every generated token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate() first puts the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _first_token_s(engine: Any, prompt: Sequence[int]) -> tuple[float, int]:
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Started, Tokens
+
+    t0 = time.perf_counter()
+    first = None
+    cached = 0
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=1)):
+        if isinstance(ev, Started):
+            cached = ev.cached_tokens
+        elif isinstance(ev, Tokens) and first is None:
+            first = time.perf_counter() - t0
+    assert first is not None
+    return first, cached
+
+
+def _fresh_cache(engine: Any) -> None:
+    from peerinfer.core.prefix import PrefixHasher
+
+    engine.configure_cache(PrefixHasher(engine.fingerprint))
+
+
+def second_load_s(device: str, threads: int | None) -> tuple[float, float]:
+    """Wall and CPU seconds of a fresh process loading the default model."""
+    code = (
+        "import time; t = time.perf_counter();"
+        "import torch;"
+        + (f"torch.set_num_threads({threads});" if threads else "")
+        + "from peerinfer.engine.hf import TransformersEngine;"
+        f"TransformersEngine(device={device!r});"
+        "print(time.perf_counter() - t)"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return float(out.stdout.strip().splitlines()[-1]), cpu
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Tokens
+    from peerinfer.engine.hf import TransformersEngine
+
+    say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    engine = TransformersEngine(device=args.device)  # converts the GGUF once if needed
+    load_runs = [second_load_s(args.device, args.threads) for _ in range(args.load_repeats)]
+    loads = [wall for wall, _ in load_runs]
+    load_cpu = [cpu for _, cpu in load_runs]
+    say(f"second load: wall {[round(x, 2) for x in loads]} s, cpu {[round(x, 2) for x in load_cpu]} s")
+
+    tokenizer = engine.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    workload = mmlu_prompts(Path(args.data), args.subjects, args.repeats + 1)
+    _first_token_s(engine, ids("Warm-up: the quick brown fox.") * 4)
+
+    miss, hit, floor, build, prefix_lens, suffix_lens, ran = [], [], [], [], [], [], []
+    for subject, prefix_text, questions in workload:
+        prefix = ids(prefix_text)
+        prefix_lens.append(len(prefix))
+        for q in questions[1 : args.repeats + 1]:
+            prompt = prefix + ids(q)
+            suffix_lens.append(len(prompt) - len(prefix))
+            _fresh_cache(engine)
+            _first_token_s(engine, prefix + ids(questions[0]))  # caches the prefix
+            t_hit, cached = _first_token_s(engine, prompt)
+            timings = engine.last_timings
+            assert timings is not None and timings.cached_tokens == cached > 0
+            assert cached <= len(prefix), "the suffix must not be cached"
+            # The floor: a forward pass over the same uncached tokens after a ready-made cache.
+            segments = engine.radix_cache.match(prompt[:cached], touch=False).payloads
+            cache = engine.kv_cache_from_segments(segments)
+            t0 = time.perf_counter()
+            logits = engine.forward(prompt[cached:], cache)
+            int(torch.argmax(logits))
+            t_floor = time.perf_counter() - t0
+            del cache
+            _fresh_cache(engine)
+            t_miss, nothing = _first_token_s(engine, prompt)
+            assert nothing == 0
+            miss.append(t_miss)
+            hit.append(t_hit)
+            floor.append(t_floor)
+            build.append(timings.build_s)
+            ran.append(len(prompt) - cached)
+            say(
+                f"{subject:28s} prefix {len(prefix):4d} suffix {len(prompt) - len(prefix):3d} "
+                f"cached {cached:4d}: miss {t_miss * 1000:7.1f} ms  hit {t_hit * 1000:6.1f} ms  "
+                f"floor {t_floor * 1000:6.1f} ms  build {timings.build_s * 1000:5.2f} ms"
+            )
+
+    # Decode throughput, same prompt and token count through the engine and model.generate.
+    subject, prefix_text, questions = workload[0]
+    prompt = ids(prefix_text) + ids(questions[1])
+    rates_reuse, rates_hf = [], []
+    for _ in range(args.decode_repeats):
+        _fresh_cache(engine)
+        _first_token_s(engine, ids(prefix_text) + ids(questions[0]))
+        stamps: list[float] = []
+        for ev in engine.generate(prompt, SamplingParams(max_tokens=args.decode_tokens)):
+            if isinstance(ev, Tokens) and ev.token_ids:
+                stamps.append(time.perf_counter())
+        n = len(stamps)
+        rates_reuse.append((n - 1) / (stamps[-1] - stamps[0]))
+        streamer = _Stamps()
+        input_ids = torch.tensor([prompt], device=engine.device)
+        with torch.inference_mode():
+            engine.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=next(iter(engine.eos_token_ids), 0),
+            )
+        t = streamer.times
+        rates_hf.append((len(t) - 1) / (t[-1] - t[0]))
+        say(f"decode {n} tokens: reuse {rates_reuse[-1]:.1f} tok/s, hf {rates_hf[-1]:.1f} tok/s")
+
+    # Hit TTFT against prefix length (one subject, 1- to 5-shot prefixes).
+    by_prefix: dict[int, float] = {}
+    data = Path(args.data)
+    for shots in range(1, 6):
+        subject, prefix_text, questions = mmlu_prompts(data, 1, args.repeats + 1, shots)[0]
+        prefix = ids(prefix_text)
+        _fresh_cache(engine)
+        _first_token_s(engine, prefix + ids(questions[0]))
+        times = [_first_token_s(engine, prefix + ids(q))[0] for q in questions[1:]]
+        by_prefix[len(prefix)] = statistics.median(times)
+        say(f"{shots}-shot prefix {len(prefix):4d} tokens: hit ttft {by_prefix[len(prefix)] * 1000:.1f} ms")
+
+    med = statistics.median
+    result: dict[str, Any] = {
+        "ttft_miss_s": med(miss),
+        "ttft_hit_s": med(hit),
+        "suffix_floor_s": med(floor),
+        "decode_tokens_per_s_reuse": med(rates_reuse),
+        "decode_tokens_per_s_hf": med(rates_hf),
+        "cache_build_s": med(build),
+        "second_load_s": med(loads),
+        "second_load_cpu_s": med(load_cpu),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "miss_over_hit": med(m / h for m, h in zip(miss, hit, strict=True)),
+        "hit_over_floor": med(h / f for h, f in zip(hit, floor, strict=True)),
+        "build_over_hit": med(b / h for b, h in zip(build, hit, strict=True)),
+        "decode_reuse_over_hf": med(rates_reuse) / med(rates_hf),
+        "prefix_tokens_median": med(prefix_lens),
+        "suffix_tokens_median": med(suffix_lens),
+        "uncached_tokens_run_median": med(ran),
+        "hit_ttft_s_by_prefix_tokens": {str(k): v for k, v in by_prefix.items()},
+        "samples": len(hit),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "model": engine.model_name,
+    }
+    engine.close()
+    return result
+
+
+def _table(r: dict[str, Any]) -> None:
+    def ok(cond: bool) -> str:
+        return "ok" if cond else "MISSED"
+
+    print(f"model {r['model']} on {r['device']} ({r['dtype']}, {r['threads']} threads), "
+          f"{r['samples']} MMLU 5-shot prompts: prefix ~{r['prefix_tokens_median']:.0f} tokens, "
+          f"suffix ~{r['suffix_tokens_median']:.0f}")
+    rows = [
+        ("TTFT, nothing cached", f"{r['ttft_miss_s'] * 1000:.1f} ms", ""),
+        ("TTFT, prefix cached", f"{r['ttft_hit_s'] * 1000:.1f} ms",
+         f"{r['miss_over_hit']:.1f}x lower (target >= 4x: {ok(r['miss_over_hit'] >= 4)})"),
+        ("suffix forward floor", f"{r['suffix_floor_s'] * 1000:.1f} ms",
+         f"hit/floor {r['hit_over_floor']:.2f} (target <= 1.2: {ok(r['hit_over_floor'] <= 1.2)})"),
+        ("cache build", f"{r['cache_build_s'] * 1000:.2f} ms",
+         f"{r['build_over_hit'] * 100:.1f}% of hit TTFT (target < 10%: {ok(r['build_over_hit'] < 0.1)})"),
+        ("decode, engine w/ reuse", f"{r['decode_tokens_per_s_reuse']:.1f} tok/s",
+         f"{r['decode_reuse_over_hf'] * 100:.0f}% of model.generate "
+         f"(target >= 95%: {ok(r['decode_reuse_over_hf'] >= 0.95)})"),
+        ("decode, model.generate", f"{r['decode_tokens_per_s_hf']:.1f} tok/s", ""),
+        ("second load", f"{r['second_load_s']:.2f} s",
+         f"target < 5 s: {ok(r['second_load_s'] < 5)} ({r['second_load_cpu_s']:.2f} s of CPU)"),
+        ("KV bytes per token", f"{r['kv_bytes_per_token']}", ""),
+    ]
+    for name, value, note in rows:
+        print(f"  {name:26s} {value:>14s}  {note}")
+    print("  hit TTFT by cached prefix length:")
+    for k, v in r["hit_ttft_s_by_prefix_tokens"].items():
+        print(f"    {k:>5s} tokens  {v * 1000:7.1f} ms")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="peerinfer engine benchmark (KV reuse)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="MMLU directory (dev/, test/)")
+    parser.add_argument("--subjects", type=int, default=3, help="subjects (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="questions per subject (default 3)")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
