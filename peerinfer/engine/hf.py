@@ -65,6 +65,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 #: Prompt tokens run per forward pass; cancellation is checked between chunks.
 DEFAULT_PREFILL_CHUNK = 2048
+#: Blocks copied out of a finished request's cache per staging step.
+_EXPORT_GROUP = 32
 _META = "peerinfer-model.json"
 _META_FORMAT = 1
 _WHOLE_FILE_LIMIT = 256 << 20
@@ -514,23 +516,27 @@ class TransformersEngine(Engine):
         logits: torch.Tensor = out.logits[0, -1]
         return logits
 
-    def export_blocks(self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int) -> list[KVSegment]:
-        """Copies of blocks ``first_block .. first_block + n_blocks`` of ``cache``."""
-        if n_blocks <= 0:
-            return []
-        a, b = first_block * block_size, (first_block + n_blocks) * block_size
+    def export_blocks(
+        self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int
+    ) -> list[KVSegment]:
+        """Copies of blocks ``first_block .. first_block + n_blocks`` of ``cache``, each one
+        tensor ``[layers, 2, kv_heads, block_size, head_dim]`` that owns its memory."""
         layers: list[Any] = list(cache.layers)
+        out: list[KVSegment] = []
         with torch.inference_mode():
-            # [layers, 2, kv_heads, b - a, head_dim]
-            kv = torch.stack(
-                [torch.stack((layer.keys[0, :, a:b], layer.values[0, :, a:b])) for layer in layers]
-            )
-            out = []
-            for i in range(n_blocks):
-                seg = kv[:, :, :, i * block_size : (i + 1) * block_size].clone(
-                    memory_format=torch.contiguous_format
+            # Gather up to _EXPORT_GROUP blocks across layers at once (one stack), then give
+            # each block its own storage (one clone), so staging memory stays bounded.
+            for g in range(first_block, first_block + n_blocks, _EXPORT_GROUP):
+                count = min(_EXPORT_GROUP, first_block + n_blocks - g)
+                a, b = g * block_size, (g + count) * block_size
+                kv = torch.stack(  # [layers, 2, kv_heads, b - a, head_dim]
+                    [torch.stack((layer.keys[0, :, a:b], layer.values[0, :, a:b])) for layer in layers]
                 )
-                out.append(KVSegment(seg, seg.numel() * seg.element_size()))
+                for i in range(count):
+                    seg = kv[:, :, :, i * block_size : (i + 1) * block_size].clone(
+                        memory_format=torch.contiguous_format
+                    )
+                    out.append(KVSegment(seg, seg.numel() * seg.element_size()))
         return out
 
     # ------------------------------------------------------------ decoding
