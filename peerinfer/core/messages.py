@@ -248,7 +248,9 @@ def decode(data: bytes, expected: type[Message] | tuple[type[Message], ...] | No
             strict_map_key=True,
             max_str_len=MAX_PROMPT_CHARS * 4,
             max_bin_len=MAX_FRAME_BYTES,
-            max_array_len=max(MAX_LIST, MAX_PROMPT_TOKENS),
+            # No array can hold more items than the frame has bytes: bounding the claim by the
+            # frame length keeps msgpack from preallocating for lies.
+            max_array_len=min(max(MAX_LIST, MAX_PROMPT_TOKENS), len(data)),
             max_map_len=0,  # maps never appear on the wire
             max_ext_len=0,
         )
@@ -274,7 +276,7 @@ def decode(data: bytes, expected: type[Message] | tuple[type[Message], ...] | No
 
 def canonical_cbor(value: Any) -> bytes:
     """Deterministic bytes for hashing or signing (canonical CBOR)."""
-    return cbor2.dumps(_to_wire(value), canonical=True)  # type: ignore[no-any-return]
+    return cbor2.dumps(_to_wire(value), canonical=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,38 +363,66 @@ class Announce(Message):
 
 @dataclass(frozen=True, slots=True)
 class SyncQuery(Record):
-    """One node of the Merkle tree the requester wants explained.
+    """One node of the requester's Merkle tree that it wants compared or exchanged.
 
-    ``level`` and ``prefix`` name the node (see ``peerinfer.core.digest``). ``fingerprints`` is
-    empty to ask for the node's child summaries, or, for a small node, the requester's packed
-    short fingerprints of the elements it holds there, asking for the element difference.
+    A node is named by ``level`` (its depth in bits, 0 to 64) and ``prefix`` (the top ``level``
+    bits of the *positions* under it; see ``peerinfer.core.digest``).
+
+    * ``span >= 1``, a *comparison*: ``summaries`` packs, for each of the node's ``2**span``
+      descendants at depth ``level + span`` in prefix order, ``SUMMARY_BITS`` bits: a slice of
+      the requester's hash of that descendant and, in the low 2 bits, its count modulo 4.
+    * ``span == 0``, an *exchange*: ``summaries`` packs a fingerprint of each element the
+      requester holds under the node (empty: a plain listing); the width is a function of their
+      number (``digest.fingerprint_bits``).
+
+    The cross-field rules (``prefix < 2**level``, ``level + span <= 64``, the length of
+    ``summaries``) are checked by the responder, which raises ``ProtocolError`` on a query that
+    breaks them.
     """
 
     level: int
     prefix: int
-    fingerprints: bytes = b""
-    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(64), UInt(U64), Bin(MAX_FRAME_BYTES))
+    span: int = 0
+    summaries: bytes = b""
+    #: Bits per descendant in a comparison: a hash slice and a 2-bit count residue.
+    SUMMARY_BITS: ClassVar[int] = 10
+    #: The widest comparison one query may ask for (2**MAX_SPAN descendants).
+    MAX_SPAN: ClassVar[int] = 16
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(64),
+        UInt(U64),
+        UInt(16),
+        Bin(MAX_FRAME_BYTES // 4),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class SyncNode(Record):
-    """The responder's answer for one queried node.
+    """The responder's answers to the first ``answered`` queries of a request, batched.
 
-    ``summaries``: packed truncated hashes of the node's children (when it explains children);
-    ``elements``: block hashes the requester lacks under this node; ``absent``: packed
-    fingerprints the requester holds there that the responder does not (to delete).
+    For each answered query in order, ``counts`` holds the responder's number of elements under
+    the node, followed by, for a comparison, the count of each descendant marked in its bitmap,
+    or, for an exchange, the number of elements it sends. ``bitmaps`` concatenates one bitmap per
+    answered query (bit ``i`` is ``0x80 >> i % 8`` of byte ``i // 8``): for a comparison, over
+    its ``2**span`` descendants, marking those that differ; for an exchange, over the requester's
+    fingerprints, marking those of elements the responder does not hold. ``hashes``
+    concatenates, for each marked descendant whose count difference is odd (known to both sides
+    from the count residues), its 64-bit hash (difference +1 modulo 4) or the low 32 bits of it
+    (-1 modulo 4), unless more than 90% of that comparison's descendants differ (then none).
+    ``elements`` concatenates the elements each exchange sends (8 bytes each, big-endian).
+    Every field is packed, so a response costs no bytes per node beyond its content.
     """
 
-    level: int
-    prefix: int
-    summaries: bytes = b""
-    elements: tuple[int, ...] = ()
-    absent: bytes = b""
+    answered: int = 0
+    counts: tuple[int, ...] = ()
+    bitmaps: bytes = b""
+    hashes: bytes = b""
+    elements: bytes = b""
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
-        UInt(64),
-        UInt(U64),
+        UInt(MAX_LIST),
+        UIntList(U64, MAX_PROMPT_TOKENS),
         Bin(MAX_FRAME_BYTES),
-        UIntList(U64, 1_000_000),
+        Bin(MAX_FRAME_BYTES),
         Bin(MAX_FRAME_BYTES),
     )
 
@@ -403,9 +433,10 @@ class SyncRequest(Message):
     """A pull of the parts of a digest whose hashes differ from the requester's replica.
 
     ``since_epoch``: the epoch the requester's replica last matched (0 for none); a responder
-    whose change log reaches back that far may answer with the delta alone. ``slice`` selects
-    which bits of each node hash the truncated summaries carry, so a rare truncated-hash
-    collision is not repeated on the next attempt.
+    whose change log reaches back that far answers with the delta alone (and ignores
+    ``queries``). ``slice`` selects which hash function derives the truncated summaries, so a
+    rare truncated-hash collision is not repeated on the next pass. The responder answers a
+    prefix of ``queries`` (at least one when there are any), in order.
     """
 
     session: int
@@ -423,29 +454,31 @@ class SyncRequest(Message):
 @_register(3)
 @dataclass(frozen=True, slots=True)
 class SyncResponse(Message):
-    """The responder's current root and the explanations of the queried nodes.
+    """The responder's current state (``epoch``: its last sealed epoch; ``root`` and ``count``:
+    its live set, which may include changes not sealed yet) and its answers.
 
-    When ``delta`` is true, ``added``/``removed`` carry every change since the request's
-    ``since_epoch`` and ``nodes`` is empty.
+    When ``delta`` is true, ``added``/``removed`` pack (8 bytes each, big-endian) every net change
+    since the request's ``since_epoch`` and ``answers`` is empty; otherwise ``answers`` answers a
+    prefix of the request's queries (at least one, if there were any).
     """
 
     session: int
     epoch: int
     root: int
     count: int
-    nodes: tuple[SyncNode, ...] = ()
+    answers: SyncNode = SyncNode()
     delta: bool = False
-    added: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
+    added: bytes = b""
+    removed: bytes = b""
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(U64),
         UInt(U64),
         HASH,
         UInt(U64),
-        ListOf(Nested(SyncNode), MAX_LIST),
+        Nested(SyncNode),
         Bool(),
-        UIntList(U64, 1_000_000),
-        UIntList(U64, 1_000_000),
+        Bin(MAX_FRAME_BYTES),
+        Bin(MAX_FRAME_BYTES),
     )
 
 

@@ -1,0 +1,735 @@
+"""Anti-entropy: keeping a replica of a peer's cached set, by deltas and Merkle reconciliation.
+
+Theory of operation
+-------------------
+Every peer keeps a ``Replica`` of every other peer's set of block hashes (its digest, see
+``peerinfer.core.digest``). Two mechanisms keep it current:
+
+*Deltas.* Each announcement carries the sender's net changes since its previous epoch (when they
+fit). A replica that matched that previous epoch applies them and checks the result against the
+announced root and count (``apply_announce``). The cost is the size of the change, and there is
+no round trip: this is the common path, O(peers x changes) per announce interval.
+
+*Pulls.* A replica that missed an epoch, was truncated, restarted, or was never filled pulls: a
+``Reconciliation`` is the requester's state machine for one pull; the responder is
+``LocalDigest.answer``, a pure function of its current state. The first request offers
+``since_epoch`` (the epoch the replica last matched): a responder whose change log reaches back
+that far answers with the net delta alone, and the pull ends in one round trip. Otherwise the
+requester runs *passes* of a Merkle descent over the fixed-shape tree of mixed hashes:
+
+1. It estimates the number of differences ``d`` (at least the count difference; the caller's
+   hint, or the replica's observed change rate times the epoch gap) and sends the slices of the
+   root's ``2**span`` descendants, choosing ``span`` so that each holds about ``LAMBDA_FIRST``
+   differences. Nodes above that depth would all differ anyway, so the descent skips them.
+2. The responder compares slices and returns, for each descendant that differs, its count and,
+   unless most differ, its full 64-bit hash. A descendant holding exactly one difference is then
+   *decoded*: the XOR of the two hashes is the mixed value of the element to add or to delete
+   (checked by position and count difference). One that the responder holds none of is
+   cleared, one with a single element is replaced by it.
+3. A descendant that does not decode becomes a query of the next round: a *listing* when the
+   responder holds few elements there (or the replica none), else a *comparison* again, with a
+   span sized by the estimated differences inside it (``LAMBDA_DESCENT`` per descendant, so that
+   few remain impure). The densities seen in one round (the fraction of descendants that differ)
+   estimate the number of differences under each, so a bad first estimate only costs rounds.
+4. The pass ends when nothing is left to ask. If the replica's root and count now equal the
+   responder's latest, the pull has converged. If not (a slice collision hid a difference, a
+   false decode, or the responder changed meanwhile), a new pass starts with another slice key,
+   up to ``MAX_PASSES`` passes and ``max_rounds`` round trips; then the pull fails and the caller
+   retries later with another ``attempt`` (which picks other slice keys again).
+
+Convergence is checked after every response, against the responder's latest root, so a responder
+that changes mid-pull is followed to its newest state or the pull ends "failed"; it never loops.
+The replica is repaired in place: a failed pull leaves it closer to, never further from, the
+responder's set, and the replica's ``epoch`` only moves when its root has been verified.
+
+*Cost.* Bytes grow with the difference ``d``, not the tree: the first round sends about
+``d / LAMBDA_FIRST`` one-byte slices and receives ~10 bytes per differing descendant; decoded
+differences cost nothing more, and impure ones (a fraction ~``LAMBDA_FIRST / 2``) cost a small
+comparison each in the next round. An added element is carried once (its 8-byte hash is the
+element itself); a deleted one costs one 8-byte hash. Unanswered cells are never re-sent.
+
+*Rounds.* A pass takes 1 round trip for the decodable differences, +1 for the impure nodes
+(after a ``LAMBDA_DESCENT``-sized comparison, a node holds two differences in one descendant
+with probability ~``LAMBDA_DESCENT``), +1 for the rare leftovers and listings; an underestimate
+of ``d`` adds about one round per factor ``2**MAX_SPAN`` of error. A slice collision
+(probability ~``2**-SLICE_BITS`` per differing node) costs one more short pass.
+
+*Hostile responders.* Every answer is checked against the request it answers: the same nodes in
+the same order, bitmaps and packed fields of the exact lengths, listed elements under their node,
+distinct and as many as claimed, hashes of one-element nodes under the node, a slice that the
+responder calls different really different. Listings are capped per node and per response, the
+queue of pending queries is capped, and so are the round trips: the requester's memory and work
+stay bounded whatever the responder sends. A violation raises ``ProtocolError`` and ends the pull.
+
+State table of ``Reconciliation`` (any transition not listed is a local error, ``ClosedError``)::
+
+    state       event                                      next state  returns
+    ---------   ----------------------------------------   ----------  -------------------------
+    pulling     first_request() (once)                     pulling     SyncRequest
+    pulling     handle_response: root and count match      converged   None
+    pulling     handle_response: queries left              pulling     SyncRequest
+    pulling     handle_response: pass over, passes left    pulling     SyncRequest (next pass)
+    pulling     handle_response: no passes/rounds left     failed      None
+    pulling     handle_response: protocol violation        failed      raises ProtocolError
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from peerinfer.core.digest import (
+    DELTA_CAP,
+    HASH_DENSITY,
+    LIST_CAP,
+    LocalDigest,
+    MerkleDigest,
+    bitmap_indices,
+    contribution,
+    fingerprint,
+    fingerprint_bits,
+    fingerprint_count,
+    mix,
+    pack_fixed,
+    packed_length,
+    position_of_contribution,
+    summary_of,
+    under,
+    unpack_elements,
+    unpack_fixed,
+)
+from peerinfer.core.messages import SyncNode, SyncQuery, SyncRequest, SyncResponse, decode, encode
+from peerinfer.core.radix import CacheObserver
+from peerinfer.errors import ClosedError, ProtocolError
+from peerinfer.types import BlockHash
+
+__all__ = [
+    "DEFAULT_MAX_ROUNDS",
+    "MAX_PASSES",
+    "ReconcileStats",
+    "Reconciliation",
+    "Replica",
+    "reconcile_in_memory",
+]
+
+PULLING = "pulling"
+CONVERGED = "converged"
+FAILED = "failed"
+
+#: Expected differences per compared descendant in the first round of a pass...
+LAMBDA_FIRST = 0.5
+#: ... and when descending into a node that did not decode (fewer collisions, fewer rounds).
+LAMBDA_DESCENT = 0.2
+#: ... and when descending from a comparison too dense to carry hashes.
+DENSE_LAMBDA = 0.2
+#: When every compared descendant differs, assume this many times the least plausible density.
+SATURATION_GROWTH = 2.0
+#: The narrowest comparison of the root (a pass that knows little about ``d``).
+MIN_ROOT_SPAN = 6
+#: Passes per pull (each pass uses other slice and fingerprint keys).
+MAX_PASSES = 4
+DEFAULT_MAX_ROUNDS = 24
+#: Requester-side caps: queries per request, summary bytes per request, pending queries.
+MAX_QUERIES_PER_REQUEST = 8192
+MAX_REQUEST_SUMMARY_BYTES = 2 * 1024 * 1024
+MAX_PENDING = 1 << 18
+#: The widest split of a node too large to list in one answer.
+_MAX_LIST_SPLIT = 8
+
+_MASK = (1 << 64) - 1
+_LOW32 = (1 << 32) - 1
+
+# How a pending node is to be asked about.
+_COMPARE = 0  # compare the summaries of its 2**span descendants
+_EXCHANGE = 1  # send the fingerprints of our elements; get the missing ones and the absent marks
+_LIST = 2  # get all its elements and replace ours
+
+_Spec = tuple[int, int, int, int]  # (level, prefix, span, how): built into a query when sent
+
+
+def _span_for(differences: float, per_child: float, level: int, minimum: int = 1) -> int:
+    want = math.ceil(math.log2(max(differences, 1.0) / per_child))
+    return max(1, min(max(want, minimum), SyncQuery.MAX_SPAN, 64 - level))
+
+
+class _Answers:
+    """A cursor over the batched answers of one response; every misstep is ProtocolError."""
+
+    __slots__ = ("_a", "_count", "_bitmap", "_hash", "_element")
+
+    def __init__(self, answers: SyncNode) -> None:
+        self._a = answers
+        self._count = self._bitmap = self._hash = self._element = 0
+
+    def count(self) -> int:
+        counts = self._a.counts
+        if self._count >= len(counts):
+            raise ProtocolError("a sync response has too few counts")
+        self._count += 1
+        return counts[self._count - 1]
+
+    def bitmap(self, bits: int) -> list[int]:
+        """The marked indices of the next bitmap of ``bits`` bits."""
+        size = packed_length(bits, 1)
+        data = self._a.bitmaps[self._bitmap : self._bitmap + size]
+        if len(data) != size:
+            raise ProtocolError("a sync response has too few bitmap bytes")
+        self._bitmap += size
+        marked = bitmap_indices(data)
+        if marked and marked[-1] >= bits:
+            raise ProtocolError("a bitmap marks a bit past its end")
+        return marked
+
+    def hash(self, size: int) -> int:
+        data = self._a.hashes[self._hash : self._hash + size]
+        if len(data) != size:
+            raise ProtocolError("a sync response has too few hash bytes")
+        self._hash += size
+        return int.from_bytes(data, "big")
+
+    def elements(self, n: int) -> list[int]:
+        data = self._a.elements[self._element : self._element + 8 * n]
+        if len(data) != 8 * n:
+            raise ProtocolError("a sync response has too few element bytes")
+        self._element += 8 * n
+        return unpack_elements(data)
+
+    def finish(self) -> None:
+        a = self._a
+        if (self._count, self._bitmap, self._hash, self._element) != (
+            len(a.counts),
+            len(a.bitmaps),
+            len(a.hashes),
+            len(a.elements),
+        ):
+            raise ProtocolError("a sync response carries bytes that answer nothing")
+
+
+class Replica:
+    """Our estimate of one peer's set: its digest and the last epoch it is known to match.
+
+    ``epoch`` is 0 until a root has been verified. ``observer`` is told of every change (the
+    peer index uses it).
+    """
+
+    __slots__ = ("digest", "epoch", "_announced", "_rate")
+
+    def __init__(self, observer: CacheObserver | None = None) -> None:
+        self.digest = MerkleDigest(observer)
+        self.epoch = 0
+        self._announced: tuple[int, int, int] | None = None  # newest (epoch, root, count) heard
+        self._rate = 0.0  # smoothed changes per epoch seen in announced deltas
+
+    @property
+    def root(self) -> int:
+        return self.digest.root
+
+    @property
+    def count(self) -> int:
+        return len(self.digest)
+
+    def matches(self, root: int, count: int) -> bool:
+        return self.digest.root == root and len(self.digest) == count
+
+    def apply_announce(
+        self,
+        prev_epoch: int,
+        epoch: int,
+        root: int,
+        count: int,
+        added: Iterable[int],
+        removed: Iterable[int],
+        truncated: bool,
+    ) -> bool:
+        """Take in an announcement; True if a pull is needed (the root still differs).
+
+        A stale epoch (``<= self.epoch``) is ignored (False). The delta is applied when the
+        replica matched ``prev_epoch``; the replica then moves to ``epoch`` only if its root and
+        count equal the announced ones.
+        """
+        if epoch <= self.epoch:
+            return False
+        if self._announced is None or epoch >= self._announced[0]:
+            self._announced = (epoch, root, count)
+        added = tuple(added)
+        removed = tuple(removed)
+        if not truncated and epoch > prev_epoch:
+            per_epoch = (len(added) + len(removed)) / (epoch - prev_epoch)
+            self._rate = per_epoch if self._rate == 0.0 else 0.7 * self._rate + 0.3 * per_epoch
+        if not truncated and prev_epoch == self.epoch:
+            digest = self.digest
+            for h in removed:
+                digest.discard(BlockHash(h))
+            for h in added:
+                digest.add(BlockHash(h))
+        if self.matches(root, count):
+            self.epoch = epoch
+            return False
+        return True
+
+    def start_pull(
+        self,
+        session: int,
+        target_epoch: int,
+        target_root: int,
+        attempt: int = 0,
+        *,
+        target_count: int | None = None,
+        estimated_difference: int | None = None,
+        max_rounds: int = DEFAULT_MAX_ROUNDS,
+    ) -> Reconciliation:
+        """A reconciliation of this replica towards the peer's announced ``target_root``.
+
+        ``target_count`` defaults to the count announced with that root; ``estimated_difference``
+        to the changes per epoch seen in announcements times the epochs missed (a hint that
+        sizes the first comparison; a wrong one costs bytes or rounds, never correctness).
+        ``attempt`` picks the slice keys, so a retry does not repeat a collision.
+        """
+        if target_count is None and self._announced is not None:
+            if self._announced[1] == target_root:
+                target_count = self._announced[2]
+        if estimated_difference is None and self.epoch > 0 and target_epoch > self.epoch:
+            if self._rate > 0.0:
+                estimated_difference = math.ceil(self._rate * (target_epoch - self.epoch))
+        return Reconciliation(
+            self,
+            session,
+            target_epoch,
+            target_root,
+            target_count,
+            attempt=attempt,
+            estimated_difference=estimated_difference,
+            max_rounds=max_rounds,
+        )
+
+
+class Reconciliation:
+    """The requester's state machine for one pull (see the module docstring's state table).
+
+    ``state`` is "pulling", "converged" or "failed". ``rounds`` counts responses handled,
+    ``passes`` Merkle passes begun, ``bytes_sent``/``bytes_received`` the encoded sizes of the
+    requests and responses.
+    """
+
+    def __init__(
+        self,
+        replica: Replica,
+        session: int,
+        target_epoch: int,
+        target_root: int,
+        target_count: int | None,
+        *,
+        attempt: int = 0,
+        estimated_difference: int | None = None,
+        max_rounds: int = DEFAULT_MAX_ROUNDS,
+    ) -> None:
+        if max_rounds < 1:
+            raise ValueError("max_rounds must be >= 1")
+        self.replica = replica
+        self.session = session
+        self.state = PULLING
+        self.rounds = 0
+        self.passes = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.max_rounds = max_rounds
+        # The responder's state as last heard (from the announcement, then from each response).
+        self.epoch = target_epoch
+        self.root = target_root
+        self.count = target_count
+        self._attempt = attempt
+        self._estimate = estimated_difference
+        self._slice = 0
+        self._pending: deque[_Spec] = deque()
+        self._sent: SyncRequest | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ events
+
+    def first_request(self) -> SyncRequest:
+        """The opening request: a delta offer if the replica matched an epoch, else pass 1."""
+        if self._started or self.state != PULLING:
+            raise ClosedError("first_request() was already called for this reconciliation")
+        self._started = True
+        if self.replica.epoch > 0:
+            self._slice = self._slice_index(0)
+            return self._send(since_epoch=self.replica.epoch)
+        self._begin_pass()
+        return self._send()
+
+    def handle_response(self, response: SyncResponse) -> SyncRequest | None:
+        """Take in the answer to the last request; the next request, or None when finished."""
+        sent = self._sent
+        if self.state != PULLING or sent is None:
+            raise ClosedError(f"no request is awaiting a response (state {self.state})")
+        if response.session != self.session:
+            self.state = FAILED
+            raise ProtocolError(
+                f"sync response for session {response.session}, expected {self.session}"
+            )
+        self._sent = None
+        self.rounds += 1
+        self.bytes_received += len(encode(response))
+        self.epoch, self.root, self.count = response.epoch, response.root, response.count
+        try:
+            if response.delta:
+                self._take_delta(sent, response)
+            else:
+                self._take_answers(sent, response)
+            return self._advance()
+        except ProtocolError:
+            self.state = FAILED
+            raise
+
+    # ------------------------------------------------------------------ passes and requests
+
+    def _slice_index(self, pass_number: int) -> int:
+        return (self._attempt * (MAX_PASSES + 1) + pass_number) & 0xFF
+
+    def _advance(self) -> SyncRequest | None:
+        replica = self.replica
+        if self.count is not None and replica.matches(self.root, self.count):
+            self.state = CONVERGED
+            replica.epoch = self.epoch
+            return None
+        if not self._pending:
+            if self.passes >= MAX_PASSES:
+                self.state = FAILED
+                return None
+            self._begin_pass()
+        if self.rounds >= self.max_rounds:
+            self.state = FAILED
+            return None
+        return self._send()
+
+    def _begin_pass(self) -> None:
+        self.passes += 1
+        self._slice = self._slice_index(self.passes)
+        digest = self.replica.digest
+        own = len(digest)
+        target = self.count
+        if target is not None and own == target and digest.root == self.root:
+            return  # nothing to ask: the (empty) request confirms the responder's state
+        if target == 0:
+            for p in digest.positions_under(0, 0):
+                digest.discard_position(p)
+            return
+        estimate = abs(target - own) if target is not None else 1
+        if self.passes == 1 and self._estimate is not None:
+            estimate = max(estimate, self._estimate)
+        self._plan(0, 0, own, target, max(estimate, 1), LAMBDA_FIRST, MIN_ROOT_SPAN)
+
+    def _send(self, since_epoch: int = 0) -> SyncRequest:
+        digest = self.replica.digest
+        j = self._slice
+        queries: list[SyncQuery] = []
+        summary_bytes = 0
+        pending = self._pending
+        while pending and len(queries) < MAX_QUERIES_PER_REQUEST:
+            level, prefix, span, how = pending[0]
+            if how == _COMPARE:
+                pairs, counts = digest.children(level, prefix, span)
+                summaries = pack_fixed(
+                    (summary_of(pair, c, j) for pair, c in zip(pairs, counts, strict=True)),
+                    SyncQuery.SUMMARY_BITS,
+                )
+            elif how == _EXCHANGE:
+                own = digest.positions_under(level, prefix)
+                bits = fingerprint_bits(len(own))
+                summaries = pack_fixed((fingerprint(p, j, bits) for p in own), bits)
+            else:
+                summaries = b""
+            if queries and summary_bytes + len(summaries) > MAX_REQUEST_SUMMARY_BYTES:
+                break
+            summary_bytes += len(summaries)
+            pending.popleft()
+            queries.append(SyncQuery(level, prefix, span, summaries))
+        request = SyncRequest(self.session, since_epoch, j, tuple(queries))
+        self._sent = request
+        self.bytes_sent += len(encode(request))
+        return request
+
+    def _queue(self, spec: _Spec) -> None:
+        self._pending.append(spec)
+        if len(self._pending) > MAX_PENDING:
+            raise ProtocolError("the responder's answers would need too many queries")
+
+    def _queue_listing(self, level: int, prefix: int, count: int | None) -> None:
+        """List a node, split into enough listings that each fits ``LIST_CAP`` comfortably."""
+        split = 0
+        if count is not None and count > LIST_CAP // 2:
+            split = math.ceil(math.log2(count / (LIST_CAP // 2)))
+            split = min(split, _MAX_LIST_SPLIT, 64 - level)
+        for i in range(1 << split):
+            self._queue((level + split, prefix << split | i, 0, _LIST))
+
+    def _plan(
+        self,
+        level: int,
+        prefix: int,
+        own_count: int,
+        their_count: int | None,
+        estimate: float,
+        per_child: float | None = None,
+        min_span: int = 1,
+    ) -> None:
+        """Queue the cheapest way to resolve a node thought to hold ``estimate`` differences.
+
+        Estimated bytes, leaving out the 8 bytes of each element to add (the same for all
+        three): a listing ``8 * their_count`` minus those; an exchange ``own_count``
+        fingerprints and a bit each; a comparison one summary and one bit per descendant, a
+        count and a (partial) hash per difference, and another round for the few that collide.
+        """
+        if per_child is None:
+            per_child = LAMBDA_DESCENT
+        if their_count is None or their_count > LIST_CAP:
+            if own_count == 0:
+                self._queue_listing(level, prefix, their_count)
+                return
+            if level < 64:
+                span = _span_for(estimate, per_child, level, min_span)
+                self._queue((level, prefix, span, _COMPARE))
+                return
+        their = their_count if their_count is not None else 1
+        to_add = min(max((estimate + their - own_count) / 2.0, 0.0), float(their))
+        listing = 8.0 * (their - to_add)
+        exchange = own_count * (fingerprint_bits(own_count) / 8.0 + 0.125)
+        if level < 64:
+            span = _span_for(estimate, per_child, level, min_span)
+            compare = (1 << span) * (SyncQuery.SUMMARY_BITS + 1) / 8.0 + 4.0 * estimate
+        else:
+            span, compare = 0, math.inf
+        best = min(listing, exchange, compare)
+        if listing == best or own_count == 0:
+            self._queue((level, prefix, 0, _LIST))
+        elif exchange == best:
+            self._queue((level, prefix, 0, _EXCHANGE))
+        else:
+            self._queue((level, prefix, span, _COMPARE))
+
+    # ------------------------------------------------------------------ answers
+
+    def _take_delta(self, sent: SyncRequest, response: SyncResponse) -> None:
+        if sent.since_epoch == 0:
+            raise ProtocolError("a delta answered a request that offered none")
+        if response.answers != SyncNode():
+            raise ProtocolError("a delta response also carries answers")
+        for packed in (response.added, response.removed):
+            if len(packed) % 8:
+                raise ProtocolError("a packed delta is not a whole number of 8-byte hashes")
+        if (len(response.added) + len(response.removed)) // 8 > DELTA_CAP:
+            raise ProtocolError("a delta response exceeds the delta cap")
+        digest = self.replica.digest
+        for h in unpack_elements(response.removed):
+            digest.discard(BlockHash(h))
+        for h in unpack_elements(response.added):
+            digest.add(BlockHash(h))
+
+    def _take_answers(self, sent: SyncRequest, response: SyncResponse) -> None:
+        if response.added or response.removed:
+            raise ProtocolError("a sync response that is not a delta carries delta elements")
+        answers = response.answers
+        queries = sent.queries
+        if answers.answered > len(queries):
+            raise ProtocolError(f"{answers.answered} answers to {len(queries)} queries")
+        if queries and not answers.answered:
+            raise ProtocolError("a sync response answered none of the queries")
+        cursor = _Answers(answers)
+        for q in queries[: answers.answered]:
+            if q.span:
+                self._take_comparison(q, sent.slice, cursor)
+            else:
+                self._take_exchange(q, sent.slice, cursor)
+        cursor.finish()
+        # Queries left unanswered (the responder's budget) go first in the next request.
+        for q in reversed(queries[answers.answered :]):
+            how = _COMPARE if q.span else _EXCHANGE if q.summaries else _LIST
+            self._pending.appendleft((q.level, q.prefix, q.span, how))
+
+    def _take_exchange(self, q: SyncQuery, slice_index: int, cursor: _Answers) -> None:
+        n_sent = fingerprint_count(len(q.summaries))
+        assert n_sent is not None  # we packed them
+        count = cursor.count()
+        n_elements = cursor.count()
+        marked = cursor.bitmap(n_sent)
+        if n_elements > LIST_CAP:
+            raise ProtocolError(f"an exchange answer claims {n_elements} elements")
+        elements = cursor.elements(n_elements)
+        digest = self.replica.digest
+        if count > LIST_CAP:
+            if n_elements or marked:
+                raise ProtocolError("an exchange refused as too large carries elements")
+            own_count = digest.node_summary(q.level, q.prefix)[1]
+            self._plan(q.level, q.prefix, own_count, count, max(2.0, abs(count - own_count)))
+            return
+        theirs = {mix(h) for h in elements}
+        if len(theirs) != n_elements or n_elements > count:
+            raise ProtocolError("an exchange answer repeats an element or sends too many")
+        for p in theirs:
+            if not under(p, q.level, q.prefix):
+                raise ProtocolError(f"an element sent is not under node ({q.level}, {q.prefix:#x})")
+        own = digest.positions_under(q.level, q.prefix)
+        if not n_sent:  # a listing: the node holds exactly these
+            if n_elements != count:
+                raise ProtocolError(f"a listing of {count} elements sends {n_elements}")
+            for p in set(own) - theirs:
+                digest.discard_position(p)
+        else:
+            bits = fingerprint_bits(n_sent)
+            sent = unpack_fixed(q.summaries, bits, n_sent)
+            held = set(sent)
+            if any(fingerprint(p, slice_index, bits) in held for p in theirs):
+                raise ProtocolError("an exchange sends an element whose fingerprint we sent")
+            absent = {sent[i] for i in marked}
+            for p in own:
+                if fingerprint(p, slice_index, bits) in absent:
+                    digest.discard_position(p)
+        for p in theirs:
+            digest.add_position(p)
+
+    def _take_comparison(self, q: SyncQuery, slice_index: int, cursor: _Answers) -> None:
+        n = 1 << q.span
+        node_count = cursor.count()
+        marked = cursor.bitmap(n)
+        their_counts = [cursor.count() for _ in marked]
+        if sum(their_counts) > node_count:
+            raise ProtocolError("the counts of differing descendants exceed their node's")
+        k = len(marked)
+        if not k:
+            return
+        sent = unpack_fixed(q.summaries, SyncQuery.SUMMARY_BITS, n)
+        with_hashes = k <= n * HASH_DENSITY
+        own_pairs, own_counts = self.replica.digest.children(q.level, q.prefix, q.span)
+        # The fraction of descendants that differ estimates the differences in each one.
+        if k < n:
+            lam = -math.log1p(-k / n)
+        else:
+            lam = SATURATION_GROWTH * (math.log(n) + 1.0)  # all differ: d >~ n ln n
+        prior = lam / -math.expm1(-lam)
+        # Without hashes nothing was decoded and the estimate is still a first look.
+        per_child = LAMBDA_DESCENT if with_hashes else DENSE_LAMBDA
+        level = q.level + q.span
+        for i, their_count in zip(marked, their_counts, strict=True):
+            size = 0
+            if with_hashes:
+                step = (their_count - sent[i]) & 3  # the responder's rule, from what we sent
+                size = 8 if step == 1 else 4 if step == 3 else 0
+            their_hash = cursor.hash(size) if size else 0
+            self._resolve(
+                level,
+                q.prefix << q.span | i,
+                own_pairs[i] & _MASK,
+                own_counts[i],
+                their_count,
+                their_hash,
+                size,
+                prior,
+                per_child,
+            )
+
+    def _resolve(
+        self,
+        level: int,
+        prefix: int,
+        own_hash: int,
+        own_count: int,
+        their_count: int,
+        their_hash: int,
+        hash_size: int,
+        prior: float,
+        per_child: float,
+    ) -> None:
+        """Repair one differing node from its count and (partial) hash, or plan a query."""
+        digest = self.replica.digest
+        step = their_count - own_count
+        if their_count == 0:
+            if their_hash:
+                raise ProtocolError("an empty node with a non-zero hash")
+            for p in digest.positions_under(level, prefix):
+                digest.discard_position(p)
+            return
+        if hash_size == 8:
+            if their_count == 1:
+                # The node holds exactly one element, whose contribution is the node's hash.
+                only = position_of_contribution(their_hash)
+                if not under(only, level, prefix):
+                    raise ProtocolError("the hash of a one-element node is not under the node")
+                for p in digest.positions_under(level, prefix):
+                    if p != only:
+                        digest.discard_position(p)
+                digest.add_position(only)
+                return
+            # One more element there: the XOR of the two hashes is its contribution.
+            p = position_of_contribution(own_hash ^ their_hash)
+            if step == 1 and under(p, level, prefix) and not digest.contains_position(p):
+                digest.add_position(p)
+                return
+        elif hash_size == 4 and step == -1:
+            # One element fewer: the low 32 bits of its contribution pick it among ours.
+            low = (own_hash ^ their_hash) & _LOW32
+            picks = [
+                p
+                for p in digest.positions_under(level, prefix)
+                if contribution(p) & _LOW32 == low
+            ]
+            if len(picks) == 1:
+                digest.discard_position(picks[0])
+                return
+        if step % 2 == 0:
+            estimate = max(2.0, abs(step), prior)  # it differs with an even count: >= 2
+        else:
+            estimate = max(3.0 if hash_size else 1.0, abs(step), prior)
+        self._plan(level, prefix, own_count, their_count, estimate, per_child)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileStats:
+    """The outcome of one in-memory pull."""
+
+    state: str
+    rounds: int
+    passes: int
+    bytes_sent: int
+    bytes_received: int
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+
+def reconcile_in_memory(
+    replica: Replica,
+    local: LocalDigest,
+    *,
+    session: int = 1,
+    attempt: int = 0,
+    estimated_difference: int | None = None,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    between_rounds: Callable[[int], None] | None = None,
+) -> ReconcileStats:
+    """Run a whole pull of ``replica`` from ``local`` through the wire codec, counting bytes.
+
+    ``between_rounds(round)`` (tests) runs after each response is produced, e.g. to change the
+    responder mid-pull.
+    """
+    pull = replica.start_pull(
+        session,
+        local.epoch,
+        local.root,
+        attempt,
+        target_count=local.count,
+        estimated_difference=estimated_difference,
+        max_rounds=max_rounds,
+    )
+    request: SyncRequest | None = pull.first_request()
+    while request is not None:
+        received = decode(encode(request), SyncRequest)
+        assert isinstance(received, SyncRequest)
+        answer = decode(encode(local.answer(received)), SyncResponse)
+        assert isinstance(answer, SyncResponse)
+        if between_rounds is not None:
+            between_rounds(pull.rounds + 1)
+        request = pull.handle_response(answer)
+    return ReconcileStats(pull.state, pull.rounds, pull.passes, pull.bytes_sent, pull.bytes_received)
