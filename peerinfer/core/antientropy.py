@@ -84,6 +84,7 @@ from peerinfer.core.digest import (
     DELTA_CAP,
     HASH_DENSITY,
     LIST_CAP,
+    CacheObserver,
     LocalDigest,
     MerkleDigest,
     bitmap_indices,
@@ -101,7 +102,6 @@ from peerinfer.core.digest import (
     unpack_fixed,
 )
 from peerinfer.core.messages import SyncNode, SyncQuery, SyncRequest, SyncResponse, decode, encode
-from peerinfer.core.radix import CacheObserver
 from peerinfer.errors import ClosedError, ProtocolError
 from peerinfer.types import BlockHash
 

@@ -58,13 +58,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from peerinfer.core.messages import MAX_DELTA, SyncNode, SyncQuery, SyncRequest, SyncResponse
-from peerinfer.core.radix import CacheObserver
 from peerinfer.errors import ProtocolError
 from peerinfer.types import BlockHash
 
 __all__ = [
+    "CacheObserver",
     "DELTA_CAP",
     "LEAF_MAX",
     "LEAF_MIN",
@@ -93,6 +94,16 @@ __all__ = [
     "unpack_elements",
     "unpack_fixed",
 ]
+
+
+
+class CacheObserver(Protocol):
+    """Told of every real change of a set (the same protocol as ``radix.CacheObserver``)."""
+
+    def block_added(self, h: BlockHash) -> None: ...
+
+    def block_removed(self, h: BlockHash) -> None: ...
+
 
 _BITS = 64
 _ONE = 1 << 64
