@@ -131,3 +131,19 @@ def test_entry_point_registration(tmp_path, monkeypatch):
     assert _text(engine, "ok", max_tokens=3)[0] == "oko"
     with pytest.raises(ConfigError, match="entry point"):
         load_engine("broken")
+
+
+def test_calibrate_command_writes_a_cost_model(tmp_path, capsys):
+    import json
+
+    from peerinfer.core.costmodel import CostModel
+    from peerinfer.engine.calibrate import main_calibrate
+
+    out = tmp_path / "costs.json"
+    assert main_calibrate(["--engine", f"{EXAMPLE}:EchoEngine", "--quick", "--json", "--output", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    costs = CostModel.from_dict(printed["costs"])
+    assert costs.slots == 1 and printed["model"] == "EchoEngine"
+    with pytest.raises(ConfigError):
+        main_calibrate(["--engine", "nope"])
