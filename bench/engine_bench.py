@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert cached <= len(prefix), "the suffix must not be cached"
             # The floor: a forward pass over the same uncached tokens after a ready-made cache.
             segments = engine.radix_cache.match(prompt[:cached], touch=False).payloads
-            cache = engine.kv_cache_from_segments(segments)
+            cache = engine.kv_cache_from_segments(segments, contiguous=True)
             t0 = time.perf_counter()
             logits = engine.forward(prompt[cached:], cache)
             int(torch.argmax(logits))

@@ -22,10 +22,10 @@ KV reuse
 --------
 A cached block's segment is one tensor ``[layers, 2 (K,V), kv_heads, block_size, head_dim]`` on
 the model's device. A request whose prompt hits ``P`` cached tokens gets them as ``P/block_size``
-segments; the decoder concatenates them once (``torch.cat`` along the token axis), hands each
-layer a view of the result as its ``DynamicLayer`` keys/values, and runs only the rest of the
-prompt (at least its last token) through the model, in chunks, checking cancellation between
-chunks. Positions follow from the cache length, so the result is the same computation as a
+segments; each layer of the decoder's cache starts as views of its slices of those segments
+and concatenates them with the first new states in the one copy a ``DynamicLayer`` makes anyway
+(so reuse costs no extra copy of the prefix), and only the rest of the prompt (at least its last
+token) runs through the model, in chunks, checking cancellation between chunks. Positions follow from the cache length, so the result is the same computation as a
 full prefill: with greedy decoding the tokens equal ``model.generate(do_sample=False)``.
 When the request ends the decoder copies the new full blocks of prompt + generated tokens out of
 its cache (one stack per range, one clone per block, so every segment owns its memory and
@@ -490,12 +490,22 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------ low-level model access
 
-    def kv_cache_from_segments(self, segments: Sequence[torch.Tensor]) -> DynamicCache:
-        """A model cache holding the concatenation of ``segments`` (one ``cat`` in all)."""
+    def kv_cache_from_segments(
+        self, segments: Sequence[torch.Tensor], *, contiguous: bool = False
+    ) -> DynamicCache:
+        """A model cache holding the concatenation of ``segments``.
+
+        By default nothing is copied here: each layer keeps views of its slices of the segments
+        and concatenates them with the first new states in the one copy a ``DynamicLayer`` makes
+        anyway. ``contiguous=True`` concatenates up front instead (a ready-made cache, as the
+        benchmark's floor uses).
+        """
         cache = DynamicCache(config=self.model.config)
-        if segments:
+        if not segments:
+            return cache
+        layers: list[Any] = cache.layers  # all DynamicLayer (checked at load)
+        if contiguous:
             kv = segments[0] if len(segments) == 1 else torch.cat(tuple(segments), dim=3)
-            layers: list[Any] = list(cache.layers)  # all DynamicLayer (checked at load)
             for i, layer in enumerate(layers):
                 keys = kv[i, 0].unsqueeze(0)  # [1, kv_heads, tokens, head_dim], a view
                 values = kv[i, 1].unsqueeze(0)
@@ -503,6 +513,11 @@ class TransformersEngine(Engine):
                 # DynamicLayer.update never writes into these (it concatenates into new
                 # tensors), so the cached segments stay untouched.
                 layer.keys, layer.values = keys, values
+            return cache
+        length = sum(int(seg.shape[3]) for seg in segments)
+        per_segment = [seg.unbind(0) for seg in segments]  # each: layers x [2, heads, bs, dim]
+        for i in range(len(layers)):
+            layers[i] = _ReusedPrefixLayer([views[i] for views in per_segment], length)
         return cache
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache) -> torch.Tensor:
@@ -551,6 +566,39 @@ class TransformersEngine(Engine):
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _ReusedPrefixLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose cached prefix is still a list of per-block segment views.
+
+    The first ``update`` concatenates those pieces and the new states into one tensor (the copy
+    ``DynamicLayer.update`` would make anyway), so reusing a prefix costs no extra copy; later
+    updates are plain ``DynamicLayer`` ones. The segments are only read.
+    """
+
+    def __init__(self, pieces: list[torch.Tensor], length: int) -> None:
+        super().__init__()
+        self._pieces: list[torch.Tensor] | None = pieces  # each [2, kv_heads, bs, head_dim]
+        self._prefix_length = length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces = self._pieces
+        if pieces is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = torch.stack((key_states[0], value_states[0]))  # [2, kv_heads, n, head_dim]
+        kv = torch.cat([*pieces, new], dim=2)  # [2, kv_heads, prefix + n, head_dim]
+        self.keys, self.values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        self._pieces = None
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        if self._pieces is not None:
+            return self._prefix_length
+        return int(super().get_seq_length())
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
