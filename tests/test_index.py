@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,53 +16,20 @@ from hypothesis.stateful import (
     rule,
 )
 
-from peerinfer.core.index import CacheObserver, PeerIndex
+from peerinfer.core.digest import MerkleDigest
+from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import Load
 from peerinfer.errors import ConfigError
 from peerinfer.types import BlockHash, PeerId
 
-# ------------------------------------------------------------------ a stand-in replica
+
+def make_index(**kwargs: Any) -> PeerIndex:
+    return PeerIndex(**kwargs)
 
 
-class SetDigest:
-    """The digest contract the index relies on: a set that reports each real change."""
-
-    def __init__(self, observer: CacheObserver) -> None:
-        self._elements: set[BlockHash] = set()
-        self._observer = observer
-
-    def add(self, h: BlockHash) -> None:
-        if h not in self._elements:
-            self._elements.add(h)
-            self._observer.block_added(h)
-
-    def discard(self, h: BlockHash) -> None:
-        if h in self._elements:
-            self._elements.remove(h)
-            self._observer.block_removed(h)
-
-    def __contains__(self, h: object) -> bool:
-        return h in self._elements
-
-    def __iter__(self) -> Iterator[BlockHash]:
-        return iter(list(self._elements))
-
-    def __len__(self) -> int:
-        return len(self._elements)
-
-
-class SetReplica:
-    def __init__(self, observer: CacheObserver) -> None:
-        self.digest = SetDigest(observer)
-
-
-def make_index(**kwargs: object) -> PeerIndex:
-    return PeerIndex(replica_factory=SetReplica, **kwargs)  # type: ignore[arg-type]
-
-
-def digest_of(index: PeerIndex, peer: PeerId) -> SetDigest:
+def digest_of(index: PeerIndex, peer: PeerId) -> MerkleDigest:
     replica = index.replica(peer)
-    assert isinstance(replica, SetReplica)
+    assert replica is not None
     return replica.digest
 
 

@@ -63,52 +63,20 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Container, Mapping, Sequence
 
+from peerinfer.core.antientropy import Replica
+from peerinfer.core.digest import CacheObserver
 from peerinfer.core.messages import Load
 from peerinfer.core.routing import Candidate, make_candidate
 from peerinfer.errors import ConfigError
 from peerinfer.types import BlockHash, PeerId
 
-
-class CacheObserver(Protocol):
-    """What a digest reports to: one call per real change of its set."""
-
-    def block_added(self, h: BlockHash) -> None: ...
-
-    def block_removed(self, h: BlockHash) -> None: ...
-
-
-class DigestLike(Protocol):
-    """The part of a digest the index reads: iteration, membership and size."""
-
-    def __iter__(self) -> Iterator[BlockHash]: ...
-
-    def __contains__(self, h: object) -> bool: ...
-
-    def __len__(self) -> int: ...
-
-
-class ReplicaLike(Protocol):
-    """The part of ``peerinfer.core.antientropy.Replica`` the index relies on."""
-
-    @property
-    def digest(self) -> DigestLike: ...
-
-
-#: Builds a replica whose digest reports its changes to ``observer``.
-ReplicaFactory = Callable[[CacheObserver], ReplicaLike]
+#: Builds a replica whose digest reports its changes to ``observer`` (tests may pass a
+#: subclass; the default is ``Replica`` itself).
+ReplicaFactory = Callable[[CacheObserver], Replica]
 
 _NO_LOAD = Load()
-
-
-def _default_replica_factory(observer: CacheObserver) -> ReplicaLike:
-    # Imported here so that the index can be built (and tested) with any replica class.
-    from peerinfer.core.antientropy import Replica
-
-    replica: ReplicaLike = Replica(observer=observer)
-    return replica
 
 
 class _PeerState:
@@ -135,7 +103,7 @@ class _PeerState:
         self.slot = slot
         self.bit = 1 << slot
         self.added_seq = added_seq
-        self.replica: ReplicaLike | None = None
+        self.replica: Replica | None = None
         self.indexed = 0  # how many of the replica's hashes carry this peer's bit
         self.skipped = False  # some hash was not indexed (cap reached) since the last rescan
         self.load = _NO_LOAD
@@ -209,7 +177,7 @@ class PeerIndex:
         self.speculative_ttl_s = speculative_ttl_s
         self.max_replica_blocks = max_replica_blocks
         self.confirm_grace_s = confirm_grace_s
-        self._replica_factory = replica_factory or _default_replica_factory
+        self._replica_factory: ReplicaFactory = replica_factory or Replica
         self._states: dict[PeerId, _PeerState] = {}
         self._observers: dict[PeerId, _PeerObserver] = {}
         self._by_slot: dict[int, _PeerState] = {}
@@ -229,7 +197,7 @@ class PeerIndex:
 
     # ---------------------------------------------------------------------------- peers
 
-    def add_peer(self, peer: PeerId) -> ReplicaLike:
+    def add_peer(self, peer: PeerId) -> Replica:
         """The replica of ``peer``, created (and observed by the index) if it is new.
 
         When the index is full, the least recently fresh peer is removed first.
@@ -254,10 +222,6 @@ class PeerIndex:
         self._by_slot[slot] = state
         replica = self._replica_factory(observer)
         state.replica = replica
-        # A factory may hand back a replica that already holds elements (none of ours do, but
-        # the contract is cheap to keep): index whatever the observer was not told about.
-        if len(replica.digest) != state.indexed:
-            self._rescan(state)
         return replica
 
     def remove_peer(self, peer: PeerId) -> None:
@@ -287,7 +251,7 @@ class PeerIndex:
         del self._by_slot[state.slot]
         heapq.heappush(self._free_slots, state.slot)
 
-    def replica(self, peer: PeerId) -> ReplicaLike | None:
+    def replica(self, peer: PeerId) -> Replica | None:
         state = self._states.get(peer)
         return None if state is None else state.replica
 
@@ -687,4 +651,4 @@ class PeerIndex:
         assert expected_masks == self._spec_masks
 
 
-__all__ = ["CacheObserver", "PeerIndex", "ReplicaFactory", "ReplicaLike"]
+__all__ = ["PeerIndex", "ReplicaFactory"]
