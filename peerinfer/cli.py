@@ -108,7 +108,13 @@ def _run_node(args: argparse.Namespace) -> int:
                     print("peerinfer node: shutting down (finishing in-flight requests)", file=sys.stderr, flush=True)
                     with trio.move_on_after(60):
                         async with trio.open_nursery() as inner:
-                            inner.start_soon(node.shutdown)
+
+                            async def graceful(scope: trio.CancelScope = inner.cancel_scope) -> None:
+                                # Done draining: stop waiting for a second signal.
+                                await node.shutdown()
+                                scope.cancel()
+
+                            inner.start_soon(graceful)
                             # A second signal stops at once.
                             async for _ in signals:
                                 break
