@@ -1,0 +1,627 @@
+"""The radix prefix cache: which prompt prefixes this node holds KV state for, and what to evict.
+
+Algorithm
+---------
+The cache is a tree of *blocks* (after SGLang's original ``radix_cache.py``, paged at a fixed
+block size). Every node but the root stands for one full block of ``block_size`` tokens; the path
+from the root to a node spells a cached prompt prefix. Children are keyed by their block's token
+tuple, so looking a prompt up is one dict probe per block on tuple slices of the prompt. Each node
+carries the chain hash of its prefix (``PrefixHasher.block_hash(parent.hash, key)``, computed once
+when the node is created): that is what digests and routing talk about. A trailing partial block
+is never cached: it cannot be shared at block granularity.
+
+The tree is **prefix-closed**: a block is cached only if all its ancestors are, because eviction
+only ever removes *leaves*. Each node carries an opaque ``payload`` (the engine's KV segment for
+that block) and the ``nbytes`` it is accounted for; the cache never frees payloads itself, it
+calls ``on_evict(node)`` for every node it removes and the engine frees the memory there.
+
+**Pins.** ``lock(node)`` adds one to ``lock_ref`` on the node and on every ancestor, ``unlock``
+takes it away; so ``lock_ref > 0`` exactly when some pin is held on the node or below it, and a
+node with ``lock_ref > 0`` is never evicted. A request pins its matched path while it runs.
+
+**LRU with logical ticks** (as Hypothesis's ``GenericCache``; never a clock). The cache keeps a
+counter ``tick`` that grows by one per ``match(touch=True)`` and per ``insert``; both stamp every
+node of the path they walk with the new tick, so a parent's tick is always >= its children's.
+Eviction removes the unpinned leaf with the smallest tick. Two evictable leaves never share a
+tick (the nodes still stamped with tick ``t`` form one chain of the path walked at ``t``, and only
+the bottom of a chain can be a leaf), so the order is fully determined.
+
+**Lazy heap.** Evictable leaves are found through a binary heap of ``(tick, seq, node)`` entries.
+An entry is pushed whenever a node *becomes* an evictable leaf with some tick: it is created at
+the bottom of an insert, it is stamped while being a leaf, its last child is evicted, or its last
+pin is released. Entries are never removed eagerly; a popped entry is valid only if the node is
+still in the tree, has no children, is unpinned and still has that tick. Invariant: every
+evictable leaf has a valid entry. Stale entries are dropped in one pass (O(heap)) when the heap
+grows past twice its size after the last compaction (plus a constant), so every operation costs
+amortized O(log n) for the heap on top of its O(blocks walked), whatever the workload.
+
+**Capacity** is in tokens (``blocks * block_size``) and/or bytes (sum of ``nbytes``); ``None`` is
+unbounded. ``insert`` evicts LRU leaves before adding each new block that would not fit, never
+the path it is inserting into (whose only possible leaf is the current bottom node, held aside);
+if no room can be made it stops there and hands the payloads it could not store back to the
+caller. Accounting is exact, so the cache never exceeds its capacity.
+
+Callbacks (``on_evict`` and observers) run synchronously inside the operation that caused them,
+after the tree is consistent again; they must not raise and must not call back into the cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from operator import index
+from typing import Any, Protocol
+
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash
+
+#: Compaction slack: the heap may hold this many entries beyond twice its last compacted size.
+_HEAP_SLACK = 1024
+
+
+class CacheObserver(Protocol):
+    """Told of every block entering or leaving the cache (e.g. the Merkle digest)."""
+
+    def block_added(self, h: BlockHash) -> None: ...
+
+    def block_removed(self, h: BlockHash) -> None: ...
+
+
+class RadixNode:
+    """One cached block of ``block_size`` tokens (the root holds none).
+
+    ``hash`` is the chain hash of the whole prefix ending with this block. ``lock_ref`` counts
+    pins held on this node or any descendant. ``last_access`` is the logical tick of the last
+    operation whose path went through the node. A node that was evicted has ``parent is None``
+    (and ``depth > 0``) and is no longer part of the tree.
+    """
+
+    __slots__ = (
+        "parent",
+        "children",
+        "key",
+        "hash",
+        "depth",
+        "payload",
+        "nbytes",
+        "lock_ref",
+        "last_access",
+    )
+
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        key: tuple[int, ...],
+        hash: BlockHash,
+        payload: Any = None,
+        nbytes: int = 0,
+        last_access: int = 0,
+    ) -> None:
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.key = key
+        self.hash = hash
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.payload = payload
+        self.nbytes = nbytes
+        self.lock_ref = 0
+        self.last_access = last_access
+
+    @property
+    def evicted(self) -> bool:
+        """True once the node has been removed from its cache."""
+        return self.parent is None and self.depth > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(depth={self.depth}, hash={self.hash:#018x}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access}, children={len(self.children)}, "
+            f"nbytes={self.nbytes}{', evicted' if self.evicted else ''})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached prefix of a prompt.
+
+    ``tokens`` is a multiple of ``block_size``; ``nodes`` is the matched path (root excluded) in
+    order; ``root_hash`` is the hasher's root, the chain hash of the empty prefix.
+    """
+
+    tokens: int
+    nodes: tuple[RadixNode, ...]
+    root_hash: BlockHash
+
+    @property
+    def last_hash(self) -> BlockHash:
+        """Chain hash of the matched prefix (``root_hash`` when nothing matched)."""
+        return self.nodes[-1].hash if self.nodes else self.root_hash
+
+    @property
+    def payloads(self) -> list[Any]:
+        """The payload of every matched block, in order."""
+        return [n.payload for n in self.nodes]
+
+    @property
+    def last_node(self) -> RadixNode | None:
+        """The deepest matched node (what a request locks), or None when nothing matched."""
+        return self.nodes[-1] if self.nodes else None
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What ``insert`` did.
+
+    ``inserted_blocks``: nodes created. ``cached_tokens``: how many leading tokens of the input
+    are now cached (a multiple of ``block_size``). ``nodes``: that cached path. ``unused_payloads``:
+    the payloads the cache did not keep (block already cached with another payload, no room, or a
+    trailing partial block) in input order; the caller frees them.
+    """
+
+    inserted_blocks: int
+    cached_tokens: int
+    nodes: tuple[RadixNode, ...]
+    unused_payloads: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the cache's size and lifetime counters.
+
+    ``queries``/``query_tokens`` count ``match(touch=True)`` calls and their prompt lengths;
+    ``hit_queries``/``hit_tokens`` those that matched at least one block and the matched tokens.
+    ``inserted_blocks``/``evicted_blocks`` are lifetime totals.
+    """
+
+    blocks: int
+    tokens: int
+    bytes: int
+    capacity_tokens: int | None
+    capacity_bytes: int | None
+    locked_blocks: int
+    queries: int
+    hit_queries: int
+    query_tokens: int
+    hit_tokens: int
+    inserted_blocks: int
+    evicted_blocks: int
+
+
+class RadixCache:
+    """A prefix-closed block tree with pins, logical-tick LRU eviction and exact accounting."""
+
+    def __init__(
+        self,
+        hasher: PrefixHasher,
+        *,
+        capacity_tokens: int | None = None,
+        capacity_bytes: int | None = None,
+        on_evict: Callable[[RadixNode], None] | None = None,
+    ) -> None:
+        if capacity_tokens is not None and capacity_tokens < 0:
+            raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ConfigError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+        self.hasher = hasher
+        self.block_size: int = hasher.block_size
+        self.capacity_tokens = capacity_tokens
+        self.capacity_bytes = capacity_bytes
+        self._on_evict = on_evict
+        self._observers: list[CacheObserver] = []
+        self._root = RadixNode(None, (), hasher.root)
+        self._by_hash: dict[BlockHash, RadixNode] = {}
+        self._tick = 0
+        self._bytes = 0
+        self._locked = 0
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._seq = 0
+        self._heap_limit = _HEAP_SLACK
+        self._queries = 0
+        self._hit_queries = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._inserted = 0
+        self._evicted = 0
+
+    # ---------------------------------------------------------------- observers and lookups
+
+    @property
+    def root(self) -> RadixNode:
+        """The root node (no block; its hash is the hasher's root)."""
+        return self._root
+
+    @property
+    def tick(self) -> int:
+        """The logical clock: the tick stamped by the last touching operation."""
+        return self._tick
+
+    def add_observer(self, observer: CacheObserver) -> None:
+        """Tell ``observer`` of every block added or removed from now on.
+
+        Blocks already cached are reported to it at once with ``block_added``, so an observer's
+        view always equals ``block_hashes()``.
+        """
+        self._observers.append(observer)
+        for h in list(self._by_hash):
+            observer.block_added(h)
+
+    def remove_observer(self, observer: CacheObserver) -> None:
+        """Stop telling ``observer`` (no ``block_removed`` is sent for the blocks it knew)."""
+        self._observers.remove(observer)
+
+    def block_hashes(self) -> Iterator[BlockHash]:
+        """The chain hash of every cached block (a snapshot, any order)."""
+        return iter(list(self._by_hash))
+
+    def node_by_hash(self, h: BlockHash) -> RadixNode | None:
+        """The cached node whose chain hash is ``h``, if any."""
+        return self._by_hash.get(h)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._by_hash
+
+    # ---------------------------------------------------------------- match
+
+    def match(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:
+        """The longest cached prefix of ``tokens`` (whole blocks only).
+
+        With ``touch`` (the default) this is a query: the matched path is stamped with a new tick
+        and the hit statistics are updated. ``touch=False`` is a pure peek (routing estimates).
+        The nodes are valid until evicted; lock the last one to keep them.
+        """
+        bs = self.block_size
+        node = self._root
+        path: list[RadixNode] = []
+        append = path.append
+        # zip over one iterator repeated bs times yields the full blocks as tuples, cut in C:
+        # markedly faster than slicing in a Python loop (the hot path of every request).
+        for key in zip(*[iter(tokens)] * bs, strict=False):
+            child = node.children.get(key)
+            if child is None:
+                break
+            append(child)
+            node = child
+        if touch:
+            self._tick = tick = self._tick + 1
+            self._root.last_access = tick
+            for n in path:
+                n.last_access = tick
+            self._queries += 1
+            self._query_tokens += len(tokens)
+            if path:
+                self._hit_queries += 1
+                self._hit_tokens += len(path) * bs
+                if not node.children and not node.lock_ref:
+                    self._push(node)
+        return MatchResult(len(path) * bs, tuple(path), self._root.hash)
+
+    # ---------------------------------------------------------------- insert
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        payloads: Sequence[Any] | None = None,
+        nbytes: Sequence[int] | int = 0,
+    ) -> InsertResult:
+        """Cache every full block of ``tokens``, evicting LRU leaves to stay within capacity.
+
+        ``payloads[i]`` and ``nbytes[i]`` belong to full block ``i``; both may also carry one
+        entry for a trailing partial block, which is ignored (its payload is returned unused).
+        ``nbytes`` may be one int for every block. Blocks already cached keep their payload and
+        size; the given payload is returned in ``unused_payloads`` (unless it *is* the stored
+        payload, as when a caller re-inserts what ``match`` gave it). If a block cannot be made room
+        for (everything else evictable is pinned, or the block alone exceeds the capacity), the
+        insert stops there and the payloads of that block and all after it are returned unused.
+        The whole path is stamped with a new tick.
+        """
+        bs = self.block_size
+        n_full = len(tokens) // bs
+        n_any = -(-len(tokens) // bs)
+        if payloads is not None and len(payloads) not in (n_full, n_any):
+            raise ValueError(
+                f"{len(payloads)} payloads for {n_full} full blocks of {len(tokens)} tokens"
+            )
+        sizes: Sequence[int] | None
+        if isinstance(nbytes, int):
+            if nbytes < 0:
+                raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+            sizes, size = None, nbytes
+        else:
+            if len(nbytes) not in (n_full, n_any):
+                raise ValueError(
+                    f"{len(nbytes)} nbytes for {n_full} full blocks of {len(tokens)} tokens"
+                )
+            if any(s < 0 for s in nbytes):
+                raise ValueError("nbytes must be >= 0")
+            sizes, size = nbytes, 0
+        self._tick = tick = self._tick + 1
+        root = self._root
+        root.last_access = tick
+        block_hash = self.hasher.block_hash
+        node = root
+        path: list[RadixNode] = []
+        unused: list[Any] = []
+        inserted = 0
+        try:
+            for i, key in enumerate(zip(*[iter(tokens)] * bs, strict=False)):
+                child = node.children.get(key)
+                if child is not None:
+                    child.last_access = tick
+                    path.append(child)
+                    node = child
+                    # Handing back the very payload already stored is not an offer of a new
+                    # one: the caller must not free it.
+                    if payloads is not None and payloads[i] is not child.payload:
+                        unused.append(payloads[i])
+                    continue
+                if sizes is not None:
+                    size = sizes[i]
+                h = block_hash(node.hash, key)  # raises ValueError on bad token ids
+                key = tuple(map(index, key))  # stored keys are plain ints (e.g. not numpy's)
+                if not self._make_room(bs, size, node):
+                    if payloads is not None:
+                        unused.extend(payloads[i:n_full])
+                    break
+                child = RadixNode(node, key, h, None if payloads is None else payloads[i], size, tick)
+                node.children[key] = child
+                self._by_hash[h] = child
+                self._bytes += size
+                self._inserted += 1
+                inserted += 1
+                path.append(child)
+                node = child
+                for observer in self._observers:
+                    observer.block_added(h)
+        finally:
+            # The bottom of the path is the only node this insert can have made a leaf.
+            if node is not root and not node.children and not node.lock_ref:
+                self._push(node)
+        if payloads is not None and len(payloads) > n_full:
+            unused.append(payloads[n_full])
+        return InsertResult(inserted, len(path) * bs, tuple(path), tuple(unused))
+
+    # ---------------------------------------------------------------- pins
+
+    def lock(self, node: RadixNode | None) -> None:
+        """Pin ``node`` and all its ancestors against eviction (counted; None/root: no-op)."""
+        if node is None or node is self._root:
+            return
+        self._check_attached(node)
+        n: RadixNode | None = node
+        while n is not None and n.depth > 0:
+            if n.lock_ref == 0:
+                self._locked += 1
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        """Release one pin taken with ``lock(node)`` (None/root: no-op)."""
+        if node is None or node is self._root:
+            return
+        self._check_attached(node)
+        if node.lock_ref <= 0:
+            raise ValueError(f"unlock of a node that is not locked: {node!r}")
+        n: RadixNode | None = node
+        while n is not None and n.depth > 0:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._locked -= 1
+                if not n.children:
+                    self._push(n)
+            n = n.parent
+
+    def _check_attached(self, node: RadixNode) -> None:
+        n = node
+        while n.parent is not None:
+            n = n.parent
+        if n is not self._root:
+            what = "an evicted node" if node.evicted or n.depth > 0 else "a node of another cache"
+            raise ValueError(f"cannot (un)lock {what}: {node!r}")
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, *, tokens: int = 0, bytes: int = 0) -> int:
+        """Evict LRU unpinned leaves until at least ``tokens`` tokens and ``bytes`` bytes are freed
+        (or nothing more can be). Returns the number of blocks evicted."""
+        freed_tokens = freed_bytes = evicted = 0
+        while freed_tokens < tokens or freed_bytes < bytes:
+            node = self._pop_evictable()
+            if node is None:
+                break
+            freed_tokens += self.block_size
+            freed_bytes += node.nbytes
+            evicted += 1
+            self._evict_node(node)
+        return evicted
+
+    def clear(self) -> None:
+        """Evict every unpinned block (``on_evict`` and observers are told of each)."""
+        while (node := self._pop_evictable()) is not None:
+            self._evict_node(node)
+
+    def _make_room(self, tokens: int, nbytes: int, protect: RadixNode) -> bool:
+        """Evict until ``tokens``/``nbytes`` more fit, sparing ``protect``; False if impossible."""
+        cap_t = self.capacity_tokens
+        cap_b = self.capacity_bytes
+        if (cap_t is None or len(self._by_hash) * self.block_size + tokens <= cap_t) and (
+            cap_b is None or self._bytes + nbytes <= cap_b
+        ):
+            return True
+        if (cap_t is not None and tokens > cap_t) or (cap_b is not None and nbytes > cap_b):
+            return False
+        held = False
+        try:
+            while (cap_t is not None and len(self._by_hash) * self.block_size + tokens > cap_t) or (
+                cap_b is not None and self._bytes + nbytes > cap_b
+            ):
+                node = self._pop_evictable()
+                if node is None:
+                    return False
+                if node is protect:
+                    held = True
+                    continue
+                self._evict_node(node)
+            return True
+        finally:
+            if held:
+                self._push(protect)
+
+    def _pop_evictable(self) -> RadixNode | None:
+        """Pop the LRU evictable leaf off the lazy heap, dropping stale entries."""
+        heap = self._heap
+        while heap:
+            tick, _, node = heapq.heappop(heap)
+            if (
+                node.last_access == tick
+                and not node.children
+                and not node.lock_ref
+                and node.parent is not None
+            ):
+                return node
+        return None
+
+    def _evict_node(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        node.parent = None
+        if self._by_hash.get(node.hash) is node:
+            del self._by_hash[node.hash]
+        self._bytes -= node.nbytes
+        self._evicted += 1
+        if not parent.children and not parent.lock_ref and parent.depth > 0:
+            self._push(parent)
+        if self._on_evict is not None:
+            self._on_evict(node)
+        for observer in self._observers:
+            observer.block_removed(node.hash)
+
+    def _push(self, node: RadixNode) -> None:
+        self._seq += 1
+        heap = self._heap
+        heapq.heappush(heap, (node.last_access, self._seq, node))
+        if len(heap) > self._heap_limit:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Drop stale and duplicate entries; amortized O(1) per push (see module docstring)."""
+        seen: set[int] = set()
+        kept: list[tuple[int, int, RadixNode]] = []
+        for entry in self._heap:
+            tick, _, node = entry
+            if (
+                node.last_access == tick
+                and not node.children
+                and not node.lock_ref
+                and node.parent is not None
+                and id(node) not in seen
+            ):
+                seen.add(id(node))
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+        self._heap_limit = 2 * len(kept) + _HEAP_SLACK
+
+    # ---------------------------------------------------------------- statistics and checks
+
+    def stats(self) -> CacheStats:
+        """A frozen snapshot of sizes and counters."""
+        blocks = len(self._by_hash)
+        return CacheStats(
+            blocks=blocks,
+            tokens=blocks * self.block_size,
+            bytes=self._bytes,
+            capacity_tokens=self.capacity_tokens,
+            capacity_bytes=self.capacity_bytes,
+            locked_blocks=self._locked,
+            queries=self._queries,
+            hit_queries=self._hit_queries,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            inserted_blocks=self._inserted,
+            evicted_blocks=self._evicted,
+        )
+
+    def check_invariants(self, *, verify_hashes: bool = True) -> None:
+        """Raise AssertionError if the tree, pins, accounting or heap are inconsistent.
+
+        O(blocks + heap); ``verify_hashes`` also recomputes every chain hash.
+        """
+
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(f"radix cache invariant violated: {msg}")
+
+        root = self._root
+        bs = self.block_size
+        check(root.parent is None and root.depth == 0, "root has a parent or depth")
+        check(root.hash == self.hasher.root, "root hash is not the hasher's root")
+        check(root.lock_ref == 0, "root is locked")
+        valid_entries = {
+            id(node)
+            for tick, _, node in self._heap
+            if node.last_access == tick
+            and not node.children
+            and not node.lock_ref
+            and node.parent is not None
+        }
+        blocks = total_bytes = locked = 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            check(node.last_access <= self._tick, f"tick from the future on {node!r}")
+            child_locks = 0
+            for key, child in node.children.items():
+                check(child.parent is node, f"{child!r} has the wrong parent")
+                check(child.key == key, f"{child!r} is filed under another key")
+                check(
+                    len(key) == bs and all(type(t) is int for t in key), f"bad key on {child!r}"
+                )
+                check(child.depth == node.depth + 1, f"{child!r} has the wrong depth")
+                check(child.last_access <= node.last_access, f"{child!r} is newer than its parent")
+                if verify_hashes:
+                    check(
+                        child.hash == self.hasher.block_hash(node.hash, key),
+                        f"{child!r} has the wrong chain hash",
+                    )
+                check(self._by_hash.get(child.hash) is child, f"{child!r} not indexed by hash")
+                check(child.nbytes >= 0, f"{child!r} has negative nbytes")
+                child_locks += child.lock_ref
+                stack.append(child)
+            if node is root:
+                continue
+            blocks += 1
+            total_bytes += node.nbytes
+            check(node.lock_ref >= child_locks, f"{node!r} has fewer pins than its children")
+            if node.lock_ref:
+                locked += 1
+            elif not node.children:
+                check(id(node) in valid_entries, f"evictable leaf {node!r} missing from the heap")
+        check(blocks == len(self._by_hash), f"{blocks} nodes but {len(self._by_hash)} hashes")
+        check(total_bytes == self._bytes, f"bytes {total_bytes} != accounted {self._bytes}")
+        check(locked == self._locked, f"locked {locked} != accounted {self._locked}")
+        if self.capacity_tokens is not None:
+            check(blocks * bs <= self.capacity_tokens, "over token capacity")
+        if self.capacity_bytes is not None:
+            check(total_bytes <= self.capacity_bytes, "over byte capacity")
+        heap = self._heap
+        check(
+            all(heap[(i - 1) // 2][:2] <= heap[i][:2] for i in range(1, len(heap))),
+            "heap order broken",
+        )
+        check(len(heap) <= self._heap_limit, "heap above its compaction limit")
+
+
+__all__ = [
+    "CacheObserver",
+    "CacheStats",
+    "InsertResult",
+    "MatchResult",
+    "RadixCache",
+    "RadixNode",
+]
