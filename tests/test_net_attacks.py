@@ -31,7 +31,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.utils.varint import encode_uvarint, encode_varint_prefixed
 
-from peerinfer.errors import PeerUnavailableError, ProtocolError, RequestTimeoutError
+from peerinfer.errors import PeerUnavailableError, ProtocolError, RemoteError, RequestTimeoutError
 from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
 
 REPO = Path(__file__).resolve().parents[1]
@@ -382,21 +382,38 @@ async def helper_process() -> AsyncIterator[tuple[trio.Process, str]]:
 
 
 async def test_a_hung_peer_times_out_and_is_dropped_by_liveness() -> None:
-    """A SIGSTOPped peer keeps its TCP connection; deadlines and pings must notice."""
+    """A SIGSTOPped peer keeps its TCP connection; deadlines and pings must notice.
+
+    A large send is left blocked on the hung peer's full socket, so the disconnect cannot be
+    polite (the GO_AWAY queues behind it) and has to abort the socket.
+    """
     liveness = config(liveness_interval_s=0.5, liveness_timeout_s=0.5, liveness_max_failures=2)
     async with helper_process() as (process, address), open_host(liveness) as node:
         events = node.peer_events()
         hung = await node.connect(address)
         assert await node.request(hung, ECHO, b"alive") == b"alive"
         assert await node.ping(hung) > 0
+        stuck = await node.open_stream(hung, ECHO)
         process.send_signal(signal.SIGSTOP)
         with pytest.raises(RequestTimeoutError):
             await node.ping(hung, timeout=0.5)
         with pytest.raises(RequestTimeoutError):
             await node.request(hung, ECHO, b"anyone?", timeout=0.5)
-        event = await next_event(events, "unresponsive", hung)
-        assert event.detail
-        await wait_until(lambda: not node.is_connected(hung))
+        stuck_outcome: list[BaseException] = []
+
+        async def send_into_the_void() -> None:
+            try:
+                await stuck.send(b"x" * 8_000_000, timeout=60)
+            except RemoteError as exc:
+                stuck_outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_into_the_void)
+            event = await next_event(events, "unresponsive", hung)
+            assert event.detail
+            await next_event(events, "disconnected", hung)
+        assert not node.is_connected(hung)
+        assert isinstance(stuck_outcome[0], PeerUnavailableError)  # aborted, not left hanging
         assert node.statistics().unresponsive_disconnects == 1
 
 

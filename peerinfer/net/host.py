@@ -53,7 +53,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import multiaddr
 import trio
@@ -108,12 +108,17 @@ PING_MAX_BYTES = 64
 KNOWN_ADDR_TTL_S = 3600
 #: Buffer of each ``peer_events()`` channel; a full one drops events (counted).
 PEER_EVENT_BUFFER = 256
-#: Bound on disconnecting a peer (closing a hung connection can block on a full socket).
-DISCONNECT_TIMEOUT_S = 2.0
+#: Bound on one attempt to close a peer's connections politely (see ``Host.disconnect``).
+DISCONNECT_TIMEOUT_S = 1.0
 #: Before publishing, wait (at most OUTBOUND_DRAIN_WAIT_S) until every peer's libp2p outbound
 #: queue is below this many RPCs (of OutBoundQueueSize = 32; a full queue drops silently).
 OUTBOUND_HIGH_WATER = OutBoundQueueSize // 2
 OUTBOUND_DRAIN_WAIT_S = 0.25
+#: On shutdown, how long connections may take to close politely before their sockets are
+#: closed under them.
+SHUTDOWN_GRACE_S = 1.0
+
+T = TypeVar("T")
 
 PeerEventKind = Literal["connected", "disconnected", "discovered", "unresponsive", "misbehaved"]
 StreamHandler = Callable[[FramedStream], Awaitable[None]]
@@ -326,12 +331,65 @@ class Host:
         # The swarm blocks a peer for 60 s after a failed dial; our callers pace themselves.
         self._network.unblock_peer(info.peer_id)
         try:
-            with translated("connect", peer, deadline), trio.fail_after(deadline):
-                await self._h.connect(info)
+            await self._within("connect", peer, deadline, lambda: self._h.connect(info))
         except RemoteError:
             self._counters.dial_failures += 1
             raise
         return peer
+
+    async def _within(
+        self,
+        operation: str,
+        peer: str | None,
+        deadline: float,
+        call: Callable[[], Awaitable[T]],
+        discard: Callable[[T], Awaitable[None]] | None = None,
+    ) -> T:
+        """``await call()``, giving up at ``deadline`` even if libp2p's cleanup is shielded.
+
+        py-libp2p runs some cleanups under ``CancelScope(shield=True)``: a cancelled
+        ``new_stream`` resets its half-open stream shielded, and on a hung peer that reset waits
+        for the muxer's write lock forever (held by a write stuck on the full socket), so a
+        ``fail_after`` around the call never fires. The call therefore runs in its own task; at
+        the deadline we stop waiting and leave it behind (it ends when the connection does, at
+        the latest when ``disconnect`` or shutdown aborts the socket), and a result that comes
+        too late is handed to ``discard``.
+        """
+        send, receive = trio.open_memory_channel[tuple[bool, object]](1)
+
+        async def worker() -> None:
+            async with send:
+                try:
+                    result: tuple[bool, object] = (True, await call())
+                except Exception as exc:
+                    result = (False, exc)
+                try:
+                    send.send_nowait(result)
+                except trio.BrokenResourceError:
+                    if result[0] and discard is not None:
+                        await discard(result[1])  # type: ignore[arg-type]
+
+        self._nursery_or_closed().start_soon(worker)
+        with translated(operation, peer, deadline):
+            try:
+                with trio.fail_after(deadline):
+                    ok, value = await receive.receive()
+            except trio.EndOfChannel:
+                raise ClosedError(f"{operation}: the host is shutting down") from None
+            except trio.TooSlowError:
+                try:  # a result that arrived just as the deadline fired
+                    late_ok, late = receive.receive_nowait()
+                    if late_ok and discard is not None and self._nursery is not None:
+                        self._nursery.start_soon(discard, late)
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    pass
+                raise
+            finally:
+                receive.close()
+            if not ok:
+                assert isinstance(value, BaseException)
+                raise value
+        return value  # type: ignore[return-value]
 
     def connected_peers(self) -> list[str]:
         """Peers with at least one open connection."""
@@ -341,26 +399,39 @@ class Host:
         return bool(self._network.get_connections(parse_peer_id(peer_id)))
 
     async def disconnect(self, peer_id: str) -> None:
-        """Close every connection to ``peer_id`` (bounded even if the peer is hung)."""
+        """Close every connection to ``peer_id``; bounded even if the peer is hung.
+
+        A polite close writes a yamux GO_AWAY, which waits behind any write already stuck on a
+        hung peer's full socket. If it has not finished after ``DISCONNECT_TIMEOUT_S``, the
+        sockets under the muxer are closed, which fails the stuck writes and lets the polite
+        close (and libp2p's disconnect notifications) complete.
+        """
         pid = parse_peer_id(peer_id)
-        with trio.move_on_after(DISCONNECT_TIMEOUT_S) as scope:
-            scope.shield = True
+        connections = list(self._network.get_connections(pid))
+        closed = trio.Event()
+
+        async def close_politely() -> None:
             try:
                 await self._network.close_peer(pid)
             except Exception as exc:
                 logger.debug("disconnecting %s: %r", peer_id, exc)
-        if scope.cancelled_caught:
-            # Closing blocked (a hung peer with a full socket): forget the connections anyway.
-            for conn in list(self._network.get_connections(pid)):
-                self._nursery_or_closed().start_soon(self._close_in_background, conn)
-            self._network.connections.pop(pid, None)
+            finally:
+                closed.set()
 
-    async def _close_in_background(self, conn: INetConn) -> None:
-        with trio.move_on_after(30):
-            try:
-                await conn.close()
-            except Exception:
-                pass
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_politely)
+                with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                    await closed.wait()
+                if not closed.is_set():
+                    logger.info("closing %s politely is stuck; aborting its sockets", peer_id)
+                    for conn in connections:
+                        await _abort_socket(conn)
+                    with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                        await closed.wait()
+                if not closed.is_set():
+                    logger.warning("could not close the connections to %s", peer_id)
+                    nursery.cancel_scope.cancel()
 
     def _connection_opened(self, peer_id: str) -> None:
         self._connections[peer_id] += 1
@@ -448,8 +519,13 @@ class Host:
         self._check_open()
         pid = parse_peer_id(peer_id)
         deadline = self._config.stream_timeout_s if timeout is None else timeout
-        with translated("open_stream", peer_id, deadline), trio.fail_after(deadline):
-            net_stream = await self._h.new_stream(pid, [TProtocol(protocol)])
+        net_stream = await self._within(
+            "open_stream",
+            peer_id,
+            deadline,
+            lambda: self._h.new_stream(pid, [TProtocol(protocol)]),
+            discard=_reset_stream,
+        )
         return FramedStream(
             net_stream,
             max_frame_bytes=self._config.max_frame_bytes,
@@ -733,8 +809,11 @@ class Host:
             raise ClosedError("the host is closed")
         return self._nursery
 
-    def _start(self, nursery: trio.Nursery, bootstrap: Sequence[PeerInfo]) -> None:
+    def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+
+    def _start_discovery(self, bootstrap: Sequence[PeerInfo]) -> None:
+        nursery = self._nursery_or_closed()
         for info in bootstrap:
             nursery.start_soon(self._keep_connected, info)
         if self._config.liveness_interval_s > 0:
@@ -743,6 +822,16 @@ class Host:
             self._mdns = MdnsBridge(self._network, self._peer_id, self._on_discovered)
             bare = [multiaddr.Multiaddr(a.rsplit("/p2p/", 1)[0]) for a in self.dialable_addrs()]
             nursery.start_soon(self._mdns.start, bare)
+
+    async def _reap_connections_after(self, grace_s: float) -> None:
+        """Shutdown helper: once ``grace_s`` has passed, keep aborting the sockets of whatever
+        connections are left, until the shutdown completes (and cancels us)."""
+        await trio.sleep(grace_s)
+        while True:
+            for connections in list(self._network.connections.values()):
+                for conn in list(connections):
+                    await _abort_socket(conn)
+            await trio.sleep(0.5)
 
     async def _stop(self) -> None:
         self._closed = True
@@ -811,6 +900,28 @@ async def _no_auto_connect() -> None:
     return None
 
 
+async def _reset_stream(net_stream: INetStream) -> None:
+    """Reset a stream nobody waits for any more (bounded: the connection may be hung)."""
+    with trio.move_on_after(1.0):
+        try:
+            await net_stream.reset()
+        except Exception:
+            pass
+
+
+async def _abort_socket(conn: INetConn) -> None:
+    """Close the TCP socket under a connection's muxer and security layers (no lock taken)."""
+    secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+    if secured is None:
+        return
+    with trio.move_on_after(1.0) as scope:
+        scope.shield = True
+        try:
+            await secured.close()
+        except Exception as exc:
+            logger.debug("aborting a connection: %r", exc)
+
+
 @asynccontextmanager
 async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """Start a host; on exit stop everything it started (connections, tasks, mDNS).
@@ -856,22 +967,32 @@ def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None
 async def _running(
     host: Host, libp2p_host: IHost, listen: list[multiaddr.Multiaddr], bootstrap: list[PeerInfo]
 ) -> AsyncIterator[None]:
-    async with libp2p_host.run(listen):
-        listening = set(host._network.listeners)
-        failed = [str(a) for a in listen if str(a) not in listening]
-        if failed:
-            raise ConfigError(f"cannot listen on {failed} (address in use or not local?)")
-        async with background_trio_service(host._pubsub), background_trio_service(host._router):
-            await host._pubsub.wait_until_ready()
-            try:
-                async with trio.open_nursery() as nursery:
-                    host._start(nursery, bootstrap)
+    # The reaper lives outside libp2p's run(): on shutdown, libp2p closes each connection
+    # politely, and on a hung peer that close (like any shielded libp2p cleanup) waits forever
+    # behind a write stuck on the full socket. After a grace period the reaper closes the
+    # sockets underneath, which unblocks them.
+    async with trio.open_nursery() as guard:
+        try:
+            async with libp2p_host.run(listen):
+                listening = set(host._network.listeners)
+                failed = [str(a) for a in listen if str(a) not in listening]
+                if failed:
+                    raise ConfigError(f"cannot listen on {failed} (address in use or not local?)")
+                async with background_trio_service(host._pubsub), background_trio_service(host._router):
+                    await host._pubsub.wait_until_ready()
                     try:
-                        yield
+                        async with trio.open_nursery() as nursery:
+                            host._start(nursery)
+                            host._start_discovery(bootstrap)
+                            try:
+                                yield
+                            finally:
+                                guard.start_soon(host._reap_connections_after, SHUTDOWN_GRACE_S)
+                                nursery.cancel_scope.cancel()
                     finally:
-                        nursery.cancel_scope.cancel()
-            finally:
-                await host._stop()
+                        await host._stop()
+        finally:
+            guard.cancel_scope.cancel()
 
 
 __all__ = [
