@@ -716,3 +716,24 @@ def test_many_requests_under_pressure_keep_invariants() -> None:
     stats = cache.stats()
     assert stats.tokens <= 400 and stats.bytes <= 300
     assert stats.evicted_blocks == len(freed) == stats.inserted_blocks - stats.blocks
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda c, n: setattr(n[1], "nbytes", n[1].nbytes + 1),  # accounting drifts
+        lambda c, n: setattr(n[0], "last_access", n[1].last_access - 1),  # child newer
+        lambda c, n: setattr(n[1], "lock_ref", 1),  # a pin not counted on the parent
+        lambda c, n: setattr(n[1], "hash", BlockHash(n[1].hash ^ 1)),  # wrong chain hash
+        lambda c, n: c._heap.clear(),  # an evictable leaf the heap forgot
+        lambda c, n: n[0].children.pop(n[1].key),  # a block detached behind the cache's back
+    ],
+)
+def test_check_invariants_detects_corruption(corrupt: Any) -> None:
+    cache, _ = make()
+    nodes = cache.insert(toks(A, B), nbytes=3).nodes
+    cache.match(toks(A, B))
+    cache.check_invariants()
+    corrupt(cache, nodes)
+    with pytest.raises(AssertionError):
+        cache.check_invariants()

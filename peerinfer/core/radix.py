@@ -574,34 +574,25 @@ class RadixCache:
         stack = [root]
         while stack:
             node = stack.pop()
-            check(node.last_access <= self._tick, f"tick from the future on {node!r}")
+            if node.last_access > self._tick:
+                check(False, f"tick from the future on {node!r}")
             child_locks = 0
             for key, child in node.children.items():
-                check(child.parent is node, f"{child!r} has the wrong parent")
-                check(child.key == key, f"{child!r} is filed under another key")
-                check(
-                    len(key) == bs and all(type(t) is int for t in key), f"bad key on {child!r}"
-                )
-                check(child.depth == node.depth + 1, f"{child!r} has the wrong depth")
-                check(child.last_access <= node.last_access, f"{child!r} is newer than its parent")
-                if verify_hashes:
-                    check(
-                        child.hash == self.hasher.block_hash(node.hash, key),
-                        f"{child!r} has the wrong chain hash",
-                    )
-                check(self._by_hash.get(child.hash) is child, f"{child!r} not indexed by hash")
-                check(child.nbytes >= 0, f"{child!r} has negative nbytes")
+                problem = self._child_problem(node, key, child, verify_hashes)
+                if problem is not None:
+                    check(False, f"{child!r} {problem}")
                 child_locks += child.lock_ref
                 stack.append(child)
             if node is root:
                 continue
             blocks += 1
             total_bytes += node.nbytes
-            check(node.lock_ref >= child_locks, f"{node!r} has fewer pins than its children")
+            if node.lock_ref < child_locks:
+                check(False, f"{node!r} has fewer pins than its children")
             if node.lock_ref:
                 locked += 1
-            elif not node.children:
-                check(id(node) in valid_entries, f"evictable leaf {node!r} missing from the heap")
+            elif not node.children and id(node) not in valid_entries:
+                check(False, f"evictable leaf {node!r} missing from the heap")
         check(blocks == len(self._by_hash), f"{blocks} nodes but {len(self._by_hash)} hashes")
         check(total_bytes == self._bytes, f"bytes {total_bytes} != accounted {self._bytes}")
         check(locked == self._locked, f"locked {locked} != accounted {self._locked}")
@@ -615,6 +606,28 @@ class RadixCache:
             "heap order broken",
         )
         check(len(heap) <= self._heap_limit, "heap above its compaction limit")
+
+    def _child_problem(
+        self, parent: RadixNode, key: tuple[int, ...], child: RadixNode, verify_hash: bool
+    ) -> str | None:
+        """What is wrong with ``child`` filed under ``parent.children[key]``, if anything."""
+        if child.parent is not parent:
+            return "has the wrong parent"
+        if child.key != key:
+            return "is filed under another key"
+        if len(key) != self.block_size or not all(type(t) is int for t in key):
+            return "has a malformed key"
+        if child.depth != parent.depth + 1:
+            return "has the wrong depth"
+        if child.last_access > parent.last_access:
+            return "was touched after its parent"
+        if verify_hash and child.hash != self.hasher.block_hash(parent.hash, key):
+            return "has the wrong chain hash"
+        if self._by_hash.get(child.hash) is not child:
+            return "is not indexed by its hash"
+        if child.nbytes < 0:
+            return "has negative nbytes"
+        return None
 
 
 __all__ = [
