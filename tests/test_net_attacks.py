@@ -417,6 +417,20 @@ async def test_a_hung_peer_times_out_and_is_dropped_by_liveness() -> None:
         assert node.statistics().unresponsive_disconnects == 1
 
 
+async def test_shutdown_is_bounded_with_a_hung_peer_and_a_stuck_write() -> None:
+    """libp2p closes connections politely on shutdown; a full socket must not hang it."""
+    async with helper_process() as (process, address):
+        with trio.fail_after(15):
+            async with open_host(config()) as node:
+                hung = await node.connect(address)
+                stuck = await node.open_stream(hung, ECHO)
+                process.send_signal(signal.SIGSTOP)
+                with trio.move_on_after(1.0):  # fill the socket, then give up on the write
+                    await stuck.send(b"x" * 8_000_000, timeout=60)
+                with trio.move_on_after(0.5):  # and leave a stream opening stuck behind it
+                    await node.open_stream(hung, ECHO, timeout=60)
+
+
 # --- 9. limits ------------------------------------------------------------------------------
 
 
