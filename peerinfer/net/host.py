@@ -40,8 +40,17 @@ owns, everything the node needs from the network:
   are wiped on disconnect.
 
 Every libp2p failure reaching the caller is translated in ``peerinfer.net._errors``.
+
 Deadlines: every stream open, frame read and frame write runs under ``trio.fail_after``
-(default ``stream_timeout_s``); ``connect``/``dial`` under ``connect_timeout_s``.
+(default ``stream_timeout_s``); ``connect``/``dial`` under ``connect_timeout_s``. Stream opening
+and dialing run in a helper task the caller stops waiting for at the deadline (``_within``),
+because py-libp2p cleans up a cancelled ``new_stream`` inside ``CancelScope(shield=True)`` and,
+on a hung peer, that cleanup waits forever behind a write stuck on the full socket.
+``disconnect`` and shutdown close such sockets underneath libp2p after a short grace period, so
+they are bounded too (about 1-2 s with a hung peer).
+
+Concurrency: all methods are called from the trio thread; any number of tasks may use the host
+at once (one sender and one receiver per ``FramedStream``).
 """
 
 from __future__ import annotations
