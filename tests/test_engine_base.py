@@ -533,9 +533,10 @@ def test_interleaved_requests_match_the_uncached_model(prompts, schedule, abando
             _, ids, _, fin = _collect(iter(events))
             assert ids == _reference(prompt, n, engine.vocab_size)
             assert fin.cached_tokens == events[0].cached_tokens
-            digest |= set(fin.cache_added)
-            digest -= set(fin.cache_removed)
             return
+        if isinstance(ev, Finished):  # reports apply in the order they are made
+            digest |= set(ev.cache_added)
+            digest -= set(ev.cache_removed)
         events.append(ev)
 
     for i in schedule:
