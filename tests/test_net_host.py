@@ -343,7 +343,12 @@ async def test_add_known_peer_then_dial() -> None:
         a.add_known_peer(b.peer_id, [bare])
         discovered = await next_event(events, "discovered", b.peer_id)
         assert discovered.addrs == (bare,)
+        with pytest.raises(trio.WouldBlock):
+            events.receive_nowait()
         assert a.known_addrs(b.peer_id) == [bare]
+        a.add_known_peer(b.peer_id, [bare])  # nothing new: no second event
+        a.add_known_peer(b.peer_id, [f"/ip4/127.0.0.1/tcp/{n}" for n in range(1, 100)])
+        assert len(a.known_addrs(b.peer_id)) == 1 + 8  # capped per call
         await a.dial(b.peer_id)
         assert a.is_connected(b.peer_id)
 
@@ -430,3 +435,14 @@ async def test_a_reset_is_not_mistaken_for_a_clean_end() -> None:
         assert await stream.receive() == b"partial answer"
         with pytest.raises(PeerUnavailableError):
             await stream.receive()
+
+
+async def test_an_exception_in_the_body_comes_out_as_itself() -> None:
+    """libp2p nests its nurseries around our body; callers must not see ExceptionGroups."""
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        async with open_host(config()):
+            raise Boom

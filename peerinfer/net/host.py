@@ -115,6 +115,8 @@ PING_PROTOCOL = "/peerinfer/ping/1.0.0"
 PING_MAX_BYTES = 64
 #: How long addresses learned from config, mDNS or peer exchange stay in the peerstore.
 KNOWN_ADDR_TTL_S = 3600
+#: Addresses kept from one ``add_known_peer`` call (a peer could send thousands).
+MAX_KNOWN_ADDRS_PER_PEER = 8
 #: Buffer of each ``peer_events()`` channel; a full one drops events (counted).
 PEER_EVENT_BUFFER = 256
 #: Bound on one attempt to close a peer's connections politely (see ``Host.disconnect``).
@@ -306,8 +308,9 @@ class Host:
 
     def add_known_peer(self, peer_id: str, addrs: Sequence[str]) -> None:
         """Remember addresses (without ``/p2p``; a trailing one is tolerated) for a peer learned
-        from another node. Raises ``ProtocolError`` for a malformed id or address (it came from
-        a peer). Emits a ``discovered`` event; does not dial (use ``dial``)."""
+        from another node; at most ``MAX_KNOWN_ADDRS_PER_PEER`` per call are kept. Raises
+        ``ProtocolError`` for a malformed id or address (it came from a peer). Emits a
+        ``discovered`` event if an address is new; does not dial (use ``dial``)."""
         pid = parse_peer_id(peer_id, ProtocolError)
         if peer_id == self._peer_id:
             return
@@ -323,8 +326,11 @@ class Host:
             except Exception:
                 pass  # no /p2p component
             cleaned.append(addr)
+        cleaned = cleaned[:MAX_KNOWN_ADDRS_PER_PEER]
+        already = set(self.known_addrs(peer_id))
         self._h.get_peerstore().add_addrs(pid, cleaned, KNOWN_ADDR_TTL_S)
-        self._emit(PeerEvent("discovered", peer_id, tuple(str(a) for a in cleaned)))
+        if any(str(a) not in already for a in cleaned):
+            self._emit(PeerEvent("discovered", peer_id, tuple(str(a) for a in cleaned)))
 
     async def dial(self, peer_id: str, *, timeout: float | None = None) -> None:
         """Connect to a peer whose addresses we know (``add_known_peer``, mDNS, identify)."""
