@@ -44,8 +44,9 @@ the same way for every backend:
 The node keeps its own digest of the cache on the trio thread, so the engine *reports* changes
 instead of letting anyone observe its cache: every ``Finished`` carries the block hashes added and
 removed since the previous report (net: a block added and evicted in between is in neither), and
-:meth:`Engine.cached_block_hashes` gives a snapshot for start-up. A backend without a cache
-reports ``cached_tokens=0`` and empty changes.
+:meth:`Engine.cached_block_hashes` gives a snapshot for start-up. Reports are deltas: apply them
+in the order they are made (with interleaved requests, as soon as each ``Finished`` arrives). A
+backend without a cache reports ``cached_tokens=0`` and empty changes.
 """
 
 from __future__ import annotations
