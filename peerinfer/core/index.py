@@ -18,7 +18,13 @@ replica holds that hash. Matching a chain ``h[0], h[1], ...`` is::
 
 One dict lookup and one big-integer AND per block, whatever the number of peers. Because a
 block hash names its whole prefix, "the longest run of leading blocks present" is exactly the
-prefix length that peer can serve from its cache (as far as its digest says).
+prefix length that peer can serve from its cache (as far as its digest says). Reading the peers
+out of a dropped mask costs O(peers) once per walk in total: sparse masks peel off their lowest
+bit, dense ones go byte by byte through a table of the slots each byte value stands for.
+
+``candidates()`` turns one walk into the routing policies' input: the local candidate (exact,
+from the caller's radix cache) and one ``Candidate`` per known peer with its matched tokens,
+announced load, round trip, digest age and in-flight count.
 
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
@@ -54,6 +60,8 @@ Memory bounds
 
 So the combined mask dict holds at most ``max_peers * max_replica_blocks`` keys and the
 speculative structures at most ``2 * max_speculative_blocks`` (``memory_entries`` counts them).
+The replicas' own elements are not counted: a replica holds what its peer announces (capping
+that is the anti-entropy module's business); the index's own structures stay within the bounds.
 
 The index never reads a clock: every time is a ``now`` parameter, in seconds.
 """
@@ -548,7 +556,8 @@ class PeerIndex:
         tables = self._byte_tables
         while len(tables) < len(data):
             base = 8 * len(tables)
-            tables.append(tuple(tuple(base + i for i in bits) for bits in _BYTE_BITS))
+            slot_ints = [base + i for i in range(8)]  # shared by the 256 tuples: less memory
+            tables.append(tuple(tuple(slot_ints[i] for i in bits) for bits in _BYTE_BITS))
         slots: list[int] = []
         extend = slots.extend
         nonzero = data.translate(_NONZERO)
