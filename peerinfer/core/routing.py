@@ -341,13 +341,13 @@ class LongestPrefixPolicy:
                 f"{_who(best)} is least loaded ({_load_text(best)})"
             )
         else:
-            where = (
-                "local cache holds"
-                if best.is_local
-                else f"{_who(best)} holds"
-            )
+            where = "local cache holds" if best.is_local else f"{_who(best)} holds"
             age = "" if best.is_local else f" ({_age_text(best.digest_age_s)})"
-            ties = f"; tie among {len(tied)} broken by load, then at random" if len(tied) > 1 else ""
+            ties = (
+                f"; picked at random among {len(tied)} equally long and loaded"
+                if len(tied) > 1
+                else ""
+            )
             reason = f"longest_prefix: {where} {held}/{prompt} tokens{age}{ties}"
         return RouteDecision(best.peer, best.is_local, held, reason, ranked=_ranked(best, ordered))
 
