@@ -489,3 +489,18 @@ async def test_connections_beyond_the_limit_are_refused() -> None:
         with pytest.raises((PeerUnavailableError, RequestTimeoutError)):
             await second.connect(node.listen_addrs()[0], timeout=3)
         await wait_until(lambda: node.connected_peers() == [first.peer_id])
+
+
+async def test_a_banned_peer_is_disconnected_and_refused() -> None:
+    topic = "peerinfer/test/ban"
+    async with node_with_honest_peer(topic) as (node, honest, at_node, _):
+        node.ban(honest.peer_id)
+        await wait_until(lambda: not node.is_connected(honest.peer_id))
+        with pytest.raises((PeerUnavailableError, RequestTimeoutError)):
+            await honest.connect(node.listen_addrs()[0])
+            await honest.request(node.peer_id, ECHO, b"let me in", timeout=2)
+        await wait_until(lambda: not node.is_connected(honest.peer_id))
+        assert node.banned_peers() == [honest.peer_id]
+        node.unban(honest.peer_id)
+        await honest.connect(node.listen_addrs()[0])
+        assert await honest.request(node.peer_id, ECHO, b"back") == b"back"

@@ -19,7 +19,7 @@ The API, in one screen::
         await host.publish(topic, b"...")
         rtt = await host.ping(peer_id)                 # seconds
         events = host.peer_events()                    # channel of PeerEvent
-        host.connected_peers(); await host.disconnect(peer_id); host.statistics()
+        host.connected_peers(); await host.disconnect(peer_id); host.ban(peer_id); host.statistics()
 
 Errors are those of ``peerinfer.errors``: ``PeerUnavailableError`` (unreachable, reset, protocol
 refused), ``RequestTimeoutError`` (a deadline passed), ``ProtocolError`` (malformed or oversized

@@ -250,6 +250,7 @@ class Host:
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._connections: dict[str, int] = defaultdict(int)
+        self._banned: set[str] = set()
         self._disconnect_events: dict[str, trio.Event] = {}
         self._inflight: dict[str, int] = defaultdict(int)
         self._liveness_failures: dict[str, int] = defaultdict(int)
@@ -448,8 +449,29 @@ class Host:
                     logger.warning("could not close the connections to %s", peer_id)
                     nursery.cancel_scope.cancel()
 
+    def ban(self, peer_id: str) -> None:
+        """Refuse ``peer_id`` until ``unban``: disconnect it, ignore its gossip (and gossip it
+        originated), and close its future connections as soon as they open. For the node's
+        reputation policy; not persisted across restarts."""
+        pid = parse_peer_id(peer_id)
+        self._banned.add(peer_id)
+        self._pubsub.add_to_blacklist(pid)
+        if self.is_connected(peer_id):
+            self._nursery_or_closed().start_soon(self.disconnect, peer_id)
+
+    def unban(self, peer_id: str) -> None:
+        self._banned.discard(peer_id)
+        self._pubsub.remove_from_blacklist(parse_peer_id(peer_id))
+
+    def banned_peers(self) -> list[str]:
+        return sorted(self._banned)
+
     def _connection_opened(self, peer_id: str) -> None:
         self._connections[peer_id] += 1
+        if peer_id in self._banned:
+            if self._nursery is not None and not self._closed:
+                self._nursery.start_soon(self.disconnect, peer_id)
+            return
         if self._connections[peer_id] == 1:
             self._emit(PeerEvent("connected", peer_id))
 
@@ -464,7 +486,8 @@ class Host:
             event = self._disconnect_events.pop(peer_id, None)
             if event is not None:
                 event.set()
-            self._emit(PeerEvent("disconnected", peer_id))
+            if peer_id not in self._banned:
+                self._emit(PeerEvent("disconnected", peer_id))
 
     async def _wait_disconnected(self, peer_id: str) -> None:
         event = self._disconnect_events.setdefault(peer_id, trio.Event())
@@ -502,6 +525,9 @@ class Host:
             max_frame_bytes=self._config.max_frame_bytes,
             timeout_s=self._config.stream_timeout_s,
         )
+        if peer in self._banned:
+            await stream.reset()
+            return
         if self._inflight[peer] >= self._config.max_streams_per_peer:
             self._counters.streams_refused += 1
             logger.info("refusing a %s stream from %s: %d already running", protocol, peer, self._inflight[peer])
