@@ -54,8 +54,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--costs",
-        metavar="FILE",
-        help="cost model JSON (the output of 'peerinfer calibrate'); default: built-in figures",
+        metavar="FILE|PRESET",
+        help="cost model: a JSON file (the output of 'peerinfer calibrate') or a preset, "
+        "'default' (a small model on a CPU) or 'gpu' (a 7-8B model on a home GPU); "
+        "default: 'default'",
     )
     g.add_argument(
         "--slots",

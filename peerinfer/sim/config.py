@@ -9,9 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.node import NodeConfig
 from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError
 from peerinfer.sim.network import DelayModel
+
+
+def _node_default(name: str) -> Any:
+    """NodeConfig's default for ``name``: the simulated nodes are tuned like real ones."""
+    return NodeConfig.__dataclass_fields__[name].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +36,11 @@ class SimConfig:
     policy: str = "cost"
     #: one-way link delay spec in ms (see ``peerinfer.sim.network``)
     delay_ms: str = "5"
-    announce_interval_s: float = 1.0
-    min_announce_gap_s: float = 0.25
-    sync_timeout_s: float = 5.0
+    announce_interval_s: float = _node_default("announce_interval_s")
+    min_announce_gap_s: float = _node_default("min_announce_gap_s")
+    sync_timeout_s: float = _node_default("sync_timeout_s")
     #: per-node prefix cache capacity in tokens (None: unbounded)
-    cache_tokens: int | None = 32768
+    cache_tokens: int | None = 8192
     costs: CostModel = DEFAULT_COSTS
     #: where the cost model came from ("default" or a file path), for the record
     costs_source: str = "default"
@@ -47,8 +53,8 @@ class SimConfig:
     data: str | None = None
     max_tokens: int | None = None
     #: forwarded requests are refused as busy beyond this many queued on the target
-    max_queue: int = 8
-    first_token_timeout_s: float = 30.0
+    max_queue: int = _node_default("max_queue")
+    first_token_timeout_s: float = _node_default("first_token_timeout_s")
     #: probability that one delivery of an announcement is lost (gossipsub may drop)
     gossip_loss: float = 0.0
     seed: int = 0
@@ -109,11 +115,30 @@ class SimConfig:
         return cls(**kw)
 
 
+#: Named cost models for ``--costs``. ``default`` is ``DEFAULT_COSTS`` (a small model on a CPU:
+#: prefill dominates and is slow next to any network delay). ``gpu`` is a home GPU serving a
+#: 7-8B model (about 6,700 prompt tokens/s, 45 generated tokens/s): prefill is cheap enough that
+#: a few tens of milliseconds of network delay cost as much as a cache hit saves.
+COST_PRESETS: dict[str, CostModel] = {
+    "default": DEFAULT_COSTS,
+    "gpu": CostModel(
+        prefill_s_per_token=0.00015,
+        cached_s_per_token=0.000005,
+        decode_s_per_token=0.022,
+        overhead_s=0.015,
+        slots=1,
+    ),
+}
+
+
 def load_costs(path: str | Path) -> CostModel:
-    """A cost model from a JSON file: ``peerinfer calibrate``'s output, or a bare CostModel dict.
+    """A cost model from a preset name (``COST_PRESETS``) or a JSON file: ``peerinfer
+    calibrate``'s output, or a bare CostModel dict.
 
     The figures may sit at the top level or under a ``"costs"`` / ``"cost_model"`` key.
     """
+    if str(path) in COST_PRESETS:
+        return COST_PRESETS[str(path)]
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -128,4 +153,4 @@ def load_costs(path: str | Path) -> CostModel:
     return CostModel.from_dict(data)
 
 
-__all__ = ["SimConfig", "load_costs"]
+__all__ = ["COST_PRESETS", "SimConfig", "load_costs"]

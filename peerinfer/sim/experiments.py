@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from peerinfer.sim.config import SimConfig
+from peerinfer.sim.config import COST_PRESETS, SimConfig
 
 POLICIES = ("local", "longest_prefix", "cost")
 DELAYS_MS = (0, 1, 2, 5, 10, 20, 50, 100)
@@ -36,7 +36,7 @@ DELAYS_MS = (0, 1, 2, 5, 10, 20, 50, 100)
 #: The common setting of the experiments (see docs/evaluation.md for why).
 BASE = SimConfig(
     nodes=16,
-    requests=6000,
+    requests=5000,
     cache_tokens=8192,
     rate=1.0,
     delay_ms="5",
@@ -45,6 +45,11 @@ BASE = SimConfig(
 )
 SKEWED = "zipf:1.1"
 HOT = "hot:2"
+PROFILES = ("default", "gpu")
+
+
+def with_costs(config: SimConfig, profile: str) -> SimConfig:
+    return replace(config, costs=COST_PRESETS[profile], costs_source=profile)
 
 _KEEP = (
     "ttft_mean_s",
@@ -64,6 +69,7 @@ _KEEP = (
     "load",
     "anti_entropy",
     "specialization",
+    "route_estimates",
 )
 
 
@@ -84,15 +90,15 @@ def command_line(config: SimConfig) -> str:
         ("announce_interval_s", "--announce-interval"),
         ("min_announce_gap_s", "--min-announce-gap"),
         ("max_queue", "--max-queue"),
+        ("costs_source", "--costs"),
         ("gossip_loss", "--gossip-loss"),
         ("seed", "--seed"),
     )
     for attr, flag in flags:
         value = getattr(config, attr)
-        if value != getattr(d, attr) or attr in ("nodes", "requests", "policy", "seed"):
+        always = ("nodes", "requests", "policy", "delay_ms", "skew", "cache_tokens", "seed")
+        if value != getattr(d, attr) or attr in always:
             parts.append(f"{flag} {'none' if value is None else value}")
-    if config.costs != d.costs:
-        parts.append(f"--costs {config.costs_source}")
     return " ".join(parts)
 
 
@@ -158,45 +164,52 @@ def delay_configs(base: SimConfig, delays: Sequence[float], skews: Sequence[str]
 
 def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
     skews = (SKEWED, "uniform")
-    configs = delay_configs(base, DELAYS_MS, skews)
+    configs = [
+        c for profile in PROFILES for c in delay_configs(with_costs(base, profile), DELAYS_MS, skews)
+    ]
     results = run_all(configs, jobs=jobs, log=log)
     plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
-    for col, skew in enumerate(skews):
-        for row, metric in enumerate(("latency_mean_s", "latency_p99_s")):
-            ax = axes[row][col]
-            for policy in POLICIES:
-                pts = [
-                    (float(r["params"]["delay_ms"]), r[metric])
-                    for r in results
-                    if r["params"]["skew"] == skew and r["params"]["policy"] == policy
-                ]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy, markersize=4)
-            ax.set_xscale("symlog", linthresh=1)
-            ax.set_xlabel("one-way link delay (ms)")
-            ax.set_ylabel(("mean" if row == 0 else "p99") + " latency (s)")
-            ax.set_title(f"{skew} popularity, {base.nodes} nodes", fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    _save(fig, out / "delay_sweep.png")
+    for profile in PROFILES:
+        mine = [r for r in results if r["params"]["costs_source"] == profile]
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+        for col, skew in enumerate(skews):
+            for row, metric in enumerate(("latency_mean_s", "latency_p99_s")):
+                ax = axes[row][col]
+                for policy in POLICIES:
+                    pts = [
+                        (float(r["params"]["delay_ms"]), r[metric])
+                        for r in mine
+                        if r["params"]["skew"] == skew and r["params"]["policy"] == policy
+                    ]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy,
+                            markersize=4)
+                ax.set_xscale("symlog", linthresh=1)
+                ax.set_xlabel("one-way link delay (ms)")
+                ax.set_ylabel(("mean" if row == 0 else "p99") + " latency (s)")
+                ax.set_title(f"{skew} popularity, {base.nodes} nodes, costs '{profile}'",
+                             fontsize=10)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        _save(fig, out / f"delay_sweep_{profile}.png")
     table = []
-    for skew in skews:
-        for d in DELAYS_MS:
-            row = {"skew": skew, "delay_ms": d}
-            for r in results:
-                p = r["params"]
-                if p["skew"] == skew and float(p["delay_ms"]) == d:
-                    row[p["policy"]] = {
-                        k: r[k] for k in ("latency_mean_s", "latency_p99_s", "ttft_mean_s",
-                                          "hit_ratio", "forwarded_fraction")
-                    }
-            table.append(row)
+    for profile in PROFILES:
+        for skew in skews:
+            for d in DELAYS_MS:
+                row: dict[str, Any] = {"costs": profile, "skew": skew, "delay_ms": d}
+                for r in results:
+                    p = r["params"]
+                    if (p["costs_source"], p["skew"], float(p["delay_ms"])) == (profile, skew, d):
+                        row[p["policy"]] = {
+                            k: r[k] for k in ("latency_mean_s", "latency_p99_s", "ttft_mean_s",
+                                              "hit_ratio", "forwarded_fraction")
+                        }
+                table.append(row)
     return {"runs": results, "table": table}
 
 
 def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
-    log(f"{'skew':<10}{'delay':>6}  " + "".join(f"{p + ' mean/p99':>26}" for p in POLICIES)
-        + "   cost<=min(local,lp)")
+    log(f"{'costs':<8}{'skew':<10}{'delay':>6}  "
+        + "".join(f"{p + ' mean/p99':>26}" for p in POLICIES) + "   cost<=min(local,lp)")
     for row in data["table"]:
         cells = []
         for p in POLICIES:
@@ -204,7 +217,8 @@ def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
             cells.append(f"{r['latency_mean_s']:>12.4f} /{r['latency_p99_s']:>10.4f}  ")
         best = min(row["local"]["latency_mean_s"], row["longest_prefix"]["latency_mean_s"])
         ok = row["cost"]["latency_mean_s"] <= best
-        log(f"{row['skew']:<10}{row['delay_ms']:>6}  " + "".join(cells) + f"   {ok}")
+        log(f"{row['costs']:<8}{row['skew']:<10}{row['delay_ms']:>6}  " + "".join(cells)
+            + f"   {ok}")
 
 
 # ------------------------------------------------------------------------------ share and cycle
@@ -255,27 +269,45 @@ def cycle_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
 # ------------------------------------------------------------------------------ hot subjects
 
 
+HOT_DELAYS_MS = (0, 1, 5, 20, 50)
+#: Admission limits for forwarded requests compared on the hot workload (NodeConfig.max_queue).
+ADMISSION = (0, 1, 8)
+
+
 def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
-    delays = (0, 1, 5, 20)
     configs = [
-        replace(base, skew=HOT, delay_ms=f"{d:g}", policy=p) for d in delays for p in POLICIES
+        replace(with_costs(base, profile), skew=HOT, delay_ms=f"{d:g}", policy=p)
+        for profile in PROFILES
+        for d in HOT_DELAYS_MS
+        for p in POLICIES
+    ]
+    # The same at 5 ms with other admission limits for forwarded requests.
+    configs += [
+        replace(with_costs(base, profile), skew=HOT, delay_ms="5", policy=p, max_queue=q)
+        for profile in PROFILES
+        for q in ADMISSION
+        if q != base.max_queue
+        for p in ("longest_prefix", "cost")
     ]
     results = run_all(configs, jobs=jobs, log=log)
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for policy in POLICIES:
-        pts = [
-            (float(r["params"]["delay_ms"]), r["latency_p99_s"])
-            for r in results
-            if r["params"]["policy"] == policy
-        ]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy)
-    ax.set_xscale("symlog", linthresh=1)
-    ax.set_xlabel("one-way link delay (ms)")
-    ax.set_ylabel("p99 latency (s)")
-    ax.set_title(f"{HOT} (80% of requests on 2 subjects), {base.nodes} nodes", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, profile in zip(axes, PROFILES, strict=True):
+        for policy in POLICIES:
+            pts = [
+                (float(r["params"]["delay_ms"]), r["latency_p99_s"])
+                for r in results
+                if r["params"]["policy"] == policy
+                and r["params"]["costs_source"] == profile
+                and r["params"]["max_queue"] == base.max_queue
+            ]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("one-way link delay (ms)")
+        ax.set_ylabel("p99 latency (s)")
+        ax.set_title(f"{HOT} (80% of requests on 2 subjects), costs '{profile}'", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
     _save(fig, out / "hot_p99.png")
     return {"runs": results}
 
@@ -371,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in data["runs"]:
                 p = r["params"]
                 log(
-                    f"  {p['policy']:<15} nodes {p['nodes']:>4} delay {p['delay_ms']:>4} "
-                    f"{p['skew']:<10} cache {p['cache_tokens']}: mean {r['latency_mean_s']:.4f} "
+                    f"  {p['policy']:<15} {p['costs_source']:<8} nodes {p['nodes']:>4} delay "
+                    f"{p['delay_ms']:>4} {p['skew']:<10} cache {p['cache_tokens']} max_queue "
+                    f"{p['max_queue']}: mean {r['latency_mean_s']:.4f} "
                     f"p99 {r['latency_p99_s']:.4f} hit {r['hit_ratio']:.3f} "
                     f"fwd {r['forwarded_fraction']:.3f} spec {r.get('specialization')}"
                 )

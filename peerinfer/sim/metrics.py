@@ -79,6 +79,30 @@ def specialization(shares: Sequence[Sequence[float]]) -> dict[str, float | int |
     return {"top_share_mean": _r(_mean(tops), 4), "leader_changes": changes}
 
 
+def estimate_accuracy(sim: Simulation, done: Sequence[int]) -> dict[str, Any]:
+    """How the routing policy's own TTFT estimates (``cost`` makes them) compare with the TTFT
+    that followed, split by first decision (served locally / forwarded)."""
+    out: dict[str, Any] = {}
+    for name, code in (("local", 1), ("remote", 2)):
+        chosen = [i for i in done if sim.decided[i] == code and not math.isnan(sim.estimate[i])]
+        pairs = [(sim.estimate[i], sim.first[i] - sim.arrival[i]) for i in chosen]
+        if not pairs:
+            continue
+        errors = sorted(actual - est for est, actual in pairs)
+        out[name] = {
+            "requests": len(pairs),
+            "estimated_ttft_mean_s": _r(_mean([e for e, _ in pairs])),
+            "actual_ttft_mean_s": _r(_mean([a for _, a in pairs])),
+            "error_mean_s": _r(_mean(errors)),
+            "error_p90_s": _r(percentile(errors, 90)),
+            "underestimated_by_100ms": _r(sum(1 for e in errors if e > 0.1) / len(errors), 4),
+            "expected_cached_tokens_mean": _r(_mean([sim.expected_cached[i] for i in chosen]), 1),
+            "cached_tokens_mean": _r(_mean([sim.cached[i] for i in chosen]), 1),
+            "queue_wait_mean_s": _r(_mean([sim.queue_wait[i] for i in chosen])),
+        }
+    return out
+
+
 def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     """The run's figures as one JSON-ready dict (``series`` > 0 adds the share series of the
     ``series`` most frequent labels)."""
@@ -161,6 +185,7 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
         },
         "nodes": nodes,
     }
+    out["route_estimates"] = estimate_accuracy(sim, done)
     labels = [sim.workload[i % len(sim.workload)].label for i in range(sim.total)] if sim.total else []
     freq = Counter(labels)
     top = [label for label, _ in freq.most_common(max(1, series))] if labels else []

@@ -220,6 +220,10 @@ class Simulation:
         self.status = [0] * total  # 0 pending, 1 served, 2 rejected
         self.forwards = [0] * total
         self.target = [-1] * total  # the node whose stream the origin relays now
+        self.decided = [0] * total  # first routing decision: 1 local, 2 remote
+        self.estimate = [math.nan] * total  # the policy's TTFT estimate for it, if any
+        self.expected_cached = [0] * total  # the cached tokens the decision expected
+        self.queue_wait = [0.0] * total  # time the serving run waited in its node's queue
         self._rid_index: dict[RequestId, int] = {}
         self._client_of = [-1] * total
         self.completed = 0
@@ -500,6 +504,8 @@ class Simulation:
         p = self._index_of[eff.peer]
         i = self._rid_index[eff.request_id]
         self.target[i] = p
+        if self.forwards[i] == 0 and self.decided[i] == 0:
+            self._record_decision(i, eff.decision, remote=True)
         self.forwards[i] += 1
         self._push(
             now + self.delay[n][p],
@@ -535,14 +541,27 @@ class Simulation:
         i = self._rid_index[rid]
         if self.origin[i] == n:
             self.target[i] = n
+            if self.decided[i] == 0 and eff.decision is not None:
+                self._record_decision(i, eff.decision, remote=False)
         self.served[n] += 1
         self.busy_s[n] += plan.service_s
         self.node_cached[n] += plan.cached_tokens
         self.node_prompt[n] += plan.prompt_tokens
-        self.waits[n].append(now - self._enqueued[n].pop(rid, now))
+        wait = now - self._enqueued[n].pop(rid, now)
+        self.waits[n].append(wait)
+        self.queue_wait[i] = wait
         self._push(now + plan.ttft_s, _FIRST, n, rid, run)
         self._push(now + plan.service_s, _DONE, n, rid, (run, plan.cached_tokens, plan.prompt_tokens))
         self._deliver(n, LocalStarted(rid, plan.cached_tokens), now)
+
+    def _record_decision(self, i: int, decision: Any, remote: bool) -> None:
+        """The origin's first routing decision for request ``i``: where, and the policy's own
+        TTFT estimate (``cost`` gives one), to compare with what happened."""
+        self.decided[i] = 2 if remote else 1
+        est = decision.estimated_ttft_s
+        if est is not None:
+            self.estimate[i] = est
+        self.expected_cached[i] = decision.expected_cached_tokens
 
     def _flush_changes(self, n: int) -> tuple[tuple[BlockHash, ...], tuple[BlockHash, ...]]:
         """The node's cache changes since its last report, as the engine would report them."""

@@ -1,0 +1,123 @@
+"""Simulator benchmark: simulated requests per second of wall time, and how it scales with nodes.
+
+Run ``python bench/sim_bench.py`` for a table, ``--json`` for one JSON object::
+
+    {"runs": [{"nodes": 4, "requests": ..., "wall_s": ..., "requests_per_wall_s": ...,
+               "events_per_wall_s": ..., "us_per_request_per_node": ...}, ...],
+     "requests_per_wall_s_64_nodes": ..., "projected_wall_s_64_nodes_100k": ...,
+     "params": {...}}
+
+What is timed
+-------------
+Whole ``peerinfer sim`` runs (setup, event loop and summary; figures off): the default MMLU
+workload (Zipf 1.1 over 57 subjects, 5-shot prefixes), Poisson arrivals at 1 request per node per
+second, 8,192-token caches, 5 ms links, the ``cost`` policy, seed 1. The requests per run grow
+with the node count (``--requests-per-node``, default 60, so every node serves a comparable share
+and the caches warm up alike); ``--full`` adds the headline run, 64 nodes and 100,000 requests
+(about 25 minutes on a 2-core machine: see the report in docs/evaluation.md).
+
+Where the time goes: every announcement is applied by every other node to its replica of the
+sender (``Replica.apply_announce`` -> ``MerkleDigest`` and ``PeerIndex`` upkeep), so the work per
+simulated request grows with the number of nodes; ``us_per_request_per_node`` shows that
+constant. ``--profile`` prints the top functions of the largest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peerinfer.sim.config import SimConfig  # noqa: E402
+from peerinfer.sim.run import simulate  # noqa: E402
+
+BASE = SimConfig(
+    requests=0, cache_tokens=8192, rate=1.0, delay_ms="5", skew="zipf:1.1", policy="cost", seed=1
+)
+
+
+def bench_one(nodes: int, requests: int, profile: bool = False) -> tuple[dict, str]:
+    config = replace(BASE, nodes=nodes, requests=requests)
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
+    _, s = simulate(config)
+    text = ""
+    if prof:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        text = buf.getvalue()
+    row = {
+        "nodes": nodes,
+        "requests": requests,
+        "wall_s": s["wall_s"],
+        "loop_s": s["loop_s"],
+        "setup_s": s["setup_s"],
+        "virtual_s": s["virtual_s"],
+        "events": s["events"],
+        "requests_per_wall_s": round(requests / s["wall_s"], 1),
+        "events_per_wall_s": round(s["events"] / s["wall_s"]),
+        "announce_deliveries": s["anti_entropy"]["announce_deliveries"],
+        "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
+        "ttft_mean_s": s["ttft_mean_s"],
+        "hit_ratio": s["hit_ratio"],
+    }
+    return row, text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--nodes", default="4,16,64", help="comma-separated node counts (default 4,16,64)"
+    )
+    parser.add_argument("--requests-per-node", type=int, default=60)
+    parser.add_argument("--full", action="store_true", help="also 64 nodes x 100,000 requests")
+    parser.add_argument("--profile", action="store_true", help="profile the largest run")
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.nodes.split(",")]
+    plan = [(n, n * args.requests_per_node) for n in sizes]
+    if args.full:
+        plan.append((64, 100_000))
+    rows = []
+    profile_text = ""
+    for i, (n, r) in enumerate(plan):
+        row, text = bench_one(n, r, profile=args.profile and i == len(plan) - 1)
+        rows.append(row)
+        profile_text = text or profile_text
+        if not args.json:
+            print(
+                f"nodes {n:>4}  requests {r:>7}  wall {row['wall_s']:>8.2f} s  "
+                f"{row['requests_per_wall_s']:>8.1f} req/s  {row['events_per_wall_s']:>8} events/s  "
+                f"{row['us_per_request_per_node']:>7.1f} us/request/node",
+                flush=True,
+            )
+    out: dict = {"runs": rows, "params": {**BASE.to_dict(), "requests": "nodes x per-node"}}
+    r64 = [r for r in rows if r["nodes"] == 64]
+    if r64:
+        best = max(r64, key=lambda r: r["requests"])
+        out["requests_per_wall_s_64_nodes"] = best["requests_per_wall_s"]
+        out["projected_wall_s_64_nodes_100k"] = round(100_000 / best["requests_per_wall_s"])
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        if "projected_wall_s_64_nodes_100k" in out:
+            print(
+                f"64 nodes x 100,000 requests: {out['projected_wall_s_64_nodes_100k']} s "
+                f"(at {out['requests_per_wall_s_64_nodes']} req/s)"
+            )
+        if profile_text:
+            print(profile_text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
