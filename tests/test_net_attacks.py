@@ -25,6 +25,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol, TSecurityOptions
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerstore import create_signed_peer_record
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -171,6 +172,32 @@ async def test_a_message_with_a_garbage_signing_key_does_not_kill_pubsub() -> No
         await stream.write(encode_varint_prefixed(rpc_pb2.RPC(publish=[forged]).SerializeToString()))
         await next_event(events, "misbehaved", attacker_id)
         await assert_still_serving(node, honest, topic, at_node, at_honest)
+
+
+async def test_peer_exchange_in_a_prune_does_not_make_us_dial() -> None:
+    """Found while building the adapter: any peer can PRUNE us with 16 self-signed "peer
+    records" naming arbitrary addresses, and py-libp2p dials each one, inline, whether or not
+    we enabled PX. We ignore gossipsub PX (peer exchange is the node's, with its own checks)."""
+    topic = "peerinfer/test/px"
+    async with node_with_honest_peer(topic) as (node, honest, *_), raw_host() as attacker, \
+            open_host(config()) as bystander:
+        bystander_events = bystander.peer_events()
+        await raw_connect(attacker, node)
+        key_pair = bystander._h.get_private_key()  # the record must be validly signed
+        record = create_signed_peer_record(
+            bystander._h.get_id(), [multiaddr.Multiaddr(bystander.listen_addrs()[0].rsplit("/p2p/", 1)[0])], key_pair
+        )
+        prune = rpc_pb2.RPC()
+        entry = prune.control.prune.add(topicID=topic, backoff=60)
+        entry.peers.add(peerID=bystander._h.get_id().to_bytes(), signedPeerRecord=record.marshal_envelope())
+        stream = await attacker.new_stream(node._h.get_id(), [MESHSUB])
+        await stream.write(encode_varint_prefixed(prune.SerializeToString()))
+        # The PRUNE is processed before anything the honest peer sends after it.
+        assert await honest.request(node.peer_id, ECHO, b"sync") == b"sync"
+        await trio.sleep(0.5)  # a dial would have connected by now; the assertion is absence
+        assert not node.is_connected(bystander.peer_id)
+        with pytest.raises(trio.WouldBlock):
+            bystander_events.receive_nowait()
 
 
 # --- 3. handlers never raise into the host --------------------------------------------------

@@ -26,6 +26,9 @@ connected peer:
 Both now reset the stream, drop the peer from pubsub and report a protocol violation through a
 callback (the host disconnects the peer and emits a ``misbehaved`` event).
 
+``GuardedGossipSub`` ignores peer exchange in PRUNE messages: py-libp2p dials the (self-signed,
+so arbitrary) addresses any peer puts there, even with ``do_px=False``.
+
 Validators: py-libp2p calls a synchronous validator inline (an exception there crashes the
 node) and counts an async one that raises as a rejection. We register every validator as async,
 wrapped so that it never raises: an exception is logged and counts as a rejection. A validator
@@ -113,10 +116,24 @@ def wrap_validator(topic: str, validator: Validator) -> Callable[[ID, rpc_pb2.Me
     return validate
 
 
+class GuardedGossipSub(GossipSub):
+    """GossipSub that ignores peer exchange (PX) carried in PRUNE messages.
+
+    py-libp2p acts on PX whatever ``do_px`` says (that flag only controls whether *we* send
+    it): for each of up to 16 peer records in a PRUNE from any peer it dials the addresses,
+    inline, with no deadline. The records are self-signed, so an attacker can make us dial
+    anything. Peer exchange is the node's business (``Host.add_known_peer`` + ``dial``).
+    """
+
+    async def _do_px(self, px_peers: list[rpc_pb2.PeerInfo]) -> None:
+        if px_peers:
+            logger.debug("ignoring %d gossipsub PX entries", len(px_peers))
+
+
 def make_router(config: HostConfig) -> GossipSub:
     """A GossipSub router with the settings explained in the module docstring."""
     degree, degree_low, degree_high = config.gossip_degree
-    return GossipSub(
+    return GuardedGossipSub(
         protocols=[TProtocol(p) for p in GOSSIP_PROTOCOLS],
         degree=degree,
         degree_low=degree_low,
@@ -198,6 +215,7 @@ class GuardedPubsub(Pubsub):
 __all__ = [
     "GOSSIP_PROTOCOLS",
     "GossipMessage",
+    "GuardedGossipSub",
     "GuardedPubsub",
     "Validator",
     "gossip_message_from_pb",
