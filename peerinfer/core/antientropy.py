@@ -453,8 +453,12 @@ class Reconciliation:
             level, prefix, span, how = pending[0]
             if how == _COMPARE:
                 pairs, counts = digest.children(level, prefix, span)
+                empty = summary_of(0, 0, j)
                 summaries = pack_fixed(
-                    (summary_of(pair, c, j) for pair, c in zip(pairs, counts, strict=True)),
+                    (
+                        summary_of(pair, c, j) if c else empty
+                        for pair, c in zip(pairs, counts, strict=True)
+                    ),
                     SyncQuery.SUMMARY_BITS,
                 )
             elif how == _EXCHANGE:

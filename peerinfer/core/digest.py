@@ -69,10 +69,11 @@ __all__ = [
     "DELTA_CAP",
     "LEAF_MAX",
     "LEAF_MIN",
+    "HASH_DENSITY",
     "LIST_CAP",
+    "RESPONSE_COUNTS_BUDGET",
     "RESPONSE_ELEMENT_BUDGET",
     "RESPONSE_WORK_BUDGET",
-    "HASH_DENSITY",
     "EpochDelta",
     "LocalDigest",
     "MerkleDigest",
@@ -85,6 +86,7 @@ __all__ = [
     "pack_bitmap",
     "pack_elements",
     "pack_fixed",
+    "packed_length",
     "position_of_contribution",
     "root_of",
     "slice_of",
@@ -94,7 +96,6 @@ __all__ = [
     "unpack_elements",
     "unpack_fixed",
 ]
-
 
 
 class CacheObserver(Protocol):
@@ -121,15 +122,15 @@ LIST_CAP = 65_536
 #: The most elements one response may carry in all (about 2 MiB).
 RESPONSE_ELEMENT_BUDGET = 262_144
 #: The most work (descendants compared plus elements scanned) one response may take.
-RESPONSE_WORK_BUDGET = 1_000_000
+RESPONSE_WORK_BUDGET = 262_144
 #: The most entries of ``SyncNode.counts`` (decode() refuses longer arrays).
 RESPONSE_COUNTS_BUDGET = 131_072
 #: The most net changes a delta response may carry (added + removed).
 DELTA_CAP = 262_144
 
-#: Hashes of differing descendants are sent only while at most this fraction of a comparison's
-#: descendants differ: past it most differing nodes hold several differences, which a hash
-#: cannot decode, and the requester descends instead.
+#: A comparison carries hashes (only ever for differing descendants whose count difference is
+#: odd, the only ones a hash may decode) while at most this fraction of its descendants differ:
+#: past it most differing nodes hold several differences, and the requester descends instead.
 HASH_DENSITY = 0.9
 
 # splitmix64's finaliser, after adding the golden-ratio increment so that mix(0) != 0.
@@ -221,6 +222,7 @@ def fingerprint_count(length: int) -> int | None:
 
 
 def fingerprint(position: int, slice_index: int, bits: int) -> int:
+    """``bits`` bits naming the element at ``position`` in an exchange; the pass picks the key."""
     key = (slice_index + 1) * _K_FINGERPRINT & _MASK
     return mix(position ^ key) >> (_BITS - bits)
 
@@ -768,8 +770,12 @@ class LocalDigest:
             work_left -= n
             theirs = unpack_fixed(q.summaries, SyncQuery.SUMMARY_BITS, n)
             pairs, child_counts = digest.children(q.level, q.prefix, q.span)
+            empty = summary_of(0, 0, j)  # most descendants of a sparse region are empty
             marked = [
-                i for i in range(n) if summary_of(pairs[i], child_counts[i], j) != theirs[i]
+                i
+                for i in range(n)
+                if (summary_of(pairs[i], child_counts[i], j) if child_counts[i] else empty)
+                != theirs[i]
             ]
             counts_left -= 1 + len(marked)
             counts.append(sum(child_counts))
