@@ -200,6 +200,58 @@ async def test_peer_exchange_in_a_prune_does_not_make_us_dial() -> None:
             bystander_events.receive_nowait()
 
 
+def random_rpc(rng: random.Random, topic: str, origin: bytes) -> rpc_pb2.RPC:
+    """A well-formed gossipsub RPC with random subscriptions, messages and control parts."""
+
+    def blob(size: int | None = None) -> bytes:
+        return rng.randbytes(rng.randint(0, 40) if size is None else size)
+
+    def any_topic() -> str:
+        return rng.choice([topic, "", "x" * rng.randint(1, 300), blob().hex()])
+
+    rpc = rpc_pb2.RPC()
+    for _ in range(rng.randint(0, 3)):
+        rpc.subscriptions.add(subscribe=rng.random() < 0.7, topicid=any_topic())
+    for _ in range(rng.randint(0, 2)):
+        rpc.publish.add(
+            from_id=rng.choice([origin, blob()]), data=blob(), seqno=blob(rng.choice([0, 8, 20])),
+            topicIDs=[any_topic() for _ in range(rng.randint(0, 3))], signature=blob(),
+            key=rng.choice([b"", blob()]),
+        )
+    if rng.random() < 0.6:
+        control = rpc.control
+        for _ in range(rng.randint(0, 3)):
+            control.ihave.add(topicID=any_topic(), messageIDs=[blob() for _ in range(rng.randint(0, 5))])
+        for _ in range(rng.randint(0, 3)):
+            control.iwant.add(messageIDs=[blob() for _ in range(rng.randint(0, 5))])
+        for _ in range(rng.randint(0, 3)):
+            control.graft.add(topicID=any_topic())
+        for _ in range(rng.randint(0, 3)):
+            prune = control.prune.add(topicID=any_topic(), backoff=rng.randint(0, 2**40))
+            for _ in range(rng.randint(0, 2)):
+                prune.peers.add(peerID=blob(), signedPeerRecord=blob())
+    if rng.random() < 0.2:
+        rpc.senderRecord = blob()
+    return rpc
+
+
+async def test_random_wellformed_pubsub_rpcs_do_not_kill_the_node() -> None:
+    topic = "peerinfer/test/fuzz"
+    rng = random.Random(20240501)
+    async with node_with_honest_peer(topic) as (node, honest, at_node, at_honest):
+        for _ in range(6):
+            async with raw_host() as attacker:
+                await raw_connect(attacker, node)
+                stream = await attacker.new_stream(node._h.get_id(), [MESHSUB])
+                origin = attacker.get_id().to_bytes()
+                for _ in range(10):
+                    try:
+                        await stream.write(encode_varint_prefixed(random_rpc(rng, topic, origin).SerializeToString()))
+                    except Exception:
+                        break  # the node dropped us for a violation: fine
+        await assert_still_serving(node, honest, topic, at_node, at_honest)
+
+
 # --- 3. handlers never raise into the host --------------------------------------------------
 
 
