@@ -496,9 +496,10 @@ class Node:
         cached = 0
         finished: Finished | None = None
         error: ErrorMessage | None = None
+        events = None
         try:
             events = await self._in_engine(engine.generate, eff.tokens, eff.params, sink.cancel)
-            while True:
+            while finished is None:
                 ev = await self._in_engine(next, events, None)
                 if ev is None:
                     break
@@ -508,6 +509,8 @@ class Node:
                 elif isinstance(ev, Tokens):
                     self._relay_tokens(sink, ev.token_ids, ev.text)
                 elif isinstance(ev, Finished):
+                    # The last event: report its cache changes before anything else can run in
+                    # the engine, so the digest applies every report in the engine's order.
                     finished = ev
         except InvalidRequestError as exc:
             error = ErrorMessage(sink.request_id, "invalid", str(exc))
@@ -516,6 +519,13 @@ class Node:
         except Exception as exc:  # a backend bug: answer the client, keep serving others
             logger.exception("engine failed on %s", eff.request_id)
             error = ErrorMessage(sink.request_id, "internal", f"engine failure: {type(exc).__name__}")
+        finally:
+            if events is not None:
+                # The generator unlocks its cache path and frees its working memory in its
+                # cleanup, which must run in the engine's thread now, not whenever the garbage
+                # collector gets to it (also for a generation abandoned mid-way).
+                with trio.CancelScope(shield=True):
+                    await self._in_engine(events.close)
         if finished is None:
             changes = await self._in_engine(engine.take_cache_changes)
             self._feed(
@@ -526,6 +536,12 @@ class Node:
             )
             self._finish_sink(sink, error or ErrorMessage(sink.request_id, "internal", "no result"))
             return
+        self._feed(
+            LocalFinished(
+                eff.request_id, ok=True, cache_added=finished.cache_added,
+                cache_removed=finished.cache_removed,
+            )
+        )
         now = trio.current_time()
         self._finish_sink(
             sink,
@@ -539,12 +555,6 @@ class Node:
                 latency_s=now - sink.started,
                 finish_reason=finished.finish_reason,
             ),
-        )
-        self._feed(
-            LocalFinished(
-                eff.request_id, ok=True, cache_added=finished.cache_added,
-                cache_removed=finished.cache_removed,
-            )
         )
 
     # ------------------------------------------------------------------ requests: forwarded

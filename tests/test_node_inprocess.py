@@ -43,7 +43,7 @@ async def cluster(n: int, **overrides: object) -> AsyncIterator[list[Node]]:
     """``n`` nodes in a chain: each bootstraps from the previous one only."""
     async with trio.open_nursery() as nursery:
         nodes: list[Node] = []
-        for i in range(n):
+        for _ in range(n):
             bootstrap = (nodes[-1].addresses()[0],) if nodes else ()
             node = Node(
                 options(bootstrap=bootstrap, **overrides),
@@ -57,7 +57,7 @@ async def cluster(n: int, **overrides: object) -> AsyncIterator[list[Node]]:
             nursery.cancel_scope.cancel()
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+async def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.05)
@@ -146,11 +146,13 @@ async def test_streaming_and_chat() -> None:
 async def test_a_dead_peer_costs_no_request() -> None:
     """The holder of the prefix vanishes; requests routed to it fail over and complete."""
     async with trio.open_nursery() as outer:
-        survivor = Node(options(), engine=SimulatedEngine(costs=COSTS))
+        survivor = Node(options(first_token_timeout_s=5.0), engine=SimulatedEngine(costs=COSTS))
         await outer.start(survivor.serve)
         victim_scope = trio.CancelScope()
         victim = Node(
-            options(bootstrap=(addr(survivor),)), engine=SimulatedEngine(costs=COSTS)
+            # 'local': the warm-up request entering at the victim is served (and cached) there.
+            options(bootstrap=(addr(survivor),), first_token_timeout_s=5.0, policy="local"),
+            engine=SimulatedEngine(costs=COSTS),
         )
 
         async def run_victim(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
