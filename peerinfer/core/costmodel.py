@@ -25,10 +25,10 @@ class CostModel:
     ``slots``: how many requests run concurrently; more wait in the queue.
     """
 
-    prefill_s_per_token: float = 0.0006
-    cached_s_per_token: float = 0.00002
-    decode_s_per_token: float = 0.012
-    overhead_s: float = 0.004
+    prefill_s_per_token: float = 0.00296
+    cached_s_per_token: float = 0.000055
+    decode_s_per_token: float = 0.0759
+    overhead_s: float = 0.0474
     slots: int = 1
 
     def __post_init__(self) -> None:
@@ -76,8 +76,10 @@ class CostModel:
             raise ConfigError(f"cost model: {exc}") from exc
 
 
-#: Placeholder until ``peerinfer calibrate`` has measured SmolLM2-135M on the CPU; replaced by
-#: the measured figures (docs/performance.md records the run).
+#: SmolLM2-135M-Instruct (float32, CPU, one torch thread) as measured by
+#: ``peerinfer calibrate --clock cpu`` on the 2-core development machine (docs/performance.md).
+#: A GPU or more threads are faster: run ``peerinfer calibrate`` on your machine and pass
+#: ``--costs`` to the node.
 DEFAULT_COSTS = CostModel()
 
 __all__ = ["DEFAULT_COSTS", "CostModel"]
