@@ -196,10 +196,17 @@ def test_routing_beats_no_routing_on_a_skewed_workload_at_low_delay() -> None:
     assert routed["latency_mean_s"] < local["latency_mean_s"]
 
 
-def test_multiturn_workload_runs() -> None:
-    _, summary = simulate(SimConfig(nodes=3, requests=150, workload="multiturn", seed=4), check=True)
+def test_multiturn_workload_runs_and_a_conversation_keeps_its_entry_node() -> None:
+    sim, summary = simulate(
+        SimConfig(nodes=3, requests=150, workload="multiturn", seed=4), check=True
+    )
     assert summary["completed"] == 150
     assert summary["hit_ratio"] > 0
+    entry: dict[str, set[int]] = {}
+    for i in range(sim.total):
+        entry.setdefault(sim.workload[i].label, set()).add(sim.origin[i])
+    assert all(len(nodes) == 1 for nodes in entry.values())
+    assert len(set().union(*entry.values())) == 3
 
 
 def test_workload_file(tmp_path) -> None:

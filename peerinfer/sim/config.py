@@ -25,10 +25,11 @@ class SimConfig:
     """A simulation run. Two runs with equal configs produce equal results (``wall_s`` aside).
 
     Arrivals are Poisson at ``rate`` requests per second *per node* (each node is one home
-    user's entry point, so the offered load per node stays the same as the swarm grows), unless
-    ``clients`` > 0: then that many closed-loop clients, client ``c`` attached to node
-    ``c % nodes``, each sending its next request ``think_s`` (exponential mean) after the
-    previous one completed.
+    user's entry point, so the offered load per node stays the same as the swarm grows), each
+    request entering at a node drawn uniformly (a conversation's turns all enter at the same
+    node, ``conversation % nodes``), unless ``clients`` > 0: then that many closed-loop clients,
+    client ``c`` attached to node ``c % nodes``, each sending its next request ``think_s``
+    (exponential mean) after the previous one completed.
     """
 
     nodes: int = 8

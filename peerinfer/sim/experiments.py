@@ -114,23 +114,55 @@ def _run_one(config: SimConfig, series: int) -> dict[str, Any]:
     return out
 
 
+#: Where finished runs are kept (``--cache``), so an interrupted experiment resumes.
+_CACHE: Path | None = None
+
+
+def _cache_key(config: SimConfig, series: int) -> str:
+    return json.dumps({"config": config.to_dict(), "series": series}, sort_keys=True)
+
+
+def _cached(config: SimConfig, series: int) -> dict[str, Any] | None:
+    if _CACHE is None or not _CACHE.exists():
+        return None
+    key = _cache_key(config, series)
+    for line in _CACHE.read_text().splitlines():
+        entry = json.loads(line)
+        if entry["key"] == key:
+            result: dict[str, Any] = entry["result"]
+            return result
+    return None
+
+
+def _store(config: SimConfig, series: int, result: dict[str, Any]) -> None:
+    if _CACHE is not None:
+        with _CACHE.open("a") as f:
+            f.write(json.dumps({"key": _cache_key(config, series), "result": result}) + "\n")
+
+
 def run_all(
     configs: Sequence[SimConfig], *, jobs: int = 2, series: int = 0, log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """Run ``configs`` on ``jobs`` processes; results in the same order."""
     started = time.perf_counter()
-    results: list[dict[str, Any] | None] = [None] * len(configs)
+    results: list[dict[str, Any] | None] = [_cached(c, series) for c in configs]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if len(todo) < len(configs):
+        log(f"  {len(configs) - len(todo)} runs taken from the cache {_CACHE}")
+
+    def done(i: int, result: dict[str, Any]) -> None:
+        results[i] = result
+        _store(configs[i], series, result)
+        log(f"  [{i + 1}/{len(configs)}] {command_line(configs[i])}  ({result['wall_s']} s)")
+
     if jobs <= 1:
-        for i, c in enumerate(configs):
-            results[i] = _run_one(c, series)
-            log(f"  [{i + 1}/{len(configs)}] {command_line(c)}  ({results[i]['wall_s']} s)")
-    else:
+        for i in todo:
+            done(i, _run_one(configs[i], series))
+    elif todo:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(_run_one, c, series) for c in configs]
-            for i, f in enumerate(futures):
-                results[i] = f.result()
-                log(f"  [{i + 1}/{len(configs)}] {command_line(configs[i])}  "
-                    f"({results[i]['wall_s']} s)")
+            futures = {i: pool.submit(_run_one, configs[i], series) for i in todo}
+            for i, f in futures.items():
+                done(i, f.result())
     log(f"  {len(configs)} runs in {time.perf_counter() - started:.0f} s")
     return [r for r in results if r is not None]
 
@@ -153,13 +185,46 @@ def _save(fig: Any, path: Path) -> None:
 # ------------------------------------------------------------------------------ delay sweep
 
 
+#: ``local`` never forwards, so the link delay cannot change its latency: it runs at these
+#: delays only (the first stands for every delay; the others check that it does).
+LOCAL_DELAYS_MS = (0, 100)
+
+
 def delay_configs(base: SimConfig, delays: Sequence[float], skews: Sequence[str]) -> list[SimConfig]:
     return [
         replace(base, skew=skew, delay_ms=f"{d:g}", policy=policy)
         for skew in skews
         for d in delays
         for policy in POLICIES
+        if policy != "local" or d in LOCAL_DELAYS_MS
     ]
+
+
+def _local_stand_in(results: list[dict], log: Callable[[str], None]) -> list[dict]:
+    """Give ``local`` a point at every delay: the 0-ms run's figures (after checking that the
+    other ``local`` runs agree with it on latency)."""
+    out = list(results)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        p = r["params"]
+        if p["policy"] == "local":
+            groups.setdefault((p["costs_source"], p["skew"]), []).append(r)
+    for (profile, skew), runs in groups.items():
+        ref = min(runs, key=lambda r: float(r["params"]["delay_ms"]))
+        for r in runs:
+            if r["latency_mean_s"] != ref["latency_mean_s"]:
+                log(f"  note: local, {profile}, {skew}: latency differs with the delay "
+                    f"({r['params']['delay_ms']} ms: {r['latency_mean_s']} vs {ref['latency_mean_s']})")
+        have = {float(r["params"]["delay_ms"]) for r in runs}
+        for d in DELAYS_MS:
+            if d not in have:
+                stand_in = dict(ref)
+                stand_in["params"] = {**ref["params"], "delay_ms": f"{d:g}"}
+                stand_in["stand_in_for"] = ref["command"]
+                out.append(stand_in)
+    out.sort(key=lambda r: (r["params"]["costs_source"], r["params"]["skew"],
+                            float(r["params"]["delay_ms"]), POLICIES.index(r["params"]["policy"])))
+    return out
 
 
 def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
@@ -167,7 +232,7 @@ def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
     configs = [
         c for profile in PROFILES for c in delay_configs(with_costs(base, profile), DELAYS_MS, skews)
     ]
-    results = run_all(configs, jobs=jobs, log=log)
+    results = _local_stand_in(run_all(configs, jobs=jobs, log=log), log)
     plt = _plt()
     for profile in PROFILES:
         mine = [r for r in results if r["params"]["costs_source"] == profile]
@@ -225,13 +290,22 @@ def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
 
 
 def _share_figure(results: list[dict], titles: Sequence[str], path: Path) -> None:
-    from peerinfer.sim.figures import plot_shares
+    """Per result: the top subject's per-node share over time and, below it, which nodes cache
+    that subject's whole 5-shot prefix (sampled every 30 requests)."""
+    from peerinfer.sim.figures import plot_holders, plot_shares
 
     plt = _plt()
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.2 * len(results)), squeeze=False)
-    for ax, r, title in zip(axes[:, 0], results, titles, strict=True):
+    fig, axes = plt.subplots(
+        2 * len(results), 1, figsize=(9, 5.6 * len(results)), squeeze=False,
+        gridspec_kw={"height_ratios": [3, 2] * len(results)},
+    )
+    for j, (r, title) in enumerate(zip(results, titles, strict=True)):
         (subject, s), *_ = r["share_series"].items()
-        plot_shares(s["window_end"], s["share"], path, f"{title}: '{subject}'", ax=ax)
+        plot_shares(s["window_end"], s["share"], path, f"{title}: share of '{subject}'",
+                    ax=axes[2 * j][0])
+        plot_holders(s.get("holders", []), r["params"]["nodes"], axes[2 * j + 1][0],
+                     f"nodes caching the whole '{subject}' prefix")
+        axes[2 * j + 1][0].set_xlim(axes[2 * j][0].get_xlim())
     _save(fig, path)
 
 
@@ -316,28 +390,56 @@ def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], N
 
 
 SCALE_NODES = (4, 16, 64, 256)
+#: Seeds per node count: small swarms see few requests in all, so they are repeated.
+SCALE_SEEDS = {4: 4, 16: 2, 64: 1, 256: 1}
 
 
 def scale_configs(base: SimConfig, requests_per_node: int) -> list[SimConfig]:
     return [
-        replace(base, nodes=n, requests=requests_per_node * n, skew=SKEWED, policy=p)
+        replace(
+            base, nodes=n, requests=requests_per_node * n, skew=SKEWED, policy=p, seed=base.seed + k
+        )
         for n in SCALE_NODES
+        for k in range(SCALE_SEEDS[n])
         for p in POLICIES
     ]
 
 
+def scale_table(results: list[dict]) -> list[dict]:
+    """Per (nodes, policy): means over seeds of the headline figures."""
+    rows = []
+    for n in SCALE_NODES:
+        for policy in POLICIES:
+            mine = [r for r in results if (r["params"]["nodes"], r["params"]["policy"]) == (n, policy)]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"nodes": n, "policy": policy, "seeds": len(mine)}
+            for k in ("latency_mean_s", "latency_p99_s", "ttft_mean_s", "hit_ratio",
+                      "forwarded_fraction"):
+                row[k] = round(sum(r[k] for r in mine) / len(mine), 4)
+            row["sync_bytes_per_node_per_s"] = round(
+                sum(r["anti_entropy"]["bytes_per_node_per_s"] for r in mine) / len(mine), 1
+            )
+            rows.append(row)
+    return rows
+
+
 def scale_experiment(
-    out: Path, base: SimConfig, jobs: int, log: Callable[[str], None], requests_per_node: int = 100
+    out: Path, base: SimConfig, jobs: int, log: Callable[[str], None], requests_per_node: int = 40
 ) -> dict:
     configs = scale_configs(base, requests_per_node)
     results = run_all(configs, jobs=jobs, log=log)
+    table = scale_table(results)
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for policy in POLICIES:
-        pts = [(r["params"]["nodes"], r) for r in results if r["params"]["policy"] == policy]
-        axes[0].plot([n for n, _ in pts], [r["latency_mean_s"] for _, r in pts], "o-", label=policy)
-        axes[1].plot([n for n, _ in pts], [r["hit_ratio"] for _, r in pts], "o-", label=policy)
-    for ax, label in zip(axes, ("mean latency (s)", "token hit ratio"), strict=True):
+        pts = [r for r in table if r["policy"] == policy]
+        ns = [r["nodes"] for r in pts]
+        axes[0].plot(ns, [r["latency_mean_s"] for r in pts], "o-", label=policy)
+        axes[1].plot(ns, [r["hit_ratio"] for r in pts], "o-", label=policy)
+        axes[2].plot(ns, [r["sync_bytes_per_node_per_s"] / 1000 for r in pts], "o-", label=policy)
+    labels = ("mean latency (s)", "token hit ratio", "anti-entropy kB per node per s")
+    for ax, label in zip(axes, labels, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("nodes")
         ax.set_ylabel(label)
@@ -347,7 +449,7 @@ def scale_experiment(
         f"{SKEWED}, delay {base.delay_ms} ms, {requests_per_node} requests per node", fontsize=10
     )
     _save(fig, out / "scaling.png")
-    return {"runs": results}
+    return {"runs": results, "table": table}
 
 
 # ------------------------------------------------------------------------------ command line
@@ -373,9 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, help=f"nodes (default {BASE.nodes})")
     parser.add_argument("--seed", type=int, help=f"seed (default {BASE.seed})")
     parser.add_argument(
-        "--requests-per-node", type=int, default=100, help="scale: requests per node (default 100)"
+        "--requests-per-node", type=int, default=40, help="scale: requests per node (default 40)"
+    )
+    parser.add_argument(
+        "--cache", metavar="FILE", help="keep finished runs in FILE (JSON lines) and reuse them"
     )
     args = parser.parse_args(argv)
+    global _CACHE
+    _CACHE = Path(args.cache) if args.cache else None
     base = BASE
     if args.requests is not None:
         base = replace(base, requests=args.requests)

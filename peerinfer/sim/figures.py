@@ -58,6 +58,17 @@ def plot_shares(
         plt.close(fig)
 
 
+def plot_holders(holders: Sequence[Sequence[Any]], nodes: int, ax: Any, title: str) -> None:
+    """A raster: a mark at (request, node) when that node caches the subject's whole prefix."""
+    xs = [i for i, held in holders for _ in held]
+    ys = [k for _, held in holders for k in held]
+    ax.scatter(xs, ys, s=2, marker="s", color="tab:blue", linewidths=0)
+    ax.set_ylim(-0.5, nodes - 0.5)
+    ax.set_xlabel("requests")
+    ax.set_ylabel("node")
+    ax.set_title(title, fontsize=10)
+
+
 def run_figures(sim: Simulation, summary: Mapping[str, Any], directory: str | Path) -> list[Path]:
     """Figures of one run: the top subject's per-node share over time, the TTFT distribution and
     the per-node load. Returns the paths written."""
@@ -115,4 +126,4 @@ def run_figures(sim: Simulation, summary: Mapping[str, Any], directory: str | Pa
     return paths
 
 
-__all__ = ["plot_shares", "run_figures"]
+__all__ = ["plot_holders", "plot_shares", "run_figures"]

@@ -206,6 +206,11 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
                 "window_end": ends,
                 "share": [[round(x, 4) for x in w] for w in shares],
             }
+            if label in sim.residency:
+                # which nodes held the label's whole shared prefix, sampled every stride
+                out["share_series"][label]["holders"] = [
+                    [i, nodes] for i, nodes in sim.residency[label]
+                ]
     out["params"] = cfg.to_dict()
     return out
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from peerinfer.core.messages import SamplingParams
-from peerinfer.core.prefix import PrefixHasher
+from peerinfer.core.prefix import DEFAULT_BLOCK_SIZE, PrefixHasher
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
@@ -79,7 +79,7 @@ class _Tokens:
         self._parts: dict[str, tuple[int, ...]] = {}
         self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
 
-    def _part(self, text: str) -> tuple[int, ...]:
+    def part(self, text: str) -> tuple[int, ...]:
         got = self._parts.get(text)
         if got is None:
             got = self._parts[text] = tuple(self.engine.tokenize(text))
@@ -93,7 +93,7 @@ class _Tokens:
                 prefix and suffix and prefix[-1].isspace() and not suffix[0].isspace()
             )
             if seam_safe:
-                got = self._part(prefix) + self._part(suffix)
+                got = self.part(prefix) + self.part(suffix)
             else:
                 got = tuple(self.engine.tokenize(prefix + suffix))
             self._prompts[key] = got
@@ -109,7 +109,12 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
         p = params.get(item.max_tokens)
         if p is None:
             p = params[item.max_tokens] = SamplingParams(max_tokens=item.max_tokens)
-        out.append(SimRequest(tokens(item.prefix, item.suffix), p, _label(item)))
+        prompt = tokens(item.prefix, item.suffix)
+        # The prefix's whole blocks (its tokens are a prefix of the prompt's when the seam is
+        # safe; otherwise the residency probe is skipped for it).
+        prefix = tokens.part(item.prefix) if item.prefix else ()
+        shared = len(prefix) // DEFAULT_BLOCK_SIZE if prompt[: len(prefix)] == prefix else 0
+        out.append(SimRequest(prompt, p, _label(item), item.conversation, shared))
     if config.requests and not out:
         raise ConfigError(f"the workload {config.workload!r} holds no requests")
     return out
@@ -153,7 +158,7 @@ def simulate(
     hasher, make = engine_factory(config)
     if requests is None:
         requests = sim_requests(config, SimulatedEngine(costs=config.costs))
-    sim = Simulation(config, requests, hasher, make, check=check)
+    sim = Simulation(config, requests, hasher, make, check=check, probe_top=series)
     setup_s = time.perf_counter() - started
     sim.run()
     summary = summarize(sim, series=series)

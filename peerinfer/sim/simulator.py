@@ -122,6 +122,10 @@ class SimRequest:
     tokens: tuple[int, ...]
     params: SamplingParams
     label: str = ""
+    #: a user who always enters through the same node (a conversation): node ``home % nodes``
+    home: int | None = None
+    #: full blocks of the prompt that are the label's shared prefix (for residency probes)
+    prefix_blocks: int = 0
 
 
 class PlanLike(Protocol):
@@ -163,6 +167,7 @@ class Simulation:
         *,
         arrivals: Sequence[tuple[float, int]] | None = None,
         check: bool = False,
+        probe_top: int = 0,
     ) -> None:
         if config.requests and not requests:
             raise SimulationError("the workload is empty")
@@ -258,6 +263,25 @@ class Simulation:
         self.events = 0
         self.now = 0.0
         self.wall_s = 0.0
+        # Residency probes: which nodes cache the shared prefix of the ``probe_top`` most
+        # frequent labels, sampled every ``share_stride`` arrivals.
+        self.probe_hashes: dict[str, BlockHash] = {}
+        self.residency: dict[str, list[tuple[int, list[int]]]] = {}
+        if probe_top > 0 and total:
+            freq: dict[str, int] = {}
+            first: dict[str, SimRequest] = {}
+            for i in range(total):
+                item = requests[i % len(requests)]
+                freq[item.label] = freq.get(item.label, 0) + 1
+                first.setdefault(item.label, item)
+            top = sorted(freq, key=lambda label: (-freq[label], label))[:probe_top]
+            bs = hasher.block_size
+            for label in top:
+                item = first[label]
+                if item.prefix_blocks > 0:
+                    chain = hasher.chain(item.tokens[: item.prefix_blocks * bs])
+                    self.probe_hashes[label] = chain[-1]
+                    self.residency[label] = []
 
     # ------------------------------------------------------------------ scheduling
 
@@ -396,7 +420,11 @@ class Simulation:
             return
         self._next_request = i + 1
         n = self.config.nodes
-        self.origin[i] = client % n if client >= 0 else self._arrival_rng.randrange(n)
+        if client >= 0:
+            self.origin[i] = client % n
+        else:
+            home = self.workload[i % len(self.workload)].home
+            self.origin[i] = home % n if home is not None else self._arrival_rng.randrange(n)
         self._client_of[i] = client
         self.arrival[i] = t
         self._push(t, _ARRIVAL, i)
@@ -405,6 +433,11 @@ class Simulation:
         cfg = self.config
         if cfg.clients == 0 and self._fixed_arrivals is None:
             self._issue(-1, now + self._arrival_rng.expovariate(cfg.rate * cfg.nodes))
+        if self.probe_hashes and i % cfg.share_stride == 0:
+            for label, h in self.probe_hashes.items():
+                self.residency[label].append(
+                    (i, [k for k, e in enumerate(self.engines) if e.cached(h)])
+                )
         item = self.workload[i % len(self.workload)]
         rid = RequestId(f"r{i}")
         self._rid_index[rid] = i
@@ -504,6 +537,7 @@ class Simulation:
         p = self._index_of[eff.peer]
         i = self._rid_index[eff.request_id]
         self.target[i] = p
+        self._enqueued[n].pop(eff.request_id, None)
         if self.forwards[i] == 0 and self.decided[i] == 0:
             self._record_decision(i, eff.decision, remote=True)
         self.forwards[i] += 1
