@@ -45,7 +45,8 @@ class SimConfig:
     costs: CostModel = DEFAULT_COSTS
     #: where the cost model came from ("default" or a file path), for the record
     costs_source: str = "default"
-    rate: float = 1.0
+    #: about 40% utilization of a node serving its own requests with the default costs
+    rate: float = 0.25
     clients: int = 0
     think_s: float = 0.0
     workload: str = "mmlu"

@@ -31,14 +31,15 @@ from typing import Any
 from peerinfer.sim.config import COST_PRESETS, SimConfig
 
 POLICIES = ("local", "longest_prefix", "cost")
+PROFILE_RATE_DEFAULT = 0.25
 DELAYS_MS = (0, 1, 2, 5, 10, 20, 50, 100)
 
 #: The common setting of the experiments (see docs/evaluation.md for why).
 BASE = SimConfig(
     nodes=16,
-    requests=5000,
+    requests=4000,
     cache_tokens=8192,
-    rate=1.0,
+    rate=PROFILE_RATE_DEFAULT,
     delay_ms="5",
     skew="zipf:1.1",
     seed=1,
@@ -46,10 +47,15 @@ BASE = SimConfig(
 SKEWED = "zipf:1.1"
 HOT = "hot:2"
 PROFILES = ("default", "gpu")
+#: Arrivals per node per second for each cost profile: about 40% utilization of a node that
+#: serves its own requests with its own cache (no routing) on the Zipf workload.
+PROFILE_RATE = {"default": 0.25, "gpu": 1.0}
 
 
 def with_costs(config: SimConfig, profile: str) -> SimConfig:
-    return replace(config, costs=COST_PRESETS[profile], costs_source=profile)
+    return replace(
+        config, costs=COST_PRESETS[profile], costs_source=profile, rate=PROFILE_RATE[profile]
+    )
 
 _KEEP = (
     "ttft_mean_s",
