@@ -580,6 +580,7 @@ async def test_a_banned_peer_is_disconnected_and_refused() -> None:
             await honest.request(node.peer_id, ECHO, b"let me in", timeout=2)
         await wait_until(lambda: not node.is_connected(honest.peer_id))
         assert node.banned_peers() == [honest.peer_id]
+        await wait_until(lambda: not honest.is_connected(node.peer_id))
         node.unban(honest.peer_id)
         await honest.connect(node.listen_addrs()[0])
         assert await honest.request(node.peer_id, ECHO, b"back") == b"back"

@@ -217,10 +217,10 @@ class _ConnectionNotifee(INotifee):
         self._host = host
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._connection_opened(conn.muxed_conn.peer_id.to_base58())
+        self._host._connection_opened(conn.muxed_conn.peer_id.to_base58(), conn)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        self._host._connection_closed(conn.muxed_conn.peer_id.to_base58())
+        self._host._connection_closed(conn.muxed_conn.peer_id.to_base58(), conn)
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         return None
@@ -249,7 +249,10 @@ class Host:
         self._rng = random.Random(secrets.randbits(64))
         self._nursery: trio.Nursery | None = None
         self._closed = False
-        self._connections: dict[str, int] = defaultdict(int)
+        # Our own registry of live connections, from libp2p's notifications: under load the
+        # swarm's table can lose a connection that is still open (a close_peer racing a new
+        # dial pops the peer's entry wholesale), and then nothing could close it.
+        self._connections: dict[str, set[INetConn]] = defaultdict(set)
         self._banned: set[str] = set()
         self._disconnect_events: dict[str, trio.Event] = {}
         self._inflight: dict[str, int] = defaultdict(int)
@@ -346,8 +349,17 @@ class Host:
         deadline = self._config.connect_timeout_s if timeout is None else timeout
         # The swarm blocks a peer for 60 s after a failed dial; our callers pace themselves.
         self._network.unblock_peer(info.peer_id)
+        # libp2p's connect() returns at once if the swarm lists any connection to the peer,
+        # even a closed one; drop those first so that it dials.
+        listed = self._network.connections.get(info.peer_id)
+        if listed:
+            listed[:] = [conn for conn in listed if not conn.is_closed]
+            if not listed:
+                del self._network.connections[info.peer_id]
         try:
             await self._within("connect", peer, deadline, lambda: self._h.connect(info))
+            if not self.is_connected(peer):
+                raise PeerUnavailableError(f"connect: the connection to {peer} closed at once")
         except RemoteError:
             self._counters.dial_failures += 1
             raise
@@ -409,45 +421,60 @@ class Host:
 
     def connected_peers(self) -> list[str]:
         """Peers with at least one open connection."""
-        return [pid.to_base58() for pid in self._h.get_connected_peers()]
+        peers = {pid.to_base58() for pid in self._h.get_connected_peers()} | set(self._connections)
+        return sorted(p for p in peers if self.is_connected(p))
 
     def is_connected(self, peer_id: str) -> bool:
-        return bool(self._network.get_connections(parse_peer_id(peer_id)))
+        """Whether we hold at least one open connection to ``peer_id``."""
+        return bool(self._live_connections(parse_peer_id(peer_id)))
+
+    def _live_connections(self, pid: ID) -> list[INetConn]:
+        known = set(self._network.get_connections(pid)) | self._connections.get(pid.to_base58(), set())
+        return [conn for conn in known if not conn.is_closed]
 
     async def disconnect(self, peer_id: str) -> None:
         """Close every connection to ``peer_id``; bounded even if the peer is hung.
 
         A polite close writes a yamux GO_AWAY, which waits behind any write already stuck on a
-        hung peer's full socket. If it has not finished after ``DISCONNECT_TIMEOUT_S``, the
-        sockets under the muxer are closed, which fails the stuck writes and lets the polite
+        hung peer's full socket. A close that has not finished after ``DISCONNECT_TIMEOUT_S``
+        gets its socket closed underneath, which fails the stuck writes and lets the polite
         close (and libp2p's disconnect notifications) complete.
         """
         pid = parse_peer_id(peer_id)
-        connections = list(self._network.get_connections(pid))
-        closed = trio.Event()
+        with trio.CancelScope(shield=True):
+            for _ in range(3):  # a dial racing the close may add a connection meanwhile
+                live = self._live_connections(pid)
+                if not live:
+                    break
+                async with trio.open_nursery() as nursery:
+                    for conn in live:
+                        nursery.start_soon(self._close_connection, peer_id, conn)
+            else:
+                logger.warning("could not close every connection to %s", peer_id)
+        self._forget_closed(peer_id)
+
+    async def _close_connection(self, peer_id: str, conn: INetConn) -> None:
+        finished = trio.Event()
 
         async def close_politely() -> None:
             try:
-                await self._network.close_peer(pid)
+                await conn.close()
             except Exception as exc:
-                logger.debug("disconnecting %s: %r", peer_id, exc)
+                logger.debug("closing a connection to %s: %r", peer_id, exc)
             finally:
-                closed.set()
+                finished.set()
 
-        with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(close_politely)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_politely)
+            with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                await finished.wait()
+            if not finished.is_set():
+                logger.info("closing %s politely is stuck; aborting its socket", peer_id)
+                await _abort_socket(conn)
                 with trio.move_on_after(DISCONNECT_TIMEOUT_S):
-                    await closed.wait()
-                if not closed.is_set():
-                    logger.info("closing %s politely is stuck; aborting its sockets", peer_id)
-                    for conn in connections:
-                        await _abort_socket(conn)
-                    with trio.move_on_after(DISCONNECT_TIMEOUT_S):
-                        await closed.wait()
-                if not closed.is_set():
-                    logger.warning("could not close the connections to %s", peer_id)
-                    nursery.cancel_scope.cancel()
+                    await finished.wait()
+            if not finished.is_set():
+                nursery.cancel_scope.cancel()
 
     def ban(self, peer_id: str) -> None:
         """Refuse ``peer_id`` until ``unban``: disconnect it, ignore its gossip (and gossip it
@@ -466,20 +493,27 @@ class Host:
     def banned_peers(self) -> list[str]:
         return sorted(self._banned)
 
-    def _connection_opened(self, peer_id: str) -> None:
-        self._connections[peer_id] += 1
+    def _connection_opened(self, peer_id: str, conn: INetConn) -> None:
+        first = not any(not c.is_closed for c in self._connections.get(peer_id, ()))
+        self._connections[peer_id].add(conn)
         if peer_id in self._banned:
             if self._nursery is not None and not self._closed:
                 self._nursery.start_soon(self.disconnect, peer_id)
             return
-        if self._connections[peer_id] == 1:
+        if first:
             self._emit(PeerEvent("connected", peer_id))
 
-    def _connection_closed(self, peer_id: str) -> None:
-        if self._connections.get(peer_id, 0) <= 0:
+    def _connection_closed(self, peer_id: str, conn: INetConn) -> None:
+        self._connections.get(peer_id, set()).discard(conn)
+        self._forget_closed(peer_id)
+
+    def _forget_closed(self, peer_id: str) -> None:
+        """Drop closed connections of ``peer_id``; if none is left, it is disconnected."""
+        known = self._connections.get(peer_id)
+        if known is None:
             return
-        self._connections[peer_id] -= 1
-        if self._connections[peer_id] == 0:
+        known.difference_update([c for c in known if c.is_closed])
+        if not known:
             del self._connections[peer_id]
             self._liveness_failures.pop(peer_id, None)
             self._rtts.pop(peer_id, None)
@@ -787,7 +821,7 @@ class Host:
         c = self._counters
         return HostStatistics(
             peer_id=self._peer_id,
-            connected_peers=len(self._h.get_connected_peers()),
+            connected_peers=len(self.connected_peers()),
             handler_streams_running=sum(self._inflight.values()),
             streams_refused=c.streams_refused,
             handler_errors=c.handler_errors,
@@ -815,6 +849,7 @@ class Host:
             self._counters.bootstrap_attempts += 1
             try:
                 await self._connect_info(info, None)
+                logger.debug("bootstrap peer %s connected", peer)
                 backoff.reset()
             except RemoteError as exc:
                 delay = backoff.next_delay(self._rng)
