@@ -29,6 +29,9 @@ running after ``stop_grace_s`` get SIGKILL. Each child also asks the kernel for 
 the parent die (Linux ``PR_SET_PDEATHSIG``), so a killed test run leaves no orphan nodes.
 Processes are only ever signalled by their own pid.
 
+When the body of the block raises, every node's log tail is written to stderr first (the work
+directory is removed afterwards unless ``workdir`` was given).
+
 Two flavours of the same API: ``open_cluster`` (an async context manager, for trio code; waits
 never block the event loop) and ``start_cluster`` (a plain context manager, for scripts; it may
 also be used from trio code, blocking the loop while it starts). Methods that wait are async;
@@ -619,6 +622,13 @@ class Cluster:
                 await trio.sleep(0.02)
         self._kill_all()
 
+    def print_logs(self, lines: int = 25, file: Any = None) -> None:
+        """Write every node's log tail to ``file`` (default stderr; pytest shows it for a
+        failed test). Called when the body of a cluster block raises."""
+        out = sys.stderr if file is None else file
+        for h in self.nodes:
+            print(h.log_tail(lines), file=out)
+
     def _kill_all(self) -> None:
         for h in self.nodes:
             if h.alive:
@@ -682,6 +692,7 @@ async def open_cluster(
     model: str | None = None,
     seed: int | None = None,
     env: dict[str, str] | None = None,
+    python: str = sys.executable,
     workdir: str | os.PathLike[str] | None = None,
     wait_converged: bool = True,
     ready_timeout_s: float | None = None,
@@ -694,14 +705,16 @@ async def open_cluster(
 
     ``workdir`` (default: a temporary directory, removed afterwards) holds the identities and
     the node logs. ``seed`` gives node ``i`` the routing seed ``seed + i``. ``extra_args`` are
-    more ``peerinfer node`` flags for every node.
+    more ``peerinfer node`` flags for every node. ``python`` is the interpreter (or a wrapper
+    script taking the interpreter's arguments, e.g. to profile the nodes).
     """
     cluster, cleanup = _make_cluster(
         workdir,
         dict(
             engine=engine, extra_args=extra_args, costs_file=costs_file, policy=policy,
             cache_bytes=cache_bytes, announce_interval_s=announce_interval_s, model=model,
-            seed=seed, env=env, ready_timeout_s=ready_timeout_s, stop_grace_s=stop_grace_s,
+            seed=seed, env=env, python=python, ready_timeout_s=ready_timeout_s,
+            stop_grace_s=stop_grace_s,
         ),
     )
     try:
@@ -711,6 +724,10 @@ async def open_cluster(
             if wait_converged and n > 1:
                 await cluster.wait_converged(converge_timeout_s)
             yield cluster
+        except Exception as exc:
+            if not isinstance(exc, ClusterError):  # those carry the log tails already
+                cluster.print_logs()
+            raise
         finally:
             with trio.CancelScope(shield=True):
                 await cluster.stop_all()
@@ -733,6 +750,7 @@ def start_cluster(
     model: str | None = None,
     seed: int | None = None,
     env: dict[str, str] | None = None,
+    python: str = sys.executable,
     workdir: str | os.PathLike[str] | None = None,
     wait_converged: bool = True,
     ready_timeout_s: float | None = None,
@@ -745,7 +763,8 @@ def start_cluster(
         dict(
             engine=engine, extra_args=extra_args, costs_file=costs_file, policy=policy,
             cache_bytes=cache_bytes, announce_interval_s=announce_interval_s, model=model,
-            seed=seed, env=env, ready_timeout_s=ready_timeout_s, stop_grace_s=stop_grace_s,
+            seed=seed, env=env, python=python, ready_timeout_s=ready_timeout_s,
+            stop_grace_s=stop_grace_s,
         ),
     )
     try:
@@ -755,6 +774,10 @@ def start_cluster(
             if wait_converged and n > 1:
                 cluster.wait_converged_blocking(converge_timeout_s)
             yield cluster
+        except Exception as exc:
+            if not isinstance(exc, ClusterError):  # those carry the log tails already
+                cluster.print_logs()
+            raise
         finally:
             cluster.stop_all_blocking()
     finally:
