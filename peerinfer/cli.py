@@ -47,6 +47,7 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--cache-bytes", type=_bytes_amount, help="KV cache budget, e.g. 512M (default: the engine's)")
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
+    p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
     p.add_argument("--swarm-key", help="secret shared by a private swarm: keys digests and names the gossip topic")
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
@@ -80,6 +81,8 @@ def _run_node(args: argparse.Namespace) -> int:
     engine_options: dict[str, Any] = {}
     if args.engine == "simulated":
         engine_options["costs"] = costs
+    if args.threads is not None:
+        engine_options["threads"] = args.threads
     options = NodeOptions(
         engine=args.engine,
         model=args.model,
