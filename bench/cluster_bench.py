@@ -593,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {policy} in the simulator: {r['sim']}")
 
     report = build_report(args, results, costs, workload_path if args.save_workload else None)
+    report["params"]["mmlu"] = mmlu.source
     report["params"]["cpus"] = os.cpu_count()
     report["params"]["load_avg_1_5_15_before"] = [round(x, 2) for x in load_before]
     if args.json:

@@ -22,7 +22,7 @@ from peerinfer.client import Client, GenerationResult
 from peerinfer.core.costmodel import CostModel
 from peerinfer.engine.simulated import DEFAULT_KV_BYTES_PER_TOKEN
 from peerinfer.errors import PeerInferError, PeerUnavailableError
-from peerinfer.testing import Cluster, NodeHandle, open_cluster
+from peerinfer.testing import Cluster, ClusterError, NodeHandle, open_cluster
 from peerinfer.testing.cluster import convergence_problem
 
 pytestmark = pytest.mark.slow
@@ -103,6 +103,28 @@ async def test_bootstrap_converges_to_full_membership(n: int, topology: str, tmp
         processes = [h.process for h in cluster]
     # Leaving the block stopped every process.
     assert all(p.poll() is not None for p in processes)
+
+
+async def test_a_node_that_cannot_start_fails_the_cluster_with_its_log(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="invalid choice") as info:
+        async with open_cluster(2, extra_args=("--policy", "no-such-policy"), workdir=tmp_path):
+            raise AssertionError("the cluster should not have started")
+    assert "exited with status 2" in str(info.value)
+    assert not processes_mentioning(str(tmp_path)), "a node process outlived its cluster"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of running processes whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(entry.name))
+    return pids
 
 
 async def test_digests_converge_after_inserts_and_evictions(tmp_path: Path) -> None:
