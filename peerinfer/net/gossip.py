@@ -26,6 +26,10 @@ connected peer:
 Both now reset the stream, drop the peer from pubsub and report a protocol violation through a
 callback (the host disconnects the peer and emits a ``misbehaved`` event).
 
+It also re-announces our subscriptions to each newly registered peer: py-libp2p loses a
+``subscribe()`` that lands while a peer's pubsub stream is being set up, and the two peers then
+never mesh (seen under load in the tests here).
+
 ``GuardedGossipSub`` ignores peer exchange in PRUNE messages: py-libp2p dials the (self-signed,
 so arbitrary) addresses any peer puts there, even with ``do_px=False``.
 
@@ -191,6 +195,20 @@ class GuardedPubsub(Pubsub):
                     pass
             self._handle_dead_peer(peer_id)
             self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
+
+    async def _handle_new_peer(self, peer_id: ID) -> None:
+        await super()._handle_new_peer(peer_id)
+        # py-libp2p builds the hello (our subscriptions) before it registers the peer, with
+        # an await in between; a subscribe() in that gap is announced to neither (the peer
+        # is not registered yet, the hello is already built), so the peer never learns of it
+        # and no mesh forms. Re-announcing every subscription once registration is done
+        # closes the gap (a repeated subscription is a no-op for the receiver).
+        queue = self.peer_queues.get(peer_id)
+        if queue is not None and self.topic_ids:
+            announcement = rpc_pb2.RPC()
+            for topic in self.topic_ids:
+                announcement.subscriptions.add(subscribe=True, topicid=topic)
+            queue.push(announcement)
 
     def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
         # Instead of libp2p's 32-slot channel per topic (full: dropped with a log line), hand

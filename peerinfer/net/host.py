@@ -441,16 +441,13 @@ class Host:
         close (and libp2p's disconnect notifications) complete.
         """
         pid = parse_peer_id(peer_id)
+        # The connections open now (from the swarm and from our own registry, which keeps the
+        # ones the swarm lost track of); a connection dialed meanwhile is left alone.
+        live = self._live_connections(pid)
         with trio.CancelScope(shield=True):
-            for _ in range(3):  # a dial racing the close may add a connection meanwhile
-                live = self._live_connections(pid)
-                if not live:
-                    break
-                async with trio.open_nursery() as nursery:
-                    for conn in live:
-                        nursery.start_soon(self._close_connection, peer_id, conn)
-            else:
-                logger.warning("could not close every connection to %s", peer_id)
+            async with trio.open_nursery() as nursery:
+                for conn in live:
+                    nursery.start_soon(self._close_connection, peer_id, conn)
         self._forget_closed(peer_id)
 
     async def _close_connection(self, peer_id: str, conn: INetConn) -> None:
