@@ -443,12 +443,15 @@ class Node:
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
         engine = self.engine
         assert engine is not None
+        # Routing needs the tokens: with a thread-safe tokenizer they are computed beside the
+        # running generation instead of queueing behind its current (possibly long) step.
+        run = trio.to_thread.run_sync if engine.thread_safe_tokenizer else self._in_engine
         if req.forwarded or req.tokens:
             tokens = list(req.tokens)
         elif req.messages:
-            tokens = await self._in_engine(engine.chat_tokens, list(req.messages))
+            tokens = await run(engine.chat_tokens, list(req.messages))
         elif req.prompt:
-            tokens = await self._in_engine(engine.tokenize, req.prompt)
+            tokens = await run(engine.tokenize, req.prompt)
         else:
             raise InvalidRequestError("the request has no prompt, messages or tokens")
         if not tokens:
@@ -734,7 +737,9 @@ class Node:
         host = self.host
         assert host is not None
         peers = [PeerAddrs(host.peer_id, tuple(host.dialable_addrs())[:16])]
-        others = host.connected_peers()
+        # Only nodes (peers that announced on our topic), never clients: a client is not a
+        # routing candidate and should not be dialed by every node it is told about.
+        others = [p for p in host.connected_peers() if p in self._exchanged]
         random.shuffle(others)
         for peer in others[:MAX_EXCHANGED_PEERS]:
             addrs = tuple(host.known_addrs(peer))[:16]

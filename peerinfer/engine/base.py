@@ -481,6 +481,10 @@ class Engine(ABC):
 
     #: Whether ``open_decoder`` consumes ``request.prefix`` and exports KV segments.
     supports_prefix_cache: bool = False
+    #: Whether ``tokenize`` and ``chat_tokens`` may run on another thread while a generation
+    #: runs in the worker thread. The node then tokenizes incoming prompts (to route them)
+    #: without waiting for the current decode step; otherwise it queues behind it.
+    thread_safe_tokenizer: bool = False
     #: The KV byte budget used when ``configure_cache`` is given none (None: unbounded).
     default_capacity_bytes: int | None = None
     #: Block size of the cache configured on first use when the node configured none.

@@ -43,6 +43,7 @@ import inspect
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -309,6 +310,10 @@ class TransformersEngine(Engine):
     """Serves a causal LM through transformers, reusing cached KV blocks exactly."""
 
     supports_prefix_cache = True
+    #: Every use of the tokenizer holds ``_tokenizer_lock`` (a fast tokenizer may refuse
+    #: concurrent use with "Already borrowed"), so prompts can be tokenized for routing while a
+    #: generation runs in the worker thread.
+    thread_safe_tokenizer = True
 
     def __init__(
         self,
@@ -333,6 +338,7 @@ class TransformersEngine(Engine):
             torch.set_num_threads(threads)
         if prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        self._tokenizer_lock = threading.Lock()
         self.device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self.device)
         self.default_capacity_bytes = capacity_bytes
@@ -461,14 +467,16 @@ class TransformersEngine(Engine):
     def tokenize(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}")
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        with self._tokenizer_lock:
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(
-            self.tokenizer.decode(
-                list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        with self._tokenizer_lock:
+            return str(
+                self.tokenizer.decode(
+                    list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False
+                )
             )
-        )
 
     @property
     def has_chat_template(self) -> bool:
@@ -480,13 +488,16 @@ class TransformersEngine(Engine):
         if not messages:
             raise InvalidRequestError("a chat needs at least one message")
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                chat, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja errors: the template refused these messages
-            raise InvalidRequestError(f"the model's chat template rejected the chat: {exc}") from exc
-        return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
+        with self._tokenizer_lock:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # jinja errors: the template refused these messages
+                raise InvalidRequestError(
+                    f"the model's chat template rejected the chat: {exc}"
+                ) from exc
+            return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------ low-level model access
 

@@ -93,6 +93,9 @@ class SimulatedEngine(Engine):
     """A deterministic, torch-free engine whose timing follows a :class:`CostModel`."""
 
     supports_prefix_cache = True
+    #: Tokenizing is a pure function of the text (the memo dict is only ever filled with the
+    #: same value for a key), so routing need not wait for the worker thread.
+    thread_safe_tokenizer = True
 
     def __init__(
         self,
