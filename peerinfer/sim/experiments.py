@@ -13,6 +13,8 @@ Experiments
     ``cycle``    the specialization-eviction cycle: the same with caches too small for the
                  subjects a specialized node attracts
     ``hot``      tail latency on a hot-subject workload (``hot:K``) for the three policies
+    ``admission`` the admission limit for forwarded requests (``max_queue`` 0, 1, 8) on the
+                 Zipf, uniform and hot workloads
     ``scale``    the gains of routing from 4 to 256 nodes
 """
 
@@ -182,6 +184,13 @@ def _plt() -> Any:
     return plt
 
 
+def _delay_axis(ax: Any, delays: Sequence[float]) -> None:
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(list(delays))
+    ax.set_xticklabels([f"{d:g}" for d in delays])
+    ax.set_xlabel("one-way link delay (ms)")
+
+
 def _save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -206,7 +215,9 @@ def delay_configs(base: SimConfig, delays: Sequence[float], skews: Sequence[str]
     ]
 
 
-def _local_stand_in(results: list[dict], log: Callable[[str], None]) -> list[dict]:
+def _local_stand_in(
+    results: list[dict], log: Callable[[str], None], delays: Sequence[float] = DELAYS_MS
+) -> list[dict]:
     """Give ``local`` a point at every delay: the 0-ms run's figures (after checking that the
     other ``local`` runs agree with it on latency)."""
     out = list(results)
@@ -222,7 +233,7 @@ def _local_stand_in(results: list[dict], log: Callable[[str], None]) -> list[dic
                 log(f"  note: local, {profile}, {skew}: latency differs with the delay "
                     f"({r['params']['delay_ms']} ms: {r['latency_mean_s']} vs {ref['latency_mean_s']})")
         have = {float(r["params"]["delay_ms"]) for r in runs}
-        for d in DELAYS_MS:
+        for d in delays:
             if d not in have:
                 stand_in = dict(ref)
                 stand_in["params"] = {**ref["params"], "delay_ms": f"{d:g}"}
@@ -254,8 +265,7 @@ def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
                     ]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy,
                             markersize=4)
-                ax.set_xscale("symlog", linthresh=1)
-                ax.set_xlabel("one-way link delay (ms)")
+                _delay_axis(ax, DELAYS_MS)
                 ax.set_ylabel(("mean" if row == 0 else "p99") + " latency (s)")
                 ax.set_title(f"{skew} popularity, {base.nodes} nodes, costs '{profile}'",
                              fontsize=10)
@@ -295,9 +305,28 @@ def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
 # ------------------------------------------------------------------------------ share and cycle
 
 
-def _share_figure(results: list[dict], titles: Sequence[str], path: Path) -> None:
-    """Per result: the top subject's per-node share over time and, below it, which nodes cache
-    that subject's whole 5-shot prefix (sampled every 30 requests)."""
+def prefix_evictions(holders: Sequence[Sequence[Any]]) -> int:
+    """How many times a node that held a subject's whole prefix at one sample no longer held it
+    at the next (``holders``: ``[request, [nodes]]`` samples)."""
+    sets = [set(nodes) for _, nodes in holders]
+    return sum(len(a - b) for a, b in zip(sets, sets[1:], strict=False))
+
+
+def _most_evicted(result: dict, k: int) -> list[str]:
+    """The ``k`` subjects whose prefixes were evicted most often (ties: the more requested)."""
+    series = result["share_series"]
+    order = list(series)
+    return sorted(
+        order, key=lambda s: (-prefix_evictions(series[s].get("holders", [])), order.index(s))
+    )[:k]
+
+
+def _share_figure(
+    results: list[dict], titles: Sequence[str], path: Path, subjects: Sequence[str] | None = None
+) -> None:
+    """Per result: a subject's per-node share over time (the most requested one unless
+    ``subjects`` says) and, below it, which nodes cache that subject's whole 5-shot prefix
+    (sampled every 30 requests)."""
     from peerinfer.sim.figures import plot_holders, plot_shares
 
     plt = _plt()
@@ -306,7 +335,8 @@ def _share_figure(results: list[dict], titles: Sequence[str], path: Path) -> Non
         gridspec_kw={"height_ratios": [3, 2] * len(results)},
     )
     for j, (r, title) in enumerate(zip(results, titles, strict=True)):
-        (subject, s), *_ = r["share_series"].items()
+        subject = subjects[j] if subjects else next(iter(r["share_series"]))
+        s = r["share_series"][subject]
         plot_shares(s["window_end"], s["share"], path, f"{title}: share of '{subject}'",
                     ax=axes[2 * j][0])
         plot_holders(s.get("holders", []), r["params"]["nodes"], axes[2 * j + 1][0],
@@ -329,21 +359,50 @@ def share_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
     return {"runs": results}
 
 
+#: The cycle experiment's small cache, and how many of the most requested subjects it follows.
+CYCLE_CACHE_TOKENS = 2048
+CYCLE_SUBJECTS = 8
+
+
 def cycle_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
     # Caches of 2048 tokens hold three or four 5-shot prefixes: a node that specializes in the
     # top subject also attracts others, and the LRU evicts the top subject's prefix now and then.
-    caps = (2048, base.cache_tokens)
+    caps = (CYCLE_CACHE_TOKENS, base.cache_tokens)
     configs = [
         replace(base, policy="longest_prefix", delay_ms="1", skew=SKEWED, cache_tokens=c)
         for c in caps
     ]
-    results = run_all(configs, jobs=jobs, series=1, log=log)
-    _share_figure(
-        results,
-        [f"longest_prefix, {c.skew}, cache {c.cache_tokens} tokens/node" for c in configs],
-        out / "eviction_cycle.png",
+    results = run_all(configs, jobs=jobs, series=CYCLE_SUBJECTS, log=log)
+    # The subjects shown: of the most requested ones, the two whose prefixes the small caches
+    # evicted most often.
+    subjects = _most_evicted(results[0], 2)
+    from peerinfer.sim.figures import plot_holders, plot_shares
+
+    plt = _plt()
+    fig, axes = plt.subplots(
+        4, 2, figsize=(14, 11), squeeze=False, gridspec_kw={"height_ratios": [3, 2, 3, 2]}
     )
-    return {"runs": results}
+    path = out / "eviction_cycle.png"
+    for col, (r, c) in enumerate(zip(results, configs, strict=True)):
+        for row, subject in enumerate(subjects):
+            s = r["share_series"][subject]
+            ev = prefix_evictions(s.get("holders", []))
+            plot_shares(s["window_end"], s["share"], path,
+                        f"cache {c.cache_tokens} tokens/node: share of '{subject}'",
+                        ax=axes[2 * row][col])
+            plot_holders(s.get("holders", []), c.nodes, axes[2 * row + 1][col],
+                         f"nodes caching its whole prefix ({ev} evictions seen)")
+            axes[2 * row + 1][col].set_xlim(axes[2 * row][col].get_xlim())
+    fig.suptitle(f"longest_prefix, {SKEWED}, delay 1 ms, {base.nodes} nodes", fontsize=11)
+    _save(fig, path)
+    summary = {
+        r["params"]["cache_tokens"]: {
+            subject: prefix_evictions(series.get("holders", []))
+            for subject, series in r["share_series"].items()
+        }
+        for r in results
+    }
+    return {"runs": results, "subjects": subjects, "evictions": summary}
 
 
 # ------------------------------------------------------------------------------ hot subjects
@@ -360,6 +419,7 @@ def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], N
         for profile in PROFILES
         for d in HOT_DELAYS_MS
         for p in POLICIES
+        if p != "local" or d in (HOT_DELAYS_MS[0], HOT_DELAYS_MS[-1])
     ]
     # The same at 5 ms with other admission limits for forwarded requests.
     configs += [
@@ -369,7 +429,11 @@ def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], N
         if q != base.max_queue
         for p in ("longest_prefix", "cost")
     ]
-    results = run_all(configs, jobs=jobs, log=log)
+    measured = run_all(configs, jobs=jobs, log=log)
+    base_runs = [r for r in measured if r["params"]["max_queue"] == base.max_queue]
+    results = _local_stand_in(base_runs, log, HOT_DELAYS_MS) + [
+        r for r in measured if r["params"]["max_queue"] != base.max_queue
+    ]
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, profile in zip(axes, PROFILES, strict=True):
@@ -382,14 +446,43 @@ def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], N
                 and r["params"]["max_queue"] == base.max_queue
             ]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy)
-        ax.set_xscale("symlog", linthresh=1)
-        ax.set_xlabel("one-way link delay (ms)")
+        _delay_axis(ax, HOT_DELAYS_MS)
         ax.set_ylabel("p99 latency (s)")
         ax.set_title(f"{HOT} (80% of requests on 2 subjects), costs '{profile}'", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
     _save(fig, out / "hot_p99.png")
     return {"runs": results}
+
+
+def admission_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    """The admission limit for forwarded requests (``max_queue``) on all three workloads, 5 ms."""
+    configs = [
+        replace(with_costs(base, profile), skew=skew, delay_ms="5", policy=p, max_queue=q)
+        for profile in PROFILES
+        for skew in (SKEWED, "uniform", HOT)
+        for q in ADMISSION
+        for p in ("longest_prefix", "cost")
+    ] + [
+        replace(with_costs(base, profile), skew=skew, delay_ms="5", policy="local")
+        for profile in PROFILES
+        for skew in (SKEWED, "uniform", HOT)
+    ]
+    results = run_all(configs, jobs=jobs, log=log)
+    table = []
+    for profile in PROFILES:
+        for skew in (SKEWED, "uniform", HOT):
+            mine = [r for r in results
+                    if (r["params"]["costs_source"], r["params"]["skew"]) == (profile, skew)]
+            local = next(r for r in mine if r["params"]["policy"] == "local")
+            for q in ADMISSION:
+                row: dict[str, Any] = {"costs": profile, "skew": skew, "max_queue": q,
+                                       "local": [local["latency_mean_s"], local["latency_p99_s"]]}
+                for r in mine:
+                    if r["params"]["policy"] != "local" and r["params"]["max_queue"] == q:
+                        row[r["params"]["policy"]] = [r["latency_mean_s"], r["latency_p99_s"]]
+                table.append(row)
+    return {"runs": results, "table": table}
 
 
 # ------------------------------------------------------------------------------ scaling
@@ -458,6 +551,93 @@ def scale_experiment(
     return {"runs": results, "table": table}
 
 
+# ------------------------------------------------------------------------------ markdown
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_tables(out: Path) -> str:
+    """The tables of docs/evaluation.md, from the experiments' JSON files in ``out``."""
+    parts: list[str] = []
+    delay = out / "delay.json"
+    if delay.exists():
+        data = json.loads(delay.read_text())
+        for profile in PROFILES:
+            for skew in (SKEWED, "uniform"):
+                rows = [r for r in data["table"] if (r["costs"], r["skew"]) == (profile, skew)]
+                if not rows:
+                    continue
+                parts.append(f"costs `{profile}`, {skew}: mean / p99 latency (s), "
+                             "and cost's margin over the better of the other two\n")
+                parts.append("| delay (ms) | local | longest_prefix | cost | cost vs best other |")
+                parts.append("|---:|---:|---:|---:|---:|")
+                for r in rows:
+                    best = min(r["local"]["latency_mean_s"], r["longest_prefix"]["latency_mean_s"])
+                    gain = 1 - r["cost"]["latency_mean_s"] / best
+                    cells = " | ".join(
+                        f"{_f(r[p]['latency_mean_s'])} / {_f(r[p]['latency_p99_s'])}"
+                        for p in POLICIES
+                    )
+                    parts.append(f"| {r['delay_ms']:g} | {cells} | {gain:+.1%} |")
+                parts.append("")
+    hot = out / "hot.json"
+    if hot.exists():
+        runs = json.loads(hot.read_text())["runs"]
+        parts.append("hot:2: mean / p99 latency (s); p99 ratio longest_prefix / cost\n")
+        parts.append("| costs | delay (ms) | max_queue | local | longest_prefix | cost | "
+                     "p99 LP / cost |")
+        parts.append("|---|---:|---:|---:|---:|---:|---:|")
+        keys = sorted({(r["params"]["costs_source"], float(r["params"]["delay_ms"]),
+                        r["params"]["max_queue"]) for r in runs},
+                      key=lambda k: (PROFILES.index(k[0]), k[2] != 8, k[1], k[2]))
+        for profile, d, q in keys:
+            by = {r["params"]["policy"]: r for r in runs
+                  if (r["params"]["costs_source"], float(r["params"]["delay_ms"]),
+                      r["params"]["max_queue"]) == (profile, d, q)}
+            cells = " | ".join(
+                f"{_f(by[p]['latency_mean_s'])} / {_f(by[p]['latency_p99_s'])}" if p in by else "-"
+                for p in POLICIES
+            )
+            ratio = (by["longest_prefix"]["latency_p99_s"] / by["cost"]["latency_p99_s"]
+                     if "longest_prefix" in by and "cost" in by else None)
+            parts.append(f"| {profile} | {d:g} | {q} | {cells} | {_f(ratio, 2)} |")
+        parts.append("")
+    adm = out / "admission.json"
+    if adm.exists():
+        table = json.loads(adm.read_text())["table"]
+        parts.append("admission limit for forwarded requests, 5 ms: mean / p99 latency (s)\n")
+        parts.append("| costs | workload | max_queue | local | longest_prefix | cost |")
+        parts.append("|---|---|---:|---:|---:|---:|")
+        for r in table:
+            cells = " | ".join(f"{_f(r[p][0])} / {_f(r[p][1])}" for p in POLICIES)
+            parts.append(f"| {r['costs']} | {r['skew']} | {r['max_queue']} | {cells} |")
+        parts.append("")
+    scale = out / "scale.json"
+    if scale.exists():
+        table = json.loads(scale.read_text())["table"]
+        parts.append("scaling: mean latency (s), token hit ratio, anti-entropy bytes/node/s\n")
+        parts.append("| nodes | seeds | local | longest_prefix | cost | cost vs local | "
+                     "hit (local / lp / cost) | kB/node/s (cost) |")
+        parts.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n in SCALE_NODES:
+            by = {r["policy"]: r for r in table if r["nodes"] == n}
+            if len(by) < len(POLICIES):
+                continue
+            gain = 1 - by["cost"]["latency_mean_s"] / by["local"]["latency_mean_s"]
+            parts.append(
+                f"| {n} | {by['cost']['seeds']} | {_f(by['local']['latency_mean_s'])} | "
+                f"{_f(by['longest_prefix']['latency_mean_s'])} | "
+                f"{_f(by['cost']['latency_mean_s'])} | {gain:+.1%} | "
+                f"{_f(by['local']['hit_ratio'], 2)} / {_f(by['longest_prefix']['hit_ratio'], 2)} / "
+                f"{_f(by['cost']['hit_ratio'], 2)} | "
+                f"{by['cost']['sync_bytes_per_node_per_s'] / 1000:.1f} |"
+            )
+        parts.append("")
+    return "\n".join(parts)
+
+
 # ------------------------------------------------------------------------------ command line
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
@@ -465,6 +645,7 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "share": share_experiment,
     "cycle": cycle_experiment,
     "hot": hot_experiment,
+    "admission": admission_experiment,
     "scale": scale_experiment,
 }
 
@@ -474,7 +655,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m peerinfer.sim.experiments",
         description="Run the simulator experiments of docs/evaluation.md.",
     )
-    parser.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    parser.add_argument(
+        "name", choices=[*EXPERIMENTS, "all", "tables"],
+        help="an experiment, all of them, or 'tables' (print the markdown tables of --out)",
+    )
     parser.add_argument("--out", default="docs/figures", help="output directory (PNG + JSON)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs (default 2)")
     parser.add_argument("--requests", type=int, help=f"requests per run (default {BASE.requests})")
@@ -497,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         base = replace(base, seed=args.seed)
     out = Path(args.out)
+    if args.name == "tables":
+        print(markdown_tables(out))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
 
     def log(line: str) -> None:

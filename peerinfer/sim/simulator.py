@@ -69,6 +69,7 @@ import itertools
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -268,13 +269,14 @@ class Simulation:
         self.probe_hashes: dict[str, BlockHash] = {}
         self.residency: dict[str, list[tuple[int, list[int]]]] = {}
         if probe_top > 0 and total:
-            freq: dict[str, int] = {}
+            freq: Counter[str] = Counter()
             first: dict[str, SimRequest] = {}
             for i in range(total):
                 item = requests[i % len(requests)]
-                freq[item.label] = freq.get(item.label, 0) + 1
+                freq[item.label] += 1
                 first.setdefault(item.label, item)
-            top = sorted(freq, key=lambda label: (-freq[label], label))[:probe_top]
+            # the same order as the summary's (Counter: ties by first appearance)
+            top = [label for label, _ in freq.most_common(probe_top)]
             bs = hasher.block_size
             for label in top:
                 item = first[label]
