@@ -540,6 +540,8 @@ def scale_experiment(
     labels = ("mean latency (s)", "token hit ratio", "anti-entropy kB per node per s")
     for ax, label in zip(axes, labels, strict=True):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(list(SCALE_NODES))
+        ax.set_xticklabels([str(n) for n in SCALE_NODES])
         ax.set_xlabel("nodes")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -152,11 +152,19 @@ def peer_name(index: int) -> PeerId:
 
 
 class Simulation:
-    """One run. ``Simulation(config, requests, hasher, make_engine).run()`` -> ``RunRecord``.
+    """One run: ``Simulation(config, requests, hasher, make_engine).run()`` returns itself.
 
     ``requests`` are served in order, request ``i`` being the ``i``-th to arrive (the list is
     cycled if shorter than ``config.requests``). ``make_engine(node_index)`` builds each node's
-    engine; its block hashes must use ``hasher``.
+    engine; its block hashes must use ``hasher``. ``arrivals`` (tests) fixes each request's
+    ``(time, entry node)`` instead of the Poisson or closed-loop arrivals; ``check`` verifies
+    ``check_invariants`` at the end; ``probe_top`` samples, every ``share_stride`` arrivals,
+    which nodes cache the shared prefix of the ``probe_top`` most frequent labels.
+
+    The figures are attributes, indexed by request: ``arrival``, ``first`` (first token at the
+    client), ``finish``, ``origin`` (entry node), ``server``, ``cached`` and ``prompt`` (tokens
+    of the serving run), ``status`` (1 served, 2 rejected), ``forwards``; per node: ``served``,
+    ``busy_s``, ``waits``; anti-entropy counters; ``cores`` and ``engines`` themselves.
     """
 
     def __init__(
