@@ -10,11 +10,12 @@ Run ``python bench/sim_bench.py`` for a table, ``--json`` for one JSON object::
 What is timed
 -------------
 Whole ``peerinfer sim`` runs (setup, event loop and summary; figures off): the default MMLU
-workload (Zipf 1.1 over 57 subjects, 5-shot prefixes), Poisson arrivals at 1 request per node per
-second, 8,192-token caches, 5 ms links, the ``cost`` policy, seed 1. The requests per run grow
+workload (Zipf 1.1 over 57 subjects, 5-shot prefixes), Poisson arrivals at the default rate (0.25
+requests per node per second), the default cost model, 8,192-token caches, 5 ms links, the
+``cost`` policy, seed 1. The requests per run grow
 with the node count (``--requests-per-node``, default 60, so every node serves a comparable share
 and the caches warm up alike); ``--full`` adds the headline run, 64 nodes and 100,000 requests
-(about 25 minutes on a 2-core machine: see the report in docs/evaluation.md).
+(long on a 2-core machine: see docs/evaluation.md).
 
 Where the time goes: every announcement is applied by every other node to its replica of the
 sender (``Replica.apply_announce`` -> ``MerkleDigest`` and ``PeerIndex`` upkeep), so the work per
@@ -38,9 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from peerinfer.sim.config import SimConfig  # noqa: E402
 from peerinfer.sim.run import simulate  # noqa: E402
 
-BASE = SimConfig(
-    requests=0, cache_tokens=8192, rate=1.0, delay_ms="5", skew="zipf:1.1", policy="cost", seed=1
-)
+BASE = SimConfig(requests=0, cache_tokens=8192, delay_ms="5", skew="zipf:1.1", policy="cost", seed=1)
 
 
 def bench_one(nodes: int, requests: int, profile: bool = False) -> tuple[dict, str]:
