@@ -245,6 +245,23 @@ def test_cli_json_has_the_documented_keys() -> None:
     assert SimConfig.from_dict(data["params"]) == SimConfig(nodes=2, requests=30, seed=9)
 
 
+def test_python_dash_m_runs_standalone() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "peerinfer.sim", "--nodes", "2", "--requests", "5", "--json"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["completed"] == 5
+
+
 def test_cli_reports_bad_options() -> None:
     assert sim_main(["--nodes", "2", "--requests", "5", "--delay-ms", "gauss:1"]) == 2
     assert sim_main(["--nodes", "2", "--requests", "5", "--skew", "zipf:-1"]) == 2
