@@ -418,6 +418,7 @@ class Node:
                 params=req.params,
                 forwarded=req.forwarded,
                 origin=PeerId(stream.remote_peer) if req.forwarded else None,
+                max_outstanding=req.max_outstanding if req.forwarded else None,
             )
         )
         try:
@@ -620,6 +621,7 @@ class Node:
                         tokens=eff.tokens,
                         forwarded=True,
                         origin=self.peer_id,
+                        max_outstanding=eff.decision.max_outstanding,
                     )
                 ),
                 timeout=max(0.01, deadline - trio.current_time()),

@@ -200,6 +200,68 @@ TestDigestMachine.settings = settings(
 )
 
 
+class BatchRecorder(Recorder):
+    """A recorder that also takes whole deltas, checking each change is real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        assert added or removed, "told of an empty batch"
+        self.batches += 1
+        for h in removed:
+            self.block_removed(h)
+        for h in added:
+            self.block_added(h)
+
+
+class LazyDigestMachine(DigestMachine):
+    """The same rules on a lazy digest, which also flattens and takes deltas: it must give the
+    same answers whether its trie is built or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorder = BatchRecorder()
+        self.digest = MerkleDigest(self.recorder, lazy=True)
+        assert self.digest.is_flat
+
+    @rule()
+    def flatten(self) -> None:
+        self.digest.flatten()
+        assert self.digest.is_flat
+
+    @rule(added=st.lists(st.sampled_from(POOL) | hashes, max_size=20),
+          removed=st.lists(st.sampled_from(POOL), max_size=20))
+    def apply_delta(self, added: list[int], removed: list[int]) -> None:
+        self.digest.apply_delta(added, removed)
+        self.model.difference_update(removed)
+        self.model.update(added)
+
+
+TestLazyDigestMachine = LazyDigestMachine.TestCase
+TestLazyDigestMachine.settings = TestDigestMachine.settings
+
+
+def test_a_lazy_digest_builds_its_trie_only_for_subtree_queries() -> None:
+    digest = MerkleDigest(lazy=True)
+    digest.update(range(1, 200))
+    eager = MerkleDigest()
+    eager.update(range(1, 200))
+    assert digest.root == eager.root and digest.is_flat  # the root needs no trie
+    assert digest.node_summary(0, 0) == eager.node_summary(0, 0) and digest.is_flat
+    assert digest.children(0, 0, 3) == eager.children(0, 0, 3)
+    assert not digest.is_flat  # built by the subtree query ...
+    digest.discard(BlockHash(5))
+    eager.discard(BlockHash(5))
+    digest.check_invariants()
+    digest.flatten()  # ... and dropped again, the same set and root
+    assert digest.is_flat and digest.root == eager.root and set(digest) == set(eager)
+    digest.check_invariants()
+    eager.flatten()  # an eager digest keeps its trie
+    assert not eager.is_flat
+
+
 @given(st.lists(hashes, max_size=300), st.randoms(use_true_random=False))
 @settings(max_examples=40, deadline=None)
 def test_the_root_is_a_function_of_the_set_not_of_the_history(

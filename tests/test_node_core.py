@@ -148,6 +148,22 @@ def test_busy_refusal_for_forwarded_requests_but_clients_are_queued() -> None:
     assert [r.request_id for r in of(after, RunLocal)] == ["c/3"]
 
 
+def test_a_forwarded_request_over_its_queue_limit_is_refused_as_busy() -> None:
+    a = make("A")  # max_queue 8: the node-wide limit would take all of these
+    first = a.handle(ClientRequest(RequestId("p/1"), prompt(1), PARAMS, True, None, 0), 0.0)
+    assert of(first, RunLocal)  # nothing outstanding: within a limit of 0
+    over = a.handle(ClientRequest(RequestId("p/2"), prompt(2), PARAMS, True, None, 0), 0.0)
+    assert [r.code for r in of(over, Reject)] == ["busy"]
+    assert "more than the 0" in of(over, Reject)[0].message
+    within = a.handle(ClientRequest(RequestId("p/3"), prompt(3), PARAMS, True, None, 1), 0.0)
+    assert not of(within, Reject)  # one running, a limit of 1: queued
+    unlimited = a.handle(ClientRequest(RequestId("p/4"), prompt(4), PARAMS, True, None), 0.0)
+    assert not of(unlimited, Reject)
+    stats = a.statistics()
+    assert stats.rejected == 1 and stats.rejected_over_limit == 1
+    assert a.load() == Load(queued=2, running=1, slots=1)
+
+
 def test_stale_and_replayed_announcements_are_refused() -> None:
     a, b = make("A"), make("B")
     serve_locally(b, "warm", prompt(1, 64), 0.0)

@@ -148,6 +148,40 @@ def test_cost_sheds_a_hot_holder() -> None:
     assert choose("cost", cands).target == "holder"
 
 
+def test_a_forward_carries_the_queue_its_decision_assumed() -> None:
+    """By hand: 512-token prompt, 1 token out, default costs. Local holds nothing; the holder
+    holds 448 tokens and runs one request. Serving locally, TTFT = prefill(512, 0); at the
+    holder, rtt + wait(n) + prefill(512, 448). The forward pays off while the holder's wait stays
+    under prefill(512, 0) - prefill(512, 448) (the round trip is spent either way)."""
+    policy = CostPolicy()
+    costs = policy.costs
+    request = RouteRequest(prompt_tokens=512, max_tokens=1)
+    holder = remote("holder", 448, running=1, rtt=0.02)
+    d = policy.choose(request, [local(0), holder], random.Random(0))
+    assert d.target == "holder"
+    service = costs.service_s(512, 256, 1)  # the policy's mean service time
+    budget = costs.prefill_s(512, 0) - costs.prefill_s(512, 448)
+    # wait(n) = (n - 1 + 0.5) * service on one slot: the largest n within the budget
+    assert d.max_outstanding == math.floor(budget / service + 0.5) == 2
+    assert (2 - 0.5) * service <= budget < (3 - 0.5) * service
+    # Local decisions and the other policies carry no limit.
+    assert policy.choose(request, [local(448), holder], random.Random(0)).max_outstanding is None
+    assert choose("longest_prefix", [local(0), holder]).max_outstanding is None
+
+
+def test_the_queue_limit_is_set_by_the_runner_up_not_only_by_local() -> None:
+    # A second holder almost as good: the first may not queue much before the second wins.
+    request = RouteRequest(prompt_tokens=512, max_tokens=1)
+    policy = CostPolicy()
+    alone = policy.choose(request, [local(0), remote("a", 496)], random.Random(0))
+    near = policy.choose(
+        request, [local(0), remote("a", 496), remote("b", 480)], random.Random(0)
+    )
+    assert alone.target == near.target == "a"
+    assert near.max_outstanding is not None and alone.max_outstanding is not None
+    assert near.max_outstanding < alone.max_outstanding
+
+
 def test_a_popular_prefix_spreads_over_several_nodes() -> None:
     """A burst of one prefix: each request sent raises the target's inflight count and makes it
     a (speculative) holder. The burst must not all go to the first holder."""
@@ -282,6 +316,13 @@ def test_cost_never_forwards_unless_it_beats_local_by_the_margin(
     # The failover order follows the estimates after the target.
     rest = [estimates[p] for p in d.ranked[1:]]
     assert rest == sorted(rest)
+    # A forward's queue limit admits at least the queue its own estimate assumed.
+    if d.is_local:
+        assert d.max_outstanding is None
+    else:
+        target = next(c for c in cands if c.peer == d.target)
+        assumed = max(target.load.queued + target.load.running, target.inflight)
+        assert d.max_outstanding is not None and d.max_outstanding >= assumed
 
 
 @given(case=candidate_sets())

@@ -108,6 +108,26 @@ def test_busy_peer_rejection_fails_over_to_the_origin() -> None:
     assert sim.status == [1, 1, 1, 1]
 
 
+def test_a_herd_on_one_holder_is_cut_at_the_queue_its_origins_assumed() -> None:
+    # Node 1 caches P. At t=1 three nodes get P at once; each sees node 1 idle and forwards
+    # there (cost). With 0.1 s of overhead per request the policy's mean service time is
+    # 0.1 + prefill(160, 80) = 0.18 s; serving locally costs 0.158 s of prefill more than at
+    # the holder (2 tokens uncached), so a forward holds while at most floor(0.158 / 0.18 + 0.5)
+    # = 1 request is outstanding there: the holder takes two and refuses the third (it would
+    # have waited about 0.2 s), which its origin serves.
+    costs = replace(MS_PER_TOKEN, overhead_s=0.1)
+    sim = run_by_hand(
+        hand_config(nodes=4, delay_ms="1", costs=costs),
+        [P, P, P, P],
+        [(0.0, 1), (1.0, 0), (1.0, 2), (1.0, 3)],
+    )
+    assert sim.forwards[1:] == [1, 1, 1]
+    assert sim.server == [1, 1, 1, 3]
+    assert sim.cores[1].statistics().rejected_over_limit == 1
+    assert sim.cores[3].statistics().failovers == 1
+    assert sim.status == [1, 1, 1, 1]
+
+
 def test_peer_that_evicted_meanwhile_serves_a_miss_not_an_error() -> None:
     # Capacity: one prompt. Node 1 caches P and announces it (t=5, the minimum gap); it then
     # serves Q, which evicts P, but the eviction is not announced before t=10. Node 0 routes P

@@ -231,7 +231,8 @@ class Replica:
     __slots__ = ("digest", "epoch", "_announced", "_rate")
 
     def __init__(self, observer: CacheObserver | None = None) -> None:
-        self.digest = MerkleDigest(observer)
+        # Lazy: the trie exists only while a pull compares subtrees (see digest.py).
+        self.digest = MerkleDigest(observer, lazy=True)
         self.epoch = 0
         self._announced: tuple[int, int, int] | None = None  # newest (epoch, root, count) heard
         self._rate = 0.0  # smoothed changes per epoch seen in announced deltas
@@ -274,14 +275,13 @@ class Replica:
             self._rate = per_epoch if self._rate == 0.0 else 0.7 * self._rate + 0.3 * per_epoch
         if self._announced is None or epoch >= self._announced[0]:
             self._announced = (epoch, root, count)
-        if not truncated and prev_epoch == self.epoch:
-            digest = self.digest
-            for h in removed:
-                digest.discard(BlockHash(h))
-            for h in added:
-                digest.add(BlockHash(h))
+        digest = self.digest
+        if not truncated and prev_epoch == self.epoch and (added or removed):
+            digest.apply_delta(added, removed)
         if self.matches(root, count):
             self.epoch = epoch
+            # Verified current: no pull needs the trie until the replica falls behind again.
+            digest.flatten()
             return False
         return True
 

@@ -46,6 +46,16 @@ it.
 mix of the node's ``H`` and ``G``, where the pass number ``j`` picks the key, so a rare equal
 slice of two different summaries (probability ``2**-SLICE_BITS``) is not repeated next pass.
 
+*Lazy tries.* A replica of a peer needs its root to check every announcement but its trie only
+while a pull compares subtrees, and every announcement of every peer updates every other peer's
+replica: keeping each trie current element by element was most of a large swarm's work. A
+``MerkleDigest(lazy=True)`` therefore starts *flat*: a plain set of elements and the root summary
+(the XOR of their contributions, which is all the root needs). The first subtree query builds the
+trie from the set (O(n log n), once per pull); ``flatten`` drops it again once the replica is
+verified current. Both forms hold the same set and give the same summaries. Contributions are
+memoized per element (``_contribution_of``, bounded): every replica of a peer takes in the same
+announced hashes, so all but the first compute nothing.
+
 *This node's digest.* ``LocalDigest`` wraps the digest of this node's own cache with *epochs*: the
 engine's changes accumulate as pending net changes until ``seal_epoch`` closes them into a new
 epoch, returning the delta that an announcement carries. A bounded log of past epochs' deltas
@@ -65,6 +75,7 @@ from peerinfer.errors import ProtocolError
 from peerinfer.types import BlockHash
 
 __all__ = [
+    "BatchCacheObserver",
     "CacheObserver",
     "DELTA_CAP",
     "LEAF_MAX",
@@ -104,6 +115,12 @@ class CacheObserver(Protocol):
     def block_added(self, h: BlockHash) -> None: ...
 
     def block_removed(self, h: BlockHash) -> None: ...
+
+
+class BatchCacheObserver(CacheObserver, Protocol):
+    """An observer that also takes a whole delta's real changes at once (``apply_delta``)."""
+
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None: ...
 
 
 _BITS = 64
@@ -301,26 +318,89 @@ def under(s: int, level: int, prefix: int) -> bool:
     return (s >> (_BITS - level)) == prefix if level else True
 
 
+#: Memo of ``contribution(mix(h))`` per element ``h`` (a pure function), cleared when full.
+_CONTRIBUTIONS: dict[int, int] = {}
+_CONTRIBUTIONS_MAX = 1 << 17
+
+
+def _contribution_of(h: int) -> int:
+    """``contribution(mix(h))``, memoized: the many replicas of one peer share the work."""
+    c = _CONTRIBUTIONS.get(h)
+    if c is None:
+        if len(_CONTRIBUTIONS) >= _CONTRIBUTIONS_MAX:
+            _CONTRIBUTIONS.clear()
+        c = _CONTRIBUTIONS[h] = contribution(mix(h))
+    return c
+
+
 class MerkleDigest:
     """A set of ``BlockHash`` with its incrementally maintained Merkle summary.
 
     ``observer`` (if any) is told of every real change, after it is made. ``block_added`` and
     ``block_removed`` make the digest itself a ``CacheObserver`` of a radix cache. Methods
     named ``*_position*`` or taking ``level, prefix`` work on positions (``mix`` of elements).
+    With ``lazy=True`` the trie is built only when a subtree is queried and dropped again by
+    ``flatten`` (see "Lazy tries" in the module docstring); nothing else differs.
     """
 
-    __slots__ = ("_inner", "_leaves", "_observer")
+    __slots__ = (
+        "_inner", "_leaves", "_observer", "_batch_observer", "_lazy", "_flat", "_flat_pair",
+        "_root_memo",
+    )
 
-    def __init__(self, observer: CacheObserver | None = None) -> None:
+    def __init__(self, observer: CacheObserver | None = None, *, lazy: bool = False) -> None:
         self._inner: dict[int, int] = {}
         self._leaves: dict[int, list[int]] = {1: []}  # the root is a leaf while the set is small
         self._observer = observer
+        self._batch_observer = getattr(observer, "blocks_changed", None)
+        self._lazy = lazy
+        # While flat: the elements, and the root summary (XOR of their contributions).
+        self._flat: set[int] | None = set() if lazy else None
+        self._flat_pair = 0
+        self._root_memo = (0, 0, 0)  # (pair, count, root) of the last root computed
+
+    @property
+    def is_flat(self) -> bool:
+        """Whether the trie is not built (a lazy digest between subtree queries)."""
+        return self._flat is not None
+
+    def flatten(self) -> None:
+        """Drop the trie of a lazy digest (it is rebuilt by the next subtree query); an eager
+        digest keeps its trie."""
+        if self._flat is not None or not self._lazy:
+            return
+        pair, _ = self.node_summary(0, 0)
+        flat: set[int] = set()
+        for members in self._leaves.values():
+            flat.update(unmix(s) for s in members)
+        self._flat = flat
+        self._flat_pair = pair
+        self._inner = {}
+        self._leaves = {1: []}
+
+    def _build(self) -> None:
+        """Build the trie of a flat digest from its elements."""
+        flat = self._flat
+        if flat is None:
+            return
+        self._flat = None
+        self._flat_pair = 0
+        self._inner = {}
+        self._leaves = {1: [mix(h) for h in flat]}
+        if len(flat) > LEAF_MAX:
+            self._split(1, 0)
 
     # ---------------------------------------------------------------------- the set
 
     def add(self, h: BlockHash) -> bool:
         """Insert ``h``; False if it was already present."""
-        if not self._add_position(mix(h)):
+        flat = self._flat
+        if flat is not None:
+            if h in flat:
+                return False
+            flat.add(h)
+            self._flat_pair ^= _contribution_of(h)
+        elif not self._add_position(mix(h)):
             return False
         if self._observer is not None:
             self._observer.block_added(h)
@@ -328,11 +408,51 @@ class MerkleDigest:
 
     def discard(self, h: BlockHash) -> bool:
         """Remove ``h``; False if it was absent."""
-        if not self._discard_position(mix(h)):
+        flat = self._flat
+        if flat is not None:
+            if h not in flat:
+                return False
+            flat.discard(h)
+            self._flat_pair ^= _contribution_of(h)
+        elif not self._discard_position(mix(h)):
             return False
         if self._observer is not None:
             self._observer.block_removed(h)
         return True
+
+    def apply_delta(self, added: Iterable[int], removed: Iterable[int]) -> None:
+        """Discard every element of ``removed``, then add every element of ``added``.
+
+        The same as those calls one by one, but a flat digest does it in one loop each and an
+        observer with ``blocks_changed`` hears of all the real changes in one call.
+        """
+        flat = self._flat
+        batch = self._batch_observer
+        if flat is None or batch is None:
+            for h in removed:
+                self.discard(BlockHash(h))
+            for h in added:
+                self.add(BlockHash(h))
+            return
+        pair = self._flat_pair
+        memo = _CONTRIBUTIONS
+        gone: list[BlockHash] = []
+        new: list[BlockHash] = []
+        for h in removed:
+            if h in flat:
+                flat.discard(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
+                gone.append(BlockHash(h))
+        for h in added:
+            if h not in flat:
+                flat.add(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
+                new.append(BlockHash(h))
+        self._flat_pair = pair
+        if gone or new:
+            batch(new, gone)
 
     def block_added(self, h: BlockHash) -> None:
         self.add(h)
@@ -347,13 +467,21 @@ class MerkleDigest:
     def __contains__(self, h: object) -> bool:
         if type(h) is not int or not 0 <= h <= _MASK:
             return False
+        if self._flat is not None:
+            return h in self._flat
         return self.contains_position(mix(h))
 
     def __len__(self) -> int:
+        if self._flat is not None:
+            return len(self._flat)
         v = self._inner.get(1)
         return v >> 128 if v is not None else len(self._leaves[1])
 
     def __iter__(self) -> Iterator[BlockHash]:
+        if self._flat is not None:
+            for h in list(self._flat):
+                yield BlockHash(h)
+            return
         for members in list(self._leaves.values()):
             for s in members:
                 yield BlockHash(unmix(s))
@@ -362,7 +490,12 @@ class MerkleDigest:
     def root(self) -> int:
         """The 64-bit root hash (0 for the empty set); see ``root_of``."""
         pair, count = self.node_summary(0, 0)
-        return root_of(pair, count)
+        memo = self._root_memo
+        if memo[0] == pair and memo[1] == count:
+            return memo[2]
+        root = root_of(pair, count)
+        self._root_memo = (pair, count, root)
+        return root
 
     # ---------------------------------------------------------------------- position-level core
 
@@ -379,6 +512,8 @@ class MerkleDigest:
         return path, k
 
     def contains_position(self, s: int) -> bool:
+        if self._flat is not None:
+            return unmix(s) in self._flat
         leaf = self._leaves.get(self._path(s)[1])
         return leaf is not None and s in leaf
 
@@ -475,6 +610,10 @@ class MerkleDigest:
 
     def node_summary(self, level: int, prefix: int) -> tuple[int, int]:
         """``(G << 64 | H, count)`` of node ``(level, prefix)``."""
+        if self._flat is not None:
+            if level == 0:
+                return self._flat_pair, len(self._flat)
+            self._build()
         k, members = self._locate(level, prefix)
         if members is None:
             v = self._inner[k]
@@ -492,6 +631,7 @@ class MerkleDigest:
         target = level + span
         base = prefix << span
         shift = _BITS - target
+        self._build()
         inner, leaves = self._inner, self._leaves
         k, members = self._locate(level, prefix)
         if members is not None:
@@ -522,6 +662,7 @@ class MerkleDigest:
 
     def positions_under(self, level: int, prefix: int) -> list[int]:
         """The positions of the elements under node ``(level, prefix)``."""
+        self._build()
         k, members = self._locate(level, prefix)
         if members is not None:
             return list(members)
@@ -550,6 +691,14 @@ class MerkleDigest:
 
     def check_invariants(self) -> None:
         """Recompute every stored summary from the members and compare; raise AssertionError."""
+        if self._flat is not None:
+            acc = 0
+            for h in self._flat:
+                assert type(h) is int and 0 <= h <= _MASK, f"{h!r} is not a block hash"
+                acc ^= contribution(mix(h))
+            assert acc == self._flat_pair, "the flat root summary differs from the elements"
+            assert not self._inner and self._leaves == {1: []}, "a flat digest stores a trie"
+            return
         inner, leaves = self._inner, self._leaves
         seen: set[int] = set()
         visited = 0

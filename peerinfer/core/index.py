@@ -150,6 +150,13 @@ class _PeerObserver:
         if self.armed:
             self._index._unindex_block(self._state, h)
 
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        if self.armed:
+            index, state = self._index, self._state
+            for h in removed:
+                index._unindex_block(state, h)
+            index._index_blocks(state, added)
+
 
 #: The set bits of each byte value, ascending.
 _BYTE_BITS = tuple(tuple(i for i in range(8) if b >> i & 1) for b in range(256))
@@ -462,8 +469,10 @@ class PeerIndex:
         state = self._states.get(peer)
         if state is None:
             return
-        cutoff = now - self.confirm_grace_s
         entries = state.spec_entries
+        if not entries:
+            return
+        cutoff = now - self.confirm_grace_s
         while entries and (not entries[0].alive or entries[0].time < cutoff):
             self._drop_entry(entries.popleft())
         self._compact_queues(state)
@@ -506,6 +515,23 @@ class PeerIndex:
             return
         masks[h] = m | state.bit
         state.indexed += 1
+
+    def _index_blocks(self, state: _PeerState, hashes: list[BlockHash]) -> None:
+        """``_index_block`` for each of ``hashes``, in one loop (a delta's additions)."""
+        masks = self._masks
+        get = masks.get
+        bit = state.bit
+        room = self.max_replica_blocks - state.indexed
+        for h in hashes:
+            m = get(h, 0)
+            if m & bit:
+                continue
+            if room <= 0:
+                state.skipped = True
+                continue
+            masks[h] = m | bit
+            room -= 1
+        state.indexed = self.max_replica_blocks - room
 
     def _unindex_block(self, state: _PeerState, h: BlockHash) -> None:
         masks = self._masks

@@ -498,7 +498,9 @@ class GenerateRequest(Message):
     A client sends ``prompt`` (text) or ``messages`` (chat). A node forwarding to a peer sends
     ``tokens`` (already tokenized, so the target's cache is matched on exactly these ids) and
     ``forwarded=True``: a forwarded request is served where it lands, never forwarded again.
-    ``deadline_ms`` is a relative budget for the first token.
+    ``deadline_ms`` is a relative budget for the first token. ``max_outstanding`` (forwarded
+    requests only): refuse it as busy if more requests than this are queued or running when it
+    arrives (the origin's routing assumed no more; None: no limit).
     """
 
     request_id: str
@@ -509,6 +511,7 @@ class GenerateRequest(Message):
     forwarded: bool = False
     origin: str = ""
     deadline_ms: int = 0
+    max_outstanding: int | None = None
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         REQUEST_ID,
         Nested(SamplingParams),
@@ -518,6 +521,7 @@ class GenerateRequest(Message):
         Bool(),
         PEER_ID,
         UInt(U32),
+        Optional(UInt(U32)),
     )
 
 

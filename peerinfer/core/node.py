@@ -115,6 +115,9 @@ class ClientRequest:
     params: SamplingParams
     forwarded: bool = False
     origin: PeerId | None = None
+    #: a forwarded request is refused as busy if more requests than this are queued or
+    #: running here when it arrives (the origin's routing assumed no more; None: no limit)
+    max_outstanding: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +374,8 @@ class NodeStatistics:
     forwarded: int
     failovers: int
     rejected: int
+    #: forwarded requests refused because more were outstanding than the origin assumed
+    rejected_over_limit: int
     announces_sent: int
     announces_refused: int
     syncs_started: int
@@ -422,6 +427,7 @@ class NodeCore:
                 "forwarded",
                 "failovers",
                 "rejected",
+                "rejected_over_limit",
                 "announces_sent",
                 "announces_refused",
                 "syncs_started",
@@ -520,6 +526,18 @@ class NodeCore:
             if len(self._queue) >= self.config.max_queue and self._running >= self.config.costs.slots:
                 self._stats["rejected"] += 1
                 return [Reject(ev.request_id, "busy", f"{self.peer_id} is at capacity")]
+            limit = ev.max_outstanding
+            if limit is not None and len(self._queue) + self._running > limit:
+                self._stats["rejected"] += 1
+                self._stats["rejected_over_limit"] += 1
+                return [
+                    Reject(
+                        ev.request_id,
+                        "busy",
+                        f"{self.peer_id} has {len(self._queue) + self._running} requests "
+                        f"outstanding, more than the {limit} the origin's routing assumed",
+                    )
+                ]
             self._requests[req.request_id] = req
             self._enqueue_local(req, None, effects)
             self._start_queued(effects)
@@ -822,8 +840,7 @@ class NodeCore:
         )
         effects: list[Effect] = []
         if not needs_pull:
-            self.index.mark_fresh(ev.sender, now)
-            self.index.confirm(ev.sender, now)
+            self.index.mark_fresh(ev.sender, now)  # confirms the speculative entries too
             return effects
         st.pull_wanted = True
         if st.sync is None:

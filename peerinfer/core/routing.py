@@ -66,6 +66,16 @@ The policies
       for that prefix sees two holders and spreads over both. Load is shed exactly when waiting
       for the hot holder costs more than recomputing the prefix elsewhere.
 
+    * Herding: the queue estimate sees the load a peer last announced and this node's own
+      requests in flight there, not what the other nodes sent it meanwhile; on a hot prefix they
+      all pick the same best holder at once. So a forward carries a limit, ``max_outstanding``:
+      the queue the target may hold on arrival for the decision to still beat the runner-up.
+      Served there after waiting ``w``, the first token comes at ``rtt + w + prefill``; refused,
+      at about ``rtt + TTFT(runner-up)``; so the target may wait up to ``TTFT(runner-up) -
+      prefill(target)``, which ``wait`` above turns into a count. The target refuses a request
+      over its limit as busy (one round trip) and the origin routes it again without that
+      peer. The other policies set no limit (only the node's ``max_queue`` applies).
+
 Ranked lists are deterministic given the inputs: remaining ties keep the order of the
 candidates as given (``cost``) or go by peer id (the others).
 """
@@ -160,6 +170,10 @@ class RouteDecision:
     reason: str
     estimated_ttft_s: float | None = None
     ranked: tuple[PeerId, ...] = ()
+    #: For a remote target: the most requests it may have queued or running when the request
+    #: arrives for the decision to still hold (None: no limit). The target refuses it as busy
+    #: beyond that, and the origin routes again without it (see ``CostPolicy``, "Herding").
+    max_outstanding: int | None = None
 
 
 class RoutingPolicy(Protocol):
@@ -472,6 +486,12 @@ class CostPolicy:
             for i in {local_i, target_i, best_remote}
             if i is not None
         }
+        max_outstanding = None
+        if target_i != local_i:
+            runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
+            t_ttft, _, t_wait = estimates[target_i]
+            budget = runner_up - (t_ttft - t_wait - candidates[target_i].rtt_s)
+            max_outstanding = _outstanding_within(budget, candidates[target_i], service)
         local = candidates[local_i]
         local_cached = estimates[local_i][1]
         target = candidates[target_i]
@@ -507,7 +527,18 @@ class CostPolicy:
             reason,
             estimated_ttft_s=ttft,
             ranked=ranked,
+            max_outstanding=max_outstanding,
         )
+
+
+def _outstanding_within(budget_s: float, c: Candidate, service_s: float) -> int:
+    """The most outstanding requests on ``c`` whose expected wait is at most ``budget_s``:
+    the inverse of ``wait = (n - slots + 0.5) * service / slots`` (0 below ``slots``)."""
+    slots = c.load.slots if c.load.slots > 0 else 1
+    if service_s <= 0.0 or budget_s == math.inf:
+        return 1 << 30
+    n = math.floor(budget_s * slots / service_s + slots - 0.5)
+    return max(slots - 1, min(n, 1 << 30))
 
 
 _COST_OPTIONS = frozenset(

@@ -306,6 +306,10 @@ def validate_prompt(tokens: object, vocab_size: int, max_context_tokens: int) ->
     """The prompt as a tuple of ints, or InvalidRequestError saying what is wrong with it."""
     if isinstance(tokens, str | bytes):
         raise InvalidRequestError("the prompt must be a sequence of token ids; tokenize text first")
+    if type(tokens) is tuple and tokens and set(map(type, tokens)) == {int}:
+        # The common case, checked in C: a tuple of plain ints (bools are not plain ints).
+        prompt = tokens
+        return _check_prompt_range(prompt, vocab_size, max_context_tokens)
     try:
         raw = list(tokens)  # type: ignore[call-overload]
     except TypeError as exc:
@@ -320,6 +324,12 @@ def validate_prompt(tokens: object, vocab_size: int, max_context_tokens: int) ->
         prompt = tuple(map(operator.index, raw))
     except TypeError as exc:
         raise InvalidRequestError(f"token ids must be integers: {exc}") from exc
+    return _check_prompt_range(prompt, vocab_size, max_context_tokens)
+
+
+def _check_prompt_range(
+    prompt: tuple[int, ...], vocab_size: int, max_context_tokens: int
+) -> tuple[int, ...]:
     if len(prompt) >= max_context_tokens:
         raise InvalidRequestError(
             f"the prompt has {len(prompt)} tokens; the model's context holds {max_context_tokens}, "

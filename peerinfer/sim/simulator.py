@@ -555,7 +555,14 @@ class Simulation:
             now + self.delay[n][p],
             _NODE,
             p,
-            ClientRequest(eff.request_id, eff.tokens, eff.params, True, self.peer_ids[n]),
+            ClientRequest(
+                eff.request_id,
+                eff.tokens,
+                eff.params,
+                True,
+                self.peer_ids[n],
+                eff.decision.max_outstanding,
+            ),
         )
 
     def _reject(self, n: int, eff: Reject, now: float) -> None:
