@@ -446,7 +446,7 @@ async def _gather_status(clients: list[Client]) -> list[dict[str, Any]]:
 # The simulator on the same requests.
 
 
-def simulate_same(setup: Setup, policy: str, workload_path: Path, cache_tokens: int | None, delay_ms: str) -> dict[str, Any]:
+def simulate_same(setup: Setup, policy: str, workload_path: Path, cache_tokens: int | None, delay_ms: str, forward_overhead_ms: float = 0.0) -> dict[str, Any]:
     from peerinfer.sim.config import SimConfig
     from peerinfer.sim.metrics import summarize as sim_summarize
     from peerinfer.sim.run import engine_factory, sim_requests
@@ -457,6 +457,7 @@ def simulate_same(setup: Setup, policy: str, workload_path: Path, cache_tokens: 
         requests=len(setup.items),
         policy=policy,
         delay_ms=delay_ms,
+        forward_overhead_ms=forward_overhead_ms,
         announce_interval_s=setup.announce_interval_s,
         cache_tokens=cache_tokens,
         costs=setup.costs,
@@ -469,7 +470,23 @@ def simulate_same(setup: Setup, policy: str, workload_path: Path, cache_tokens: 
     sim = Simulation(config, requests, hasher, make, arrivals=arrivals)
     sim.run()
     s = sim_summarize(sim)
-    return {k: s[k] for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio", "forwarded_fraction")}
+    out = {k: s[k] for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio", "forwarded_fraction")}
+    out["forward_overhead_ms"] = forward_overhead_ms
+    return out
+
+
+def sim_forward_overhead_ms(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> float:
+    """The simulator's per-forward overhead: as given, else what this run measured on the real
+    nodes (paired TTFT difference through a peer minus the two link delays it already models),
+    else 0."""
+    if args.sim_forward_overhead_ms is not None:
+        return float(args.sim_forward_overhead_ms)
+    from peerinfer.sim.network import DelayModel
+
+    measured = results.get(DEFAULT_POLICY, {}).get("forward_overhead", {}).get("paired_diff_p50_ms")
+    if measured is None:
+        return 0.0
+    return round(max(0.0, measured - 2 * DelayModel.parse(args.sim_delay_ms).mean_ms()), 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-extras", action="store_true", help="skip the forwarding-overhead and join measurements")
     p.add_argument("--sim", action="store_true", help="also replay the same requests in the simulator")
     p.add_argument("--sim-delay-ms", default="0.5", help="one-way link delay for --sim (default 0.5)")
+    p.add_argument("--sim-forward-overhead-ms", type=float, help="per-forward overhead for --sim (default: the forwarding overhead this run measured on the real nodes, less the two link delays; 0 with --no-extras)")
     p.add_argument("--save-workload", type=Path, metavar="PATH", help="write the workload (and PATH.arrivals.json)")
     p.add_argument("--workdir", type=Path, help="keep node identities and logs here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -589,7 +607,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['hit_ratio']}, forwarded {r['forwarded_fraction']}, errors {r['errors']}"
             )
             if args.sim and policy != ORACLE:
-                r["sim"] = simulate_same(setup, policy, workload_path, args.cache_tokens, args.sim_delay_ms)
+                r["sim"] = simulate_same(
+                    setup, policy, workload_path, args.cache_tokens, args.sim_delay_ms,
+                    sim_forward_overhead_ms(args, results),
+                )
                 log(f"  {policy} in the simulator: {r['sim']}")
 
     report = build_report(args, results, costs, workload_path if args.save_workload else None)

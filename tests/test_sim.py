@@ -81,6 +81,13 @@ def test_forwarded_hit_timing_by_hand() -> None:
     assert sim.first[1] - sim.arrival[1] == pytest.approx(0.010 + 0.016 + 0.010)
     assert sim.finish[1] - sim.arrival[1] == pytest.approx(0.036)
     assert sim.cores[1].statistics().forwarded == 1
+    # A per-forward overhead (a real node opens a stream) delays the forwarded request only.
+    sim = run_by_hand(
+        hand_config(delay_ms="10", forward_overhead_ms=15), [P, P], [(0.1, 0), (2.0, 1)]
+    )
+    assert sim.server == [0, 0]
+    assert sim.first[0] - sim.arrival[0] == pytest.approx(0.160)
+    assert sim.first[1] - sim.arrival[1] == pytest.approx(0.010 + 0.015 + 0.016 + 0.010)
 
 
 def test_local_policy_never_forwards() -> None:

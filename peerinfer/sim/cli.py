@@ -45,6 +45,14 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "exp:MEAN (random specs draw each pair's delay once; default %(default)s)",
     )
     g.add_argument(
+        "--forward-overhead-ms",
+        type=float,
+        default=_D.forward_overhead_ms,
+        metavar="MS",
+        help="added to the link delay of each forwarded request: opening a stream and handing "
+        "over the request, as bench/cluster_bench.py measures it (default %(default)s)",
+    )
+    g.add_argument(
         "--cache-tokens",
         type=_cache_tokens,
         default=_D.cache_tokens,
@@ -216,6 +224,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         requests=args.requests,
         policy=args.policy,
         delay_ms=str(args.delay_ms),
+        forward_overhead_ms=args.forward_overhead_ms,
         announce_interval_s=args.announce_interval,
         min_announce_gap_s=args.min_announce_gap,
         sync_timeout_s=args.sync_timeout,

@@ -37,6 +37,9 @@ class SimConfig:
     policy: str = "cost"
     #: one-way link delay spec in ms (see ``peerinfer.sim.network``)
     delay_ms: str = "5"
+    #: added to the link delay of every forwarded request: opening a stream to the peer and
+    #: handing it the request (measured by bench/cluster_bench.py on the real shell)
+    forward_overhead_ms: float = 0.0
     announce_interval_s: float = _node_default("announce_interval_s")
     min_announce_gap_s: float = _node_default("min_announce_gap_s")
     sync_timeout_s: float = _node_default("sync_timeout_s")
@@ -72,6 +75,10 @@ class SimConfig:
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {POLICY_NAMES}")
         DelayModel.parse(self.delay_ms)
+        if not (0.0 <= self.forward_overhead_ms < math.inf):
+            raise ConfigError(
+                f"forward_overhead_ms must be a non-negative number, got {self.forward_overhead_ms!r}"
+            )
         for name in ("announce_interval_s", "sync_timeout_s", "first_token_timeout_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):

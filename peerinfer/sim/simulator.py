@@ -56,7 +56,8 @@ The client's view
     shell's relay drops it. Every request completes exactly once, or the run fails loudly.
 
 What is simplified
-    Gossip is a direct broadcast with the pair's link delay (gossipsub's mesh adds hops and
+    A forwarded request costs its link delay plus ``forward_overhead_ms`` (a real node opens a
+    libp2p stream per forward). Gossip is a direct broadcast with the pair's link delay (gossipsub's mesh adds hops and
     duplicates); bytes count one copy per recipient. Each delivery of an announcement may be
     lost with probability ``gossip_loss`` (the pulls then repair the replicas); every other
     message is reliable and in order. Nodes do not fail. The engine serves requests whole: with ``slots`` > 1 they do not slow each other.
@@ -210,6 +211,7 @@ class Simulation:
             )
         self.engines = [make_engine(i) for i in range(n)]
         self.delay = config.delay.matrix_s(n, random.Random(f"{seed}:network"))
+        self._forward_overhead_s = config.forward_overhead_ms / 1000.0
         self._arrival_rng = random.Random(f"{seed}:arrivals")
         self._loss_rng = random.Random(f"{seed}:loss")
         self._loss = config.gossip_loss
@@ -552,7 +554,7 @@ class Simulation:
             self._record_decision(i, eff.decision, remote=True)
         self.forwards[i] += 1
         self._push(
-            now + self.delay[n][p],
+            now + self.delay[n][p] + self._forward_overhead_s,
             _NODE,
             p,
             ClientRequest(
