@@ -115,6 +115,22 @@ def test_freshness_and_load_bookkeeping() -> None:
     assert P[5] not in index and index.load(P[5]) == Load()
 
 
+def test_an_announcement_sets_the_load_and_freshness_only_when_the_replica_matched() -> None:
+    index = make_index(confirm_grace_s=1.0)
+    index.add_peer(P[0])
+    index.add_speculative(P[0], H(1, 2, 3), now=0.0)
+    index.announced(P[0], Load(queued=2), now=3.0, fresh=False)  # the replica lags: pull
+    assert index.load(P[0]) == Load(queued=2) and index.load_age(P[0], now=4.0) == 1.0
+    assert index.digest_age(P[0], now=4.0) == math.inf
+    assert index.match_blocks(H(1, 2, 3)) == {P[0]: 3}  # not confirmed yet
+    index.announced(P[0], Load(running=1), now=5.0, fresh=True)
+    assert index.load(P[0]) == Load(running=1) and index.digest_age(P[0], now=6.0) == 1.0
+    assert index.match_blocks(H(1, 2, 3)) == {}  # the speculative entry was confirmed away
+    index.announced(P[5], Load(queued=9), now=5.0, fresh=True)  # unknown: ignored
+    assert P[5] not in index
+    index.check_invariants()
+
+
 def test_speculative_entries_confirm_and_expire() -> None:
     index = make_index(speculative_ttl_s=10.0, confirm_grace_s=1.0)
     index.add_peer(P[0])

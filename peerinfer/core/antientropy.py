@@ -266,8 +266,10 @@ class Replica:
         """
         if epoch <= self.epoch:
             return False
-        added = tuple(added)
-        removed = tuple(removed)
+        if type(added) is not tuple:
+            added = tuple(added)
+        if type(removed) is not tuple:
+            removed = tuple(removed)
         # The change rate (for sizing pulls) skips the first announcement heard, which may be
         # the peer's whole warm-up rather than a typical epoch.
         if self._announced is not None and not truncated and epoch > prev_epoch:

@@ -306,6 +306,20 @@ class PeerIndex:
         state = self._states.get(peer)
         return math.inf if state is None else max(0.0, now - state.load_at)
 
+    def announced(self, peer: PeerId, load: Load, now: float, *, fresh: bool) -> None:
+        """``set_load(peer, load, now)``, and ``mark_fresh(peer, now)`` if ``fresh``: what an
+        announcement tells, in one lookup (this runs for every announcement of every peer)."""
+        state = self._states.get(peer)
+        if state is None:
+            return
+        state.load = load
+        state.load_at = now
+        if fresh:
+            if now > state.fresh_at:
+                state.fresh_at = now
+            if state.spec_entries:
+                self.confirm(peer, now)
+
     def mark_fresh(self, peer: PeerId, now: float) -> None:
         """``peer``'s replica was confirmed current at ``now``; implies ``confirm(peer, now)``."""
         state = self._states.get(peer)

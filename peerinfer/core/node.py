@@ -833,14 +833,16 @@ class NodeCore:
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
-        replica = self.index.add_peer(ev.sender)
-        self.index.set_load(ev.sender, a.load, now)
+        index = self.index
+        replica = index.add_peer(ev.sender)
         needs_pull = replica.apply_announce(
             a.prev_epoch, a.epoch, a.root, a.count, a.added, a.removed, a.truncated
         )
+        # The load, and if the replica now matches, its freshness (which also confirms the
+        # speculative entries for the peer).
+        index.announced(ev.sender, a.load, now, fresh=not needs_pull)
         effects: list[Effect] = []
         if not needs_pull:
-            self.index.mark_fresh(ev.sender, now)  # confirms the speculative entries too
             return effects
         st.pull_wanted = True
         if st.sync is None:
