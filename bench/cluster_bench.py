@@ -446,31 +446,48 @@ async def _gather_status(clients: list[Client]) -> list[dict[str, Any]]:
 # The simulator on the same requests.
 
 
-def simulate_same(setup: Setup, policy: str, workload_path: Path, cache_tokens: int | None, delay_ms: str, forward_overhead_ms: float = 0.0) -> dict[str, Any]:
+def simulate_same(
+    setup: Setup, policy: str, workload_path: Path, cache_tokens: int | None, delay_ms: str,
+    forward_overhead_ms: float = 0.0, seeds: int = 1,
+) -> dict[str, Any]:
+    """The same requests, arrival times and entry nodes through the simulator.
+
+    With ``seeds`` > 1 the run is repeated with the simulator seeded 1..seeds (which changes
+    only the nodes' routing randomness: the workload, arrivals and network are fixed) and the
+    figures are the means over the runs: a policy that decides at random (``random``, ties)
+    differs from one seed to the next as much as from the real cluster, whose nodes draw
+    their own random numbers.
+    """
     from peerinfer.sim.config import SimConfig
     from peerinfer.sim.metrics import summarize as sim_summarize
     from peerinfer.sim.run import engine_factory, sim_requests
     from peerinfer.sim.simulator import Simulation
 
-    config = SimConfig(
-        nodes=setup.nodes,
-        requests=len(setup.items),
-        policy=policy,
-        delay_ms=delay_ms,
-        forward_overhead_ms=forward_overhead_ms,
-        announce_interval_s=setup.announce_interval_s,
-        cache_tokens=cache_tokens,
-        costs=setup.costs,
-        workload=str(workload_path),
-        seed=setup.seed,
-    )
-    hasher, make = engine_factory(config)
-    requests = sim_requests(config, SimulatedEngine(costs=setup.costs))
-    arrivals = [(item.arrival_s or 0.0, e) for item, e in zip(setup.items, setup.entries, strict=True)]
-    sim = Simulation(config, requests, hasher, make, arrivals=arrivals)
-    sim.run()
-    s = sim_summarize(sim)
-    out = {k: s[k] for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio", "forwarded_fraction")}
+    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio", "forwarded_fraction")
+    runs = []
+    for seed in range(1, seeds + 1):
+        config = SimConfig(
+            nodes=setup.nodes,
+            requests=len(setup.items),
+            policy=policy,
+            delay_ms=delay_ms,
+            forward_overhead_ms=forward_overhead_ms,
+            announce_interval_s=setup.announce_interval_s,
+            cache_tokens=cache_tokens,
+            costs=setup.costs,
+            workload=str(workload_path),
+            seed=seed if seeds > 1 else setup.seed,
+        )
+        hasher, make = engine_factory(config)
+        requests = sim_requests(config, SimulatedEngine(costs=setup.costs))
+        arrivals = [(item.arrival_s or 0.0, e) for item, e in zip(setup.items, setup.entries, strict=True)]
+        sim = Simulation(config, requests, hasher, make, arrivals=arrivals)
+        sim.run()
+        runs.append(sim_summarize(sim))
+    out: dict[str, Any] = {k: _r(sum(r[k] for r in runs) / len(runs)) for k in keys}
+    means = [r["ttft_mean_s"] for r in runs]
+    out["ttft_mean_s_min"], out["ttft_mean_s_max"] = _r(min(means)), _r(max(means))
+    out["seeds"] = seeds
     out["forward_overhead_ms"] = forward_overhead_ms
     return out
 
@@ -513,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-extras", action="store_true", help="skip the forwarding-overhead and join measurements")
     p.add_argument("--sim", action="store_true", help="also replay the same requests in the simulator")
     p.add_argument("--sim-delay-ms", default="0.5", help="one-way link delay for --sim (default 0.5)")
+    p.add_argument("--sim-seeds", type=int, default=10, help="simulator runs per policy for --sim, seeded 1..K, averaged (default 10)")
     p.add_argument("--sim-forward-overhead-ms", type=float, help="per-forward overhead for --sim (default: the forwarding overhead this run measured on the real nodes, less the two link delays; 0 with --no-extras)")
     p.add_argument("--save-workload", type=Path, metavar="PATH", help="write the workload (and PATH.arrivals.json)")
     p.add_argument("--workdir", type=Path, help="keep node identities and logs here (default: a temporary directory)")
@@ -609,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.sim and policy != ORACLE:
                 r["sim"] = simulate_same(
                     setup, policy, workload_path, args.cache_tokens, args.sim_delay_ms,
-                    sim_forward_overhead_ms(args, results),
+                    sim_forward_overhead_ms(args, results), seeds=args.sim_seeds,
                 )
+                r["sim"]["real_over_sim_ttft_mean"] = _ratio(r["ttft_mean_s"], r["sim"]["ttft_mean_s"])
                 log(f"  {policy} in the simulator: {r['sim']}")
 
     report = build_report(args, results, costs, workload_path if args.save_workload else None)
@@ -688,6 +707,8 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"  {'  (simulator)':<15}{_f(s['ttft_mean_s']):>10}{_f(s['ttft_p50_s']):>8}{'':>8}"
                 f"{_f(s['ttft_p99_s']):>8}{'':>9}{_f(s['hit_ratio'], 2):>7}{_f(s['forwarded_fraction'], 2):>7}"
+                f"   real / sim TTFT mean {_f(s['real_over_sim_ttft_mean'])} ({s['seeds']} seeds, "
+                f"{_f(s['ttft_mean_s_min'])}-{_f(s['ttft_mean_s_max'])})"
             )
     lines += ["", "  times in seconds; hit: cached / prompt tokens; fwd: served by another node than the entry", ""]
     for key, t in report["targets"].items():
