@@ -18,9 +18,10 @@ and the caches warm up alike); ``--full`` adds the headline run, 64 nodes and 10
 (long on a 2-core machine: see docs/evaluation.md).
 
 Where the time goes: every announcement is applied by every other node to its replica of the
-sender (``Replica.apply_announce`` -> ``MerkleDigest`` and ``PeerIndex`` upkeep), so the work per
-simulated request grows with the number of nodes; ``us_per_request_per_node`` shows that
-constant. ``--profile`` prints the top functions of the largest run.
+sender (``Replica.apply_announce``: the replica's flat set and root summary, and ``PeerIndex``
+upkeep), so the work per simulated request grows with the number of nodes;
+``us_per_request_per_node`` shows that constant (docs/evaluation.md, "Simulator speed").
+``--profile`` prints the top functions of the largest run.
 """
 
 from __future__ import annotations
