@@ -12,7 +12,7 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -31,47 +31,15 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.utils.varint import encode_uvarint, encode_varint_prefixed
+from net_helpers import config, echo, next_event, wait_until
 
 from peerinfer.errors import PeerUnavailableError, ProtocolError, RemoteError, RequestTimeoutError
-from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
+from peerinfer.net import FramedStream, GossipMessage, Host, open_host
 
 REPO = Path(__file__).resolve().parents[1]
-LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 RAW_LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 MESHSUB = TProtocol("/meshsub/1.1.0")
 ECHO = "/test/echo/1"
-
-
-def config(**overrides: object) -> HostConfig:
-    base: dict[str, object] = {
-        "listen": LOOPBACK,
-        "persist_identity": False,
-        "mdns": False,
-        "liveness_interval_s": 0.0,
-        "stream_timeout_s": 5.0,
-        "connect_timeout_s": 5.0,
-    }
-    base.update(overrides)
-    return HostConfig(**base)  # type: ignore[arg-type]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-
-
-async def next_event(events: trio.MemoryReceiveChannel[PeerEvent], kind: str, peer: str) -> PeerEvent:
-    with trio.fail_after(10):
-        async for event in events:
-            if event.kind == kind and event.peer_id == peer:
-                return event
-    raise AssertionError("event channel closed")
-
-
-async def echo(stream: FramedStream) -> None:
-    async for frame in stream:
-        await stream.send(frame)
 
 
 @asynccontextmanager

@@ -12,7 +12,6 @@ import random
 import socket
 import stat
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import multiaddr
@@ -21,6 +20,7 @@ import trio
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from net_helpers import config, echo, next_event, wait_until
 
 import peerinfer.net as net
 from peerinfer.errors import (
@@ -30,46 +30,11 @@ from peerinfer.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from peerinfer.net import FramedStream, Host, HostConfig, PeerEvent, open_host
+from peerinfer.net import FramedStream, Host, HostConfig, open_host
 from peerinfer.net.config import gossip_rate_limit, own_publish_rate
 from peerinfer.net.discovery import expand_unspecified
 from peerinfer.net.identity import load_or_create_identity, peer_id_of
 from peerinfer.net.pacing import Backoff, TokenBucket
-
-LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
-
-
-def config(**overrides: object) -> HostConfig:
-    """A test host: loopback, ephemeral port, throwaway identity, no mDNS, no liveness loop."""
-    base: dict[str, object] = {
-        "listen": LOOPBACK,
-        "persist_identity": False,
-        "mdns": False,
-        "liveness_interval_s": 0.0,
-        "stream_timeout_s": 5.0,
-        "connect_timeout_s": 5.0,
-    }
-    base.update(overrides)
-    return HostConfig(**base)  # type: ignore[arg-type]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-
-
-async def next_event(events: trio.MemoryReceiveChannel[PeerEvent], kind: str, peer: str) -> PeerEvent:
-    with trio.fail_after(10):
-        async for event in events:
-            if event.kind == kind and event.peer_id == peer:
-                return event
-    raise AssertionError("event channel closed")
-
-
-async def echo(stream: FramedStream) -> None:
-    async for frame in stream:
-        await stream.send(frame)
 
 
 async def mesh_ready(hosts: list[Host], topic: str) -> None:
