@@ -7,6 +7,7 @@ bad usage exits with 2, as argparse does.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import signal
@@ -105,6 +106,11 @@ def _run_node(args: argparse.Namespace) -> int:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.serve)
+                # Everything loaded so far (libraries, the model) lives as long as the process:
+                # keep it out of the collector's sight. Without this every full collection walks
+                # it all, and a node paused ~280 ms at a time (measured with the simulated
+                # engine; docs/performance.md), which a forwarded request felt twice.
+                gc.freeze()
                 for addr in node.addresses():
                     print(f"peerinfer node {node.peer_id} listening on {addr}", flush=True)
                 async for _ in signals:
