@@ -273,6 +273,26 @@ def test_a_stale_or_replayed_announcement_is_ignored() -> None:
     assert set(replica.digest) == before and replica.epoch == local.epoch
 
 
+def test_a_claim_larger_than_the_cap_is_refused_without_a_pull() -> None:
+    rng = random.Random(11)
+    local = local_with(random_hashes(rng, 40))
+    replica = Replica(max_elements=50)
+    assert not announce(replica, local)  # 40 elements: within the cap, followed
+    before, epoch = set(replica.digest), replica.epoch
+    for h in random_hashes(rng, 20):  # 60 > 50: refused, no pull, nothing applied
+        local.block_added(h)
+    delta = local.seal_epoch()
+    assert delta.count == 60 and delta.added
+    refused = replica.apply_announce(
+        delta.prev_epoch, delta.epoch, delta.root, delta.count, delta.added, delta.removed,
+        delta.truncated,
+    )
+    assert refused is False and replica.refused == 1
+    assert set(replica.digest) == before and replica.epoch == epoch
+    with pytest.raises(ValueError):
+        Replica(max_elements=-1)
+
+
 def test_an_announcement_that_does_not_verify_asks_for_a_pull() -> None:
     rng = random.Random(10)
     local = local_with(random_hashes(rng, 100))

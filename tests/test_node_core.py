@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
+from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS
 from peerinfer.core.messages import Announce, Load, SamplingParams
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -162,6 +164,20 @@ def test_a_forwarded_request_over_its_queue_limit_is_refused_as_busy() -> None:
     stats = a.statistics()
     assert stats.rejected == 1 and stats.rejected_over_limit == 1
     assert a.load() == Load(queued=2, running=1, slots=1)
+
+
+def test_an_announcement_claiming_an_oversized_set_is_refused_and_never_fresh() -> None:
+    a, b = make("A"), make("B")
+    serve_locally(b, "warm", prompt(1, 64), 0.0)
+    a.handle(PeerSeen(PeerId("B")), 0.0)
+    honest = announce_from(b, 0.0)
+    huge = replace(honest, count=MAX_REPLICA_ELEMENTS + 1)
+    effects = a.handle(AnnounceReceived(PeerId("B"), huge), 0.1)
+    assert not of(effects, SendSyncRequest)  # no pull towards a set no replica may hold
+    assert a.statistics().announces_refused == 1
+    replica = a.index.replica(PeerId("B"))
+    assert replica is not None and replica.refused == 1 and len(replica.digest) == 0
+    assert a.index.digest_age(PeerId("B"), now=1.0) == float("inf")  # never confirmed
 
 
 def test_stale_and_replayed_announcements_are_refused() -> None:

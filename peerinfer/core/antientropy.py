@@ -119,6 +119,7 @@ from peerinfer.types import BlockHash
 
 __all__ = [
     "DEFAULT_MAX_ROUNDS",
+    "MAX_REPLICA_ELEMENTS",
     "MAX_PASSES",
     "ReconcileStats",
     "Reconciliation",
@@ -221,19 +222,33 @@ class _Answers:
             raise ProtocolError("a sync response carries bytes that answer nothing")
 
 
+#: The most elements a peer may announce (4M blocks of 16 tokens: far beyond any home machine's
+#: KV cache). A replica refuses announcements over it, so its size stays bounded whatever a
+#: hostile peer claims: a delta is applied only from a verified epoch and a pull converges to the
+#: announced count, so a replica never holds more than the cap plus one announcement's delta.
+MAX_REPLICA_ELEMENTS = 1 << 22
+
+
 class Replica:
     """Our estimate of one peer's set: its digest and the last epoch it is known to match.
 
     ``epoch`` is 0 until a root has been verified. ``observer`` is told of every change (the
-    peer index uses it).
+    peer index uses it). Announcements of more than ``max_elements`` elements are refused
+    (``refused`` counts them): the replica keeps its state and asks for no pull.
     """
 
-    __slots__ = ("digest", "epoch", "_announced", "_rate")
+    __slots__ = ("digest", "epoch", "max_elements", "refused", "_announced", "_rate")
 
-    def __init__(self, observer: CacheObserver | None = None) -> None:
+    def __init__(
+        self, observer: CacheObserver | None = None, *, max_elements: int = MAX_REPLICA_ELEMENTS
+    ) -> None:
+        if max_elements < 0:
+            raise ValueError("max_elements must be >= 0")
         # Lazy: the trie exists only while a pull compares subtrees (see digest.py).
         self.digest = MerkleDigest(observer, lazy=True)
         self.epoch = 0
+        self.max_elements = max_elements
+        self.refused = 0
         self._announced: tuple[int, int, int] | None = None  # newest (epoch, root, count) heard
         self._rate = 0.0  # smoothed changes per epoch seen in announced deltas
 
@@ -260,11 +275,15 @@ class Replica:
     ) -> bool:
         """Take in an announcement; True if a pull is needed (the root still differs).
 
-        A stale epoch (``<= self.epoch``) is ignored (False). The delta is applied when the
+        A stale epoch (``<= self.epoch``) is ignored (False), and so is a claim of more than
+        ``max_elements`` elements (counted in ``refused``). The delta is applied when the
         replica matched ``prev_epoch``; the replica then moves to ``epoch`` only if its root and
         count equal the announced ones.
         """
         if epoch <= self.epoch:
+            return False
+        if count > self.max_elements:
+            self.refused += 1
             return False
         if type(added) is not tuple:
             added = tuple(added)

@@ -60,8 +60,9 @@ Memory bounds
 
 So the combined mask dict holds at most ``max_peers * max_replica_blocks`` keys and the
 speculative structures at most ``2 * max_speculative_blocks`` (``memory_entries`` counts them).
-The replicas' own elements are not counted: a replica holds what its peer announces (capping
-that is the anti-entropy module's business); the index's own structures stay within the bounds.
+The replicas' own elements are not counted here: a replica refuses announcements of more than
+``antientropy.MAX_REPLICA_ELEMENTS`` elements, which bounds it; the index's own structures stay
+within the bounds above.
 
 The index never reads a clock: every time is a ``now`` parameter, in seconds.
 """

@@ -835,12 +835,15 @@ class NodeCore:
         st.last_seen = now
         index = self.index
         replica = index.add_peer(ev.sender)
+        refused = replica.refused
         needs_pull = replica.apply_announce(
             a.prev_epoch, a.epoch, a.root, a.count, a.added, a.removed, a.truncated
         )
+        if replica.refused != refused:
+            self._stats["announces_refused"] += 1  # claims a set larger than any replica holds
         # The load, and if the replica now matches, its freshness (which also confirms the
         # speculative entries for the peer).
-        index.announced(ev.sender, a.load, now, fresh=not needs_pull)
+        index.announced(ev.sender, a.load, now, fresh=replica.epoch == a.epoch)
         effects: list[Effect] = []
         if not needs_pull:
             return effects
