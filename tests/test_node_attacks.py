@@ -23,11 +23,13 @@ from peerinfer.core.messages import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     ErrorMessage,
+    GenerateDone,
     GenerateRequest,
     SamplingParams,
     StatusRequest,
     SyncRequest,
     SyncResponse,
+    TokenChunk,
     decode,
     encode,
 )
@@ -260,6 +262,38 @@ async def test_malformed_status_requests_are_refused(node: NodeHandle) -> None:
             stream = await open_raw(host, node, STATUS_PROTOCOL)
             await stream.send(data)
             await assert_stream_ended_by_node(stream)
+    await assert_still_serving(node)
+
+
+async def test_a_forward_over_its_queue_limit_is_refused_as_busy(node: NodeHandle) -> None:
+    """``max_outstanding`` crosses the wire: a forwarded request that allows no request ahead of
+    it is refused while the node is busy; one that allows one is queued and served."""
+    async with attacker(node) as host, Client.connect(node.addr) as client:
+        long_run = await open_raw(host, node, GENERATE_PROTOCOL)
+        # ~1,000 uncached tokens: seconds of prefill with the default costs.
+        await long_run.send(encode(generate_request(
+            request_id="busy-1", prompt=None, tokens=tuple(range(5, 1005)), forwarded=True,
+        )))
+        with trio.fail_after(20):
+            while (await client.status())["load"]["running"] < 1:
+                await trio.sleep(0.05)
+        refused = await open_raw(host, node, GENERATE_PROTOCOL)
+        await refused.send(encode(generate_request(
+            request_id="busy-2", prompt=None, tokens=(7, 8, 9), forwarded=True, max_outstanding=0,
+        )))
+        reply = await assert_error_reply(refused, "busy")
+        assert "more than the 0" in reply.message
+        queued = await open_raw(host, node, GENERATE_PROTOCOL)
+        await queued.send(encode(generate_request(
+            request_id="busy-3", prompt=None, tokens=(7, 8, 9), forwarded=True, max_outstanding=1,
+        )))
+        with trio.fail_after(60):
+            while True:
+                msg = decode(await queued.receive(timeout=30), expected=(TokenChunk, GenerateDone))
+                if isinstance(msg, GenerateDone):
+                    break
+        for stream in (long_run, refused, queued):
+            await stream.aclose()
     await assert_still_serving(node)
 
 
