@@ -213,6 +213,12 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"       {addr}")
     print(f"load   {load['running']} running, {load['queued']} queued, {load['slots']} slots")
     print(f"cache  {cache['tokens']} tokens, {cache['bytes']} bytes of {cache['capacity_bytes'] or 'unbounded'}")
+    req = status["requests"]
+    print(
+        f"requests {req['received']} received: {req['served_locally']} served here, "
+        f"{req['forwarded']} forwarded, {req['failovers']} failovers, {req['rejected']} refused "
+        f"({req['rejected_over_limit']} over a forward's queue limit)"
+    )
     print(f"peers  {len(status['peers'])}")
     for p in status["peers"]:
         print(

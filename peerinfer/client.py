@@ -279,6 +279,14 @@ def status_to_dict(msg: StatusResponse) -> dict[str, Any]:
             "bytes": msg.cache.bytes,
             "capacity_bytes": msg.cache.capacity_bytes,
         },
+        "requests": {
+            "received": msg.counters.requests,
+            "served_locally": msg.counters.served_locally,
+            "forwarded": msg.counters.forwarded,
+            "failovers": msg.counters.failovers,
+            "rejected": msg.counters.rejected,
+            "rejected_over_limit": msg.counters.rejected_over_limit,
+        },
     }
 
 

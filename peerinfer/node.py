@@ -55,6 +55,7 @@ from peerinfer.core.messages import (
     PeerAddrs,
     PeerExchange,
     PeerStatus,
+    RequestCounters,
     StatusRequest,
     StatusResponse,
     SyncRequest,
@@ -721,6 +722,7 @@ class Node:
         cache_tokens = len(core.local.digest) * core.hasher.block_size
         stats = engine.statistics().cache
         capacity = (stats.capacity_bytes or 0) if stats is not None else 0
+        counts = core.statistics()
         cache_bytes = stats.bytes if stats is not None else 0
         return StatusResponse(
             peer_id=host.peer_id,
@@ -729,6 +731,14 @@ class Node:
             peers=peers[:4096],
             cache=CacheStatus(tokens=cache_tokens, bytes=cache_bytes, capacity_bytes=capacity),
             load=core.load(),
+            counters=RequestCounters(
+                requests=counts.requests,
+                served_locally=counts.served_locally,
+                forwarded=counts.forwarded,
+                failovers=counts.failovers,
+                rejected=counts.rejected,
+                rejected_over_limit=counts.rejected_over_limit,
+            ),
         )
 
     async def _serve_status(self, stream: FramedStream) -> None:

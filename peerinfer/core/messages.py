@@ -614,6 +614,23 @@ class CacheStatus(Record):
     SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U64), UInt(U64), UInt(U64))
 
 
+@dataclass(frozen=True, slots=True)
+class RequestCounters(Record):
+    """What a node did with the requests it saw since it started (``NodeCore.statistics``):
+    ``requests`` received (from clients and peers), ``served_locally``, ``forwarded`` to a peer,
+    ``failovers`` (a forward that failed and was routed again), ``rejected`` (refused: busy,
+    invalid, full), ``rejected_over_limit`` (forwarded requests refused because more were
+    outstanding here than the origin's routing assumed)."""
+
+    requests: int = 0
+    served_locally: int = 0
+    forwarded: int = 0
+    failovers: int = 0
+    rejected: int = 0
+    rejected_over_limit: int = 0
+    SCHEMA: ClassVar[tuple[Validator, ...]] = tuple(UInt(U64) for _ in range(6))
+
+
 @_register(21)
 @dataclass(frozen=True, slots=True)
 class StatusResponse(Message):
@@ -623,6 +640,7 @@ class StatusResponse(Message):
     peers: tuple[PeerStatus, ...]
     cache: CacheStatus
     load: Load
+    counters: RequestCounters = RequestCounters()
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         PEER_ID,
         ListOf(Text(512), 64),
@@ -630,6 +648,7 @@ class StatusResponse(Message):
         ListOf(Nested(PeerStatus), 4096),
         Nested(CacheStatus),
         Nested(Load),
+        Nested(RequestCounters),
     )
 
 
