@@ -535,7 +535,7 @@ def _outstanding_within(budget_s: float, c: Candidate, service_s: float) -> int:
     """The most outstanding requests on ``c`` whose expected wait is at most ``budget_s``:
     the inverse of ``wait = (n - slots + 0.5) * service / slots`` (0 below ``slots``)."""
     slots = c.load.slots if c.load.slots > 0 else 1
-    if service_s <= 0.0 or budget_s == math.inf:
+    if not service_s > 0.0 or not budget_s < math.inf:  # also NaN: no limit, as before
         return 1 << 30
     n = math.floor(budget_s * slots / service_s + slots - 0.5)
     return max(slots - 1, min(n, 1 << 30))
