@@ -435,20 +435,17 @@ class MerkleDigest:
                 self.add(BlockHash(h))
             return
         pair = self._flat_pair
-        memo = _CONTRIBUTIONS
         gone: list[BlockHash] = []
         new: list[BlockHash] = []
         for h in removed:
             if h in flat:
                 flat.discard(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
+                pair ^= _contribution_of(h)
                 gone.append(BlockHash(h))
         for h in added:
             if h not in flat:
                 flat.add(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
+                pair ^= _contribution_of(h)
                 new.append(BlockHash(h))
         self._flat_pair = pair
         if gone or new:

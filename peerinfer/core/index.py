@@ -295,8 +295,7 @@ class PeerIndex:
         """Record ``peer``'s announced load. Unknown peers are ignored."""
         state = self._states.get(peer)
         if state is not None:
-            state.load = load
-            state.load_at = now
+            self._set_load(state, load, now)
 
     def load(self, peer: PeerId) -> Load:
         """The last load ``peer`` announced (an idle one-slot ``Load()`` if none)."""
@@ -313,22 +312,15 @@ class PeerIndex:
         state = self._states.get(peer)
         if state is None:
             return
-        state.load = load
-        state.load_at = now
+        self._set_load(state, load, now)
         if fresh:
-            if now > state.fresh_at:
-                state.fresh_at = now
-            if state.spec_entries:
-                self.confirm(peer, now)
+            self._mark_fresh(state, now)
 
     def mark_fresh(self, peer: PeerId, now: float) -> None:
         """``peer``'s replica was confirmed current at ``now``; implies ``confirm(peer, now)``."""
         state = self._states.get(peer)
-        if state is None:
-            return
-        if now > state.fresh_at:
-            state.fresh_at = now
-        self.confirm(peer, now)
+        if state is not None:
+            self._mark_fresh(state, now)
 
     def digest_age(self, peer: PeerId, now: float) -> float:
         """Seconds since ``peer``'s replica was last confirmed current (inf if never)."""
@@ -482,15 +474,8 @@ class PeerIndex:
         """``peer``'s replica was refreshed at ``now``: drop its entries older than
         ``now - confirm_grace_s`` (what they predicted is in the replica now, or never was)."""
         state = self._states.get(peer)
-        if state is None:
-            return
-        entries = state.spec_entries
-        if not entries:
-            return
-        cutoff = now - self.confirm_grace_s
-        while entries and (not entries[0].alive or entries[0].time < cutoff):
-            self._drop_entry(entries.popleft())
-        self._compact_queues(state)
+        if state is not None:
+            self._confirm(state, now)
 
     def expire(self, now: float) -> None:
         """Drop speculative entries older than ``speculative_ttl_s``."""
@@ -520,19 +505,31 @@ class PeerIndex:
 
     # ----------------------------------------------------------------------- internals
 
-    def _index_block(self, state: _PeerState, h: BlockHash) -> None:
-        masks = self._masks
-        m = masks.get(h, 0)
-        if m & state.bit:
-            return
-        if state.indexed >= self.max_replica_blocks:
-            state.skipped = True
-            return
-        masks[h] = m | state.bit
-        state.indexed += 1
+    @staticmethod
+    def _set_load(state: _PeerState, load: Load, now: float) -> None:
+        state.load = load
+        state.load_at = now
 
-    def _index_blocks(self, state: _PeerState, hashes: list[BlockHash]) -> None:
-        """``_index_block`` for each of ``hashes``, in one loop (a delta's additions)."""
+    def _mark_fresh(self, state: _PeerState, now: float) -> None:
+        if now > state.fresh_at:
+            state.fresh_at = now
+        self._confirm(state, now)
+
+    def _confirm(self, state: _PeerState, now: float) -> None:
+        entries = state.spec_entries
+        if not entries:
+            return
+        cutoff = now - self.confirm_grace_s
+        while entries and (not entries[0].alive or entries[0].time < cutoff):
+            self._drop_entry(entries.popleft())
+        self._compact_queues(state)
+
+    def _index_block(self, state: _PeerState, h: BlockHash) -> None:
+        self._index_blocks(state, (h,))
+
+    def _index_blocks(self, state: _PeerState, hashes: Sequence[BlockHash]) -> None:
+        """Give each of ``hashes`` this peer's bit, up to the peer's cap (beyond it the peer is
+        marked ``skipped``, for a later rescan)."""
         masks = self._masks
         get = masks.get
         bit = state.bit

@@ -308,8 +308,7 @@ def validate_prompt(tokens: object, vocab_size: int, max_context_tokens: int) ->
         raise InvalidRequestError("the prompt must be a sequence of token ids; tokenize text first")
     if type(tokens) is tuple and tokens and set(map(type, tokens)) == {int}:
         # The common case, checked in C: a tuple of plain ints (bools are not plain ints).
-        prompt = tokens
-        return _check_prompt_range(prompt, vocab_size, max_context_tokens)
+        return _check_prompt_range(tokens, vocab_size, max_context_tokens)
     try:
         raw = list(tokens)  # type: ignore[call-overload]
     except TypeError as exc:

@@ -57,10 +57,11 @@ The client's view
 
 What is simplified
     A forwarded request costs its link delay plus ``forward_overhead_ms`` (a real node opens a
-    libp2p stream per forward). Gossip is a direct broadcast with the pair's link delay (gossipsub's mesh adds hops and
-    duplicates); bytes count one copy per recipient. Each delivery of an announcement may be
-    lost with probability ``gossip_loss`` (the pulls then repair the replicas); every other
-    message is reliable and in order. Nodes do not fail. The engine serves requests whole: with ``slots`` > 1 they do not slow each other.
+    libp2p stream per forward). Gossip is a direct broadcast with the pair's link delay
+    (gossipsub's mesh adds hops and duplicates); bytes count one copy per recipient. Each
+    delivery of an announcement may be lost with probability ``gossip_loss`` (the pulls then
+    repair the replicas); every other message is reliable and in order. Nodes do not fail. The
+    engine serves requests whole: with ``slots`` > 1 they do not slow each other.
 """
 
 from __future__ import annotations
