@@ -434,18 +434,23 @@ class MerkleDigest:
             for h in added:
                 self.add(BlockHash(h))
             return
+        # ``_contribution_of`` inlined: this loop runs for every hash of every announcement at
+        # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
         pair = self._flat_pair
+        memo = _CONTRIBUTIONS
         gone: list[BlockHash] = []
         new: list[BlockHash] = []
         for h in removed:
             if h in flat:
                 flat.discard(h)
-                pair ^= _contribution_of(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
                 gone.append(BlockHash(h))
         for h in added:
             if h not in flat:
                 flat.add(h)
-                pair ^= _contribution_of(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
                 new.append(BlockHash(h))
         self._flat_pair = pair
         if gone or new:

@@ -295,7 +295,8 @@ class PeerIndex:
         """Record ``peer``'s announced load. Unknown peers are ignored."""
         state = self._states.get(peer)
         if state is not None:
-            self._set_load(state, load, now)
+            state.load = load
+            state.load_at = now
 
     def load(self, peer: PeerId) -> Load:
         """The last load ``peer`` announced (an idle one-slot ``Load()`` if none)."""
@@ -312,7 +313,8 @@ class PeerIndex:
         state = self._states.get(peer)
         if state is None:
             return
-        self._set_load(state, load, now)
+        state.load = load
+        state.load_at = now
         if fresh:
             self._mark_fresh(state, now)
 
@@ -505,15 +507,11 @@ class PeerIndex:
 
     # ----------------------------------------------------------------------- internals
 
-    @staticmethod
-    def _set_load(state: _PeerState, load: Load, now: float) -> None:
-        state.load = load
-        state.load_at = now
-
     def _mark_fresh(self, state: _PeerState, now: float) -> None:
         if now > state.fresh_at:
             state.fresh_at = now
-        self._confirm(state, now)
+        if state.spec_entries:
+            self._confirm(state, now)
 
     def _confirm(self, state: _PeerState, now: float) -> None:
         entries = state.spec_entries
