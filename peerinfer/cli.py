@@ -10,8 +10,10 @@ import argparse
 import gc
 import json
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,7 +112,9 @@ def _run_node(args: argparse.Namespace) -> int:
                 # keep it out of the collector's sight. Without this every full collection walks
                 # it all, and a node paused ~280 ms at a time (measured with the simulated
                 # engine; docs/performance.md), which a forwarded request felt twice.
-                gc.freeze()
+                if os.environ.get("PEERINFER_GC_FREEZE", "1") != "0":
+                    gc.freeze()
+                _log_gc_pauses(os.environ.get("PEERINFER_GC_LOG_MS"))
                 for addr in node.addresses():
                     print(f"peerinfer node {node.peer_id} listening on {addr}", flush=True)
                 async for _ in signals:
@@ -133,6 +137,27 @@ def _run_node(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _log_gc_pauses(threshold_ms: str | None) -> None:
+    """With ``PEERINFER_GC_LOG_MS=N``, print every garbage collection longer than N ms to
+    stderr (a diagnostic for latency spikes; ``PEERINFER_GC_FREEZE=0`` turns the freeze off to
+    compare)."""
+    if not threshold_ms:
+        return
+    limit_s = float(threshold_ms) / 1000.0
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        took = time.perf_counter() - started[0]
+        if took >= limit_s:
+            print(f"peerinfer node: gc generation {info['generation']} took {took * 1000:.1f} ms",
+                  file=sys.stderr, flush=True)
+
+    gc.callbacks.append(on_gc)
 
 
 def _add_generate(sub: Any) -> None:
