@@ -110,7 +110,7 @@ def _run_node(args: argparse.Namespace) -> int:
                 await nursery.start(node.serve)
                 # Everything loaded so far (libraries, the model) lives as long as the process:
                 # keep it out of the collector's sight. Without this every full collection walks
-                # it all, and a node paused ~280 ms at a time (measured with the simulated
+                # it all, and a node paused 219-310 ms at a time (measured with the simulated
                 # engine; docs/performance.md), which a forwarded request felt twice.
                 if os.environ.get("PEERINFER_GC_FREEZE", "1") != "0":
                     gc.freeze()
