@@ -56,6 +56,10 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
+    # Trust (docs/security.md): forwarded prompts reach the serving peer in full.
+    trust = p.add_argument_group("trust")
+    trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer)")
+    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded greedy answers re-scored by the local model (default: 0.05)")
     p.set_defaults(run=_run_node)
 
 
@@ -101,6 +105,8 @@ def _run_node(args: argparse.Namespace) -> int:
         costs=costs,
         announce_interval_s=args.announce_interval,
         seed=args.seed,
+        trusted_peers=tuple(args.trust) if args.trust else None,
+        audit_rate=args.audit_rate,
     )
     node = Node(options)
 
@@ -251,6 +257,8 @@ def _run_status(args: argparse.Namespace) -> int:
             f"{p['cached_tokens']} tokens cached  load {p['load']['running']}+{p['load']['queued']}  "
             f"rtt {p['rtt_ms']:.1f} ms"
         )
+        if p.get("reputation"):
+            print(f"    reputation {p['reputation']}")
     return 0
 
 

@@ -271,6 +271,7 @@ def status_to_dict(msg: StatusResponse) -> dict[str, Any]:
                 "load": {"queued": p.load.queued, "running": p.load.running, "slots": p.load.slots},
                 "cached_tokens": p.cached_tokens,
                 "rtt_ms": p.rtt_ms,
+                "reputation": p.reputation,
             }
             for p in msg.peers
         ],

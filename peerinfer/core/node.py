@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from peerinfer.core.antientropy import Reconciliation
@@ -58,6 +58,7 @@ from peerinfer.core.messages import (
     SyncResponse,
 )
 from peerinfer.core.prefix import PrefixHasher
+from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
 from peerinfer.core.routing import RouteDecision, RouteRequest, make_policy
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
@@ -94,12 +95,19 @@ class NodeConfig:
     #: a peer whose digest is older than this is not a routing candidate
     max_digest_age_s: float = 60.0
     max_peers: int = 4096
+    #: trust (peerinfer.core.reputation): how peers are scored, the share of forwarded greedy
+    #: answers re-scored by the local model, and the only peers forwarded to (None: any peer)
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+    audit_rate: float = 0.05
+    trusted_peers: frozenset[PeerId] | None = None
 
     def __post_init__(self) -> None:
         if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
             raise ConfigError("announce intervals must be positive")
         if self.max_forward_attempts < 0 or self.max_queue < 0 or self.hard_max_queue < 1:
             raise ConfigError("queue and attempt limits must be non-negative")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise ConfigError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,14 +183,21 @@ class ForwardFirstToken:
 
 @dataclass(frozen=True, slots=True)
 class ForwardFinished:
+    """A forward ended well. ``cached_tokens`` (as the peer reported them) and ``ttft_s`` (as
+    the origin measured it) are checked against the decision's promise; ``completion`` is what
+    was relayed, for an audit. None/empty: not known (no check)."""
+
     request_id: RequestId
     peer: PeerId
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    completion: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardFailed:
     """A forward failed. ``reason`` is one of busy, unavailable, timeout, protocol, invalid,
-    internal. ``generated`` holds the token ids already relayed to the client (mid-stream
+    internal, contract (the result broke the request's contract). ``generated`` holds the token ids already relayed to the client (mid-stream
     failure); the request then resumes locally after them."""
 
     request_id: RequestId
@@ -214,6 +229,16 @@ class Cancel:
     request_id: RequestId
 
 
+@dataclass(frozen=True, slots=True)
+class AuditFinished:
+    """An ``AuditForward`` ran: ``ok`` says whether ``peer``'s answer is what the local model
+    gives (``detail`` says where it is not)."""
+
+    peer: PeerId
+    ok: bool
+    detail: str = ""
+
+
 Event = (
     ClientRequest
     | AnnounceReceived
@@ -228,6 +253,7 @@ Event = (
     | PeerSeen
     | PeerLost
     | Cancel
+    | AuditFinished
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +334,26 @@ class DropPeer:
     peer: PeerId
 
 
+@dataclass(frozen=True, slots=True)
+class AuditForward:
+    """Re-score ``peer``'s greedy answer ``completion`` to ``tokens`` with the local model, at
+    low priority (never before a client's work), and feed back ``AuditFinished``."""
+
+    peer: PeerId
+    tokens: tuple[int, ...]
+    params: SamplingParams
+    completion: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BanPeer:
+    """``peer`` failed an audit: disconnect and refuse it until ``until`` (node clock)."""
+
+    peer: PeerId
+    until: float
+    reason: str
+
+
 Effect = (
     Publish
     | SendSyncRequest
@@ -318,6 +364,8 @@ Effect = (
     | CancelForward
     | PingPeer
     | DropPeer
+    | AuditForward
+    | BanPeer
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +468,9 @@ class NodeCore:
         #: smoothed round trips, and requests we forwarded that have not finished, per peer
         self._rtt: dict[PeerId, float] = {}
         self._inflight: dict[PeerId, int] = {}
+        self.reputation = Reputation(config.reputation)
+        # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
+        self._audit_rng = random.Random(f"audit/{config.peer_id}")
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -566,11 +617,18 @@ class NodeCore:
             rtt_s=self._rtt,
             default_rtt_s=cfg.default_rtt_s,
             inflight=self._inflight,
-            exclude=exclude,
+            exclude=_Excluded(exclude, self.reputation.blocked(), cfg.trusted_peers, now),
             max_digest_age_s=cfg.max_digest_age_s,
             # Never count the last prompt token as cached: the engine must run it for logits.
             max_matched_tokens=max(0, prompt_tokens - 1),
         )
+        demoted = self.reputation.demoted()
+        if demoted:
+            # A peer whose claims did not hold: its cache promises count for nothing.
+            candidates = [
+                replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
+                for c in candidates
+            ]
         request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
         return self.policy.choose(request, candidates, self.rng)
 
@@ -712,10 +770,44 @@ class NodeCore:
 
     def _on_forward_finished(self, ev: ForwardFinished, now: float) -> list[Effect]:
         req = self._requests.get(ev.request_id)
+        effects: list[Effect] = []
         if req is not None and req.target == ev.peer:
             del self._requests[ev.request_id]
             self._forward_done(ev.peer)
-        return []
+            decision = req.decision
+            if decision is not None:
+                outcome = judge_finished(
+                    self.reputation.config,
+                    expected_cached_tokens=decision.expected_cached_tokens,
+                    cached_tokens=ev.cached_tokens,
+                    estimated_ttft_s=decision.estimated_ttft_s,
+                    ttft_s=ev.ttft_s,
+                )
+                self.reputation.record(ev.peer, outcome, now)
+            rate = self.config.audit_rate
+            if (
+                ev.completion
+                and req.params.temperature == 0
+                and rate > 0
+                and self._audit_rng.random() < rate
+            ):
+                # Only greedy answers: the local model's argmax is the one right answer.
+                effects.append(
+                    AuditForward(ev.peer, req.tokens + req.resume_after, req.params, ev.completion)
+                )
+        return effects
+
+    def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if ev.ok:
+            self.reputation.record(ev.peer, "audit_passed", now)
+            return effects
+        self.reputation.record(ev.peer, "audit_failed", now)
+        until = self.reputation.view(ev.peer, now).banned_until
+        effects.append(BanPeer(ev.peer, until, f"failed an audit: {ev.detail}"[:200]))
+        if ev.peer in self._peers:
+            self._forget_peer(ev.peer, now, effects)
+        return effects
 
     def _forward_done(self, peer: PeerId) -> None:
         n = self._inflight.get(peer, 0) - 1
@@ -731,11 +823,22 @@ class NodeCore:
         self._forward_done(ev.peer)
         self._stats["failovers"] += 1
         effects: list[Effect] = []
+        outcome = FAILURE_OUTCOMES.get(ev.reason, "unavailable")
+        if outcome == "busy" and ev.peer in self.index:
+            load = self.index.load(ev.peer)
+            if load.queued + load.running < load.slots:
+                outcome = "busy_lie"  # refused while its last announcement had a free slot
+        self.reputation.record(ev.peer, outcome, now)
         req.target = None
         req.deadline = None
         if ev.reason in ("unavailable", "timeout") and ev.peer in self._peers:
             # It may be gone: stop routing to it until it is heard from again.
             self._peers[ev.peer].last_seen = -1e18
+        if len(req.resume_after) + len(ev.generated) >= req.params.max_tokens:
+            # The whole budget reached the client before the peer failed: the shell ends the
+            # answer there, nothing is left to resume.
+            del self._requests[req.request_id]
+            return effects
         if ev.generated or req.streaming:
             # Tokens already reached the client: finish here, after them.
             req.resume_after = req.resume_after + ev.generated
@@ -983,4 +1086,34 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     PeerSeen: NodeCore._on_peer_seen,  # type: ignore[dict-item]
     PeerLost: NodeCore._on_peer_lost,  # type: ignore[dict-item]
     Cancel: NodeCore._on_cancel,  # type: ignore[dict-item]
+    AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
 }
+
+
+class _Excluded:
+    """The peers a routing decision leaves out: those already tried, those reputation blocks
+    (banned, or scored below the candidate threshold) until a later time, and, when the node
+    trusts only some peers, every other one. A container, so the index asks ``peer in it``."""
+
+    __slots__ = ("_tried", "_blocked", "_trusted", "_now")
+
+    def __init__(
+        self,
+        tried: Sequence[PeerId],
+        blocked: Mapping[PeerId, float],
+        trusted: frozenset[PeerId] | None,
+        now: float,
+    ) -> None:
+        self._tried, self._blocked, self._trusted, self._now = tried, blocked, trusted, now
+
+    def __bool__(self) -> bool:
+        return bool(self._tried or self._blocked or self._trusted is not None)
+
+    def __contains__(self, peer: object) -> bool:
+        if peer in self._tried:
+            return True
+        trusted = self._trusted
+        if trusted is not None and peer not in trusted:
+            return True
+        until = self._blocked.get(peer)  # type: ignore[call-overload]
+        return until is not None and bool(until > self._now)
