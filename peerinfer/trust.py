@@ -77,7 +77,10 @@ class TrustKeeper:
         if host is None:
             return
         logger.warning("banning %s until %.0f: %s", eff.peer, eff.until, eff.reason)
-        host.ban(eff.peer)
+        try:
+            host.ban(eff.peer)
+        except Exception:  # the ban is the host's; a failure there must not end the node
+            logger.exception("banning %s failed", eff.peer)
         await trio.sleep(max(0.0, eff.until - time.time()))
         core = self._node.core
         if core is None or not core.reputation.is_banned(eff.peer, time.time()):

@@ -388,6 +388,8 @@ class _Request:
     local_queued: bool = False
     local_running: bool = False
     resume_after: tuple[int, ...] = ()
+    #: the cache the target's digest claimed for this prompt (what it is held to)
+    claimed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -471,6 +473,8 @@ class NodeCore:
         self.reputation = Reputation(config.reputation)
         # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
         self._audit_rng = random.Random(f"audit/{config.peer_id}")
+        #: the undiscounted cache claims of the demoted peers in the last decision
+        self._claims: dict[PeerId, int] = {}
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -623,12 +627,14 @@ class NodeCore:
             max_matched_tokens=max(0, prompt_tokens - 1),
         )
         demoted = self.reputation.demoted()
+        self._claims.clear()
         if demoted:
-            # A peer whose claims did not hold: its cache promises count for nothing.
-            candidates = [
-                replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
-                for c in candidates
-            ]
+            # A peer whose claims did not hold: its cache promises count for nothing in the
+            # choice, but are still what it is held to if it is chosen (on load).
+            for i, c in enumerate(candidates):
+                if demoted.get(c.peer, now) > now:
+                    self._claims[c.peer] = c.matched_tokens
+                    candidates[i] = replace(c, matched_tokens=0)
         request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
         return self.policy.choose(request, candidates, self.rng)
 
@@ -650,6 +656,7 @@ class NodeCore:
             return
         peer = decision.target
         req.target = peer
+        req.claimed_tokens = self._claims.get(peer, decision.expected_cached_tokens)
         req.tried.append(peer)
         req.deadline = now + self.config.first_token_timeout_s
         self._inflight[peer] = self._inflight.get(peer, 0) + 1
@@ -778,7 +785,7 @@ class NodeCore:
             if decision is not None:
                 outcome = judge_finished(
                     self.reputation.config,
-                    expected_cached_tokens=decision.expected_cached_tokens,
+                    expected_cached_tokens=max(decision.expected_cached_tokens, req.claimed_tokens),
                     cached_tokens=ev.cached_tokens,
                     estimated_ttft_s=decision.estimated_ttft_s,
                     ttft_s=ev.ttft_s,

@@ -14,7 +14,7 @@ Outcomes and their weights (``ReputationConfig``; points, one outcome per forwar
 ``served``        +1      finished within the decision's estimate (cache and first-token time)
 ``audit_passed``  +2      an audit re-scored the answer and found it right
 ``busy``          0       refused as busy while it announced itself busy (honest)
-``busy_lie``      -1      refused as busy while its last announcement said it had a free slot
+``busy_lie``      -2      refused as busy while its last announcement said it had a free slot
                           (small: a stale announcement under herding looks the same once)
 ``unavailable``   -2      the stream failed or the peer reset it
 ``slow``          -2      first token later than ``ttft_factor`` x the estimate + ``ttft_slack_s``
@@ -38,7 +38,8 @@ Standing, from the decayed score ``s``:
 
 * ``good`` (``s >= demote_below``): a candidate like any other.
 * ``demoted`` (``exclude_below <= s < demote_below``): still a candidate, but its cache claims
-  count for nothing (routing sees it as holding no prefix), so it only wins on load.
+  count for nothing (routing sees it as holding no prefix), so it only wins on load; chosen,
+  it is still judged against what its digest claimed, so a fake digest keeps costing it.
 * ``excluded`` (``s < exclude_below``): not a candidate. The time at which decay lifts it back
   above the threshold is computed once per change (``s * 0.5 ** (dt / h) = t`` solved for dt), so
   a routing decision asks "until > now?" and never recomputes scores.
@@ -105,7 +106,7 @@ class ReputationConfig:
 
     served: float = 1.0
     audit_passed: float = 2.0
-    busy_lie: float = -1.0
+    busy_lie: float = -2.0
     unavailable: float = -2.0
     slow: float = -2.0
     cache_short: float = -4.0
