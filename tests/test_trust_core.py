@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_node_core import PARAMS, announcements, introduce, make, of, prompt, serve_locally
 
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -40,7 +41,6 @@ from peerinfer.core.reputation import (
     judge_finished,
 )
 from peerinfer.types import PeerId, RequestId
-from test_node_core import PARAMS, announcements, introduce, make, of, prompt, serve_locally
 
 CFG = ReputationConfig()
 P = PeerId("P")
