@@ -450,9 +450,11 @@ def _audit_cost(prompts: int, rate: float) -> dict[str, Any]:
     engine.configure_cache(PrefixHasher(engine.fingerprint))
     serve_s: list[float] = []
     audit_s: list[float] = []
+    lengths: list[int] = []
     params = SamplingParams(max_tokens=32)
     for k in range(prompts):
         prompt = engine.tokenize(f"Document {k}. " + " ".join(f"fact {k}.{i} is stated here." for i in range(40)))
+        lengths.append(len(prompt))
         for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):
             pass  # the peer was chosen because it holds the prompt: warm its cache
         started = time.perf_counter()
@@ -466,7 +468,7 @@ def _audit_cost(prompts: int, rate: float) -> dict[str, Any]:
     return {
         "model": engine.model_name,
         "prompts": prompts,
-        "prompt_tokens_mean": None,
+        "prompt_tokens_mean": round(statistics.mean(lengths), 1),
         "completion_tokens": 32,
         "serve_s_mean": round(statistics.mean(serve_s), 4),
         "audit_s_mean": round(statistics.mean(audit_s), 4),
