@@ -366,3 +366,18 @@ def test_node_config_refuses_a_bad_audit_rate() -> None:
 
     with pytest.raises(ConfigError):
         NodeConfig(peer_id=PeerId("A"), audit_rate=1.5)
+
+
+def test_a_peer_is_held_to_its_own_digest_not_to_our_speculation() -> None:
+    """Routing marks a peer as holding what it was just sent (speculation); the next request
+    for that prefix may go there before the peer has cached it. That is our guess, not its
+    claim: an honest peer that falls short of it is not penalised."""
+    a, b = make("A"), make("B")
+    serve_locally(b, "warm", prompt(9, 64), 0.0)  # B is known, but holds nothing we ask for
+    introduce(a, b, 1.0)
+    shared = prompt(1, 256)
+    a.index.add_speculative(PeerId("B"), tuple(a.hasher.chain(shared)), 1.0)
+    fwd = forward_to_b(a, "r1", shared + prompt(3, 16), 1.0)
+    assert fwd is not None and fwd.decision.expected_cached_tokens == 256
+    a.handle(ForwardFinished(RequestId("r1"), PeerId("B"), cached_tokens=0, ttft_s=0.01), 1.1)
+    assert a.reputation.score(PeerId("B"), 1.1) == CFG.served

@@ -388,7 +388,7 @@ class _Request:
     local_queued: bool = False
     local_running: bool = False
     resume_after: tuple[int, ...] = ()
-    #: the cache the target's digest claimed for this prompt (what it is held to)
+    #: the prompt tokens the target's own digest claimed when it was chosen (what it is held to)
     claimed_tokens: int = 0
 
 
@@ -473,8 +473,6 @@ class NodeCore:
         self.reputation = Reputation(config.reputation)
         # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
         self._audit_rng = random.Random(f"audit/{config.peer_id}")
-        #: the undiscounted cache claims of the demoted peers in the last decision
-        self._claims: dict[PeerId, int] = {}
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -627,14 +625,13 @@ class NodeCore:
             max_matched_tokens=max(0, prompt_tokens - 1),
         )
         demoted = self.reputation.demoted()
-        self._claims.clear()
         if demoted:
             # A peer whose claims did not hold: its cache promises count for nothing in the
-            # choice, but are still what it is held to if it is chosen (on load).
-            for i, c in enumerate(candidates):
-                if demoted.get(c.peer, now) > now:
-                    self._claims[c.peer] = c.matched_tokens
-                    candidates[i] = replace(c, matched_tokens=0)
+            # choice (it still answers for them if chosen on load: see _digest_claim).
+            candidates = [
+                replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
+                for c in candidates
+            ]
         request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
         return self.policy.choose(request, candidates, self.rng)
 
@@ -656,7 +653,7 @@ class NodeCore:
             return
         peer = decision.target
         req.target = peer
-        req.claimed_tokens = self._claims.get(peer, decision.expected_cached_tokens)
+        req.claimed_tokens = self._digest_claim(peer, req.chain, len(req.tokens))
         req.tried.append(peer)
         req.deadline = now + self.config.first_token_timeout_s
         self._inflight[peer] = self._inflight.get(peer, 0) + 1
@@ -673,6 +670,20 @@ class NodeCore:
                 attempt=len(req.tried),
             )
         )
+
+    def _digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
+        (not this node's speculative entries, nor routing's discounts)."""
+        replica = self.index.replica(peer)
+        if replica is None:
+            return 0
+        digest = replica.digest
+        n = 0
+        for h in chain:
+            if h not in digest:
+                break
+            n += 1
+        return min(n * self.hasher.block_size, max(0, prompt_tokens - 1))
 
     def _local_decision(self, req: _Request, reason: str) -> RouteDecision:
         bs = self.hasher.block_size
@@ -785,7 +796,7 @@ class NodeCore:
             if decision is not None:
                 outcome = judge_finished(
                     self.reputation.config,
-                    expected_cached_tokens=max(decision.expected_cached_tokens, req.claimed_tokens),
+                    expected_cached_tokens=req.claimed_tokens,
                     cached_tokens=ev.cached_tokens,
                     estimated_ttft_s=decision.estimated_ttft_s,
                     ttft_s=ev.ttft_s,
