@@ -346,9 +346,10 @@ def _learn(a: Any, b: Any, now: float) -> None:
                     if isinstance(e, SendSyncRequest)]
 
 
-def _audit_scenario(runs: int, rate: float, seed: int) -> dict[str, Any]:
-    """Forwards until a wrong-answer liar is banned (the real NodeCore path: route, forward,
-    finish, audit sampled by the core, audit verdict, ban), and honest peers under noise."""
+def _forwards_until_ban(run: int, seed: int, rate: float, shared: tuple[int, ...], *, strategic: bool) -> int:
+    """Forwarded requests a wrong-answer liar receives from one origin before its ban (the
+    real NodeCore path: route, forward, finish, audit sampled by the core, verdict, ban). A
+    ``strategic`` liar answers rightly while it is on probation (its first audits), then lies."""
     from peerinfer.core.messages import SamplingParams
     from peerinfer.core.node import (
         AuditFinished,
@@ -362,40 +363,56 @@ def _audit_scenario(runs: int, rate: float, seed: int) -> dict[str, Any]:
         NodeCore,
     )
     from peerinfer.core.prefix import PrefixHasher
-    from peerinfer.core.reputation import Reputation, judge_finished
     from peerinfer.types import RequestId
 
     hasher = PrefixHasher(b"bench")
     params = SamplingParams(max_tokens=8)
+    prng = random.Random(seed * 7919 + run)
+    origin = NodeCore(NodeConfig(peer_id=PeerId(f"origin-{seed}-{run}"), policy="longest_prefix",
+                                 audit_rate=rate), hasher, rng=random.Random(run), now=0.0)
+    origin._audit_rng = random.Random(prng.random())  # independent runs
+    liar = NodeCore(NodeConfig(peer_id=PeerId("liar")), hasher, rng=random.Random(run), now=0.0)
+    liar.handle(ClientRequest(RequestId("warm"), shared, params), 0.0)
+    liar.handle(LocalFinished(RequestId("warm"), ok=True, cache_added=tuple(hasher.chain(shared))), 0.0)
+    n = 0
+    lying = not strategic
+    for i in range(10_000):
+        now = 1.0 + i
+        _learn(origin, liar, now)
+        rid = RequestId(f"r{i}")
+        effects = origin.handle(ClientRequest(rid, shared + (5 + i % 1000, 6), params), now)
+        forwards = [e for e in effects if isinstance(e, Forward)]
+        if not forwards:
+            break  # banned: no longer a candidate
+        fwd = forwards[0]
+        if lying:
+            n += 1
+        answer = tuple(prng.randrange(4, 30000) for _ in range(params.max_tokens))
+        effects = origin.handle(ForwardFinished(
+            rid, fwd.peer, fwd.decision.expected_cached_tokens, 0.01, answer
+        ), now)
+        if any(isinstance(e, AuditForward) for e in effects):
+            # The simulated engine audits exactly: a wrong answer always fails.
+            out = origin.handle(AuditFinished(fwd.peer, ok=not lying, detail="audit"), now)
+            if lying:
+                assert any(isinstance(e, BanPeer) for e in out)
+            elif origin.reputation.audits(fwd.peer) >= origin.config.audit_first:
+                lying = True  # probation over: from now on it lies
+    return n
+
+
+def _audit_scenario(runs: int, rate: float, seed: int) -> dict[str, Any]:
+    """Forwards until a wrong-answer liar is banned (the real NodeCore path: route, forward,
+    finish, audit sampled by the core, audit verdict, ban), and honest peers under noise."""
+    from peerinfer.core.reputation import Reputation, judge_finished
+
     prng = random.Random(seed)
     shared = tuple(prng.randrange(4, 30000) for _ in range(256))
     until_ban: list[int] = []
+    naive_until_ban: list[int] = []
     for run in range(runs):
-        origin = NodeCore(NodeConfig(peer_id=PeerId(f"origin-{seed}-{run}"), policy="longest_prefix",
-                                     audit_rate=rate), hasher, rng=random.Random(run), now=0.0)
-        liar = NodeCore(NodeConfig(peer_id=PeerId("liar")), hasher, rng=random.Random(run), now=0.0)
-        liar.handle(ClientRequest(RequestId("warm"), shared, params), 0.0)
-        liar.handle(LocalFinished(RequestId("warm"), ok=True, cache_added=tuple(hasher.chain(shared))), 0.0)
-        n = 0
-        for i in range(10_000):
-            now = 1.0 + i
-            _learn(origin, liar, now)
-            rid = RequestId(f"r{i}")
-            effects = origin.handle(ClientRequest(rid, shared + (5 + i % 1000, 6), params), now)
-            forwards = [e for e in effects if isinstance(e, Forward)]
-            if not forwards:
-                break  # banned: no longer a candidate
-            n += 1
-            fwd = forwards[0]
-            wrong = tuple(prng.randrange(4, 30000) for _ in range(params.max_tokens))
-            effects = origin.handle(ForwardFinished(
-                rid, fwd.peer, fwd.decision.expected_cached_tokens, 0.01, wrong
-            ), now)
-            if any(isinstance(e, AuditForward) for e in effects):
-                # The simulated engine audits exactly: a wrong answer always fails.
-                out = origin.handle(AuditFinished(fwd.peer, ok=False, detail="wrong"), now)
-                assert any(isinstance(e, BanPeer) for e in out)
-        until_ban.append(n)
+        naive_until_ban.append(_forwards_until_ban(run, seed, rate, shared, strategic=False))
+        until_ban.append(_forwards_until_ban(run, seed, rate, shared, strategic=True))
     # Honest peers: 1,000 forwards each through the same judging and table.
     rng = random.Random(seed)
     rep = Reputation()
@@ -425,9 +442,10 @@ def _audit_scenario(runs: int, rate: float, seed: int) -> dict[str, Any]:
     return {
         "audit_rate": rate,
         "runs": runs,
-        "forwards_until_ban_p50": statistics.median(ordered),
-        "forwards_until_ban_p95": ordered[int(0.95 * (len(ordered) - 1))],
-        "forwards_until_ban_max": ordered[-1],
+        "naive_liar_forwards_until_ban_max": max(naive_until_ban),
+        "strategic_liar_forwards_until_ban_p50": statistics.median(ordered),
+        "strategic_liar_forwards_until_ban_p95": ordered[int(0.95 * (len(ordered) - 1))],
+        "strategic_liar_forwards_until_ban_max": ordered[-1],
         "share_of_runs_banned_within_59": round(sum(n <= 59 for n in ordered) / len(ordered), 4),
         "honest_peers": 7,
         "honest_forwards_each": 1000,

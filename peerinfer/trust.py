@@ -63,10 +63,14 @@ class TrustKeeper:
         #: tokens the audits scored, and the engine time they took (for the cost ratio)
         self.audit_tokens = 0
         self.audit_engine_s = 0.0
+        #: the engine has no way to re-score (``audit_greedy`` answered None): audits are off
+        self.cannot_audit = False
 
     # ------------------------------------------------------------------ effects
 
     def queue_audit(self, eff: AuditForward) -> None:
+        if self.cannot_audit:
+            return
         if len(self._pending) == self._pending.maxlen:
             self.audits_dropped += 1
         self._pending.append(eff)
@@ -153,6 +157,9 @@ class TrustKeeper:
             return
         self.audit_engine_s += time.perf_counter() - started
         if verdict is None:
+            self.cannot_audit = True
+            self._pending.clear()
+            logger.info("engine %s cannot audit; forwarded answers go unchecked", type(engine).__name__)
             return
         self.audits_run += 1
         self.audit_tokens += verdict.scored_tokens

@@ -99,6 +99,8 @@ class NodeConfig:
     #: answers re-scored by the local model, and the only peers forwarded to (None: any peer)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
     audit_rate: float = 0.05
+    #: a peer's first answers are all audited (probation), before sampling at ``audit_rate``
+    audit_first: int = 1
     trusted_peers: frozenset[PeerId] | None = None
 
     def __post_init__(self) -> None:
@@ -807,7 +809,10 @@ class NodeCore:
                 ev.completion
                 and req.params.temperature == 0
                 and rate > 0
-                and self._audit_rng.random() < rate
+                and (
+                    self._audit_rng.random() < rate
+                    or self.reputation.audits(ev.peer) < self.config.audit_first
+                )
             ):
                 # Only greedy answers: the local model's argmax is the one right answer.
                 effects.append(

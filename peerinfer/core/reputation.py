@@ -233,6 +233,13 @@ class Reputation:
         rec = self._records.get(peer)
         return rec is not None and rec.banned_until > now
 
+    def audits(self, peer: PeerId) -> int:
+        """How many audits of ``peer``'s answers have been recorded (passed or failed)."""
+        rec = self._records.get(peer)
+        if rec is None:
+            return 0
+        return rec.counts.get("audit_passed", 0) + rec.counts.get("audit_failed", 0)
+
     def blocked(self) -> Mapping[PeerId, float]:
         """Peers that are not candidates until the time given (compare with ``now``)."""
         return self._blocked
