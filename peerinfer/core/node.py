@@ -35,6 +35,12 @@ What it decides
   Forwarded requests are refused as busy when the queue is at ``max_queue`` (their origin has
   other options); the origin's own client requests are always queued (up to
   ``hard_max_queue``, then refused), so a client is never silently dropped.
+* **Trust.** Every forward's outcome (served within its digest's claim and the estimated first
+  token, or short, slow, timed out, busy while announcing idle, a broken contract) feeds the
+  per-peer ``Reputation`` (peerinfer.core.reputation); demoted peers' cache claims count for
+  nothing in routing, excluded and banned peers (and, with ``trusted_peers``, every unlisted
+  peer) are not candidates. A peer's first greedy answer, then ``audit_rate`` of them, is sent
+  for an audit (``AuditForward``); a failed audit bans the peer (``BanPeer``).
 * **Liveness.** Peers are pinged when quiet; a peer silent for ``peer_timeout_s`` leaves the
   index (and the candidate set); when it announces again it rejoins with an empty replica.
 """
