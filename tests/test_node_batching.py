@@ -14,6 +14,7 @@ import trio
 from peerinfer.client import Client
 from peerinfer.core.messages import SamplingParams
 from peerinfer.engine import Tokens
+from peerinfer.errors import EngineError
 from peerinfer.node import Node, NodeOptions
 from peerinfer.testing.engines import BatchRecordingEngine
 
@@ -127,3 +128,37 @@ async def test_a_client_leaving_mid_batch_does_not_disturb_the_others() -> None:
     assert len(engine.batch_sizes) >= n_tokens
     assert engine.open_decoders == 0
     assert engine.radix_cache is not None and engine.radix_cache.stats().locked_blocks == 0
+
+
+@pytest.mark.slow
+async def test_a_failing_request_gets_an_error_and_its_batch_neighbours_their_answers() -> None:
+    gate = threading.Event()
+    # '#' poisons a request: the engine's batched decode raises while it is in the batch.
+    engine = BatchRecordingEngine(
+        max_batch_size=4, gate=gate, prefill_chunk_tokens=256, fail_tokens=frozenset({ord("#")})
+    )
+    node = Node(_options(), engine=engine)
+    prompts = ["fine one", "broken # one", "fine two"]
+    outcomes: dict[int, object] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.serve)
+        addr = node.addresses()[0]
+
+        async def ask(i: int) -> None:
+            async with Client.connect(addr) as client:
+                try:
+                    outcomes[i] = await client.generate(prompts[i], max_tokens=8)
+                except EngineError as exc:
+                    outcomes[i] = exc
+
+        async with trio.open_nursery() as clients:
+            for i in range(3):
+                clients.start_soon(ask, i)
+            await _wait_until(lambda: _handed_over(node) == 3)
+            gate.set()
+        nursery.cancel_scope.cancel()
+    assert isinstance(outcomes[1], EngineError) and "poisoned" in str(outcomes[1])
+    for i in (0, 2):
+        assert outcomes[i].text == _expected_text(prompts[i], 8)  # type: ignore[attr-defined]
+    assert max(engine.batch_sizes) >= 2
+    assert engine.open_decoders == 0
