@@ -543,9 +543,13 @@ class Node:
                         )
                 except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
                     logger.exception("the batch scheduler failed")
-                    async with self._engine_lock:
-                        await trio.to_thread.run_sync(scheduler.close)
-                        changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                    changes = None
+                    try:
+                        async with self._engine_lock:
+                            await trio.to_thread.run_sync(scheduler.close)
+                            changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                    except Exception:
+                        logger.exception("the batch scheduler failed to close")
                     failure = EngineError(f"engine failure: {type(exc).__name__}")
                     results = [(run, failure) for run in list(self._local_runs)]
                 for run, item in results:
