@@ -35,9 +35,10 @@ What it decides
   engine's ``max_batch_size``); the rest wait, each in its *requester's* queue (the origin peer
   of a forwarded request, the client's peer of a direct one). When a slot frees, the next
   request comes from this node's own front ends (``local``) if one waits, else from the waiting
-  requester served least recently: round robin, one request per requester in turn, and a
-  requester with nothing started since it arrived goes first. So a flood from one requester
-  delays another's request by at most the wait for one slot to free. Refused as ``busy``, with a
+  requester running the fewest requests here, and among those the one served least recently
+  (round robin, one request per requester in turn). So a flood from one requester delays the
+  request of a requester with nothing running here by at most the wait for one slot to free
+  (unless other such requesters wait too: then one turn each). Refused as ``busy``, with a
   message naming the limit: a forwarded request when ``max_queue`` requests wait and every slot
   runs, or when more than its ``max_outstanding`` are here (its origin has other options); a
   requester other than this node and its front ends with ``max_queued_per_peer`` already
@@ -450,8 +451,9 @@ class _Share:
     """One requester's part of the local engine: its waiting requests, oldest first."""
 
     queue: deque[RequestId] = field(default_factory=deque)
-    #: its requests queued or running here (the share is forgotten at 0)
+    #: its requests queued or running here (the share is forgotten at 0), and running
     outstanding: int = 0
+    running: int = 0
     #: the local start count when it last got a slot (0: none since it arrived)
     last_start: int = 0
 
@@ -658,6 +660,7 @@ class NodeCore:
         inflight: Counter[PeerId] = Counter()
         pending: Counter[BlockHash] = Counter()
         outstanding: Counter[_ShareKey] = Counter()
+        running: Counter[_ShareKey] = Counter()
         attempts = self.config.max_forward_attempts
         for rid, req in self._requests.items():
             check(rid == req.request_id, f"request {rid!r} is filed under another id")
@@ -676,6 +679,8 @@ class NodeCore:
                 for h in req.chain:
                     pending[h] += 1
                 outstanding[req.share] += 1
+                if req.phase is Phase.RUNNING:
+                    running[req.share] += 1
                 if req.share in self._shares:
                     check(req.phase is not Phase.QUEUED or rid in self._shares[req.share].queue,
                           f"{rid!r} waits in another requester's queue")
@@ -683,6 +688,8 @@ class NodeCore:
         check(dict(pending) == self._pending_local, "blocks pending locally != the local chains")
         check({k: s.outstanding for k, s in self._shares.items()} == dict(outstanding),
               "a share does not count its requests (or an empty share is kept)")
+        check({k: s.running for k, s in self._shares.items() if s.running} == dict(running),
+              "a share does not count its running requests")
         check(all(0 <= s.last_start <= self._local_starts for s in self._shares.values()),
               "a share started after the last start")
         st = self._stats
@@ -874,13 +881,14 @@ class NodeCore:
             )
 
     def _next_share(self) -> _Share:
-        """Whose turn a free slot is: this node's own front ends first, then the waiting
-        requester that got a slot least recently (ties: the one that came first)."""
+        """Whose turn a free slot is: this node's own front ends first; then the waiting
+        requester running the fewest requests here, and among those the one that got a slot
+        least recently (ties: the one that came first)."""
         best: _Share | None = None
-        best_key = (True, 0)
+        best_key = (True, 0, 0)
         for (local, _), share in self._shares.items():
             if share.queue:
-                key = (not local, share.last_start)
+                key = (not local, share.running, share.last_start)
                 if best is None or key < best_key:
                     best, best_key = share, key
         assert best is not None, "a request is counted as queued but no share holds one"
@@ -913,6 +921,7 @@ class NodeCore:
             self._queued -= 1
         elif old is Phase.RUNNING:
             self._running -= 1
+            self._shares[req.share].running -= 1
         elif old in _FORWARD_PHASES and new is not Phase.RELAYING:
             assert req.target is not None
             self._forward_done(req.target)
@@ -941,7 +950,9 @@ class NodeCore:
         elif new is Phase.RUNNING:
             self._running += 1
             self._local_starts += 1
-            self._shares[req.share].last_start = self._local_starts
+            share = self._shares[req.share]
+            share.running += 1
+            share.last_start = self._local_starts
         elif new is Phase.FORWARDED:
             assert target is not None
             req.target = target
