@@ -733,11 +733,10 @@ class NodeCore:
                 f"max_tokens {ev.params.max_tokens} is more than this node's max_new_tokens "
                 f"of {cfg.max_new_tokens}",
             )
-        chain = tuple(self.hasher.chain(ev.tokens))
         requester = ev.requester or (ev.origin if ev.forwarded and ev.origin else self.peer_id)
-        req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
         if ev.forwarded:
-            # Served where it lands: a forwarded request is never forwarded again.
+            # Served where it lands: a forwarded request is never forwarded again. Refused
+            # before its prompt is hashed: a refusal costs little.
             outstanding = self._queued + self._running
             if self._queued >= cfg.max_queue and self._running >= cfg.costs.slots:
                 return self._refuse(rid, "busy", f"{self.peer_id} is at capacity")
@@ -750,10 +749,12 @@ class NodeCore:
                     f"{self.peer_id} has {outstanding} requests outstanding, more than the "
                     f"{limit} the origin's routing assumed",
                 )
-            self._requests[rid] = req
+        chain = tuple(self.hasher.chain(ev.tokens))
+        req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
+        self._requests[rid] = req
+        if ev.forwarded:
             self._admit_local(req, None, effects)
             return effects
-        self._requests[rid] = req
         self._route_and_dispatch(req, now, effects)
         return effects
 
