@@ -444,6 +444,7 @@ class Node:
                 forwarded=req.forwarded,
                 origin=PeerId(stream.remote_peer) if req.forwarded else None,
                 max_outstanding=req.max_outstanding if req.forwarded else None,
+                requester=stream.remote_peer,
             )
         )
         try:
