@@ -110,6 +110,37 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps() -> None:
     assert scheduler.statistics().prefill_chunks == len(engine.prefill_chunks)
 
 
+def test_a_short_prompt_joining_behind_long_ones_is_prefilled_first() -> None:
+    # A flooder's maximal prompts must not hold back another requester's first token: the
+    # prefill chunk goes to the request with the fewest prompt tokens left.
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=8)
+    longs = [_prompt(i, 80) for i in range(3)]
+    short = _prompt(9, 6)
+    expected_short = _alone(engine, short, 2)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    engine.prefill_chunks.clear()
+    scheduler = BatchScheduler(engine)
+    for i, p in enumerate(longs):
+        scheduler.submit(("long", i), p, SamplingParams(max_tokens=2))
+    events: dict[object, list[object]] = {}
+    for key, item in scheduler.step():  # all three admitted, the first long chunk runs
+        events.setdefault(key, []).append(item)
+    scheduler.submit("short", short, SamplingParams(max_tokens=2))
+    steps_to_first_token = None
+    for n in range(1, 200):
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+        if steps_to_first_token is None and _ids(events.get("short", [])):
+            steps_to_first_token = n
+        if scheduler.idle:
+            break
+    # Its 6 tokens fit one chunk: prefilled at the next step, first token at the one after
+    # (the longs still have ~230 tokens, 29 chunks, left).
+    assert steps_to_first_token is not None and steps_to_first_token <= 2
+    assert _ids(events["short"]) == expected_short
+    assert all(len(_ids(events[("long", i)])) == 2 for i in range(3))
+
+
 def test_a_failing_batch_is_retried_one_by_one_and_only_the_culprit_fails() -> None:
     engine = _engine(max_batch_size=4, fail_tokens=frozenset({POISON}))
     prompts = [_prompt(i) for i in range(3)]

@@ -19,9 +19,10 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    alone is refused at ``submit`` with InvalidRequestError; one that cannot fit when nothing
    runs (memory pinned by someone else) fails instead of waiting forever.
 3. **Prefill.** Requests whose decoder reports no ``prefill_remaining`` (backends that do not
-   chunk) are ready at once; otherwise the oldest prefilling request runs **one** chunk of at
-   most ``prefill_chunk_tokens`` (``Decoder.prefill``), so a long prompt never stalls the
-   requests already decoding: it costs each of their steps one chunk at most.
+   chunk) are ready at once; otherwise the prefilling request with the fewest prompt tokens
+   left (ties: the oldest) runs **one** chunk of at most ``prefill_chunk_tokens``
+   (``Decoder.prefill``), so a long prompt never stalls the requests already decoding (it
+   costs each of their steps one chunk at most) nor a short prompt that joins after it.
 4. **Decode.** One ``engine.decode_batch`` over every ready request gives each its next token;
    a request that reaches its end (eos, stop sequence, ``max_tokens``, context, cancelled in
    the meantime) leaves in this same step, and its place is offered at the next one.
@@ -274,6 +275,12 @@ class BatchScheduler:
                 self._emit(out, key, job, (started,))
 
     def _prefill_one(self, out: StepResult) -> None:
+        # Shortest remaining prompt first (ties: the oldest): a short prompt that joins behind
+        # long ones gets its first token after one chunk, not after their whole prefill, so a
+        # requester flooding the node with maximal prompts cannot delay another's first token
+        # by more than a chunk per step. Long prompts still advance whenever no shorter one
+        # waits, and at most ``max_running`` requests prefill at once, so none starves.
+        best: tuple[int, Hashable, _Running] | None = None
         for key, entry in list(self._running.items()):
             if entry.ready:
                 continue
@@ -284,11 +291,15 @@ class BatchScheduler:
             if remaining <= 0:
                 entry.ready = True  # a backend that does not chunk: step() runs the prompt
                 continue
-            self._prefill_chunks += 1
-            done = self._attempt(out, key, job, job.prefill, self.prefill_chunk_tokens)
-            if done is True:
-                entry.ready = True
-            return  # one chunk per step
+            if best is None or remaining < best[0]:
+                best = (remaining, key, entry)
+        if best is None:
+            return
+        _, key, entry = best
+        self._prefill_chunks += 1
+        done = self._attempt(out, key, entry.job, entry.job.prefill, self.prefill_chunk_tokens)
+        if done is True:
+            entry.ready = True
 
     def _decode(self, out: StepResult) -> None:
         batch = [(key, e.job) for key, e in self._running.items() if e.ready]
