@@ -29,6 +29,7 @@ gossip ``peerinfer/1/<model>/announce``    Announce (digest root, epoch, load, d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -36,8 +37,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,7 @@ from peerinfer.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
+    error_kind,
 )
 from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
 from peerinfer.net.config import DEFAULT_PORT
@@ -171,6 +173,78 @@ class _Sink:
     cancel: threading.Event = field(default_factory=threading.Event)
     forward_scope: trio.CancelScope | None = None
     done: bool = False
+    serving_peer: str = ""  # where the request runs now (the last routing decision)
+
+
+#: How many routing decisions a node remembers for its dashboard.
+RECENT_DECISIONS = 64
+_CLIENT_REQUEST_FIELDS = frozenset(f.name for f in fields(ClientRequest))
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRecord:
+    """One routing decision, as the dashboard shows it."""
+
+    at: float  # wall clock
+    request_id: str
+    peer: str
+    local: bool
+    reason: str
+
+
+class Submission:
+    """The events of one request submitted through :meth:`Node.submit`, in order.
+
+    ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
+    ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
+    it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
+    routed).
+    """
+
+    def __init__(
+        self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
+        sink: _Sink | None, final: ErrorMessage | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._receive = receive
+        self._sink = sink
+        self._pending = final
+        self.final: GenerateDone | ErrorMessage | None = None
+        self.started = trio.current_time()
+        self.first_event_at: float | None = None
+
+    @classmethod
+    def failed(cls, error: ErrorMessage) -> Submission:
+        return cls(error.request_id, None, None, final=error)
+
+    @property
+    def serving_peer(self) -> str:
+        return self._sink.serving_peer if self._sink is not None else ""
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> TokenChunk | GenerateDone | ErrorMessage:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item: Message
+        if self._pending is not None or self._receive is None:
+            item = self._pending or ErrorMessage(self.request_id, "internal", "no result")
+        else:
+            try:
+                with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
+                    item = await self._receive.receive()
+            except trio.TooSlowError:
+                item = ErrorMessage(self.request_id, "timeout",
+                                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
+        if self.first_event_at is None:
+            self.first_event_at = trio.current_time()
+        if isinstance(item, GenerateDone | ErrorMessage):
+            self.final = item
+        assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
+        return item
 
 
 def _load_engine(options: NodeOptions) -> Engine:
@@ -207,6 +281,13 @@ class Node:
         self._topic = ""
         self._started_at = time.time()
         self.ready = trio.Event()
+        #: the last routing decisions, newest last (bounded)
+        self.recent_decisions: collections.deque[RoutingRecord] = collections.deque(
+            maxlen=RECENT_DECISIONS
+        )
+        #: called with (submission, local) when a request submitted through the door ends
+        #: with its final event (metrics); must not block or raise
+        self.request_listeners: list[Callable[[Submission, bool], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -335,6 +416,8 @@ class Node:
         if nursery is None:
             return
         for eff in effects:
+            if isinstance(eff, RunLocal | Forward):
+                self._note_route(eff)
             if isinstance(eff, Publish):
                 nursery.start_soon(self._publish, eff.announce)
             elif isinstance(eff, SendSyncRequest):
@@ -396,42 +479,73 @@ class Node:
             return
         except trio.EndOfChannel:
             return
-        if self._closing:
-            await stream.send(encode(ErrorMessage(req.request_id, "shutdown", "the node is shutting down")))
-            return
         try:
-            tokens = await self._prompt_tokens(req)
-        except InvalidRequestError as exc:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", str(exc))))
-            return
-        rid = RequestId(f"{stream.remote_peer}/{req.request_id}")
-        if rid in self._sinks:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", "duplicate request id")))
+            async with self.submit(req, requester=stream.remote_peer, local=False) as events:
+                async for item in events:
+                    await stream.send(encode(item))
+        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # Leaving submit() cancelled the work, wherever it ran.
+            logger.info("request %s from %s: stream ended early (%s)", req.request_id,
+                        stream.remote_peer, type(exc).__name__)
+
+    @contextlib.asynccontextmanager
+    async def submit(
+        self, req: GenerateRequest, *, requester: str, local: bool
+    ) -> AsyncIterator[Submission]:
+        """The door: every front end (the libp2p generate handler, the HTTP API) submits here.
+
+        ``requester`` names who asked (a peer id, ``http:<address>``): request ids are unique
+        per requester. ``local``: the request comes from this node's own users (HTTP), not
+        from the network. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
+        events ending with exactly one ``GenerateDone`` or ``ErrorMessage``; a request that
+        cannot be taken (bad prompt, duplicate id, shutting down) yields just the error.
+        Leaving the block before the end (the client went away, the caller was cancelled)
+        cancels the work wherever in the network it runs.
+        """
+        error: ErrorMessage | None = None
+        tokens: list[int] = []
+        rid = RequestId(f"{requester}/{req.request_id}")
+        if self._closing:
+            error = ErrorMessage(req.request_id, "shutdown", "the node is shutting down")
+        elif rid in self._sinks:
+            error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        else:
+            try:
+                tokens = await self._prompt_tokens(req)
+            except InvalidRequestError as exc:
+                error = ErrorMessage(req.request_id, "invalid", str(exc))
+            if rid in self._sinks:  # the same id arrived again while we tokenized
+                error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        if error is not None:
+            refused = Submission.failed(error)
+            try:
+                yield refused
+            finally:
+                self._notify_listeners(refused, local)
             return
         send, receive = trio.open_memory_channel[Message](math.inf)
         sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
         self._sinks[rid] = sink
         self._open_handlers += 1
-        self._feed(
-            ClientRequest(
-                request_id=rid,
-                tokens=tuple(tokens),
-                params=req.params,
-                forwarded=req.forwarded,
-                origin=PeerId(stream.remote_peer) if req.forwarded else None,
-                max_outstanding=req.max_outstanding if req.forwarded else None,
-            )
+        submission = Submission(req.request_id, receive, sink)
+        request = dict(
+            request_id=rid,
+            tokens=tuple(tokens),
+            params=req.params,
+            forwarded=req.forwarded,
+            origin=PeerId(requester) if req.forwarded else None,
+            max_outstanding=req.max_outstanding if req.forwarded else None,
         )
+        # Who asked, for fair-share queueing, where the core's ClientRequest has the fields
+        # (the admission branch adds them; before it merges they are not passed).
+        if "requester" in _CLIENT_REQUEST_FIELDS:
+            request["requester"] = requester
+        if "local" in _CLIENT_REQUEST_FIELDS:
+            request["local"] = local
+        self._feed(ClientRequest(**request))
         try:
             async with receive:
-                while True:
-                    with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
-                        item = await receive.receive()
-                    await stream.send(encode(item))
-                    if isinstance(item, GenerateDone | ErrorMessage):
-                        break
-        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, trio.EndOfChannel) as exc:
-            logger.info("request %s: client stream ended early (%s)", rid, type(exc).__name__)
+                yield submission
         finally:
             self._open_handlers -= 1
             if rid in self._sinks and not sink.done:
@@ -441,6 +555,31 @@ class Node:
                 if sink.forward_scope is not None:
                     sink.forward_scope.cancel()
                 self._sinks.pop(rid, None)
+            self._notify_listeners(submission, local)
+
+    def _notify_listeners(self, submission: Submission, local: bool) -> None:
+        for listener in self.request_listeners:
+            try:
+                listener(submission, local)
+            except Exception:  # metrics must never break a request
+                logger.exception("request listener failed")
+
+    def _note_route(self, eff: RunLocal | Forward) -> None:
+        """Remember where a request went and why (the dashboard shows the last ones)."""
+        sink = self._sinks.get(eff.request_id)
+        target = self.peer_id if isinstance(eff, RunLocal) else eff.peer
+        if sink is not None:
+            sink.serving_peer = target
+        decision = eff.decision
+        self.recent_decisions.append(
+            RoutingRecord(
+                at=self._now(),
+                request_id=str(eff.request_id),
+                peer=str(target),
+                local=isinstance(eff, RunLocal),
+                reason=decision.reason if decision is not None else "",
+            )
+        )
 
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
         engine = self.engine
@@ -642,12 +781,12 @@ class Node:
                     return ForwardFinished(eff.request_id, eff.peer), msg
                 else:
                     assert isinstance(msg, ErrorMessage)
-                    reason = msg.code if msg.code in ("busy", "invalid", "timeout") else "unavailable"
-                    if msg.code == "invalid":
+                    kind = error_kind(msg.code)
+                    if not kind.retry_elsewhere:
                         # The peer found the request itself bad: it would be bad anywhere.
-                        self._finish_sink(sink, ErrorMessage(sink.request_id, "invalid", msg.message))
+                        self._finish_sink(sink, ErrorMessage(sink.request_id, msg.code, msg.message))
                         return ForwardFinished(eff.request_id, eff.peer), None
-                    return ForwardFailed(eff.request_id, eff.peer, reason, tuple(generated)), None
+                    return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
 
     # ------------------------------------------------------------------ anti-entropy
 
