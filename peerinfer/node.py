@@ -158,6 +158,10 @@ class NodeOptions:
     max_queue: int = 8
     seed: int | None = None
     expected_peers: int = 64
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    http: str | None = None
+    #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
+    api_keys: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -288,6 +292,10 @@ class Node:
         #: called with (submission, local) when a request submitted through the door ends
         #: with its final event (metrics); must not block or raise
         self.request_listeners: list[Callable[[Submission, bool], None]] = []
+        #: anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")
+        self.traffic: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: the HTTP API's URL once it accepts (None: off)
+        self.http_url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -302,6 +310,14 @@ class Node:
 
     async def serve(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         opts = self.options
+        http_address = None
+        if opts.http is not None:
+            from peerinfer.http import check_exposure, parse_http_address
+
+            # Refuse a bad or unsafe address before the (slow) model load.
+            http_address = parse_http_address(opts.http)
+            if http_address is not None:
+                check_exposure(http_address[0], opts.api_keys)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(_load_engine, opts)
         engine = self.engine
@@ -359,6 +375,10 @@ class Node:
                 nursery.start_soon(self._peer_exchange_loop)
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
+                if http_address is not None:
+                    from peerinfer.http import serve_http
+
+                    await nursery.start(serve_http, self, *http_address, opts.api_keys)
                 self.ready.set()
                 task_status.started(self)
                 try:
@@ -794,7 +814,9 @@ class Node:
         host = self.host
         assert host is not None
         try:
-            await host.publish(self._topic, encode(announce))
+            data = encode(announce)
+            await host.publish(self._topic, data)
+            self.traffic["announce", "sent"] += len(data)
         except PeerInferError as exc:
             logger.warning("announcement not published: %s", exc)
 
@@ -810,6 +832,7 @@ class Node:
 
     async def _gossip_loop(self, messages: trio.MemoryReceiveChannel[GossipMessage]) -> None:
         async for message in messages:
+            self.traffic["announce", "received"] += len(message.data)
             try:
                 announce = decode(message.data, expected=Announce)
             except ProtocolError:
@@ -826,7 +849,10 @@ class Node:
         host = self.host
         assert host is not None
         try:
-            reply = await host.request(eff.peer, SYNC_PROTOCOL, encode(eff.request), timeout=eff.timeout_s)
+            data = encode(eff.request)
+            self.traffic["sync", "sent"] += len(data)
+            reply = await host.request(eff.peer, SYNC_PROTOCOL, data, timeout=eff.timeout_s)
+            self.traffic["sync", "received"] += len(reply)
             response = decode(reply, expected=SyncResponse)
             assert isinstance(response, SyncResponse)
         except PeerInferError as exc:
@@ -838,9 +864,12 @@ class Node:
         core = self.core
         assert core is not None
         async for frame in stream:
+            self.traffic["sync", "received"] += len(frame)
             request = decode(frame, expected=SyncRequest)
             assert isinstance(request, SyncRequest)
-            await stream.send(encode(core.answer_sync(request)))
+            answer = encode(core.answer_sync(request))
+            self.traffic["sync", "sent"] += len(answer)
+            await stream.send(answer)
 
     # ------------------------------------------------------------------ status and peers
 
