@@ -6,6 +6,9 @@ browser does not advance virtual time while a fetch is pending, so the streamed 
 completes). The test checks what only a live page can show: the node's peer id, its peer, a
 request counter and the routing decision of the chat request, and the streamed answer.
 
+``PEERINFER_DASHBOARD_SCREENSHOT=PATH`` also saves a screenshot of the page there (how
+docs/figures/dashboard.png was made).
+
 Without chromium the test is skipped, unless ``PEERINFER_REQUIRE_BROWSER=1`` (``make test``
 sets it), where a missing browser fails.
 """
@@ -68,3 +71,8 @@ async def test_the_dashboard_renders_live_data_and_streams_a_chat() -> None:
         assert reply.group(3).strip()
         # The page showed the routing decision of its own chat request, with the reason.
         assert "cost:" in dom or "longest_prefix:" in dom
+        shot = os.environ.get("PEERINFER_DASHBOARD_SCREENSHOT")
+        if shot:
+            await dump_dom(a.http_url + "/?chat=What+is+a+prefix+cache%3F",
+                           "--hide-scrollbars", "--window-size=1280,1150",
+                           f"--screenshot={os.path.abspath(shot)}")
