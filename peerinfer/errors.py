@@ -16,11 +16,15 @@ this tree in exactly one place each, keeping the original as ``__cause__``.
     │   ├── PeerBusyError           the peer refused: at capacity
     │   └── RequestTimeoutError     a deadline passed
     └── EngineError                 the inference backend failed on a well-formed request
+
+``ERROR_TABLE`` is the one table from the wire's error codes (``ErrorMessage.code``) to these
+classes, HTTP statuses, OpenAI error types and forwarding reasons; the client, the node's
+forwarding, the HTTP API and the simulator all read it (``error_kind(code)``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass as _dataclass
 
 
 class PeerInferError(Exception):
@@ -71,7 +75,7 @@ class EngineError(PeerInferError):
 # The one table from wire error codes to what each front end makes of them.
 
 
-@dataclass(frozen=True, slots=True)
+@_dataclass(frozen=True, slots=True)
 class ErrorKind:
     """What one wire error code (``ErrorMessage.code``) means, for every front end.
 
@@ -120,17 +124,6 @@ def error_kind(code: str) -> ErrorKind:
     return ERROR_TABLE.get(code) or ERROR_TABLE["internal"]
 
 
-def code_of(exc: BaseException) -> str:
-    """The wire code for one of our exceptions (the most specific row whose class matches)."""
-    for kind in ERROR_TABLE.values():
-        if type(exc) is kind.exception:
-            return kind.code
-    for kind in ERROR_TABLE.values():
-        if isinstance(exc, kind.exception):
-            return kind.code
-    return "internal"
-
-
 def error_from_code(code: str, message: str) -> PeerInferError:
     """The exception a client raises for an ``ErrorMessage(code, message)``."""
     return error_kind(code).exception(f"{code}: {message}")
@@ -150,7 +143,6 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RequestTimeoutError",
-    "code_of",
     "error_from_code",
     "error_kind",
 ]

@@ -98,6 +98,22 @@ async def in_thread(fn: Callable[[], Any]) -> Any:
     return await trio.to_thread.run_sync(fn)
 
 
+async def warm_up(a: Node, b: Node) -> tuple[Node, Node]:
+    """Put the long prefix in one node's cache (wherever the request to ``b`` was routed: with
+    nothing cached, either node may serve it) and wait until the other knows it is there.
+    Returns (asker, holder)."""
+    raw = await in_thread(lambda: sdk(b).completions.with_raw_response.create(
+        model="simulated", prompt=SHARED + " warm", max_tokens=2))
+    holder = a if raw.headers["x-peerinfer-served-by"] == a.peer_id else b
+    asker = b if holder is a else a
+    await wait_until(
+        lambda: asker.core.index.replica(holder.core.peer_id) is not None  # type: ignore[union-attr]
+        and len(asker.core.index.replica(holder.core.peer_id).digest) > 0,  # type: ignore[union-attr]
+        timeout=60.0,
+    )
+    return asker, holder
+
+
 # ------------------------------------------------------------------------- the error table
 
 
@@ -214,14 +230,9 @@ async def test_raw_sse_ends_with_done_and_streams_completions() -> None:
 
 
 async def test_a_request_is_routed_through_the_network_and_names_its_server() -> None:
-    async with nodes(2) as (a, b):
-        # Warm b's cache with the long prefix, then ask a: it forwards to b.
-        await in_thread(lambda: sdk(b).completions.create(
-            model="simulated", prompt=SHARED + " warm", max_tokens=2))
-        await wait_until(
-            lambda: a.core.index.replica(b.core.peer_id) is not None  # type: ignore[union-attr]
-            and len(a.core.index.replica(b.core.peer_id).digest) > 0  # type: ignore[union-attr]
-        )
+    async with nodes(2) as pair:
+        # Warm one cache with the long prefix, then ask the other node: it forwards.
+        a, b = await warm_up(*pair)
         raw = await in_thread(lambda: sdk(a).completions.with_raw_response.create(
             model="simulated", prompt=SHARED + " again", max_tokens=3))
         assert raw.headers["x-peerinfer-served-by"] == b.peer_id
@@ -389,13 +400,8 @@ async def test_a_client_disconnect_cancels_the_work_in_the_engine() -> None:
 
 
 async def test_a_disconnect_cancels_a_forwarded_request_on_the_peer() -> None:
-    async with nodes(2) as (a, b):
-        await in_thread(lambda: sdk(b).completions.create(
-            model="simulated", prompt=SHARED + " warm", max_tokens=2))
-        await wait_until(
-            lambda: a.core.index.replica(b.core.peer_id) is not None  # type: ignore[union-attr]
-            and len(a.core.index.replica(b.core.peer_id).digest) > 0  # type: ignore[union-attr]
-        )
+    async with nodes(2) as pair:
+        a, b = await warm_up(*pair)
         engine = b.engine
         assert isinstance(engine, RecordingEngine)
         body = {"model": "simulated", "prompt": SHARED + " long", "max_tokens": 5000,

@@ -246,7 +246,7 @@ class _Completions:
         async def body(data: bytes, more: bool = True) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": more})
 
-        ev = first
+        ev: TokenChunk | GenerateDone | ErrorMessage = first
         while True:
             if isinstance(ev, TokenChunk):
                 if ev.text or not role_sent:

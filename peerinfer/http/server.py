@@ -14,7 +14,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -92,7 +92,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def serve_http(
     node: Node, host: str, port: int, api_keys: Sequence[str] = (), *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``node``'s API until cancelled; ``task_status.started(url)`` once it accepts."""
     from hypercorn.config import Config
@@ -114,7 +114,7 @@ async def serve_http(
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{shown}:{bound_port}"
 
-    async def run(task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await serve(api.app, config, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
 
     async with trio.open_nursery() as nursery:
