@@ -214,8 +214,6 @@ class Submission:
         self._sink = sink
         self._pending = final
         self.final: GenerateDone | ErrorMessage | None = None
-        self.started = trio.current_time()
-        self.first_event_at: float | None = None
 
     @classmethod
     def failed(cls, error: ErrorMessage) -> Submission:
@@ -243,8 +241,6 @@ class Submission:
                                     f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
-        if self.first_event_at is None:
-            self.first_event_at = trio.current_time()
         if isinstance(item, GenerateDone | ErrorMessage):
             self.final = item
         assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
