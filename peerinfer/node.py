@@ -202,7 +202,9 @@ class Submission:
     ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
     ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
     it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
-    routed).
+    routed). ``on_end`` runs once, as the final event is handed out (before the front end can
+    answer its client, so a scrape after the answer sees the request) or, for a request left
+    early, when the door closes.
     """
 
     def __init__(
@@ -214,10 +216,16 @@ class Submission:
         self._sink = sink
         self._pending = final
         self.final: GenerateDone | ErrorMessage | None = None
+        self.on_end: Callable[[Submission], None] | None = None
 
     @classmethod
     def failed(cls, error: ErrorMessage) -> Submission:
         return cls(error.request_id, None, None, final=error)
+
+    def end(self) -> None:
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback(self)
 
     @property
     def serving_peer(self) -> str:
@@ -243,6 +251,7 @@ class Submission:
                 item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
         if isinstance(item, GenerateDone | ErrorMessage):
             self.final = item
+            self.end()
         assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
         return item
 
@@ -534,16 +543,18 @@ class Node:
                 error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
         if error is not None:
             refused = Submission.failed(error)
+            refused.on_end = lambda sub: self._notify_listeners(sub, local)
             try:
                 yield refused
             finally:
-                self._notify_listeners(refused, local)
+                refused.end()
             return
         send, receive = trio.open_memory_channel[Message](math.inf)
         sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
         self._sinks[rid] = sink
         self._open_handlers += 1
         submission = Submission(req.request_id, receive, sink)
+        submission.on_end = lambda sub: self._notify_listeners(sub, local)
         request = dict(
             request_id=rid,
             tokens=tuple(tokens),
@@ -571,7 +582,7 @@ class Node:
                 if sink.forward_scope is not None:
                     sink.forward_scope.cancel()
                 self._sinks.pop(rid, None)
-            self._notify_listeners(submission, local)
+            submission.end()
 
     def _notify_listeners(self, submission: Submission, local: bool) -> None:
         for listener in self.request_listeners:
