@@ -196,8 +196,8 @@ def _load_engine_verbosely(options: Any) -> Any:
         kwargs.setdefault("device", options.device)
     what = options.model or ("the default model (SmolLM2-135M-Instruct)" if options.engine == "hf" else "its model")
     where = options.device or "the default device"
-    _say(f"loading {what} with the {options.engine} engine on {where} "
-         "(a GGUF is converted once, then loads from the cache)")
+    note = " (a GGUF is converted once, then loads from the cache)" if options.engine == "hf" else ""
+    _say(f"loading {what} with the {options.engine} engine on {where}{note}")
     started = time.monotonic()
     stop = threading.Event()
 

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 import peerinfer.node as node_module
+from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
 from peerinfer.core.messages import ERROR_CODES, ErrorMessage, GenerateRequest, SamplingParams
 from peerinfer.engine.base import Decoder, DecodeRequest
@@ -269,6 +270,12 @@ async def test_metrics_count_requests_tokens_and_traffic() -> None:
         assert samples["peerinfer_completion_tokens_total"] == 6
         assert samples['peerinfer_traffic_bytes_total{direction="sent",kind="announce"}'] > 0
         assert samples["peerinfer_requests_running"] == 0
+        # A libp2p client's request goes through the same door, counted as from the network.
+        async with Client.connect(a.addresses()[0]) as client:
+            await client.generate("hello over libp2p", max_tokens=2)
+        text = (await http.get("/metrics")).text
+        assert 'outcome="ok",served="local",source="network"} 1.0' in text or \
+            'outcome="ok",served="remote",source="network"} 1.0' in text
         assert "peerinfer_batch_occupancy" in samples
         assert "peerinfer_cache_bytes" in samples
 

@@ -63,6 +63,26 @@ def test_cache_bytes_accepts_sizes_and_rejects_nonsense() -> None:
             _bytes_amount(bad)
 
 
+def test_api_keys_come_from_flags_a_file_and_the_environment(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from peerinfer.cli import _api_keys
+    from peerinfer.errors import ConfigError
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-file-key-1\n\nsk-file-key-2\n")
+    monkeypatch.setenv("PEERINFER_API_KEY", "sk-env-key-0")
+    args = argparse.Namespace(api_key=["sk-flag-key"], api_key_file=keys)
+    assert _api_keys(args) == ("sk-flag-key", "sk-file-key-1", "sk-file-key-2", "sk-env-key-0")
+    monkeypatch.delenv("PEERINFER_API_KEY")
+    with pytest.raises(ConfigError, match="8 characters"):
+        _api_keys(argparse.Namespace(api_key=["short"], api_key_file=None))
+    with pytest.raises(ConfigError, match="cannot read"):
+        _api_keys(argparse.Namespace(api_key=None, api_key_file=tmp_path / "missing"))
+
+
 @pytest.mark.slow
 async def test_bad_options_end_in_one_line_with_exit_2() -> None:
     base = ("node", "--engine", "simulated", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0")
