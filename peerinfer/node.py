@@ -352,6 +352,7 @@ class Node:
             capacity_tokens=opts.cache_tokens,
         )
         scheduler = BatchScheduler(engine)
+        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
         # The core admits as many requests as the engine runs at once, unless the cost model
         # names its own number of slots (the default model's is 1: "not set").
         costs = opts.costs

@@ -277,6 +277,10 @@ async def test_metrics_count_requests_tokens_and_traffic() -> None:
         assert 'outcome="ok",served="local",source="network"} 1.0' in text or \
             'outcome="ok",served="remote",source="network"} 1.0' in text
         assert "peerinfer_batch_occupancy" in samples
+        # Read from the engine worker's batch scheduler (the requests may have run on either
+        # node: nothing was cached when the first one was routed).
+        assert "peerinfer_batch_decode_steps_total" in samples
+        assert samples["peerinfer_batch_max_running"] >= 1
         assert "peerinfer_cache_bytes" in samples
 
 

@@ -159,27 +159,47 @@ def _engine_metrics(engine: Any, scheduler: Any, running: int, slots: int) -> It
         if cache.capacity_bytes:
             yield _gauge("peerinfer_cache_capacity_bytes", "The prefix cache's byte budget",
                          cache.capacity_bytes)
+    yield _counter("peerinfer_engine_errors", "Requests the engine failed", stats.errors)
     per_token = int(getattr(engine, "kv_bytes_per_token", 0) or 0)
-    running_kv_tokens = None
-    occupancy = float(running)
-    if scheduler is not None and hasattr(scheduler, "statistics"):
-        # The batching scheduler, where the node has one: its own view of the batch.
-        try:
-            sched = scheduler.statistics()
-            occupancy = float(getattr(sched, "running", running))
-            running_kv_tokens = getattr(sched, "kv_tokens", None)
-        except Exception:
-            logger.exception("scheduler statistics failed")
-    yield _gauge("peerinfer_batch_occupancy", "Requests in the engine's running batch",
-                 occupancy)
-    yield _gauge("peerinfer_batch_occupancy_ratio", "Running batch over the engine's capacity",
-                 occupancy / max(1, slots))
     if per_token:
         yield _gauge("peerinfer_kv_bytes_per_token", "KV bytes one token takes", per_token)
-        if running_kv_tokens is not None:
-            yield _gauge("peerinfer_running_kv_bytes", "KV bytes of the running requests",
-                         running_kv_tokens * per_token)
-    yield _counter("peerinfer_engine_errors", "Requests the engine failed", stats.errors)
+    sched = None
+    if scheduler is not None:
+        try:
+            # Read from the trio thread while the worker steps: a snapshot of plain counters;
+            # a scrape that races a step is skipped, never fatal.
+            sched = scheduler.statistics()
+        except Exception as exc:
+            logger.debug("scheduler statistics skipped: %r", exc)
+    if sched is None:
+        yield _gauge("peerinfer_batch_occupancy", "Requests in the engine's running batch",
+                     running)
+        yield _gauge("peerinfer_batch_occupancy_ratio", "Running batch over its capacity",
+                     running / max(1, slots))
+        return
+    yield _gauge("peerinfer_batch_occupancy", "Requests in the engine's running batch",
+                 sched.running)
+    yield _gauge("peerinfer_batch_occupancy_ratio", "Running batch over its capacity",
+                 sched.running / max(1, sched.max_running))
+    yield _gauge("peerinfer_batch_waiting", "Requests admitted by the core, waiting in the "
+                 "scheduler for a batch place or KV memory", sched.waiting)
+    yield _gauge("peerinfer_batch_prefilling", "Running requests still in prefill",
+                 sched.prefilling)
+    yield _gauge("peerinfer_batch_max_running", "The scheduler's batch capacity",
+                 sched.max_running)
+    yield _gauge("peerinfer_batch_mean_size", "Decoders per decode step, lifetime mean",
+                 sched.mean_batch)
+    yield _counter("peerinfer_batch_decode_steps", "Batched decode steps run", sched.decode_steps)
+    yield _counter("peerinfer_batch_prefill_chunks", "Prefill chunks run", sched.prefill_chunks)
+    yield _counter("peerinfer_batch_cancelled", "Requests the scheduler stopped on a cancel",
+                   sched.cancelled)
+    yield _counter("peerinfer_batch_retries", "Decode batches that failed and were retried "
+                   "one by one", sched.batch_retries)
+    yield _gauge("peerinfer_running_kv_bytes", "KV bytes reserved by the running requests",
+                 sched.kv_reserved_bytes)
+    if sched.kv_budget_bytes is not None:
+        yield _gauge("peerinfer_kv_budget_bytes", "The byte budget running requests share "
+                     "with the prefix cache", sched.kv_budget_bytes)
 
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]
