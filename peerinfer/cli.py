@@ -458,7 +458,7 @@ def _run_status(args: argparse.Namespace) -> int:
     print(f"node   {status['peer_id']}  model {status['model']}")
     for addr in status["addrs"]:
         print(f"       {addr}")
-    print(f"load   {load['running']} running, {load['queued']} queued, {load['slots']} slots")
+    print(f"load   {load['running']} running, {load['queued']} queued, capacity {load['capacity']}")
     print(f"cache  {cache['tokens']} tokens, {cache['bytes']} bytes of {cache['capacity_bytes'] or 'unbounded'}")
     req = status["requests"]
     print(

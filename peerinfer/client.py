@@ -37,6 +37,7 @@ from peerinfer.core.messages import (
     ErrorMessage,
     GenerateDone,
     GenerateRequest,
+    Load,
     SamplingParams,
     StatusRequest,
     StatusResponse,
@@ -243,18 +244,24 @@ class Client:
         return status_to_dict(msg)
 
 
+def _load_to_dict(load: Load) -> dict[str, int]:
+    """A node's load: queued, running and its capacity (``slots``, kept for old readers)."""
+    return {"queued": load.queued, "running": load.running, "slots": load.slots,
+            "capacity": load.slots}
+
+
 def status_to_dict(msg: StatusResponse) -> dict[str, Any]:
     """A ``StatusResponse`` as plain JSON-able data (the ``peerinfer status --json`` shape)."""
     return {
         "peer_id": msg.peer_id,
         "addrs": list(msg.addrs),
         "model": msg.model,
-        "load": {"queued": msg.load.queued, "running": msg.load.running, "slots": msg.load.slots},
+        "load": _load_to_dict(msg.load),
         "peers": [
             {
                 "peer_id": p.peer_id,
                 "digest_age_s": p.digest_age_s,
-                "load": {"queued": p.load.queued, "running": p.load.running, "slots": p.load.slots},
+                "load": _load_to_dict(p.load),
                 "cached_tokens": p.cached_tokens,
                 "rtt_ms": p.rtt_ms,
             }

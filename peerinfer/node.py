@@ -42,7 +42,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +187,6 @@ class _Sink:
 
 #: How many routing decisions a node remembers for its dashboard.
 RECENT_DECISIONS = 64
-_CLIENT_REQUEST_FIELDS = frozenset(f.name for f in fields(ClientRequest))
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,8 +544,9 @@ class Node:
         """The door: every front end (the libp2p generate handler, the HTTP API) submits here.
 
         ``requester`` names who asked (a peer id, ``http:<address>``): request ids are unique
-        per requester. ``local``: the request comes from this node's own users (HTTP), not
-        from the network. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
+        per requester, and the core's fair share of the engine is kept between requesters.
+        ``local``: the request comes from this node's own users (the HTTP API's loopback
+        clients), whom the core serves before the network's. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
         events ending with exactly one ``GenerateDone`` or ``ErrorMessage``; a request that
         cannot be taken (bad prompt, duplicate id, shutting down) yields just the error.
         Leaving the block before the end (the client went away, the caller was cancelled)
@@ -580,21 +580,18 @@ class Node:
         self._open_handlers += 1
         submission = Submission(req.request_id, receive, sink)
         submission.on_end = lambda sub: self._notify_listeners(sub, local)
-        request = dict(
-            request_id=rid,
-            tokens=tuple(tokens),
-            params=req.params,
-            forwarded=req.forwarded,
-            origin=PeerId(requester) if req.forwarded else None,
-            max_outstanding=req.max_outstanding if req.forwarded else None,
+        self._feed(
+            ClientRequest(
+                request_id=rid,
+                tokens=tuple(tokens),
+                params=req.params,
+                forwarded=req.forwarded,
+                origin=PeerId(requester) if req.forwarded else None,
+                max_outstanding=req.max_outstanding if req.forwarded else None,
+                requester=requester,
+                local=local,
+            )
         )
-        # Who asked, for fair-share queueing, where the core's ClientRequest has the fields
-        # (the admission branch adds them; before it merges they are not passed).
-        if "requester" in _CLIENT_REQUEST_FIELDS:
-            request["requester"] = requester
-        if "local" in _CLIENT_REQUEST_FIELDS:
-            request["local"] = local
-        self._feed(ClientRequest(**request))
         try:
             async with receive:
                 yield submission

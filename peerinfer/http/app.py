@@ -35,6 +35,7 @@ from starlette.routing import Route
 from peerinfer.core.messages import ErrorMessage, GenerateDone, TokenChunk
 from peerinfer.http import openai as oa
 from peerinfer.http.metrics import CONTENT_TYPE, NodeMetrics
+from peerinfer.http.server import is_loopback
 
 if TYPE_CHECKING:
     from peerinfer.node import Node, Submission
@@ -193,11 +194,14 @@ class _Completions:
                                                       "invalid_request_error"))
             return
         client = scope.get("client") or ("unknown", 0)
+        # Fair share per client address; a client on this machine is the node's own user
+        # (served first), one from the network (a key-holding LAN user) is not.
         requester = f"http:{client[0]}"
+        local = is_loopback(str(client[0]))
         async with trio.open_nursery() as nursery:
             # The client hanging up cancels the request: leaving submit() tells the network.
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            async with api.node.submit(parsed.request, requester=requester, local=True) as events:
+            async with api.node.submit(parsed.request, requester=requester, local=local) as events:
                 if parsed.stream:
                     await self._stream(send, events, parsed, rid)
                 else:
