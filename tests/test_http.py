@@ -426,3 +426,16 @@ async def test_a_disconnect_cancels_a_forwarded_request_on_the_peer() -> None:
         forwarded = engine.requests[-1]
         await wait_until(lambda: forwarded.cancel.is_set())
         await wait_until(lambda: b.core.load().running == 0)  # type: ignore[union-attr]
+
+
+async def test_a_client_that_gives_up_on_a_whole_answer_cancels_it() -> None:
+    async with nodes(1) as (node,), httpx.AsyncClient(base_url=node.http_url) as http:
+        engine = node.engine
+        assert isinstance(engine, RecordingEngine)
+        body = {"model": "simulated", "prompt": "a very long answer", "max_tokens": 5000}
+        with pytest.raises(httpx.ReadTimeout):
+            # Not streamed: the client waits for the whole answer, then gives up and hangs up.
+            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        (request,) = engine.requests
+        await wait_until(lambda: request.cancel.is_set())
+        await wait_until(lambda: node.core.load().running == 0)  # type: ignore[union-attr]
