@@ -1,7 +1,10 @@
-"""The ``peerinfer`` command line: node, generate, status, calibrate, sim.
+"""The ``peerinfer`` command line: node, generate, chat, status, calibrate, sim.
 
-Errors from peerinfer are printed as one line (``peerinfer: error: ...``) with exit status 1;
-bad usage exits with 2, as argparse does.
+Errors are printed as one line (``peerinfer <command>: error: ...``) saying what to do, never a
+traceback: exit status 2 for a bad option, model or address (argparse's usage errors too, and
+every ``ConfigError``), 1 for anything else peerinfer reports (a peer failed, a request was
+refused). An error raised inside trio's nurseries arrives wrapped in exception groups; the one
+peerinfer error inside is unwrapped here.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -23,15 +27,39 @@ from peerinfer.errors import ConfigError, PeerInferError
 
 
 def _bytes_amount(text: str) -> int:
-    """``1000000``, ``512M``, ``2G`` (binary units) -> bytes."""
+    """``1000000``, ``512M``, ``2G``, ``1.5GiB`` (binary units) -> a positive number of bytes."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
+    bad = argparse.ArgumentTypeError(
+        f"not a byte amount: {text!r} (a positive size such as 1000000, 512M or 2G)"
+    )
     try:
         if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
+            value = float(t[:-1]) * units[t[-1]]
+        else:
+            value = float(int(t))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte amount: {text!r} (e.g. 512M, 2G)") from None
+        raise bad from None
+    if not math.isfinite(value) or value < 1 or value > 2**62:
+        raise bad
+    return int(value)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file (one per line) and PEERINFER_API_KEY."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {args.api_key_file}: {exc.strerror}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    env = os.environ.get("PEERINFER_API_KEY", "").strip()
+    if env:
+        keys.append(env)
+    if any(len(k) < 8 for k in keys):
+        raise ConfigError("an API key must have at least 8 characters")
+    return tuple(keys)
 
 
 def _add_node(sub: Any) -> None:
@@ -55,6 +83,12 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
+    p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="serve the OpenAI-compatible HTTP API, /metrics and the dashboard here "
+                   "(default 127.0.0.1:8000; port 0 picks a free one; 'none' turns it off)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a bearer token the HTTP API accepts (repeatable; required for a non-loopback --http)")
+    p.add_argument("--api-key-file", type=Path, metavar="PATH", help="a file of API keys, one per line")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
     p.set_defaults(run=_run_node)
 
@@ -78,9 +112,14 @@ def _load_costs(path: Path | None) -> Any:
 def _run_node(args: argparse.Namespace) -> int:
     import trio
 
+    from peerinfer.http import check_exposure, parse_http_address
     from peerinfer.node import Node, NodeOptions
 
     costs = _load_costs(args.costs)
+    api_keys = _api_keys(args)
+    http_address = parse_http_address(args.http)
+    if http_address is not None:
+        check_exposure(http_address[0], api_keys)
     engine_options: dict[str, Any] = {}
     if args.engine == "simulated":
         engine_options["costs"] = costs
@@ -101,8 +140,10 @@ def _run_node(args: argparse.Namespace) -> int:
         costs=costs,
         announce_interval_s=args.announce_interval,
         seed=args.seed,
+        http=None if http_address is None else f"{http_address[0]}:{http_address[1]}",
+        api_keys=api_keys,
     )
-    node = Node(options)
+    node = Node(options, engine=_load_engine_verbosely(options))
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -115,8 +156,11 @@ def _run_node(args: argparse.Namespace) -> int:
                 if os.environ.get("PEERINFER_GC_FREEZE", "1") != "0":
                     gc.freeze()
                 _log_gc_pauses(os.environ.get("PEERINFER_GC_LOG_MS"))
+                _describe_cache(node)
                 for addr in node.addresses():
                     print(f"peerinfer node {node.peer_id} listening on {addr}", flush=True)
+                if node.http_url is not None:
+                    print(f"peerinfer node {node.peer_id} HTTP API at {node.http_url}", flush=True)
                 async for _ in signals:
                     print("peerinfer node: shutting down (finishing in-flight requests)", file=sys.stderr, flush=True)
                     with trio.move_on_after(60):
@@ -137,6 +181,57 @@ def _run_node(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _load_engine_verbosely(options: Any) -> Any:
+    """Load the engine, saying what and where, with a progress line while it takes long."""
+    import threading
+
+    from peerinfer.engine.registry import load_engine
+
+    kwargs = dict(options.engine_options)
+    if options.model is not None:
+        kwargs.setdefault("model", options.model)
+    if options.device is not None:
+        kwargs.setdefault("device", options.device)
+    what = options.model or ("the default model (SmolLM2-135M-Instruct)" if options.engine == "hf" else "its model")
+    where = options.device or "the default device"
+    note = " (a GGUF is converted once, then loads from the cache)" if options.engine == "hf" else ""
+    _say(f"loading {what} with the {options.engine} engine on {where}{note}")
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def progress() -> None:
+        # Bounded: one line every 5 s while loading, nothing after.
+        while not stop.wait(5.0):
+            _say(f"still loading ({time.monotonic() - started:.0f} s)...")
+
+    ticker = threading.Thread(target=progress, name="peerinfer-load-progress", daemon=True)
+    ticker.start()
+    try:
+        engine = load_engine(options.engine, **kwargs)
+    finally:
+        stop.set()
+        ticker.join()
+    device = getattr(engine, "device", "cpu")
+    dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
+    _say(f"loaded {engine.model_name} on {device}" + (f" ({dtype})" if dtype else "")
+         + f" in {time.monotonic() - started:.1f} s")
+    return engine
+
+
+def _describe_cache(node: Any) -> None:
+    cache = node.engine.statistics().cache
+    if cache is None:
+        _say("prefix cache: none (this engine keeps no KV cache)")
+        return
+    budget = f"{cache.capacity_bytes / 2**20:.0f} MiB" if cache.capacity_bytes else "no byte budget"
+    tokens = f", {cache.capacity_tokens} tokens" if cache.capacity_tokens else ""
+    _say(f"prefix cache budget: {budget}{tokens}; {cache.tokens} tokens cached from before")
+
+
+def _say(text: str) -> None:
+    print(f"peerinfer node: {text}", file=sys.stderr, flush=True)
 
 
 def _log_gc_pauses(threshold_ms: str | None) -> None:
@@ -209,6 +304,133 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _add_chat(sub: Any) -> None:
+    p = sub.add_parser(
+        "chat", help="an interactive conversation with a node (keeps the history)",
+        description="Chat with a node: each line read from standard input is a user message; "
+        "the answer streams back and the conversation's history goes with every turn. "
+        "'/reset' forgets the history; end of input or '/exit' stops.",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--peer", metavar="MULTIADDR", help="the node to ask over libp2p (with /p2p/<id>)")
+    target.add_argument("--http", metavar="URL", help="the node's HTTP API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="bearer token for --http (default: PEERINFER_API_KEY)")
+    p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+
+    def read_line() -> str | None:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        return None if not line else line.rstrip("\n")
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def turns(ask: Any) -> None:
+        # One turn per line; bounded by the input.
+        while (line := read_line()) is not None:
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip() == "/reset":
+                del history[int(bool(args.system)):]
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            if interactive:
+                show("assistant> ")
+            answer = ask(list(history))
+            history.append({"role": "assistant", "content": answer})
+            show("\n")
+
+    if args.http:
+        _chat_http(args, turns, show)
+        return 0
+
+    import trio
+
+    from peerinfer.client import Client
+
+    async def main() -> None:
+        async with Client.connect(args.peer) as client:
+            token = trio.lowlevel.current_trio_token()
+
+            def ask(messages: list[dict[str, str]]) -> str:
+                async def one() -> str:
+                    result = await client.generate(messages, max_tokens=args.max_tokens,
+                                                   temperature=args.temperature, on_text=show)
+                    return result.text
+                return trio.from_thread.run(one, trio_token=token)
+
+            await trio.to_thread.run_sync(turns, ask)
+
+    trio.run(main)
+    return 0
+
+
+def _chat_http(args: argparse.Namespace, turns: Any, show: Any) -> None:
+    import httpx
+
+    from peerinfer.errors import PeerUnavailableError, error_kind
+
+    key = args.api_key or os.environ.get("PEERINFER_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    base = args.http.rstrip("/")
+
+    def fail(response: httpx.Response) -> PeerInferError:
+        try:
+            error = json.loads(response.read())["error"]
+            code, message = error.get("code") or "", error["message"]
+        except (ValueError, KeyError, TypeError):
+            code, message = "", response.text[:200]
+        if code in ("invalid_api_key", "model_not_found"):
+            return ConfigError(f"{message} (HTTP {response.status_code})")
+        return error_kind(code).exception(f"{message} (HTTP {response.status_code})")
+
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(300.0, connect=10.0)) as http:
+            models = http.get("/v1/models")
+            if models.status_code != 200:
+                raise fail(models)
+            model = models.json()["data"][0]["id"]
+
+            def ask(messages: list[dict[str, str]]) -> str:
+                body = {"model": model, "messages": messages, "stream": True,
+                        "max_tokens": args.max_tokens, "temperature": args.temperature}
+                parts: list[str] = []
+                with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        raise fail(response)
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            raise error_kind(event["error"].get("code") or "").exception(event["error"]["message"])
+                        for choice in event.get("choices", []):
+                            text = choice.get("delta", {}).get("content")
+                            if text:
+                                parts.append(text)
+                                show(text)
+                return "".join(parts)
+
+            turns(ask)
+    except httpx.HTTPError as exc:
+        raise PeerUnavailableError(f"cannot talk to {base}: {exc}") from None
 
 
 def _add_status(sub: Any) -> None:
@@ -299,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_node(sub)
     _add_generate(sub)
+    _add_chat(sub)
     _add_status(sub)
     _add_calibrate(sub)
     _add_sim(sub)
@@ -308,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = f"peerinfer {args.command}"
     level = logging.WARNING
     if getattr(args, "verbose", 0) == 1:
         level = logging.INFO
@@ -319,8 +543,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except PeerInferError as exc:
-        print(f"peerinfer: error: {exc}", file=sys.stderr)
-        return 1
+        return _report(command, exc)
+    except BaseExceptionGroup as group:
+        leaf = _sole_error(group)
+        if leaf is None:
+            raise
+        return _report(command, leaf)
+
+
+def _sole_error(group: BaseExceptionGroup[Any]) -> PeerInferError | None:
+    """The one peerinfer error in nested exception groups (cancellations aside), or None."""
+    matched, _ = group.split(PeerInferError)
+    if matched is None:
+        return None
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [matched]
+    while stack and len(leaves) < 64:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    first = leaves[0] if leaves else None
+    if isinstance(first, PeerInferError) and all(str(e) == str(first) for e in leaves):
+        return first
+    return None
+
+
+def _report(command: str, exc: PeerInferError) -> int:
+    # One line: libraries' messages (the hub's, the OS's) may span several.
+    message = " ".join(str(exc).split())
+    if len(message) > 400:
+        message = message[:397] + "..."
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -47,13 +47,10 @@ from peerinfer.core.messages import (
 )
 from peerinfer.errors import (
     ClosedError,
-    EngineError,
     InvalidRequestError,
-    PeerBusyError,
-    PeerInferError,
     PeerUnavailableError,
     ProtocolError,
-    RequestTimeoutError,
+    error_from_code,
 )
 from peerinfer.net import Host, HostConfig, open_host
 
@@ -80,19 +77,8 @@ class GenerationResult:
         return asdict(self)
 
 
-_ERRORS: dict[str, type[PeerInferError]] = {
-    "busy": PeerBusyError,
-    "invalid": InvalidRequestError,
-    "timeout": RequestTimeoutError,
-    "unavailable": PeerUnavailableError,
-    "protocol": ProtocolError,
-    "internal": EngineError,
-    "shutdown": PeerUnavailableError,
-}
-
-
 def _raise_error(message: ErrorMessage) -> None:
-    raise _ERRORS.get(message.code, PeerInferError)(f"{message.code}: {message.message}")
+    raise error_from_code(message.code, message.message)
 
 
 def _build_request(

@@ -33,6 +33,7 @@ gossip ``peerinfer/1/<model>/announce``    Announce (digest root, epoch, load, d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -40,7 +41,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ from peerinfer.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
+    error_kind,
 )
 from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
 from peerinfer.net.config import DEFAULT_PORT
@@ -161,6 +163,10 @@ class NodeOptions:
     max_queue: int = 8
     seed: int | None = None
     expected_peers: int = 64
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    http: str | None = None
+    #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
+    api_keys: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -176,6 +182,82 @@ class _Sink:
     cancel: threading.Event = field(default_factory=threading.Event)
     forward_scope: trio.CancelScope | None = None
     done: bool = False
+    serving_peer: str = ""  # where the request runs now (the last routing decision)
+
+
+#: How many routing decisions a node remembers for its dashboard.
+RECENT_DECISIONS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRecord:
+    """One routing decision, as the dashboard shows it."""
+
+    at: float  # wall clock
+    request_id: str
+    peer: str
+    local: bool
+    reason: str
+
+
+class Submission:
+    """The events of one request submitted through :meth:`Node.submit`, in order.
+
+    ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
+    ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
+    it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
+    routed). ``on_end`` runs once, as the final event is handed out (before the front end can
+    answer its client, so a scrape after the answer sees the request) or, for a request left
+    early, when the door closes.
+    """
+
+    def __init__(
+        self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
+        sink: _Sink | None, final: ErrorMessage | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._receive = receive
+        self._sink = sink
+        self._pending = final
+        self.final: GenerateDone | ErrorMessage | None = None
+        self.on_end: Callable[[Submission], None] | None = None
+
+    @classmethod
+    def failed(cls, error: ErrorMessage) -> Submission:
+        return cls(error.request_id, None, None, final=error)
+
+    def end(self) -> None:
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback(self)
+
+    @property
+    def serving_peer(self) -> str:
+        return self._sink.serving_peer if self._sink is not None else ""
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> TokenChunk | GenerateDone | ErrorMessage:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item: Message
+        if self._pending is not None or self._receive is None:
+            item = self._pending or ErrorMessage(self.request_id, "internal", "no result")
+        else:
+            try:
+                with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
+                    item = await self._receive.receive()
+            except trio.TooSlowError:
+                item = ErrorMessage(self.request_id, "timeout",
+                                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
+        if isinstance(item, GenerateDone | ErrorMessage):
+            self.final = item
+            self.end()
+        assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
+        return item
 
 
 @dataclass(eq=False, slots=True)
@@ -224,6 +306,17 @@ class Node:
         self._topic = ""
         self._started_at = time.time()
         self.ready = trio.Event()
+        #: the last routing decisions, newest last (bounded)
+        self.recent_decisions: collections.deque[RoutingRecord] = collections.deque(
+            maxlen=RECENT_DECISIONS
+        )
+        #: called with (submission, local) when a request submitted through the door ends
+        #: with its final event (metrics); must not block or raise
+        self.request_listeners: list[Callable[[Submission, bool], None]] = []
+        #: anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")
+        self.traffic: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: the HTTP API's URL once it accepts (None: off)
+        self.http_url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,6 +331,14 @@ class Node:
 
     async def serve(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         opts = self.options
+        http_address = None
+        if opts.http is not None:
+            from peerinfer.http import check_exposure, parse_http_address
+
+            # Refuse a bad or unsafe address before the (slow) model load.
+            http_address = parse_http_address(opts.http)
+            if http_address is not None:
+                check_exposure(http_address[0], opts.api_keys)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(_load_engine, opts)
         engine = self.engine
@@ -250,6 +351,7 @@ class Node:
             capacity_tokens=opts.cache_tokens,
         )
         scheduler = BatchScheduler(engine)
+        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
         # The core admits as many requests as the engine runs at once, unless the cost model
         # names its own number of slots (the default model's is 1: "not set").
         costs = opts.costs
@@ -302,6 +404,10 @@ class Node:
                 nursery.start_soon(self._engine_worker, scheduler)
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
+                if http_address is not None:
+                    from peerinfer.http import serve_http
+
+                    await nursery.start(serve_http, self, *http_address, opts.api_keys)
                 self.ready.set()
                 task_status.started(self)
                 try:
@@ -359,6 +465,8 @@ class Node:
         if nursery is None:
             return
         for eff in effects:
+            if isinstance(eff, RunLocal | Forward):
+                self._note_route(eff)
             if isinstance(eff, Publish):
                 nursery.start_soon(self._publish, eff.announce)
             elif isinstance(eff, SendSyncRequest):
@@ -420,43 +528,73 @@ class Node:
             return
         except trio.EndOfChannel:
             return
-        if self._closing:
-            await stream.send(encode(ErrorMessage(req.request_id, "shutdown", "the node is shutting down")))
-            return
         try:
-            tokens = await self._prompt_tokens(req)
-        except InvalidRequestError as exc:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", str(exc))))
-            return
-        rid = RequestId(f"{stream.remote_peer}/{req.request_id}")
-        if rid in self._sinks:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", "duplicate request id")))
+            async with self.submit(req, requester=stream.remote_peer, local=False) as events:
+                async for item in events:
+                    await stream.send(encode(item))
+        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # Leaving submit() cancelled the work, wherever it ran.
+            logger.info("request %s from %s: stream ended early (%s)", req.request_id,
+                        stream.remote_peer, type(exc).__name__)
+
+    @contextlib.asynccontextmanager
+    async def submit(
+        self, req: GenerateRequest, *, requester: str, local: bool
+    ) -> AsyncIterator[Submission]:
+        """The door: every front end (the libp2p generate handler, the HTTP API) submits here.
+
+        ``requester`` names who asked (a peer id, ``http:<address>``): request ids are unique
+        per requester, and the core's fair share of the engine is kept between requesters.
+        ``local``: the request comes from this node's own users (the HTTP API's loopback
+        clients), whom the core serves before the network's. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
+        events ending with exactly one ``GenerateDone`` or ``ErrorMessage``; a request that
+        cannot be taken (bad prompt, duplicate id, shutting down) yields just the error.
+        Leaving the block before the end (the client went away, the caller was cancelled)
+        cancels the work wherever in the network it runs.
+        """
+        error: ErrorMessage | None = None
+        tokens: list[int] = []
+        rid = RequestId(f"{requester}/{req.request_id}")
+        if self._closing:
+            error = ErrorMessage(req.request_id, "shutdown", "the node is shutting down")
+        elif rid in self._sinks:
+            error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        else:
+            try:
+                tokens = await self._prompt_tokens(req)
+            except InvalidRequestError as exc:
+                error = ErrorMessage(req.request_id, "invalid", str(exc))
+            if rid in self._sinks:  # the same id arrived again while we tokenized
+                error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        if error is not None:
+            refused = Submission.failed(error)
+            refused.on_end = lambda sub: self._notify_listeners(sub, local)
+            try:
+                yield refused
+            finally:
+                refused.end()
             return
         send, receive = trio.open_memory_channel[Message](math.inf)
         sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
         self._sinks[rid] = sink
         self._open_handlers += 1
+        submission = Submission(req.request_id, receive, sink)
+        submission.on_end = lambda sub: self._notify_listeners(sub, local)
         self._feed(
             ClientRequest(
                 request_id=rid,
                 tokens=tuple(tokens),
                 params=req.params,
                 forwarded=req.forwarded,
-                origin=PeerId(stream.remote_peer) if req.forwarded else None,
+                origin=PeerId(requester) if req.forwarded else None,
                 max_outstanding=req.max_outstanding if req.forwarded else None,
-                requester=stream.remote_peer,
+                requester=requester,
+                local=local,
             )
         )
         try:
             async with receive:
-                while True:
-                    with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
-                        item = await receive.receive()
-                    await stream.send(encode(item))
-                    if isinstance(item, GenerateDone | ErrorMessage):
-                        break
-        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, trio.EndOfChannel) as exc:
-            logger.info("request %s: client stream ended early (%s)", rid, type(exc).__name__)
+                yield submission
         finally:
             self._open_handlers -= 1
             if rid in self._sinks and not sink.done:
@@ -466,6 +604,31 @@ class Node:
                 if sink.forward_scope is not None:
                     sink.forward_scope.cancel()
                 self._sinks.pop(rid, None)
+            submission.end()
+
+    def _notify_listeners(self, submission: Submission, local: bool) -> None:
+        for listener in self.request_listeners:
+            try:
+                listener(submission, local)
+            except Exception:  # metrics must never break a request
+                logger.exception("request listener failed")
+
+    def _note_route(self, eff: RunLocal | Forward) -> None:
+        """Remember where a request went and why (the dashboard shows the last ones)."""
+        sink = self._sinks.get(eff.request_id)
+        target = self.peer_id if isinstance(eff, RunLocal) else eff.peer
+        if sink is not None:
+            sink.serving_peer = target
+        decision = eff.decision
+        self.recent_decisions.append(
+            RoutingRecord(
+                at=self._now(),
+                request_id=str(eff.request_id),
+                peer=str(target),
+                local=isinstance(eff, RunLocal),
+                reason=decision.reason if decision is not None else "",
+            )
+        )
 
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
         engine = self.engine
@@ -701,12 +864,12 @@ class Node:
                     return ForwardFinished(eff.request_id, eff.peer), msg
                 else:
                     assert isinstance(msg, ErrorMessage)
-                    reason = msg.code if msg.code in ("busy", "invalid", "timeout") else "unavailable"
-                    if msg.code == "invalid":
+                    kind = error_kind(msg.code)
+                    if not kind.retry_elsewhere:
                         # The peer found the request itself bad: it would be bad anywhere.
-                        self._finish_sink(sink, ErrorMessage(sink.request_id, "invalid", msg.message))
+                        self._finish_sink(sink, ErrorMessage(sink.request_id, msg.code, msg.message))
                         return ForwardFinished(eff.request_id, eff.peer), None
-                    return ForwardFailed(eff.request_id, eff.peer, reason, tuple(generated)), None
+                    return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
 
     # ------------------------------------------------------------------ anti-entropy
 
@@ -714,7 +877,9 @@ class Node:
         host = self.host
         assert host is not None
         try:
-            await host.publish(self._topic, encode(announce))
+            data = encode(announce)
+            await host.publish(self._topic, data)
+            self.traffic["announce", "sent"] += len(data)
         except PeerInferError as exc:
             logger.warning("announcement not published: %s", exc)
 
@@ -730,6 +895,7 @@ class Node:
 
     async def _gossip_loop(self, messages: trio.MemoryReceiveChannel[GossipMessage]) -> None:
         async for message in messages:
+            self.traffic["announce", "received"] += len(message.data)
             try:
                 announce = decode(message.data, expected=Announce)
             except ProtocolError:
@@ -746,7 +912,10 @@ class Node:
         host = self.host
         assert host is not None
         try:
-            reply = await host.request(eff.peer, SYNC_PROTOCOL, encode(eff.request), timeout=eff.timeout_s)
+            data = encode(eff.request)
+            self.traffic["sync", "sent"] += len(data)
+            reply = await host.request(eff.peer, SYNC_PROTOCOL, data, timeout=eff.timeout_s)
+            self.traffic["sync", "received"] += len(reply)
             response = decode(reply, expected=SyncResponse)
             assert isinstance(response, SyncResponse)
         except PeerInferError as exc:
@@ -758,9 +927,12 @@ class Node:
         core = self.core
         assert core is not None
         async for frame in stream:
+            self.traffic["sync", "received"] += len(frame)
             request = decode(frame, expected=SyncRequest)
             assert isinstance(request, SyncRequest)
-            await stream.send(encode(core.answer_sync(request)))
+            answer = encode(core.answer_sync(request))
+            self.traffic["sync", "sent"] += len(answer)
+            await stream.send(answer)
 
     # ------------------------------------------------------------------ status and peers
 

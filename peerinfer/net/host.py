@@ -55,9 +55,11 @@ at once (one sender and one receiver per ``FramedStream``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import secrets
+import socket
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -1004,6 +1006,7 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """
     config.check()
     listen = [_parse_multiaddr(a, ConfigError) for a in config.listen]
+    _check_ports_free(listen)
     bootstrap = [parse_peer_multiaddr(a, ConfigError) for a in config.bootstrap]
     key_pair = (
         load_or_create_identity(config.effective_identity_path())
@@ -1025,6 +1028,43 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
         if leaf is None:
             raise
         raise leaf from leaf.__cause__
+
+
+def _check_ports_free(listen: Sequence[multiaddr.Multiaddr]) -> None:
+    """Refuse a TCP listen address another socket already listens on.
+
+    py-libp2p's TCP listener sets SO_REUSEPORT (for hole punching), so on Linux a second
+    process binds the same port without complaint and the kernel then spreads incoming
+    connections over both: dials to the first node land on either at random. A probe bound
+    without SO_REUSEPORT (SO_REUSEADDR only, which still fails while a socket listens there)
+    finds the port taken first.
+    """
+    for addr in listen:
+        protocols = {p.name for p in addr.protocols()}
+        if "tcp" not in protocols:
+            continue
+        port = int(addr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        if "ip6" in protocols:
+            family, ip = socket.AF_INET6, addr.value_for_protocol("ip6")
+        elif "ip4" in protocols:
+            family, ip = socket.AF_INET, addr.value_for_protocol("ip4")
+        else:
+            continue
+        probe = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((ip, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"cannot listen on {addr}: the address is in use (another node?); pick "
+                    "another port with --listen"
+                ) from None
+            raise ConfigError(f"cannot listen on {addr}: {exc.strerror}") from None
+        finally:
+            probe.close()
 
 
 def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
