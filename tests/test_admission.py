@@ -64,7 +64,7 @@ async def test_an_outsider_is_refused_fast_and_gets_nothing(
         member.set_handler("/x/1", handler)
         messages = await member.subscribe(TOPIC)
         await outsider.subscribe(TOPIC)
-        for attempt in range(2):
+        for _attempt in range(2):
             started = trio.current_time()
             if outsider_key is not None:
                 # It runs admission itself: its connect fails, naming the reason.
