@@ -95,3 +95,32 @@ async def test_an_outsider_is_refused_fast_and_gets_nothing(
     # key of its own refuses the member too, in its own log).
     refusals = [r for r in caplog.records if f"refusing peer {outsider.peer_id}" in r.getMessage()]
     assert len(refusals) == 1
+
+
+def test_the_cli_takes_keys_from_a_file_the_environment_or_an_invite(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    from peerinfer.cli import SWARM_KEY_ENV, _swarm_options, build_parser
+
+    base = Path(str(tmp_path))
+    key_file = base / "key"
+    key_file.write_text("k1\n")
+    invite_file = base / "invite"
+    invite_file.write_text(make_invite("k1", ["/ip4/10.0.0.1/tcp/4737/p2p/12D3KooWabc"]) + "\n")
+    monkeypatch.delenv(SWARM_KEY_ENV, raising=False)
+    parse = build_parser().parse_args
+    assert _swarm_options(parse(["node"])) == (None, ())
+    assert _swarm_options(parse(["node", "--swarm-key-file", str(key_file)])) == (b"k1", ())
+    assert _swarm_options(parse(["node", "--join", f"@{invite_file}"])) == (
+        b"k1", ("/ip4/10.0.0.1/tcp/4737/p2p/12D3KooWabc",)
+    )
+    assert _swarm_options(parse(["status", "--peer", "x", "--swarm-key-file", str(key_file)]))[0] == b"k1"
+    monkeypatch.setenv(SWARM_KEY_ENV, "k1")
+    assert _swarm_options(parse(["generate", "--peer", "x", "hi"])) == (b"k1", ())
+    monkeypatch.setenv(SWARM_KEY_ENV, "k2")
+    with pytest.raises(ConfigError, match="different swarm keys"):
+        _swarm_options(parse(["node", "--join", f"@{invite_file}"]))
+    with pytest.raises(ConfigError, match="cannot read"):
+        _swarm_options(parse(["node", "--swarm-key-file", str(base / "missing")]))
