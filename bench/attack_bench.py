@@ -44,7 +44,7 @@ from peerinfer.core.digest import LocalDigest  # noqa: E402
 from peerinfer.core.messages import Announce, Load, encode  # noqa: E402
 from peerinfer.engine.simulated import SimulatedEngine  # noqa: E402
 from peerinfer.errors import PeerUnavailableError  # noqa: E402
-from peerinfer.net import Host, HostConfig, open_host  # noqa: E402
+from peerinfer.net import HostConfig, open_host  # noqa: E402
 from peerinfer.node import Node, NodeOptions, announce_topic  # noqa: E402
 from peerinfer.testing import open_cluster  # noqa: E402
 from peerinfer.types import BlockHash, PeerId  # noqa: E402
@@ -259,7 +259,10 @@ async def clock(watch_s: float = 12.0) -> None:
         wall = SteppedClock(skew)
         async with trio.open_nursery() as nursery:
             a, b, c = await start_nodes(nursery, {}, {}, {"wall_clock": wall})
-            await wait_until(lambda: all(candidate_at(o, c) and candidate_at(c, o) for o in (a, b)), 60)
+            others = (a, b)
+            await wait_until(
+                lambda c=c, others=others: all(candidate_at(o, c) and candidate_at(c, o) for o in others), 60
+            )
             assert c.core is not None
             wall.offset_s += step
             refused_before = c.core.statistics().announces_refused
