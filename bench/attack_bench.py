@@ -235,7 +235,9 @@ async def forged(count: int = 300) -> None:
                 heard=stats.announces_unverified,
                 members=sum(a.core.is_member(PeerId(p)) for p in ids),
                 candidates=sum(p in ids for p in candidates),
-                forwards=a.core.statistics().forwarded, served_by_a=result.served_by == a.peer_id,
+                forwards_total=a.core.statistics().forwarded,
+                served_by=("A" if result.served_by == a.peer_id else "B" if result.served_by == b.peer_id
+                           else "forged" if result.served_by in ids else result.served_by),
                 exchange_dials=a.exchange_dials,
                 latency_before_s=round(before_s, 4), latency_after_s=round(after_s, 4),
             )
