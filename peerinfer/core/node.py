@@ -861,7 +861,7 @@ class NodeCore:
             self._peers[peer] = st
         return st
 
-    def _refuse(self, peer: PeerId, reason: str, detail: str) -> None:
+    def _refuse_announce(self, peer: PeerId, reason: str, detail: str) -> None:
         self._stats["announces_refused"] += 1
         key = (peer, reason)
         seen = self._refusals_seen
@@ -890,19 +890,19 @@ class NodeCore:
         if ev.sender == self.peer_id or a.sender != ev.sender:
             # Our own echo, or a forwarded claim to speak for someone else.
             if a.sender != ev.sender:
-                self._refuse(ev.sender, "speaks for another peer", f"claims to be {a.sender}")
+                self._refuse_announce(ev.sender, "speaks for another peer", f"claims to be {a.sender}")
             return []
         st = self._peers.get(ev.sender)
         if st is None:
             # Not a member: heard only through gossip, or connected but not answered yet.
             self._stats["announces_unverified"] += 1
-            self._refuse(ev.sender, "not a member", "it has not answered this node directly yet")
+            self._refuse_announce(ev.sender, "not a member", "it has not answered this node directly yet")
             asked: list[Effect] = []
             self._ask_ping(ev.sender, now, asked)
             return asked
         last_epoch = self._last_epochs.get(ev.sender, 0)
         if a.epoch <= last_epoch:
-            self._refuse(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
+            self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
             return []
         self._remember_epoch(ev.sender, a.epoch)
         st.last_announce_epoch = a.epoch
@@ -916,7 +916,7 @@ class NodeCore:
         )
         if replica.refused != refused:
             # Claims a set larger than its allowance of the replica budget.
-            self._refuse(
+            self._refuse_announce(
                 ev.sender, "over its replica allowance",
                 f"claims {a.count} blocks, allowance {replica.max_elements}",
             )
