@@ -154,7 +154,7 @@ async def flood(duration_s: float, per_message: int) -> None:
             status = await cluster.status(a)
             seen = [p for p in status["peers"] if p["peer_id"] == attacker.peer_id]
         emit(
-            "flood_memory", duration_s=duration_s, announcements=sent, hashes_claimed=len(digest),
+            "flood_memory", duration_s=duration_s, announcements=sent, hashes_claimed=len(digest.digest),
             rss_before_mb=before, rss_after_mb=after, rss_peak_mb=peak,
             growth_mb={k: round(max(peak[k], after[k]) - before[k], 1) for k in before},
             attacker_cached_tokens_at_a=seen[0]["cached_tokens"] if seen else 0,

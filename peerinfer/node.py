@@ -176,7 +176,7 @@ class NodeOptions:
     cache_bytes: int | None = None
     cache_tokens: int | None = None
     policy: str = "cost"
-    swarm_key: bytes | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
     costs: CostModel = DEFAULT_COSTS
     announce_interval_s: float = 1.0
     first_token_timeout_s: float = 30.0
