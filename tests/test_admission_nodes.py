@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,31 @@ from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
 from peerinfer.core.digest import LocalDigest
-from peerinfer.core.messages import Announce, Load, PeerAddrs, PeerExchange, SyncRequest, encode
+from peerinfer.core.messages import (
+    Announce,
+    ErrorMessage,
+    GenerateDone,
+    GenerateRequest,
+    Load,
+    PeerAddrs,
+    PeerExchange,
+    SamplingParams,
+    SyncRequest,
+    TokenChunk,
+    decode,
+    encode,
+)
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import PeerUnavailableError
 from peerinfer.net import Host, HostConfig, open_host
-from peerinfer.node import PEER_DIAL_BURST, PEERS_PROTOCOL, SYNC_PROTOCOL, Node, NodeOptions
+from peerinfer.node import (
+    GENERATE_PROTOCOL,
+    PEER_DIAL_BURST,
+    PEERS_PROTOCOL,
+    SYNC_PROTOCOL,
+    Node,
+    NodeOptions,
+)
 from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
@@ -324,3 +345,61 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path)
         again, after = await run_x(SteppedClock(-3600.0), core(y)._last_epochs[PeerId(peer)])
         assert again == peer and after > before
         assert (tmp_path / "identity.epoch").exists()
+
+
+# ------------------------------------------------------------------------------ fair share
+
+
+@pytest.mark.xfail(
+    reason="the door (node.py's _serve_generate, h4/h2) does not yet pass ClientRequest.requester, "
+    "so every direct client counts as this node itself and shares one FIFO",
+    strict=False,
+)
+async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most() -> None:
+    """32 maximal requests from one peer to a 4-slot node; an honest peer's request then gets
+    its first token within 2x its idle time plus one request's service (issue 11's target; the
+    fair share itself is the core's, see core/node.py). Without the per-requester share it
+    would wait behind all 28 queued ones (7 services)."""
+    costs = replace(COSTS, slots=4, decode_s_per_token=0.0005)
+    async with trio.open_nursery() as nursery:
+        node = Node(options(costs=costs, policy="local"), engine=SimulatedEngine(costs=costs))
+        await nursery.start(node.serve)
+        async with raw_host(None, None) as attacker, raw_host(None, None) as honest:
+            await attacker.connect(node.addresses()[0])
+            await honest.connect(node.addresses()[0])
+            tokens = tuple(range(100, 356))
+
+            async def first_token(host: Host, rid: str, max_tokens: int, done: list[float]) -> float:
+                # Direct requests, as a client sends them (the issue's attack).
+                request = GenerateRequest(
+                    request_id=rid, params=SamplingParams(max_tokens=max_tokens), tokens=tokens
+                )
+                started = trio.current_time()
+                stream = await host.open_stream(node.peer_id, GENERATE_PROTOCOL, timeout=10)
+                async with stream:
+                    await stream.send(encode(request))
+                    ttft = -1.0
+                    while True:
+                        msg = decode(await stream.receive(timeout=120))
+                        if isinstance(msg, TokenChunk) and ttft < 0:
+                            ttft = trio.current_time() - started
+                        if isinstance(msg, GenerateDone | ErrorMessage):
+                            assert isinstance(msg, GenerateDone), msg
+                            done.append(trio.current_time() - started)
+                            return ttft
+
+            idle_done: list[float] = []
+            idle = await first_token(honest, "idle", 1, idle_done)
+            flood_done: list[float] = []
+            async with trio.open_nursery() as flood:
+                for i in range(32):
+                    flood.start_soon(first_token, attacker, f"flood{i}", 1000, flood_done)
+                c = core(node)
+                await wait_until(lambda: c.load().running == 4 and c.load().queued >= 20, 20)
+                honest_ttft = await first_token(honest, "honest", 1, [])
+                await wait_until(lambda: len(flood_done) >= 4, 60)
+                service = min(flood_done)  # one maximal request's service under this load
+                assert len(flood_done) <= 8  # the rest of the flood was still waiting
+                flood.cancel_scope.cancel()
+            assert honest_ttft <= 2 * idle + service, (honest_ttft, idle, service)
+        nursery.cancel_scope.cancel()
