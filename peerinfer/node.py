@@ -137,7 +137,7 @@ TOKEN_GAP_TIMEOUT_S = 120.0
 #: one peer at most once per PEER_REDIAL_S; learned peers beyond the rate are dropped, not queued.
 PEER_DIAL_RATE = 1.0
 PEER_DIAL_BURST = 8
-PEER_REDIAL_S = 60.0
+PEER_REDIAL_S = 10.0
 #: Bound of the per-peer tables kept here (peer exchange, dial history).
 MAX_PEER_TABLE = 4096
 #: Replica budget, by default a share of the local cache budget (in bytes), at about this many
