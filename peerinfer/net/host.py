@@ -405,7 +405,10 @@ class Host:
                 if self._admission_key is not None:
                     reason = self._refusals_logged.get(peer) or "closed by the peer"
                     raise PeerUnavailableError(f"connect: {peer} refused by swarm admission: {reason}")
-                raise PeerUnavailableError(f"connect: the connection to {peer} closed at once")
+                raise PeerUnavailableError(
+                    f"connect: the connection to {peer} closed at once (a node of a private "
+                    "swarm closes it like this: it needs the swarm key)"
+                )
             if self._admission_key is not None:
                 left = max(0.0, deadline - (trio.current_time() - started))
                 await self._require_admitted(peer, left)
