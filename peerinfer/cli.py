@@ -79,7 +79,8 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
-    p.add_argument("--swarm-key", help="secret shared by a private swarm: keys digests and names the gossip topic")
+    p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
+    _add_swarm_options(p, join=True)
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
@@ -120,6 +121,7 @@ def _run_node(args: argparse.Namespace) -> int:
     http_address = parse_http_address(args.http)
     if http_address is not None:
         check_exposure(http_address[0], api_keys)
+    swarm_key, joined = _swarm_options(args)
     engine_options: dict[str, Any] = {}
     if args.engine == "simulated":
         engine_options["costs"] = costs
@@ -131,12 +133,12 @@ def _run_node(args: argparse.Namespace) -> int:
         device=args.device,
         engine_options=engine_options,
         listen=tuple(args.listen) if args.listen else NodeOptions().listen,
-        bootstrap=tuple(args.bootstrap),
+        bootstrap=tuple(args.bootstrap) + joined,
         mdns=not args.no_mdns,
         identity=args.identity,
         cache_bytes=args.cache_bytes,
         policy=args.policy,
-        swarm_key=args.swarm_key.encode() if args.swarm_key else None,
+        swarm_key=swarm_key,
         costs=costs,
         announce_interval_s=args.announce_interval,
         seed=args.seed,
@@ -266,6 +268,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result's fields")
+    _add_swarm_options(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -280,8 +283,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    swarm_key, _ = _swarm_options(args)
+
     async def main() -> None:
-        async with Client.connect(args.peer) as client:
+        async with Client.connect(args.peer, swarm_key=swarm_key) as client:
             result = await client.generate(
                 prompt,
                 max_tokens=args.max_tokens,
@@ -437,6 +442,7 @@ def _add_status(sub: Any) -> None:
     p = sub.add_parser("status", help="show a node, its peers and its cache")
     p.add_argument("--peer", required=True, metavar="MULTIADDR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_swarm_options(p)
     p.set_defaults(run=_run_status)
 
 
@@ -445,8 +451,10 @@ def _run_status(args: argparse.Namespace) -> int:
 
     from peerinfer.client import Client
 
+    swarm_key, _ = _swarm_options(args)
+
     async def main() -> dict[str, Any]:
-        async with Client.connect(args.peer) as client:
+        async with Client.connect(args.peer, swarm_key=swarm_key) as client:
             return await client.status()
 
     status = trio.run(main)
@@ -473,6 +481,95 @@ def _run_status(args: argparse.Namespace) -> int:
             f"{p['cached_tokens']} tokens cached  load {p['load']['running']}+{p['load']['queued']}  "
             f"rtt {p['rtt_ms']:.1f} ms"
         )
+    return 0
+
+
+# ---------------------------------------------------------------- private swarms (issue 11)
+# Keys come from a file, the environment or an invite (itself in a file, as @FILE), never only
+# from the command line, which other users of the machine can read.
+
+SWARM_KEY_ENV = "PEERINFER_SWARM_KEY"
+
+
+def _add_swarm_options(p: argparse.ArgumentParser, *, join: bool = False) -> None:
+    p.add_argument("--swarm-key-file", type=Path, metavar="FILE", help=f"read the private swarm's key from FILE (or set ${SWARM_KEY_ENV})")
+    if join:
+        p.add_argument("--join", metavar="INVITE|@FILE", help="join a private swarm with an invite from 'peerinfer swarm new' (its key, and a member to bootstrap from); @FILE reads it from FILE")
+
+
+def _read_secret(path: Path, what: str) -> str:
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc}") from exc
+    if not text:
+        raise ConfigError(f"the {what} file {path} is empty")
+    return text
+
+
+def _swarm_options(args: argparse.Namespace) -> tuple[bytes | None, tuple[str, ...]]:
+    """The swarm key (from --swarm-key, --swarm-key-file, --join or the environment; all given
+    must agree) and the bootstrap addresses an invite brings."""
+    from peerinfer.net.admission import parse_invite
+
+    keys: dict[str, str] = {}
+    bootstrap: tuple[str, ...] = ()
+    if getattr(args, "swarm_key", None):
+        keys["--swarm-key"] = args.swarm_key
+    if args.swarm_key_file is not None:
+        keys["--swarm-key-file"] = _read_secret(args.swarm_key_file, "swarm key")
+    invite = getattr(args, "join", None)
+    if invite:
+        text = _read_secret(Path(invite[1:]), "invite") if invite.startswith("@") else invite
+        keys["--join"], bootstrap = parse_invite(text)
+    if os.environ.get(SWARM_KEY_ENV):
+        keys[f"${SWARM_KEY_ENV}"] = os.environ[SWARM_KEY_ENV].strip()
+    if len(set(keys.values())) > 1:
+        raise ConfigError(f"different swarm keys given by {', '.join(keys)}")
+    key = next(iter(keys.values()), None)
+    return (key.encode() if key else None), bootstrap
+
+
+def _add_swarm(sub: Any) -> None:
+    p = sub.add_parser("swarm", help="private swarms: make a key and an invite")
+    swarm_sub = p.add_subparsers(dest="swarm_command", required=True, metavar="SUBCOMMAND")
+    new = swarm_sub.add_parser(
+        "new",
+        help="make a fresh swarm key and an invite for it",
+        description="Print a fresh swarm key and an invite: the key plus this machine's node "
+        "address (its identity's peer id, on --port), which 'peerinfer node --join' accepts. "
+        "With --key-file the key is also written there (mode 0600) for --swarm-key-file.",
+    )
+    new.add_argument("--identity", type=Path, help="the identity key of the node others will join through (default: the user's)")
+    new.add_argument("--port", type=int, default=None, help="the TCP port that node listens on (default: 4737)")
+    new.add_argument("--addr", action="append", default=[], metavar="MULTIADDR", help="advertise this address (without /p2p) instead of this machine's (repeatable)")
+    new.add_argument("--key-file", type=Path, help="also write the key to this file (must not exist)")
+    new.set_defaults(run=_run_swarm_new)
+
+
+def _run_swarm_new(args: argparse.Namespace) -> int:
+    from peerinfer.net.admission import make_invite, new_swarm_key
+    from peerinfer.net.config import DEFAULT_PORT, default_identity_path
+    from peerinfer.net.discovery import primary_ipv4
+    from peerinfer.net.identity import load_or_create_identity, peer_id_of
+
+    key = new_swarm_key()
+    peer = peer_id_of(load_or_create_identity(args.identity or default_identity_path()))
+    port = DEFAULT_PORT if args.port is None else args.port
+    # The LAN address (loopback in an invite would make a joiner dial itself).
+    hosts = args.addr or [f"/ip4/{primary_ipv4() or '127.0.0.1'}/tcp/{port}"]
+    invite = make_invite(key, [f"{a.rstrip('/')}/p2p/{peer}" for a in hosts])
+    if args.key_file is not None:
+        try:
+            fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the key file {args.key_file}: {exc}") from exc
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    print(f"swarm key: {key}")
+    print(f"invite:    {invite}")
+    print("run the first node with: peerinfer node --swarm-key-file FILE  (FILE holding the key, mode 0600)", file=sys.stderr)
+    print("others join with:        peerinfer node --join @FILE  (FILE holding the invite)", file=sys.stderr)
     return 0
 
 
@@ -523,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_chat(sub)
     _add_status(sub)
+    _add_swarm(sub)
     _add_calibrate(sub)
     _add_sim(sub)
     return parser

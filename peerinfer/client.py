@@ -129,14 +129,18 @@ class Client:
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, multiaddr: str, *, timeout_s: float = 120.0) -> AsyncIterator[Client]:
-        """Connect to the node at ``multiaddr`` (``/ip4/.../tcp/.../p2p/<peer id>``)."""
+    async def connect(
+        cls, multiaddr: str, *, timeout_s: float = 120.0, swarm_key: bytes | None = None
+    ) -> AsyncIterator[Client]:
+        """Connect to the node at ``multiaddr`` (``/ip4/.../tcp/.../p2p/<peer id>``); a node of
+        a private swarm needs its ``swarm_key``."""
         config = HostConfig(
             listen=("/ip4/127.0.0.1/tcp/0",),
             persist_identity=False,
             mdns=False,
             liveness_interval_s=0,
             gossip_topics=(),
+            swarm_key=swarm_key,
         )
         async with open_host(config) as host:
             peer = await host.connect(multiaddr)

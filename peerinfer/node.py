@@ -29,6 +29,14 @@ Protocols (all frames are ``peerinfer.core.messages``, varint length-prefixed):
 ``/peerinfer/peers/1.0.0``                 PeerExchange -> PeerExchange (who we know)
 gossip ``peerinfer/1/<model>/announce``    Announce (digest root, epoch, load, delta)
 =========================================  ===============================================
+
+Membership and clocks (see docs/security.md): in a private swarm (``swarm_key``) the host admits
+only peers that prove the key (``peerinfer.net.admission``) before any of the above. A peer
+becomes a member of the core only after a ping answered over a direct connection; peers are
+exchanged only with members, and what they tell is deduplicated and dialed at a bounded rate.
+Every timer runs on trio's monotonic clock; the wall clock (``NodeOptions.wall_clock``, for
+tests) only seeds the epochs, which are persisted beside the identity so that they grow across
+restarts even if the wall clock stepped back.
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +120,8 @@ from peerinfer.errors import (
     error_kind,
 )
 from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
-from peerinfer.net.config import DEFAULT_PORT
+from peerinfer.net.config import DEFAULT_PORT, default_identity_path
+from peerinfer.net.pacing import TokenBucket
 from peerinfer.types import PeerId, RequestId
 
 logger = logging.getLogger("peerinfer.node")
@@ -129,6 +140,23 @@ MAX_EXCHANGED_PEERS = 64
 PEER_EXCHANGE_INTERVAL_S = 10.0
 #: The client handler's wait for the next token of a request served here or relayed.
 TOKEN_GAP_TIMEOUT_S = 120.0
+#: Dials caused by peer exchange: at most this many per second (bursts of PEER_DIAL_BURST), and
+#: one peer at most once per PEER_REDIAL_S; learned peers beyond the rate are dropped, not queued.
+PEER_DIAL_RATE = 1.0
+PEER_DIAL_BURST = 8
+PEER_REDIAL_S = 10.0
+#: Bound of the per-peer tables kept here (peer exchange, dial history).
+MAX_PEER_TABLE = 4096
+#: Replica budget, by default a share of the local cache budget (in bytes), at about this many
+#: bytes per replica hash (measured: 1.69M hashes in 253 MB, issue 11); with no cache budget,
+#: DEFAULT_REPLICA_BUDGET_BLOCKS (about 40 MB).
+REPLICA_BUDGET_SHARE = 1 / 8
+REPLICA_BYTES_PER_BLOCK = 150
+DEFAULT_REPLICA_BUDGET_BLOCKS = 1 << 18
+MIN_REPLICA_BUDGET_BLOCKS = 1 << 16
+#: Epoch bases of two incarnations of one identity differ by at least this (epochs within one
+#: incarnation grow by one per announcement, four per second at most: 34 years of room).
+EPOCH_STRIDE = 1 << 32
 
 
 def announce_topic(fingerprint: bytes, swarm_secret: bytes | None = None) -> str:
@@ -155,7 +183,7 @@ class NodeOptions:
     cache_bytes: int | None = None
     cache_tokens: int | None = None
     policy: str = "cost"
-    swarm_key: bytes | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
     costs: CostModel = DEFAULT_COSTS
     announce_interval_s: float = 1.0
     first_token_timeout_s: float = 30.0
@@ -167,6 +195,10 @@ class NodeOptions:
     http: str | None = None
     #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
     api_keys: tuple[str, ...] = ()
+    #: hashes all peers' replicas may hold together; None: a share of the cache budget
+    replica_budget_blocks: int | None = None
+    #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
+    wall_clock: Callable[[], float] = time.time
 
 
 @dataclass(slots=True)
@@ -301,8 +333,13 @@ class Node:
         self._wake = trio.Event()
         self._closing = False
         self._open_handlers = 0
-        #: peers (nodes, not clients) we have swapped peer lists with at least once
-        self._exchanged: set[str] = set()
+        #: members (nodes, not clients) we have swapped peer lists with (bounded)
+        self._exchanged: OrderedDict[str, None] = OrderedDict()
+        #: when peer exchange last made us dial each peer (bounded), and the dial pacer
+        self._dialed_at: OrderedDict[str, float] = OrderedDict()
+        self._dial_bucket = TokenBucket(PEER_DIAL_RATE, PEER_DIAL_BURST)
+        #: dials caused by peer exchange (statistics for tests and the attack bench)
+        self.exchange_dials = 0
         self._topic = ""
         self._started_at = time.time()
         self.ready = trio.Event()
@@ -358,6 +395,15 @@ class Node:
         if costs.slots == 1 and engine.max_batch_size > 1:
             costs = costs.with_slots(engine.max_batch_size)
         self._topic = announce_topic(engine.fingerprint, secret)
+        replica_budget = opts.replica_budget_blocks
+        if replica_budget is None:
+            stats = engine.statistics().cache
+            capacity = stats.capacity_bytes if stats is not None else None
+            replica_budget = (
+                DEFAULT_REPLICA_BUDGET_BLOCKS if not capacity
+                else max(MIN_REPLICA_BUDGET_BLOCKS,
+                         int(capacity * REPLICA_BUDGET_SHARE) // REPLICA_BYTES_PER_BLOCK)
+            )
         host_config = HostConfig(
             listen=opts.listen,
             identity_path=opts.identity,
@@ -368,11 +414,11 @@ class Node:
             expected_peers=opts.expected_peers,
             announce_interval_s=opts.announce_interval_s,
             liveness_interval_s=max(2.0, opts.peer_timeout_s / 2),
+            swarm_key=secret,
         )
         async with open_host(host_config) as host:
             self.host = host
-            # Epochs must grow across restarts: start them from the wall clock (microseconds).
-            epoch_base = int(time.time() * 1_000_000)
+            epoch_base = self._epoch_base()
             self.core = NodeCore(
                 NodeConfig(
                     peer_id=PeerId(host.peer_id),
@@ -383,6 +429,7 @@ class Node:
                     peer_timeout_s=opts.peer_timeout_s,
                     ping_after_s=max(0.5, opts.peer_timeout_s / 3),
                     max_queue=opts.max_queue,
+                    replica_budget_blocks=replica_budget,
                 ),
                 hasher,
                 rng=random.Random(opts.seed),
@@ -445,8 +492,36 @@ class Node:
 
     @staticmethod
     def _now() -> float:
-        # Wall clock: announcements carry it, and peers compare it within a freshness window.
-        return time.time()
+        # Monotonic: a wall-clock step (sleep, NTP, a user) must not move any timer.
+        return trio.current_time()
+
+    def _epoch_base(self) -> int:
+        """Where this incarnation's epochs start: above every epoch of the previous ones.
+
+        The wall clock (microseconds) normally suffices; a base persisted beside a persistent
+        identity covers a clock that stepped back between two runs. A throwaway identity has no
+        previous incarnation to outgrow."""
+        opts = self.options
+        wall_base = max(0, int(opts.wall_clock() * 1_000_000))
+        if not opts.persist_identity:
+            return wall_base
+        path = (opts.identity or default_identity_path()).with_suffix(".epoch")
+        last = 0
+        try:
+            last = int(path.read_text().strip() or 0)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the unreadable epoch file %s: %s", path, exc)
+        base = max(wall_base, last + EPOCH_STRIDE) if last else wall_base
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{base}\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("cannot persist the epoch base to %s: %s", path, exc)
+        return base
 
     def _feed(self, event: Event) -> None:
         core = self.core
@@ -458,6 +533,9 @@ class Node:
             logger.exception("node core failed on %s", type(event).__name__)
             return
         self._execute(effects)
+        for peer, reason, detail in core.take_refusals():
+            # Once per (peer, reason): the core deduplicates.
+            logger.info("refused an announcement from %s: %s (%s)", peer, reason, detail)
         self._wake.set()
 
     def _execute(self, effects: Sequence[Effect]) -> None:
@@ -491,6 +569,7 @@ class Node:
                 nursery.start_soon(self._ping, eff.peer)
             elif isinstance(eff, DropPeer):
                 logger.info("peer %s left the candidate set", eff.peer)
+                self._exchanged.pop(eff.peer, None)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -901,12 +980,21 @@ class Node:
             except ProtocolError:
                 continue
             assert isinstance(announce, Announce)
-            if message.sender not in self._exchanged and self._nursery is not None:
-                # A node we have not swapped peer lists with yet (clients never announce, so
-                # they are never asked for a protocol they do not speak).
-                self._exchanged.add(message.sender)
-                self._nursery.start_soon(self._exchange_peers, message.sender)
-            self._feed(AnnounceReceived(PeerId(message.sender), announce))
+            sender = message.sender
+            self._feed(AnnounceReceived(PeerId(sender), announce))
+            if sender not in self._exchanged and self._is_member(sender) and self._nursery is not None:
+                # A member we have not swapped peer lists with yet (clients never announce, so
+                # they are never asked for a protocol they do not speak; identities heard of
+                # only through gossip are not members, and are never dialed for it).
+                self._exchanged[sender] = None
+                if len(self._exchanged) > MAX_PEER_TABLE:
+                    self._exchanged.popitem(last=False)
+                self._nursery.start_soon(self._exchange_peers, sender)
+
+    def _is_member(self, peer: str) -> bool:
+        """A peer that answered us over a direct (admitted) connection, and still has one."""
+        core, host = self.core, self.host
+        return core is not None and host is not None and core.is_member(PeerId(peer)) and host.is_admitted(peer)
 
     async def _sync_round(self, eff: SendSyncRequest) -> None:
         host = self.host
@@ -990,19 +1078,36 @@ class Node:
                 peers.append(PeerAddrs(peer, addrs))
         return PeerExchange(tuple(peers))
 
-    async def _learn_peers(self, exchange: PeerExchange) -> None:
+    async def _learn_peers(self, source: str, exchange: PeerExchange) -> None:
+        """Dial the peers a member told us about: each at most once per PEER_REDIAL_S, all of
+        them at PEER_DIAL_RATE; what exceeds the rate is dropped (the next exchange retries)."""
         host = self.host
         assert host is not None
-        connected = set(host.connected_peers())
+        if not self._is_member(source):
+            return  # only members' word counts
+        now = trio.current_time()
+        seen: set[str] = set()
         for entry in exchange.peers[:MAX_EXCHANGED_PEERS]:
-            if entry.peer_id == host.peer_id or entry.peer_id in connected:
+            peer = entry.peer_id
+            if peer == host.peer_id or peer in seen or host.is_connected(peer):
                 continue
+            seen.add(peer)
+            last = self._dialed_at.get(peer)
+            if last is not None and now - last < PEER_REDIAL_S:
+                continue
+            if not self._dial_bucket.take(now):
+                break
             try:
-                host.add_known_peer(entry.peer_id, entry.addrs)
+                host.add_known_peer(peer, tuple(dict.fromkeys(entry.addrs)))
             except ProtocolError:
                 continue
+            self._dialed_at.pop(peer, None)
+            self._dialed_at[peer] = now
+            if len(self._dialed_at) > MAX_PEER_TABLE:
+                self._dialed_at.popitem(last=False)
+            self.exchange_dials += 1
             assert self._nursery is not None
-            self._nursery.start_soon(self._dial_quietly, entry.peer_id)
+            self._nursery.start_soon(self._dial_quietly, peer)
 
     async def _dial_quietly(self, peer: str) -> None:
         host = self.host
@@ -1014,7 +1119,7 @@ class Node:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
         await stream.send(encode(self._known_peers()))
-        await self._learn_peers(exchange)
+        await self._learn_peers(stream.remote_peer, exchange)
 
     async def _exchange_peers(self, peer: str) -> None:
         host = self.host
@@ -1025,14 +1130,14 @@ class Node:
         except PeerInferError:
             return
         assert isinstance(exchange, PeerExchange)
-        await self._learn_peers(exchange)
+        await self._learn_peers(peer, exchange)
 
     async def _peer_exchange_loop(self) -> None:
         host = self.host
         assert host is not None
         while True:
             await trio.sleep(PEER_EXCHANGE_INTERVAL_S * (0.5 + random.random()))
-            peers = [p for p in host.connected_peers() if p in self._exchanged]
+            peers = [p for p in host.connected_peers() if p in self._exchanged and self._is_member(p)]
             if peers:
                 await self._exchange_peers(random.choice(peers))
 
@@ -1047,8 +1152,12 @@ class Node:
             # peer is gone, so its replica is not thrown away on every reconnect.
 
     async def _ping(self, peer: PeerId) -> None:
-        host = self.host
-        assert host is not None
+        host, core = self.host, self.core
+        assert host is not None and core is not None
+        if not core.is_member(peer) and not host.is_admitted(peer):
+            # A would-be member is pinged over its own direct connection only: an identity
+            # heard of through gossip (forged, or just far away) is never dialed for it.
+            return
         try:
             rtt = await host.ping(peer, timeout=2.0)
         except PeerInferError:

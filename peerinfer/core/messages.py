@@ -335,8 +335,8 @@ class Announce(Message):
 
     ``added``/``removed`` are the block hashes changed since ``prev_epoch`` when they fit; a peer
     whose replica is at ``prev_epoch`` applies them without a pull. ``truncated`` says the delta
-    was too large to carry (then a pull repairs). ``time_ms`` is the sender's wall clock, used
-    only for a freshness window against replays.
+    was too large to carry (then a pull repairs). ``time_ms`` is informational (the sender's
+    clock; receivers never compare it with theirs: freshness is epochs and receive times).
     """
 
     sender: str

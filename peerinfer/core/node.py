@@ -18,10 +18,26 @@ What it decides
   blocks added or evicted. An announcement (epoch, root, count, load and the changes since the
   previous epoch when they fit) is published every ``announce_interval_s``, and sooner after a
   change, but never more often than ``min_announce_gap_s`` (gossipsub drops bursts).
-* **Pull.** An announcement from a peer is refused when its epoch is not newer than the last one
-  seen from that peer (stale or replayed) or its timestamp is outside the freshness window.
-  Otherwise the peer's replica applies the carried delta; if its root still differs, a pull runs
-  the Merkle reconciliation state machine (one session per peer at a time, with a deadline).
+* **Membership.** A peer is a *member* (it has state here, a replica, and may be a routing
+  candidate) only once it answered this node directly: a ``PeerSeen`` with a measured round trip,
+  which the shell feeds only for a ping answered over a direct, authenticated (and, in a private
+  swarm, admitted) connection. A connection alone (``PeerSeen`` without a round trip) asks for
+  that ping. Identities heard of only through relayed gossip are never members: their
+  announcements are refused and allocate nothing, so forged identities over one connection cost
+  nothing but the refusal (and a ping request the shell drops, having no connection to them).
+* **Pull.** An announcement from a member is refused when its epoch is not newer than the last
+  one seen from that peer (stale or replayed). Freshness never reads the sender's clock: a
+  member is as fresh as the last time *we* received from it (``now``, the receiver's monotonic
+  clock), so a skewed or stepped clock elsewhere changes nothing; the sender's epochs only have
+  to grow, across its restarts too (the shell persists them). Otherwise the peer's replica
+  applies the carried delta; if its root still differs, a pull runs the Merkle reconciliation
+  state machine (one session per peer at a time, with a deadline). Each refusal is reported once
+  per (peer, reason) through ``take_refusals()``, for the shell to log.
+* **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
+  index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
+  ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
+  announcement claiming more than the sender's allowance is refused; a replica that grew past it
+  (a lying delta, a pull) is emptied.
 * **Route.** A client request is hashed into its block chain, the peer index estimates every
   peer's match in one walk, and the routing policy picks a target among the local node and
   every live peer; the decision (target, expected cached tokens, reason) is returned in the
@@ -164,8 +180,10 @@ class NodeConfig:
     peer_timeout_s: float = 6.0
     #: ping a peer we have not heard from for this long
     ping_after_s: float = 2.0
-    #: refuse announcements whose sender clock differs from ours by more than this
-    freshness_window_s: float = 600.0
+    #: hashes all replicas together may hold (see PeerIndex: the replica budget)
+    replica_budget_blocks: int = 1 << 20
+    #: how often the replica budget's allowances are recomputed
+    rebalance_interval_s: float = 5.0
     #: a forwarded request must produce its first token within this budget, or we fail over
     first_token_timeout_s: float = 30.0
     max_forward_attempts: int = 3
@@ -497,6 +515,10 @@ class NodeStatistics:
     completed: int
     announces_sent: int
     announces_refused: int
+    #: announcements refused because the sender is not a member (never answered us directly)
+    announces_unverified: int
+    #: replicas emptied for growing past their allowance of the replica budget
+    replicas_emptied: int
     syncs_started: int
     syncs_converged: int
     syncs_failed: int
@@ -525,7 +547,9 @@ class NodeCore:
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
         self.local = LocalDigest(epoch_base=epoch_base)
-        self.index = PeerIndex(max_peers=config.max_peers)
+        self.index = PeerIndex(
+            max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
+        )
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -542,6 +566,12 @@ class NodeCore:
         #: smoothed round trips, and requests we forwarded that have not finished, per peer
         self._rtt: dict[PeerId, float] = {}
         self._inflight: dict[PeerId, int] = {}
+        #: when we last asked the shell to ping a non-member (bounded, oldest forgotten)
+        self._ping_asked: dict[PeerId, float] = {}
+        #: (peer, reason) pairs already reported, and those not yet taken by the shell
+        self._refusals_seen: dict[tuple[PeerId, str], None] = {}
+        self._refusals: list[tuple[PeerId, str, str]] = []
+        self._next_rebalance = now + config.rebalance_interval_s
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -553,6 +583,8 @@ class NodeCore:
                 "completed",
                 "announces_sent",
                 "announces_refused",
+                "announces_unverified",
+                "replicas_emptied",
                 "syncs_started",
                 "syncs_converged",
                 "syncs_failed",
@@ -585,11 +617,25 @@ class NodeCore:
         self._check_liveness(now, effects)
         self._maybe_announce(now, effects)
         self.index.expire(now)
+        if now >= self._next_rebalance:
+            self._next_rebalance = now + self.config.rebalance_interval_s
+            for peer in self.index.rebalance():
+                self._replica_emptied(peer)
         return effects
+
+    def take_refusals(self) -> list[tuple[PeerId, str, str]]:
+        """Refused announcements not reported before, as ``(peer, reason, detail)``: each
+        (peer, reason) pair once (the table of reported pairs is bounded), for the shell's log."""
+        out, self._refusals = self._refusals, []
+        return out
+
+    def is_member(self, peer: PeerId) -> bool:
+        """Whether ``peer`` answered us directly and has not been forgotten since."""
+        return peer in self._peers
 
     def next_deadline(self) -> float:
         """The latest time by which ``tick`` must run again."""
-        candidates = [self._next_announce]
+        candidates = [self._next_announce, self._next_rebalance]
         if self.local.has_pending_changes():
             candidates.append(self._last_announce + self.config.min_announce_gap_s)
         for req in self._requests.values():
@@ -1114,21 +1160,50 @@ class NodeCore:
             self._peers[peer] = st
         return st
 
+    def _refuse_announce(self, peer: PeerId, reason: str, detail: str) -> None:
+        self._stats["announces_refused"] += 1
+        key = (peer, reason)
+        seen = self._refusals_seen
+        if key in seen:
+            return
+        seen[key] = None
+        if len(seen) > 4 * self.config.max_peers:
+            del seen[next(iter(seen))]
+        if len(self._refusals) < 1024:
+            self._refusals.append((peer, reason, detail))
+
+    def _ask_ping(self, peer: PeerId, now: float, effects: list[Effect]) -> None:
+        """Ask the shell to ping a non-member (it will, over a direct connection only)."""
+        asked = self._ping_asked
+        last = asked.get(peer)
+        if last is not None and now - last < self.config.ping_after_s:
+            return
+        asked.pop(peer, None)
+        asked[peer] = now
+        if len(asked) > 4 * self.config.max_peers:
+            del asked[next(iter(asked))]
+        effects.append(PingPeer(peer))
+
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
         if ev.sender == self.peer_id or a.sender != ev.sender:
             # Our own echo, or a forwarded claim to speak for someone else.
             if a.sender != ev.sender:
-                self._stats["announces_refused"] += 1
+                self._refuse_announce(ev.sender, "speaks for another peer", f"claims to be {a.sender}")
             return []
-        if a.epoch <= self._last_epochs.get(ev.sender, 0):
-            self._stats["announces_refused"] += 1  # stale or replayed
-            return []
-        if abs(a.time_ms / 1000.0 - now) > self.config.freshness_window_s:
-            self._stats["announces_refused"] += 1
+        st = self._peers.get(ev.sender)
+        if st is None:
+            # Not a member: heard only through gossip, or connected but not answered yet.
+            self._stats["announces_unverified"] += 1
+            self._refuse_announce(ev.sender, "not a member", "it has not answered this node directly yet")
+            asked: list[Effect] = []
+            self._ask_ping(ev.sender, now, asked)
+            return asked
+        last_epoch = self._last_epochs.get(ev.sender, 0)
+        if a.epoch <= last_epoch:
+            self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
             return []
         self._remember_epoch(ev.sender, a.epoch)
-        st = self._peer(ev.sender, now)
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
@@ -1139,7 +1214,14 @@ class NodeCore:
             a.prev_epoch, a.epoch, a.root, a.count, a.added, a.removed, a.truncated
         )
         if replica.refused != refused:
-            self._stats["announces_refused"] += 1  # claims a set larger than any replica holds
+            # Claims a set larger than its allowance of the replica budget.
+            self._refuse_announce(
+                ev.sender, "over its replica allowance",
+                f"claims {a.count} blocks, allowance {replica.max_elements}",
+            )
+        if self.index.enforce_allowance(ev.sender):
+            self._replica_emptied(ev.sender)
+            return []
         # The load, and if the replica now matches, its freshness (which also confirms the
         # speculative entries for the peer).
         index.announced(ev.sender, a.load, now, fresh=replica.epoch == a.epoch)
@@ -1176,15 +1258,29 @@ class NodeCore:
         if len(epochs) > 4 * self.config.max_peers:
             del epochs[next(iter(epochs))]
 
+    def _replica_emptied(self, peer: PeerId) -> None:
+        """The index emptied ``peer``'s replica (over its allowance): drop its pull."""
+        self._stats["replicas_emptied"] += 1
+        st = self._peers.get(peer)
+        if st is not None:
+            st.sync = None
+            st.pull_wanted = False
+
     def _on_sync_response(self, ev: SyncResponseReceived, now: float) -> list[Effect]:
         st = self._peers.get(ev.peer)
         effects: list[Effect] = []
         if st is None or st.sync is None or ev.response.session != st.sync_session:
             return effects
+        if st.sync.replica is not self.index.replica(ev.peer):
+            st.sync = None  # the replica was emptied (replica budget) while the pull ran
+            return effects
         try:
             nxt = st.sync.handle_response(ev.response)
         except ProtocolError:
             self._finish_sync(ev.peer, st, now, ok=False, effects=effects)
+            return effects
+        if self.index.enforce_allowance(ev.peer):
+            self._replica_emptied(ev.peer)
             return effects
         st.last_seen = now
         if nxt is not None:
@@ -1228,6 +1324,12 @@ class NodeCore:
     def _on_peer_seen(self, ev: PeerSeen, now: float) -> list[Effect]:
         if ev.peer == self.peer_id:
             return []
+        if ev.rtt_s is None and ev.peer not in self._peers:
+            # Connected, not yet answered: a member once a ping comes back.
+            effects: list[Effect] = []
+            self._ask_ping(ev.peer, now, effects)
+            return effects
+        self._ping_asked.pop(ev.peer, None)
         st = self._peer(ev.peer, now)
         st.last_seen = now
         if ev.rtt_s is not None:
