@@ -387,13 +387,15 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
-        scheduler = BatchScheduler(engine)
-        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
-        # The core admits as many requests as the engine runs at once, unless the cost model
-        # names its own number of slots (the default model's is 1: "not set").
+        # One capacity for the core and the scheduler: the engine's max_batch_size, unless the
+        # cost model names its own number of slots (the default model's is 1: "not set"). If
+        # the two differed, the scheduler would queue requests the core thinks are running, in
+        # its own FIFO order, behind the core's fair share.
         costs = opts.costs
         if costs.slots == 1 and engine.max_batch_size > 1:
             costs = costs.with_slots(engine.max_batch_size)
+        scheduler = BatchScheduler(engine, max_running=costs.slots)
+        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
         self._topic = announce_topic(engine.fingerprint, secret)
         replica_budget = opts.replica_budget_blocks
         if replica_budget is None:

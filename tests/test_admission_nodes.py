@@ -351,13 +351,6 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path)
 # ------------------------------------------------------------------------------ fair share
 
 
-@pytest.mark.xfail(
-    reason="the door (node.py's _serve_generate, h4/h2) does not yet pass ClientRequest.requester, "
-    "so every direct client counts as this node itself and shares one FIFO; with that line added "
-    "the core starts the honest request after one service, but main's batch engine worker gave "
-    "its first token 8.5 s later still (TTFT 11.8 s against a bound of 3.0 s)",
-    strict=False,
-)
 async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most() -> None:
     """32 maximal requests from one peer to a 4-slot node; an honest peer's request then gets
     its first token within 2x its idle time plus one request's service (issue 11's target; the
