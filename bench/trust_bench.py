@@ -94,7 +94,7 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             def routing_to_liar() -> int:
                 return sum(
                     n.core.route(  # type: ignore[union-attr]
-                        n.engine.tokenize(_prompt(0, 0)), _params(), time.time()  # type: ignore[union-attr]
+                        n.engine.tokenize(_prompt(0, 0)), _params(), trio.current_time()  # type: ignore[union-attr]
                     ).target == liar.peer_id
                     for n in honest
                 )
@@ -148,12 +148,12 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             served_by[result.served_by] += 1
             forwarded += core.statistics().forwarded - before
             if failures_until_demoted[origin.peer_id] is None and core.reputation.standing(
-                lid, time.time()
+                lid, trio.current_time()
             ) != "good":
                 failures_until_demoted[origin.peer_id] = liar_log.count(origin.peer_id)
         elapsed = time.perf_counter() - started
         per_origin = Counter(liar_log)
-        standings = Counter(n.core.reputation.standing(lid, time.time()) for n in honest)  # type: ignore[union-attr]
+        standings = Counter(n.core.reputation.standing(lid, trio.current_time()) for n in honest)  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
     return {
         "requests": requests,

@@ -85,9 +85,10 @@ class TrustKeeper:
             host.ban(eff.peer)
         except Exception:  # the ban is the host's; a failure there must not end the node
             logger.exception("banning %s failed", eff.peer)
-        await trio.sleep(max(0.0, eff.until - time.time()))
+        # ``until`` is on the core's clock (the node's monotonic one).
+        await trio.sleep(max(0.0, eff.until - self._node._now()))
         core = self._node.core
-        if core is None or not core.reputation.is_banned(eff.peer, time.time()):
+        if core is None or not core.reputation.is_banned(eff.peer, self._node._now()):
             host.unban(eff.peer)
 
     # ------------------------------------------------------------------ persistence
@@ -99,7 +100,7 @@ class TrustKeeper:
         if not host_config.persist_identity:
             return
         self._path = host_config.effective_identity_path().with_name(REPUTATION_FILE)
-        now = time.time()
+        now = self._node._now()
         try:
             data = json.loads(self._path.read_text())
         except FileNotFoundError:
@@ -107,7 +108,9 @@ class TrustKeeper:
         except (OSError, ValueError) as exc:
             logger.warning("reputation file %s unreadable (%s); starting afresh", self._path, exc)
             return
-        core.reputation = Reputation.from_json(data, now, core.config.reputation)
+        core.reputation = Reputation.from_json(
+            data, now, core.config.reputation, time_offset=time.time() - now
+        )
         for peer, until in core.reputation.blocked().items():
             if core.reputation.is_banned(peer, now) and self._node._nursery is not None:
                 self._node._nursery.start_soon(self.ban, BanPeer(peer, until, "banned before restart"))
@@ -119,7 +122,8 @@ class TrustKeeper:
         try:
             fd, tmp = tempfile.mkstemp(prefix=".reputation-", dir=path.parent)
             with os.fdopen(fd, "w") as f:
-                json.dump(core.reputation.to_json(), f, separators=(",", ":"))
+                offset = time.time() - self._node._now()  # saved on the wall clock
+                json.dump(core.reputation.to_json(offset), f, separators=(",", ":"))
             os.replace(tmp, path)
         except OSError as exc:
             logger.warning("reputation not saved to %s: %s", path, exc)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -107,7 +106,7 @@ async def test_reputation_is_kept_across_a_restart(tmp_path: Path) -> None:
 
     def offend(node: Node) -> None:
         assert node.core is not None
-        node.core.reputation.record(liar, "audit_failed", time.time())
+        node.core.reputation.record(liar, "audit_failed", trio.current_time())
 
     first = await run_once(offend)
     saved = json.loads((tmp_path / REPUTATION_FILE).read_text())
@@ -116,7 +115,7 @@ async def test_reputation_is_kept_across_a_restart(tmp_path: Path) -> None:
 
     def look(node: Node) -> None:
         assert node.core is not None and node.host is not None
-        seen.append(node.core.reputation.standing(liar, time.time()))
+        seen.append(node.core.reputation.standing(liar, trio.current_time()))
 
     second = await run_once(look)
     assert first.peer_id == second.peer_id  # the same identity, and the same memory

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -116,7 +115,7 @@ async def origin_and_liar(prompts: range, **origin_overrides: object) -> AsyncIt
             assert origin.engine is not None and origin.core is not None
             for k in prompts:
                 tokens = origin.engine.tokenize(prompt(k))
-                while origin.core.route(tokens, SamplingParams(), time.time()).target != liar.peer_id:
+                while origin.core.route(tokens, SamplingParams(), trio.current_time()).target != liar.peer_id:
                     await trio.sleep(0.05)
         try:
             yield origin, liar
@@ -191,7 +190,7 @@ def correct(req: GenerateRequest, engine: SimulatedEngine, n: int | None = None)
 
 def standing(origin: Node, liar: Liar) -> str:
     assert origin.core is not None
-    return origin.core.reputation.standing(liar.peer_id, time.time())
+    return origin.core.reputation.standing(liar.peer_id, trio.current_time())
 
 
 def assert_complete_and_honest(
@@ -232,8 +231,8 @@ async def test_an_over_long_answer_reaches_the_client_cut_at_max_tokens() -> Non
         assert len(liar.requests) == 1
         # ...and the breach costs it its standing at once.
         assert origin.core is not None
-        assert origin.core.reputation.score(liar.peer_id, time.time()) <= -9
-        assert "contract" in origin.core.reputation.explain(liar.peer_id, time.time())
+        assert origin.core.reputation.score(liar.peer_id, trio.current_time()) <= -9
+        assert "contract" in origin.core.reputation.explain(liar.peer_id, trio.current_time())
 
 
 async def test_a_forged_served_by_is_replaced_by_the_authenticated_peer() -> None:
@@ -311,7 +310,7 @@ async def test_completion_counts_that_do_not_match_the_stream_are_a_breach() -> 
             answer = await ask(host, origin, 0)
         assert_complete_and_honest(origin, 0, answer, served_by=origin.peer_id, relayed=5)
         assert origin.core is not None
-        assert origin.core.reputation.view(liar.peer_id, time.time()).why.endswith("last contract")
+        assert origin.core.reputation.view(liar.peer_id, trio.current_time()).why.endswith("last contract")
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +335,7 @@ async def test_a_digest_liar_with_zero_load_stops_being_preferred_within_its_fir
         assert 2 <= len(liar.requests) <= 4, len(liar.requests)
         assert standing(origin, liar) == ("excluded" if len(liar.requests) == 4 else "demoted")
         assert origin.core is not None
-        why = origin.core.reputation.explain(liar.peer_id, time.time())
+        why = origin.core.reputation.explain(liar.peer_id, trio.current_time())
         assert "cache_short" in why
         status = origin.status()
         (line,) = [p.reputation for p in status.peers if p.peer_id == liar.peer_id]
@@ -415,7 +414,7 @@ async def test_an_honest_peer_passes_its_audits() -> None:
                     await trio.sleep(0.05)
         assert origin._trust.audits_failed == 0
         assert standing(origin, liar) == "good"
-        assert origin.core.reputation.score(liar.peer_id, time.time()) > 0
+        assert origin.core.reputation.score(liar.peer_id, trio.current_time()) > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -307,16 +307,20 @@ class Reputation:
 
     # ------------------------------------------------------------------ persistence
 
-    def to_json(self) -> dict[str, Any]:
-        """A small JSON-able dict (a few dozen bytes per peer, at most ``max_peers`` peers)."""
+    def to_json(self, time_offset: float = 0.0) -> dict[str, Any]:
+        """A small JSON-able dict (a few dozen bytes per peer, at most ``max_peers`` peers).
+
+        ``time_offset`` is added to every time: the node keeps this table on a monotonic clock
+        and saves it on the wall clock (offset = wall - monotonic), so it survives a restart.
+        """
         return {
             "version": JSON_VERSION,
             "peers": {
                 peer: [
                     round(rec.score, 3),
-                    rec.updated,
+                    rec.updated + time_offset,
                     rec.bans,
-                    rec.banned_until if math.isfinite(rec.banned_until) else None,
+                    rec.banned_until + time_offset if math.isfinite(rec.banned_until) else None,
                     rec.last,
                     dict(rec.counts),
                 ]
@@ -326,10 +330,12 @@ class Reputation:
 
     @classmethod
     def from_json(
-        cls, data: Any, now: float, config: ReputationConfig | None = None
+        cls, data: Any, now: float, config: ReputationConfig | None = None,
+        time_offset: float = 0.0,
     ) -> Reputation:
         """Rebuild a table saved by ``to_json``; malformed entries are skipped, never trusted
-        to raise the table past its bounds."""
+        to raise the table past its bounds. ``time_offset`` is subtracted from every saved time
+        (the ``to_json`` offset of the clock ``now`` is on)."""
         rep = cls(config)
         if not isinstance(data, dict) or data.get("version") != JSON_VERSION:
             return rep
@@ -342,9 +348,11 @@ class Reputation:
                 score, updated, bans, banned_until, last, counts = entry
                 rec = _Record(
                     score=min(cfg.max_score, max(cfg.min_score, float(score))),
-                    updated=min(float(updated), now),
+                    updated=min(float(updated) - time_offset, now),
                     bans=max(0, min(int(bans), 64)),
-                    banned_until=-math.inf if banned_until is None else float(banned_until),
+                    banned_until=(
+                        -math.inf if banned_until is None else float(banned_until) - time_offset
+                    ),
                     last=str(last)[:32],
                     counts={
                         str(k): int(v) for k, v in dict(counts).items() if k in OUTCOMES
