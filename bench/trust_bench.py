@@ -22,7 +22,12 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     With ``--hf``: the default real model (1 torch thread), for ``--cost-prompts`` prompts of
     about 200 tokens and 32 greedy tokens each: the engine time of serving (prefix cached, as on
     the peer that was chosen for its cache) versus one audit pass. Compute on audits over compute
-    serving is ``audit_rate * audit_s / serve_s``; the target is <= ``audit_rate * 1.2``.
+    serving is ``audit_rate * audit_s / serve_s``; the target is <= ``audit_rate * 1.2``. Then
+    ``--noise-prompts`` honest float32 answers are re-scored with the model in bfloat16 (another
+    precision, as on another device): how many would fail the audit.
+
+``--only digest`` / ``--only tarpit`` run the network scenarios on 8 real in-process nodes over
+libp2p instead of NodeCores in memory (slow; on a loaded 2-core machine it did not settle).
 """
 
 from __future__ import annotations
@@ -454,7 +459,7 @@ def _audit_scenario(runs: int, rate: float, seed: int) -> dict[str, Any]:
     }
 
 
-def _audit_cost(prompts: int, rate: float) -> dict[str, Any]:
+def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]:
     import torch
 
     from peerinfer.core.messages import SamplingParams
@@ -483,6 +488,19 @@ def _audit_cost(prompts: int, rate: float) -> dict[str, Any]:
         audit_s.append(time.perf_counter() - started)
         assert verdict is not None and verdict.ok, verdict
     ratio = sum(audit_s) / sum(serve_s)
+    # Honest numeric noise: the same float32 answers re-scored with bfloat16 weights (another
+    # precision, as on another device): how many would fail the audit (a false ban)?
+    answers = []
+    for k in range(prompts, prompts + noise_prompts):
+        prompt = engine.tokenize(f"Question {k}: explain, in a few sentences, topic number {k} of " + " ".join(f"item{k}.{i}" for i in range(30)))
+        ids = [t for ev in engine.generate(prompt, params) if isinstance(ev, Tokens) for t in ev.token_ids]
+        answers.append((prompt, ids))
+    engine.model = engine.model.to(torch.bfloat16)
+    false_failures = 0
+    for prompt, ids in answers:
+        verdict = audit_greedy(engine, prompt, ids)
+        assert verdict is not None
+        false_failures += not verdict.ok
     return {
         "model": engine.model_name,
         "prompts": prompts,
@@ -493,6 +511,8 @@ def _audit_cost(prompts: int, rate: float) -> dict[str, Any]:
         "audit_over_serve": round(ratio, 4),
         "audit_compute_share_at_rate": round(rate * ratio, 5),
         "target_share": round(rate * 1.2, 5),
+        "bf16_rescored_honest_answers": len(answers),
+        "bf16_rescored_false_failures": false_failures,
     }
 
 
@@ -508,6 +528,7 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long the network may take to learn the liar's digest")
     ap.add_argument("--hf", action="store_true", help="also measure the audit cost on the real model")
     ap.add_argument("--cost-prompts", type=int, default=5)
+    ap.add_argument("--noise-prompts", type=int, default=10, help="honest answers re-scored in bfloat16 (with --hf)")
     ap.add_argument("--only", choices=("core_digest", "core_tarpit", "digest", "tarpit", "audit", "audit_cost"), action="append")
     args = ap.parse_args()
     only = set(args.only or ("core_digest", "core_tarpit", "audit", "audit_cost"))
@@ -523,7 +544,7 @@ def main() -> None:
     if "audit" in only:
         out["audit"] = _audit_scenario(args.runs, args.audit_rate, args.seed)
     if "audit_cost" in only and args.hf:
-        out["audit_cost"] = _audit_cost(args.cost_prompts, args.audit_rate)
+        out["audit_cost"] = _audit_cost(args.cost_prompts, args.audit_rate, args.noise_prompts)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -322,8 +322,9 @@ class ForwardFinished:
 @dataclass(frozen=True, slots=True)
 class ForwardFailed:
     """A forward failed. ``reason`` is one of busy, unavailable, timeout, protocol, invalid,
-    internal, contract (the result broke the request's contract). ``generated`` holds the token ids already relayed to the client (mid-stream
-    failure); the request then resumes locally after them."""
+    internal, contract (the result broke the request's contract). ``generated`` holds the token
+    ids already relayed to the client (mid-stream failure); the request then resumes locally
+    after them, or ends if they were the whole ``max_tokens`` (the shell answered)."""
 
     request_id: RequestId
     peer: PeerId
