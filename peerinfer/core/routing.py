@@ -406,26 +406,41 @@ class CostPolicy:
 
     def estimate(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float]:
         """``(ttft_s, expected_cached_tokens, wait_s)`` for serving ``request`` on ``c``."""
-        costs = self.costs
-        prompt = request.prompt_tokens
-        service = self._mean_service(request)
-        return self._estimate(c, prompt, service, costs.prefill_s(prompt, 0))
+        return self._estimate(c, request, {})
 
-    def _mean_service(self, request: RouteRequest) -> float:
-        if self.mean_service_s is not None:
-            return self.mean_service_s
-        prompt = request.prompt_tokens
-        return self.costs.service_s(prompt, prompt // 2, request.max_tokens)
+    def _service(self, request: RouteRequest, slots: int, memo: dict[int, float]) -> float:
+        """The mean service time ``T`` of the queue estimate on a node of ``slots``: a request
+        shaped like this one, half its prompt cached, in a full batch (memoized per call)."""
+        service = memo.get(slots)
+        if service is None:
+            if self.mean_service_s is not None:
+                service = self.mean_service_s
+            else:
+                prompt = request.prompt_tokens
+                service = self.costs.service_s(prompt, prompt // 2, request.max_tokens, slots)
+            memo[slots] = service
+        return service
 
     def _estimate(
-        self, c: Candidate, prompt: int, service: float, cold_prefill: float
+        self, c: Candidate, request: RouteRequest, memo: dict[int, float], outstanding: int = -1
     ) -> tuple[float, float, float]:
+        """The reference form of the estimate (``choose`` inlines the same arithmetic); with
+        ``outstanding`` >= 0, as if ``c`` had that many requests queued or running."""
         costs = self.costs
+        prompt = request.prompt_tokens
         load = c.load
         slots = load.slots if load.slots > 0 else 1
-        queued = load.queued + load.running
-        n = queued if queued > c.inflight else c.inflight
-        wait = (n - slots + 0.5) * service / slots if n >= slots else 0.0
+        if outstanding >= 0:
+            n = outstanding
+        else:
+            queued = load.queued + load.running
+            n = queued if queued > c.inflight else c.inflight
+        if n >= slots:
+            wait = (n - slots + 0.5) * self._service(request, slots, memo) / slots
+            decoders = slots - 1
+        else:
+            wait = 0.0
+            decoders = n
         matched = c.matched_tokens if c.matched_tokens < prompt else prompt
         if c.is_local:
             p = 1.0
@@ -433,8 +448,11 @@ class CostPolicy:
             age = c.digest_age_s
             p = 1.0 if not age > 0.0 else math.exp(-age * self._decay)
         cached = p * matched
-        # prefill_s is linear in the cached count, so this is the expectation over a hit.
-        prefill = cold_prefill - cached * (costs.prefill_s_per_token - costs.cached_s_per_token)
+        # The expectation over a hit (probability p) and a miss: prefill_s is linear in the
+        # cached count but for its whole chunks, taken at both ends.
+        prefill = p * costs.prefill_s(prompt, matched, decoders) + (1.0 - p) * costs.prefill_s(
+            prompt, 0, decoders
+        )
         rtt = 0.0 if c.is_local else c.rtt_s
         return rtt + wait + prefill, cached, wait
 
@@ -443,10 +461,17 @@ class CostPolicy:
     ) -> RouteDecision:
         local_i = _local_index(candidates)
         prompt = request.prompt_tokens
-        service = self._mean_service(request)
+        memo: dict[int, float] = {}
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
         saving = costs.prefill_s_per_token - costs.cached_s_per_token
+        # While others decode: the busy prefill rate, and one decode step per prompt chunk.
+        cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
+        saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
+        chunk = costs.prefill_chunk_tokens
+        cold_chunks = costs.prefill_chunks(prompt)
+        step = costs.decode_step_s
+        service = self._service
         decay = self._decay
         exp = math.exp
         # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
@@ -459,14 +484,28 @@ class CostPolicy:
             n = load.queued + load.running
             if c.inflight > n:
                 n = c.inflight
-            wait = (n - slots + 0.5) * service / slots if n >= slots else 0.0
+            if n >= slots:
+                wait = (n - slots + 0.5) * service(request, slots, memo) / slots
+                decoders = slots - 1
+            else:
+                wait = 0.0
+                decoders = n
             m = c.matched_tokens if c.matched_tokens < prompt else prompt
             if c.is_local:
-                append(0.0 + wait + (cold - 1.0 * m * saving))
+                p = 1.0
             else:
                 age = c.digest_age_s
-                cached = m if not age > 0.0 else exp(-age * decay) * m
-                append(c.rtt_s + wait + (cold - cached * saving))
+                p = 1.0 if not age > 0.0 else exp(-age * decay)
+            if decoders > 0:
+                hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
+                prefill = (
+                    cold_busy
+                    - p * m * saving_busy
+                    + step(decoders) * (p * (hit_chunks if hit_chunks > 1 else 1) + (1.0 - p) * cold_chunks)
+                )
+            else:
+                prefill = cold - p * m * saving
+            append((0.0 if c.is_local else c.rtt_s) + wait + prefill)
         # Stable: equal estimates keep the caller's order in the failover list.
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]
@@ -482,16 +521,16 @@ class CostPolicy:
             target_i = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
             best_remote = target_i
         estimates = {
-            i: self._estimate(candidates[i], prompt, service, cold)
+            i: self._estimate(candidates[i], request, memo)
             for i in {local_i, target_i, best_remote}
             if i is not None
         }
         max_outstanding = None
         if target_i != local_i:
             runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
-            t_ttft, _, t_wait = estimates[target_i]
-            budget = runner_up - (t_ttft - t_wait - candidates[target_i].rtt_s)
-            max_outstanding = _outstanding_within(budget, candidates[target_i], service)
+            max_outstanding = self._outstanding_within(
+                runner_up, candidates[target_i], request, memo
+            )
         local = candidates[local_i]
         local_cached = estimates[local_i][1]
         target = candidates[target_i]
@@ -531,14 +570,23 @@ class CostPolicy:
         )
 
 
-def _outstanding_within(budget_s: float, c: Candidate, service_s: float) -> int:
-    """The most outstanding requests on ``c`` whose expected wait is at most ``budget_s``:
-    the inverse of ``wait = (n - slots + 0.5) * service / slots`` (0 below ``slots``)."""
-    slots = c.load.slots if c.load.slots > 0 else 1
-    if not service_s > 0.0 or not budget_s < math.inf:  # also NaN: no limit, as before
-        return 1 << 30
-    n = math.floor(budget_s * slots / service_s + slots - 0.5)
-    return max(slots - 1, min(n, 1 << 30))
+    def _outstanding_within(
+        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: dict[int, float]
+    ) -> int:
+        """The most requests ``c`` may have queued or running when this one arrives for the
+        forward to still beat the runner-up: served there, the first token comes at ``rtt +
+        estimate - rtt``; refused, at about ``rtt + runner_up_s``. The inverse of the estimate
+        in the outstanding count: past a full batch it grows by ``T / slots`` per request. Never
+        below ``slots - 1`` (a free slot is what the decision saw, or better)."""
+        slots = c.load.slots if c.load.slots > 0 else 1
+        service = self._service(request, slots, memo)
+        if not service > 0.0 or not runner_up_s < math.inf:  # also NaN: no limit, as before
+            return 1 << 30
+        full = self._estimate(c, request, memo, slots)
+        rtt = 0.0 if c.is_local else c.rtt_s
+        # full - rtt = 0.5 * T / slots + prefill next to slots - 1 decoders
+        n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots)
+        return max(slots - 1, min(n, 1 << 30))
 
 
 _COST_OPTIONS = frozenset(
