@@ -11,6 +11,13 @@ Method (every figure is a median over ``repeats`` runs, after one warm-up reques
   of TTFT against ``P`` is the cost of one cached token (rebuilding the model's cache from its
   segments and attending over it).
 * **Decode.** The median gap between consecutive ``Tokens`` events of a greedy generation.
+* **Batches** (``batch=True``, the default): the decode step time at 1, 2, 4, 8 and 16
+  running requests and the prefill rate alone and while 8 requests decode, by
+  :func:`measure_batch_costs`, which says in its ``method`` how it measured (the engine's own
+  ``decode_batch``; for a transformers engine without one, batched forward passes of its model;
+  else the decoders one by one, which is what an engine that cannot batch does). They become
+  the cost model's ``decode_step_s_by_batch`` and ``prefill_busy_s_per_token``, and its
+  ``slots`` is the engine's ``max_batch_size``.
 
 Every point is the median of its repetitions by default; ``statistic="min"`` keeps the fastest
 run instead, the steadier figure on a machine shared with other work (noise only ever adds).
@@ -66,18 +73,19 @@ class Calibration:
     suffix_tokens: int = DEFAULT_SUFFIX
     decode_gaps: int = 0
     wall_s: float = 0.0
+    batch: BatchMeasurement | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "costs": self.costs.to_dict(),
-            "measurements": {
-                "miss_ttft_s": {str(k): round(v, 6) for k, v in self.miss_ttft_s.items()},
-                "hit_ttft_s": {str(k): round(v, 6) for k, v in self.hit_ttft_s.items()},
-                "hit_suffix_tokens": self.suffix_tokens,
-                "decode_gaps_measured": self.decode_gaps,
-                "wall_s": round(self.wall_s, 3),
-            },
+        measurements: dict[str, Any] = {
+            "miss_ttft_s": {str(k): round(v, 6) for k, v in self.miss_ttft_s.items()},
+            "hit_ttft_s": {str(k): round(v, 6) for k, v in self.hit_ttft_s.items()},
+            "hit_suffix_tokens": self.suffix_tokens,
+            "decode_gaps_measured": self.decode_gaps,
+            "wall_s": round(self.wall_s, 3),
         }
+        if self.batch is not None:
+            measurements["batch"] = self.batch.to_dict()
+        return {"costs": self.costs.to_dict(), "measurements": measurements}
 
 
 def _random_prompt(rng: random.Random, engine: Engine, n: int) -> list[int]:
@@ -129,8 +137,11 @@ def calibrate_report(
     statistic: str = "median",
     clock: str = "wall",
     progress: Callable[[str], None] | None = None,
+    batch: bool = True,
+    batch_options: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Measure ``engine`` and fit a cost model (see the module docstring)."""
+    """Measure ``engine`` and fit a cost model (see the module docstring);
+    ``batch_options`` go to :func:`measure_batch_costs`."""
     if clock not in _CLOCKS:
         raise ConfigError(f"clock must be one of {sorted(_CLOCKS)}, got {clock!r}")
     now = _CLOCKS[clock]
@@ -190,14 +201,28 @@ def calibrate_report(
     if cache is not None:
         cache.clear()
         engine.take_cache_changes()
+    measured = None
+    if batch:
+        options = {"repeats": repeats, "seed": seed + 1, "statistic": statistic, "clock": clock}
+        options.update(batch_options or {})
+        measured = measure_batch_costs(engine, progress=progress, **options)
     costs = CostModel(
         prefill_s_per_token=max(0.0, prefill),
         cached_s_per_token=max(0.0, cached),
         decode_s_per_token=max(0.0, decode),
         overhead_s=max(0.0, overhead),
-        slots=1,
+        slots=max(1, int(getattr(engine, "max_batch_size", 1) or 1)),
+        decode_step_s_by_batch=(
+            tuple(sorted(measured.step_s_by_batch.items())) if measured is not None else ()
+        ),
+        prefill_busy_s_per_token=(
+            measured.prefill_s_per_token_busy if measured is not None else None
+        ),
+        prefill_chunk_tokens=measured.chunk_tokens if measured is not None else 512,
     )
-    return Calibration(costs, miss, hit, suffix, len(gaps), time.perf_counter() - started)
+    return Calibration(
+        costs, miss, hit, suffix, len(gaps), time.perf_counter() - started, measured
+    )
 
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -468,6 +493,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--statistic", choices=sorted(_STATISTICS), default="median", help="per point: median (default) or min (steadier on a busy machine)")
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall", help="wall (default) or cpu: process CPU time, for a busy machine (use with --threads 1)")
     parser.add_argument("--quick", action="store_true", help="shorter prompts (a rough figure in seconds)")
+    parser.add_argument("--no-batch", dest="batch", action="store_false", help="skip the batch measurements (decode step time by batch size, busy prefill)")
     parser.add_argument("--output", type=Path, help="also write the result as JSON to this file (for --costs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -483,8 +509,13 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     engine = load_engine(args.engine, **options)
     try:
         kwargs: dict[str, Any] = {"repeats": args.repeats, "statistic": args.statistic, "clock": args.clock}
+        kwargs["batch"] = getattr(args, "batch", True)
         if args.quick:
             kwargs.update(lengths=(16, 64), prefixes=(64, 128), decode_tokens=8, repeats=1)
+            kwargs["batch_options"] = {
+                "sizes": (1, 2, 4), "context_tokens": 64, "steps": 2, "chunk_tokens": 64,
+                "busy_decoders": 2,
+            }
         report = calibrate_report(
             engine,
             progress=None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True)),
@@ -505,6 +536,14 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         print(f"cached_s_per_token   {c.cached_s_per_token:.6f}   (prompt token from cache)")
         print(f"decode_s_per_token   {c.decode_s_per_token:.6f}   (generated token)")
         print(f"overhead_s           {c.overhead_s:.6f}   (per request)")
+        print(f"slots                {c.slots}   (the engine's max_batch_size)")
+        if report.batch is not None:
+            b = report.batch
+            print(f"batch measured by    {b.method}, {b.context_tokens}-token contexts")
+            for n, t in sorted(b.step_s_by_batch.items()):
+                print(f"decode step @ {n:3d}    {t:.6f}   ({n / t if t else 0.0:.1f} tokens/s)")
+            print(f"prefill alone        {b.prefill_s_per_token_idle:.6f}   (per token, chunks of {b.chunk_tokens})")
+            print(f"prefill, {b.busy_decoders} decoding  {b.prefill_s_per_token_busy:.6f}   (per token)")
         if args.output is not None:
             print(f"written to {args.output} (use with --costs)")
     return 0
