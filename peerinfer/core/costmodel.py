@@ -166,6 +166,24 @@ class CostModel:
             return 0.0
         return (outstanding - slots + 0.5) * service_s / slots
 
+    def prefill_backlog_s(
+        self, ahead: int, prompt_tokens: int, cached_tokens: int, generated_tokens: int
+    ) -> float:
+        """Expected prefill work of ``ahead`` running requests that comes before a joiner's
+        own prefill (prefill runs one chunk at a time, oldest first, so a joiner waits for the
+        prefills under way even when a slot is free). Each of them, shaped like the joiner, is
+        in its prefill with probability ``phi = P / (P + D)``, its share of its time in a batch
+        of ``ahead + 1`` (``P`` its prefill next to ``ahead`` decoders, ``D`` its decode); of
+        the ``k = ahead * phi`` expected in prefill, the one under way is half done."""
+        if ahead <= 0:
+            return 0.0
+        p = self.prefill_s(prompt_tokens, cached_tokens, ahead)
+        d = self.decode_s(generated_tokens, ahead + 1)
+        if not p + d > 0.0:
+            return 0.0
+        k = ahead * p / (p + d)
+        return p * (k - 0.5) if k >= 1.0 else p * k / 2
+
     def full_service_s(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int,
                        slots: int) -> float:
         """Service time of a request on a node whose ``slots`` are all busy (the rate at which
@@ -182,14 +200,17 @@ class CostModel:
         service_s: float | None = None,
     ) -> tuple[float, float]:
         """``(ttft_s, wait_s)`` of a new request on a node with ``outstanding`` requests
-        queued or running on ``slots``: it waits only if the batch is full, then prefills next
-        to the others decoding. ``service_s`` (default: this request's service at a full batch)
-        is the mean service time the queue estimate uses."""
+        queued or running on ``slots``: it waits for a slot only if the batch is full, then
+        for the prefills under way (``prefill_backlog_s`` of requests shaped like it), then
+        prefills next to the others decoding. ``service_s`` (default: this request's service
+        at a full batch) is the mean service time of the slot wait. ``wait_s`` is both waits."""
         slots = max(1, slots)
         if service_s is None:
             service_s = self.full_service_s(prompt_tokens, cached_tokens, generated_tokens, slots)
-        wait = self.queue_wait_s(outstanding, slots, service_s)
         decoders = min(outstanding, slots - 1)
+        wait = self.queue_wait_s(outstanding, slots, service_s) + self.prefill_backlog_s(
+            decoders, prompt_tokens, cached_tokens, generated_tokens
+        )
         return wait + self.prefill_s(prompt_tokens, cached_tokens, decoders), wait
 
     def with_slots(self, slots: int) -> CostModel:
@@ -249,13 +270,36 @@ def _check_points(points: object) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-#: SmolLM2-135M-Instruct (float32, CPU, one torch thread) on the 2-core development machine
-#: (docs/performance.md). The per-request figures are ``peerinfer calibrate --clock cpu``'s;
-#: the decode step times at 1, 2, 4, 8 and 16 running requests and the busy prefill rate are
-#: ``peerinfer calibrate --batch``'s, measured by forward passes of the model over a batch
-#: sharing one KV cache (512-token contexts), before the engine had its own batched decode.
+#: SmolLM2-135M-Instruct (float32, CPU, one torch thread) as measured by ``peerinfer calibrate
+#: --clock cpu`` on the 2-core development machine (docs/performance.md), one request at a time
+#: (``slots`` 1, no batch table: the model every figure before batching used).
 #: A GPU or more threads are faster: run ``peerinfer calibrate`` on your machine and pass
 #: ``--costs`` to the node.
 DEFAULT_COSTS = CostModel()
 
-__all__ = ["DEFAULT_COSTS", "CostModel"]
+#: The same model and machine served in batches of up to 8: one run of ``peerinfer calibrate
+#: --threads 1 --device cpu --clock cpu --statistic min`` (docs/performance.md, where its output
+#: is), per-request figures and batch measurements together. The decode step times at 1, 2, 4,
+#: 8 and 16 running requests (512-token contexts) were measured by forward passes of the model
+#: over a batch sharing one KV cache, before the engine had its own batched decode; the busy
+#: prefill rate is the fitted rate times the ratio (1.018) of 512-token chunks timed next to 8
+#: decoders and alone. ``slots`` is 8, the batching engine's default ``max_batch_size``.
+BATCHED_COSTS = CostModel(
+    prefill_s_per_token=0.002401,
+    cached_s_per_token=0.0000613,
+    decode_s_per_token=0.05911,
+    overhead_s=0.07543,
+    slots=8,
+    decode_step_s_by_batch=((1, 0.07138), (2, 0.09101), (4, 0.13334), (8, 0.23071), (16, 0.28907)),
+    prefill_busy_s_per_token=0.002444,
+    prefill_chunk_tokens=512,
+)
+
+
+def default_costs(slots: int) -> CostModel:
+    """The default cost model of a node whose engine runs ``slots`` requests at once:
+    ``DEFAULT_COSTS`` for one, ``BATCHED_COSTS`` with that capacity for more."""
+    return DEFAULT_COSTS if slots <= 1 else BATCHED_COSTS.with_slots(slots)
+
+
+__all__ = ["BATCHED_COSTS", "DEFAULT_COSTS", "CostModel", "default_costs"]

@@ -40,13 +40,20 @@ The policies
 
         TTFT(c) = rtt(c)                      (0 for the local node)
                 + wait(c)                     (expected queueing delay)
-                + E[prefill(prompt, cached)]  (cost model, cached tokens discounted by staleness)
+                + E[prefill(prompt, cached)]  (cost model, cached tokens discounted by staleness,
+                                               next to the requests running there)
 
-    * ``wait``: with ``n`` outstanding requests on ``s`` slots, a new request waits for a slot
-      only when ``n >= s``; then ``n - s + 1`` requests must finish first, the oldest of them
-      half done on average, so ``wait = (n - s + 0.5) * T / s``. ``T`` is the mean service time
-      of a request, by default the cost model's ``service_s`` of a request shaped like this one
-      with half its prompt cached (option ``mean_service_s`` overrides it).
+    * ``wait``: with ``n`` outstanding requests on ``s`` slots (a node runs up to ``s`` at
+      once in one batch, ``core/costmodel.py``), a new request waits for a slot only when
+      ``n >= s``; then ``n - s + 1`` requests must finish first, the oldest of them half done
+      on average, a full batch freeing a slot every ``T / s``: ``(n - s + 0.5) * T / s``. ``T``
+      is the mean service time of a request in a full batch, by default the cost model's
+      ``service_s(..., running=s)`` of a request shaped like this one with half its prompt
+      cached (option ``mean_service_s`` overrides it). Admitted next to ``d = min(n, s - 1)``
+      running requests, it also waits for their prefills under way (the engine prefills one
+      chunk at a time, oldest first: ``prefill_backlog_s``), and its own prefill is the cost
+      model's next to ``d`` decoders (the busy rate, one decode step of theirs per chunk).
+      With one slot both extras are 0: the single-slot estimate.
     * Staleness: a remote's ``matched_tokens`` come from a digest that is ``digest_age_s`` old;
       the peer may have evicted them since. The match is trusted with confidence
       ``p = 0.5 ** (age / staleness_half_life_s)`` (1 for the local node, whose radix cache is
@@ -421,6 +428,18 @@ class CostPolicy:
             memo[slots] = service
         return service
 
+    def _backlog(self, request: RouteRequest, ahead: int, memo: dict[int, float]) -> float:
+        """The prefill backlog ahead of a joiner next to ``ahead`` running requests shaped
+        like this one, half their prompt cached (memoized per call under ``-ahead``)."""
+        if ahead <= 0:
+            return 0.0
+        backlog = memo.get(-ahead)
+        if backlog is None:
+            prompt = request.prompt_tokens
+            backlog = self.costs.prefill_backlog_s(ahead, prompt, prompt // 2, request.max_tokens)
+            memo[-ahead] = backlog
+        return backlog
+
     def _estimate(
         self, c: Candidate, request: RouteRequest, memo: dict[int, float], outstanding: int = -1
     ) -> tuple[float, float, float]:
@@ -441,6 +460,8 @@ class CostPolicy:
         else:
             wait = 0.0
             decoders = n
+        if decoders > 0:
+            wait += self._backlog(request, decoders, memo)
         matched = c.matched_tokens if c.matched_tokens < prompt else prompt
         if c.is_local:
             p = 1.0
@@ -472,6 +493,7 @@ class CostPolicy:
         cold_chunks = costs.prefill_chunks(prompt)
         step = costs.decode_step_s
         service = self._service
+        backlog = self._backlog
         decay = self._decay
         exp = math.exp
         # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
@@ -497,11 +519,12 @@ class CostPolicy:
                 age = c.digest_age_s
                 p = 1.0 if not age > 0.0 else exp(-age * decay)
             if decoders > 0:
+                wait += backlog(request, decoders, memo)
                 hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
                 prefill = (
                     cold_busy
                     - p * m * saving_busy
-                    + step(decoders) * (p * (hit_chunks if hit_chunks > 1 else 1) + (1.0 - p) * cold_chunks)
+                    + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
                 )
             else:
                 prefill = cold - p * m * saving
@@ -576,17 +599,23 @@ class CostPolicy:
         """The most requests ``c`` may have queued or running when this one arrives for the
         forward to still beat the runner-up: served there, the first token comes at ``rtt +
         estimate - rtt``; refused, at about ``rtt + runner_up_s``. The inverse of the estimate
-        in the outstanding count: past a full batch it grows by ``T / slots`` per request. Never
-        below ``slots - 1`` (a free slot is what the decision saw, or better)."""
+        in the outstanding count: past a full batch it grows by ``T / slots`` per request;
+        below, by the prefill backlog of one more running request."""
         slots = c.load.slots if c.load.slots > 0 else 1
         service = self._service(request, slots, memo)
         if not service > 0.0 or not runner_up_s < math.inf:  # also NaN: no limit, as before
             return 1 << 30
         full = self._estimate(c, request, memo, slots)
         rtt = 0.0 if c.is_local else c.rtt_s
-        # full - rtt = 0.5 * T / slots + prefill next to slots - 1 decoders
+        # full - rtt = 0.5 * T / slots + the backlog and prefill next to slots - 1 decoders
         n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots)
-        return max(slots - 1, min(n, 1 << 30))
+        if n >= slots:
+            return min(n, 1 << 30)
+        # Not even a full batch fits: the most running requests whose backlog still does.
+        for k in range(slots - 1, 0, -1):
+            if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
+                return k
+        return 0
 
 
 _COST_OPTIONS = frozenset(

@@ -16,8 +16,9 @@ Method (every figure is a median over ``repeats`` runs, after one warm-up reques
   :func:`measure_batch_costs`, which says in its ``method`` how it measured (the engine's own
   ``decode_batch``; for a transformers engine without one, batched forward passes of its model;
   else the decoders one by one, which is what an engine that cannot batch does). They become
-  the cost model's ``decode_step_s_by_batch`` and ``prefill_busy_s_per_token``, and its
-  ``slots`` is the engine's ``max_batch_size``.
+  the cost model's ``decode_step_s_by_batch`` and ``prefill_busy_s_per_token`` (the fitted
+  prefill rate times the busy/alone ratio of the chunk timings), and its ``slots`` is the
+  engine's ``max_batch_size``.
 
 Every point is the median of its repetitions by default; ``statistic="min"`` keeps the fastest
 run instead, the steadier figure on a machine shared with other work (noise only ever adds).
@@ -215,8 +216,13 @@ def calibrate_report(
         decode_step_s_by_batch=(
             tuple(sorted(measured.step_s_by_batch.items())) if measured is not None else ()
         ),
+        # The chunk timings run a longer prompt than the fit's (attention grows with it), so
+        # only their ratio is kept: the busy rate is the fitted rate times what running next
+        # to decoders added in the chunks.
         prefill_busy_s_per_token=(
-            measured.prefill_s_per_token_busy if measured is not None else None
+            max(0.0, prefill) * measured.prefill_s_per_token_busy / measured.prefill_s_per_token_idle
+            if measured is not None and measured.prefill_s_per_token_idle > 0
+            else None
         ),
         prefill_chunk_tokens=measured.chunk_tokens if measured is not None else 512,
     )
