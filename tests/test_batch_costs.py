@@ -341,3 +341,41 @@ def test_batching_carries_a_load_one_slot_cannot_and_stays_deterministic() -> No
     assert {k: v for k, v in batched.items() if k not in drop} == {
         k: v for k, v in again.items() if k not in drop
     }
+
+
+# ------------------------------------------------------------------------- calibration
+
+
+def test_calibration_measures_batches_through_the_engine_and_says_how(tmp_path) -> None:
+    from pathlib import Path
+
+    from peerinfer.engine.calibrate import (
+        METHOD_DECODE_BATCH,
+        METHOD_SERIAL,
+        calibrate_report,
+        measure_batch_costs,
+    )
+    from peerinfer.engine.registry import load_engine
+
+    engine = SimulatedEngine(time_scale=0.0)
+    m = measure_batch_costs(engine, sizes=(1, 2, 4), context_tokens=32, steps=2, chunk_tokens=16,
+                            busy_decoders=2, repeats=1)
+    assert m.method == METHOD_DECODE_BATCH and sorted(m.step_s_by_batch) == [1, 2, 4]
+    assert engine._decoding == 0  # every decoder it opened was closed
+    example = Path(__file__).resolve().parent.parent / "examples" / "custom_backend.py"
+    echo = load_engine(f"{example}:EchoEngine")
+    m = measure_batch_costs(echo, sizes=(1, 2), context_tokens=16, steps=1, chunk_tokens=8,
+                            busy_decoders=1, repeats=1)
+    assert m.method == METHOD_SERIAL
+    report = calibrate_report(
+        SimulatedEngine(time_scale=0.0), lengths=(8, 16), prefixes=(16, 32), decode_tokens=4,
+        repeats=1,
+        batch_options={"sizes": (1, 2), "context_tokens": 16, "steps": 1, "chunk_tokens": 8,
+                       "busy_decoders": 1},
+    )
+    costs = report.costs
+    assert [n for n, _ in costs.decode_step_s_by_batch] == [1, 2]
+    assert costs.slots == 1  # this engine runs one at a time by default
+    data = report.to_dict()
+    assert data["measurements"]["batch"]["method"] == METHOD_DECODE_BATCH
+    assert CostModel.from_dict(data["costs"]) == costs
