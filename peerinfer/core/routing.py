@@ -497,28 +497,35 @@ class CostPolicy:
         decay = self._decay
         exp = math.exp
         # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
-        # per request).
+        # per request). A node with nothing running or with one slot takes the first branch:
+        # no batch, the single-slot estimate.
+        service_one = service(request, 1, memo)
         ttfts: list[float] = []
         append = ttfts.append
         for c in candidates:
             load = c.load
-            slots = load.slots if load.slots > 0 else 1
+            slots = load.slots
             n = load.queued + load.running
             if c.inflight > n:
                 n = c.inflight
-            if n >= slots:
-                wait = (n - slots + 0.5) * service(request, slots, memo) / slots
-                decoders = slots - 1
-            else:
-                wait = 0.0
-                decoders = n
             m = c.matched_tokens if c.matched_tokens < prompt else prompt
             if c.is_local:
                 p = 1.0
+                rtt = 0.0
             else:
                 age = c.digest_age_s
                 p = 1.0 if not age > 0.0 else exp(-age * decay)
-            if decoders > 0:
+                rtt = c.rtt_s
+            if n == 0 or slots <= 1:
+                wait = (n - 0.5) * service_one if n >= 1 else 0.0
+                prefill = cold - p * m * saving
+            else:
+                if n >= slots:
+                    wait = (n - slots + 0.5) * service(request, slots, memo) / slots
+                    decoders = slots - 1
+                else:
+                    wait = 0.0
+                    decoders = n
                 wait += backlog(request, decoders, memo)
                 hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
                 prefill = (
@@ -526,9 +533,7 @@ class CostPolicy:
                     - p * m * saving_busy
                     + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
                 )
-            else:
-                prefill = cold - p * m * saving
-            append((0.0 if c.is_local else c.rtt_s) + wait + prefill)
+            append(rtt + wait + prefill)
         # Stable: equal estimates keep the caller's order in the failover list.
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]
