@@ -379,3 +379,22 @@ def test_calibration_measures_batches_through_the_engine_and_says_how(tmp_path) 
     data = report.to_dict()
     assert data["measurements"]["batch"]["method"] == METHOD_DECODE_BATCH
     assert CostModel.from_dict(data["costs"]) == costs
+
+
+def test_sim_command_line_batch_and_slots() -> None:
+    import argparse
+
+    from peerinfer.core.costmodel import BATCHED_COSTS
+    from peerinfer.sim.cli import add_sim_arguments, config_from_args
+
+    def config(*argv: str) -> SimConfig:
+        parser = argparse.ArgumentParser()
+        add_sim_arguments(parser)
+        return config_from_args(parser.parse_args(list(argv)))
+
+    assert config("--batch").costs == BATCHED_COSTS and BATCHED_COSTS.slots == 8
+    assert config("--batch", "--slots", "4").costs == BATCHED_COSTS.with_slots(4)
+    assert config("--costs", "batched", "--slots", "1").costs.slots == 1
+    assert config().costs == DEFAULT_COSTS
+    with pytest.raises(ConfigError, match="--batch"):
+        config("--batch", "--costs", "gpu")

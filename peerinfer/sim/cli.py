@@ -264,6 +264,8 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [
         f"peerinfer sim: {p['nodes']} nodes, {summary['requests']} requests, policy {p['policy']}, "
         f"delay {p['delay_ms']} ms, workload {p['workload']} ({p['skew']}), seed {p['seed']}",
+        f"  costs {p['costs_source']}, {p['costs']['slots']} slot(s) per node"
+        + (", batched by the measured decode step times" if p["costs"].get("decode_step_s_by_batch") else ""),
         "",
         f"  {'':<22}{'mean':>10}{'p50':>10}{'p99':>10}",
         f"  {'TTFT (s)':<22}{summary['ttft_mean_s']:>10.4f}{summary['ttft_p50_s']:>10.4f}"
