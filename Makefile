@@ -4,9 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck pytest bench clean venv
+.PHONY: test demo lint typecheck pytest bench clean venv system-packages
 
-venv: $(STAMP)
+venv: $(STAMP) system-packages
+
+# System packages the tests need: Debian's chromium renders the dashboard in a headless test.
+# Skipped when present; installing needs root (apt-get), as on the CI machines.
+system-packages:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update && apt-get install -y chromium; }
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -24,8 +29,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict peerinfer/core
 
-pytest: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+pytest: $(STAMP) system-packages
+	PEERINFER_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck pytest
 

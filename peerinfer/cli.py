@@ -1,7 +1,10 @@
-"""The ``peerinfer`` command line: node, generate, status, calibrate, sim.
+"""The ``peerinfer`` command line: node, generate, chat, status, calibrate, sim.
 
-Errors from peerinfer are printed as one line (``peerinfer: error: ...``) with exit status 1;
-bad usage exits with 2, as argparse does.
+Errors are printed as one line (``peerinfer <command>: error: ...``) saying what to do, never a
+traceback: exit status 2 for a bad option, model or address (argparse's usage errors too, and
+every ``ConfigError``), 1 for anything else peerinfer reports (a peer failed, a request was
+refused). An error raised inside trio's nurseries arrives wrapped in exception groups; the one
+peerinfer error inside is unwrapped here.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -23,15 +27,39 @@ from peerinfer.errors import ConfigError, PeerInferError
 
 
 def _bytes_amount(text: str) -> int:
-    """``1000000``, ``512M``, ``2G`` (binary units) -> bytes."""
+    """``1000000``, ``512M``, ``2G``, ``1.5GiB`` (binary units) -> a positive number of bytes."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
+    bad = argparse.ArgumentTypeError(
+        f"not a byte amount: {text!r} (a positive size such as 1000000, 512M or 2G)"
+    )
     try:
         if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
+            value = float(t[:-1]) * units[t[-1]]
+        else:
+            value = float(int(t))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte amount: {text!r} (e.g. 512M, 2G)") from None
+        raise bad from None
+    if not math.isfinite(value) or value < 1 or value > 2**62:
+        raise bad
+    return int(value)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file (one per line) and PEERINFER_API_KEY."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {args.api_key_file}: {exc.strerror}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    env = os.environ.get("PEERINFER_API_KEY", "").strip()
+    if env:
+        keys.append(env)
+    if any(len(k) < 8 for k in keys):
+        raise ConfigError("an API key must have at least 8 characters")
+    return tuple(keys)
 
 
 def _add_node(sub: Any) -> None:
@@ -51,10 +79,17 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
-    p.add_argument("--swarm-key", help="secret shared by a private swarm: keys digests and names the gossip topic")
+    p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
+    _add_swarm_options(p, join=True)
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
+    p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="serve the OpenAI-compatible HTTP API, /metrics and the dashboard here "
+                   "(default 127.0.0.1:8000; port 0 picks a free one; 'none' turns it off)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a bearer token the HTTP API accepts (repeatable; required for a non-loopback --http)")
+    p.add_argument("--api-key-file", type=Path, metavar="PATH", help="a file of API keys, one per line")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
     p.set_defaults(run=_run_node)
 
@@ -78,9 +113,15 @@ def _load_costs(path: Path | None) -> Any:
 def _run_node(args: argparse.Namespace) -> int:
     import trio
 
+    from peerinfer.http import check_exposure, parse_http_address
     from peerinfer.node import Node, NodeOptions
 
     costs = _load_costs(args.costs)
+    api_keys = _api_keys(args)
+    http_address = parse_http_address(args.http)
+    if http_address is not None:
+        check_exposure(http_address[0], api_keys)
+    swarm_key, joined = _swarm_options(args)
     engine_options: dict[str, Any] = {}
     if args.engine == "simulated":
         engine_options["costs"] = costs
@@ -92,17 +133,19 @@ def _run_node(args: argparse.Namespace) -> int:
         device=args.device,
         engine_options=engine_options,
         listen=tuple(args.listen) if args.listen else NodeOptions().listen,
-        bootstrap=tuple(args.bootstrap),
+        bootstrap=tuple(args.bootstrap) + joined,
         mdns=not args.no_mdns,
         identity=args.identity,
         cache_bytes=args.cache_bytes,
         policy=args.policy,
-        swarm_key=args.swarm_key.encode() if args.swarm_key else None,
+        swarm_key=swarm_key,
         costs=costs,
         announce_interval_s=args.announce_interval,
         seed=args.seed,
+        http=None if http_address is None else f"{http_address[0]}:{http_address[1]}",
+        api_keys=api_keys,
     )
-    node = Node(options)
+    node = Node(options, engine=_load_engine_verbosely(options))
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -115,8 +158,11 @@ def _run_node(args: argparse.Namespace) -> int:
                 if os.environ.get("PEERINFER_GC_FREEZE", "1") != "0":
                     gc.freeze()
                 _log_gc_pauses(os.environ.get("PEERINFER_GC_LOG_MS"))
+                _describe_cache(node)
                 for addr in node.addresses():
                     print(f"peerinfer node {node.peer_id} listening on {addr}", flush=True)
+                if node.http_url is not None:
+                    print(f"peerinfer node {node.peer_id} HTTP API at {node.http_url}", flush=True)
                 async for _ in signals:
                     print("peerinfer node: shutting down (finishing in-flight requests)", file=sys.stderr, flush=True)
                     with trio.move_on_after(60):
@@ -137,6 +183,57 @@ def _run_node(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _load_engine_verbosely(options: Any) -> Any:
+    """Load the engine, saying what and where, with a progress line while it takes long."""
+    import threading
+
+    from peerinfer.engine.registry import load_engine
+
+    kwargs = dict(options.engine_options)
+    if options.model is not None:
+        kwargs.setdefault("model", options.model)
+    if options.device is not None:
+        kwargs.setdefault("device", options.device)
+    what = options.model or ("the default model (SmolLM2-135M-Instruct)" if options.engine == "hf" else "its model")
+    where = options.device or "the default device"
+    note = " (a GGUF is converted once, then loads from the cache)" if options.engine == "hf" else ""
+    _say(f"loading {what} with the {options.engine} engine on {where}{note}")
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def progress() -> None:
+        # Bounded: one line every 5 s while loading, nothing after.
+        while not stop.wait(5.0):
+            _say(f"still loading ({time.monotonic() - started:.0f} s)...")
+
+    ticker = threading.Thread(target=progress, name="peerinfer-load-progress", daemon=True)
+    ticker.start()
+    try:
+        engine = load_engine(options.engine, **kwargs)
+    finally:
+        stop.set()
+        ticker.join()
+    device = getattr(engine, "device", "cpu")
+    dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
+    _say(f"loaded {engine.model_name} on {device}" + (f" ({dtype})" if dtype else "")
+         + f" in {time.monotonic() - started:.1f} s")
+    return engine
+
+
+def _describe_cache(node: Any) -> None:
+    cache = node.engine.statistics().cache
+    if cache is None:
+        _say("prefix cache: none (this engine keeps no KV cache)")
+        return
+    budget = f"{cache.capacity_bytes / 2**20:.0f} MiB" if cache.capacity_bytes else "no byte budget"
+    tokens = f", {cache.capacity_tokens} tokens" if cache.capacity_tokens else ""
+    _say(f"prefix cache budget: {budget}{tokens}; {cache.tokens} tokens cached from before")
+
+
+def _say(text: str) -> None:
+    print(f"peerinfer node: {text}", file=sys.stderr, flush=True)
 
 
 def _log_gc_pauses(threshold_ms: str | None) -> None:
@@ -171,6 +268,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result's fields")
+    _add_swarm_options(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -185,8 +283,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    swarm_key, _ = _swarm_options(args)
+
     async def main() -> None:
-        async with Client.connect(args.peer) as client:
+        async with Client.connect(args.peer, swarm_key=swarm_key) as client:
             result = await client.generate(
                 prompt,
                 max_tokens=args.max_tokens,
@@ -211,10 +311,138 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_chat(sub: Any) -> None:
+    p = sub.add_parser(
+        "chat", help="an interactive conversation with a node (keeps the history)",
+        description="Chat with a node: each line read from standard input is a user message; "
+        "the answer streams back and the conversation's history goes with every turn. "
+        "'/reset' forgets the history; end of input or '/exit' stops.",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--peer", metavar="MULTIADDR", help="the node to ask over libp2p (with /p2p/<id>)")
+    target.add_argument("--http", metavar="URL", help="the node's HTTP API, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="bearer token for --http (default: PEERINFER_API_KEY)")
+    p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+
+    def read_line() -> str | None:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        return None if not line else line.rstrip("\n")
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def turns(ask: Any) -> None:
+        # One turn per line; bounded by the input.
+        while (line := read_line()) is not None:
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip() == "/reset":
+                del history[int(bool(args.system)):]
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            if interactive:
+                show("assistant> ")
+            answer = ask(list(history))
+            history.append({"role": "assistant", "content": answer})
+            show("\n")
+
+    if args.http:
+        _chat_http(args, turns, show)
+        return 0
+
+    import trio
+
+    from peerinfer.client import Client
+
+    async def main() -> None:
+        async with Client.connect(args.peer) as client:
+            token = trio.lowlevel.current_trio_token()
+
+            def ask(messages: list[dict[str, str]]) -> str:
+                async def one() -> str:
+                    result = await client.generate(messages, max_tokens=args.max_tokens,
+                                                   temperature=args.temperature, on_text=show)
+                    return result.text
+                return trio.from_thread.run(one, trio_token=token)
+
+            await trio.to_thread.run_sync(turns, ask)
+
+    trio.run(main)
+    return 0
+
+
+def _chat_http(args: argparse.Namespace, turns: Any, show: Any) -> None:
+    import httpx
+
+    from peerinfer.errors import PeerUnavailableError, error_kind
+
+    key = args.api_key or os.environ.get("PEERINFER_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    base = args.http.rstrip("/")
+
+    def fail(response: httpx.Response) -> PeerInferError:
+        try:
+            error = json.loads(response.read())["error"]
+            code, message = error.get("code") or "", error["message"]
+        except (ValueError, KeyError, TypeError):
+            code, message = "", response.text[:200]
+        if code in ("invalid_api_key", "model_not_found"):
+            return ConfigError(f"{message} (HTTP {response.status_code})")
+        return error_kind(code).exception(f"{message} (HTTP {response.status_code})")
+
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(300.0, connect=10.0)) as http:
+            models = http.get("/v1/models")
+            if models.status_code != 200:
+                raise fail(models)
+            model = models.json()["data"][0]["id"]
+
+            def ask(messages: list[dict[str, str]]) -> str:
+                body = {"model": model, "messages": messages, "stream": True,
+                        "max_tokens": args.max_tokens, "temperature": args.temperature}
+                parts: list[str] = []
+                with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        raise fail(response)
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            raise error_kind(event["error"].get("code") or "").exception(event["error"]["message"])
+                        for choice in event.get("choices", []):
+                            text = choice.get("delta", {}).get("content")
+                            if text:
+                                parts.append(text)
+                                show(text)
+                return "".join(parts)
+
+            turns(ask)
+    except httpx.HTTPError as exc:
+        raise PeerUnavailableError(f"cannot talk to {base}: {exc}") from None
+
+
 def _add_status(sub: Any) -> None:
     p = sub.add_parser("status", help="show a node, its peers and its cache")
     p.add_argument("--peer", required=True, metavar="MULTIADDR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_swarm_options(p)
     p.set_defaults(run=_run_status)
 
 
@@ -223,8 +451,10 @@ def _run_status(args: argparse.Namespace) -> int:
 
     from peerinfer.client import Client
 
+    swarm_key, _ = _swarm_options(args)
+
     async def main() -> dict[str, Any]:
-        async with Client.connect(args.peer) as client:
+        async with Client.connect(args.peer, swarm_key=swarm_key) as client:
             return await client.status()
 
     status = trio.run(main)
@@ -236,7 +466,7 @@ def _run_status(args: argparse.Namespace) -> int:
     print(f"node   {status['peer_id']}  model {status['model']}")
     for addr in status["addrs"]:
         print(f"       {addr}")
-    print(f"load   {load['running']} running, {load['queued']} queued, {load['slots']} slots")
+    print(f"load   {load['running']} running, {load['queued']} queued, capacity {load['capacity']}")
     print(f"cache  {cache['tokens']} tokens, {cache['bytes']} bytes of {cache['capacity_bytes'] or 'unbounded'}")
     req = status["requests"]
     print(
@@ -251,6 +481,95 @@ def _run_status(args: argparse.Namespace) -> int:
             f"{p['cached_tokens']} tokens cached  load {p['load']['running']}+{p['load']['queued']}  "
             f"rtt {p['rtt_ms']:.1f} ms"
         )
+    return 0
+
+
+# ---------------------------------------------------------------- private swarms (issue 11)
+# Keys come from a file, the environment or an invite (itself in a file, as @FILE), never only
+# from the command line, which other users of the machine can read.
+
+SWARM_KEY_ENV = "PEERINFER_SWARM_KEY"
+
+
+def _add_swarm_options(p: argparse.ArgumentParser, *, join: bool = False) -> None:
+    p.add_argument("--swarm-key-file", type=Path, metavar="FILE", help=f"read the private swarm's key from FILE (or set ${SWARM_KEY_ENV})")
+    if join:
+        p.add_argument("--join", metavar="INVITE|@FILE", help="join a private swarm with an invite from 'peerinfer swarm new' (its key, and a member to bootstrap from); @FILE reads it from FILE")
+
+
+def _read_secret(path: Path, what: str) -> str:
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc}") from exc
+    if not text:
+        raise ConfigError(f"the {what} file {path} is empty")
+    return text
+
+
+def _swarm_options(args: argparse.Namespace) -> tuple[bytes | None, tuple[str, ...]]:
+    """The swarm key (from --swarm-key, --swarm-key-file, --join or the environment; all given
+    must agree) and the bootstrap addresses an invite brings."""
+    from peerinfer.net.admission import parse_invite
+
+    keys: dict[str, str] = {}
+    bootstrap: tuple[str, ...] = ()
+    if getattr(args, "swarm_key", None):
+        keys["--swarm-key"] = args.swarm_key
+    if args.swarm_key_file is not None:
+        keys["--swarm-key-file"] = _read_secret(args.swarm_key_file, "swarm key")
+    invite = getattr(args, "join", None)
+    if invite:
+        text = _read_secret(Path(invite[1:]), "invite") if invite.startswith("@") else invite
+        keys["--join"], bootstrap = parse_invite(text)
+    if os.environ.get(SWARM_KEY_ENV):
+        keys[f"${SWARM_KEY_ENV}"] = os.environ[SWARM_KEY_ENV].strip()
+    if len(set(keys.values())) > 1:
+        raise ConfigError(f"different swarm keys given by {', '.join(keys)}")
+    key = next(iter(keys.values()), None)
+    return (key.encode() if key else None), bootstrap
+
+
+def _add_swarm(sub: Any) -> None:
+    p = sub.add_parser("swarm", help="private swarms: make a key and an invite")
+    swarm_sub = p.add_subparsers(dest="swarm_command", required=True, metavar="SUBCOMMAND")
+    new = swarm_sub.add_parser(
+        "new",
+        help="make a fresh swarm key and an invite for it",
+        description="Print a fresh swarm key and an invite: the key plus this machine's node "
+        "address (its identity's peer id, on --port), which 'peerinfer node --join' accepts. "
+        "With --key-file the key is also written there (mode 0600) for --swarm-key-file.",
+    )
+    new.add_argument("--identity", type=Path, help="the identity key of the node others will join through (default: the user's)")
+    new.add_argument("--port", type=int, default=None, help="the TCP port that node listens on (default: 4737)")
+    new.add_argument("--addr", action="append", default=[], metavar="MULTIADDR", help="advertise this address (without /p2p) instead of this machine's (repeatable)")
+    new.add_argument("--key-file", type=Path, help="also write the key to this file (must not exist)")
+    new.set_defaults(run=_run_swarm_new)
+
+
+def _run_swarm_new(args: argparse.Namespace) -> int:
+    from peerinfer.net.admission import make_invite, new_swarm_key
+    from peerinfer.net.config import DEFAULT_PORT, default_identity_path
+    from peerinfer.net.discovery import primary_ipv4
+    from peerinfer.net.identity import load_or_create_identity, peer_id_of
+
+    key = new_swarm_key()
+    peer = peer_id_of(load_or_create_identity(args.identity or default_identity_path()))
+    port = DEFAULT_PORT if args.port is None else args.port
+    # The LAN address (loopback in an invite would make a joiner dial itself).
+    hosts = args.addr or [f"/ip4/{primary_ipv4() or '127.0.0.1'}/tcp/{port}"]
+    invite = make_invite(key, [f"{a.rstrip('/')}/p2p/{peer}" for a in hosts])
+    if args.key_file is not None:
+        try:
+            fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the key file {args.key_file}: {exc}") from exc
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    print(f"swarm key: {key}")
+    print(f"invite:    {invite}")
+    print("run the first node with: peerinfer node --swarm-key-file FILE  (FILE holding the key, mode 0600)", file=sys.stderr)
+    print("others join with:        peerinfer node --join @FILE  (FILE holding the invite)", file=sys.stderr)
     return 0
 
 
@@ -299,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_node(sub)
     _add_generate(sub)
+    _add_chat(sub)
     _add_status(sub)
+    _add_swarm(sub)
     _add_calibrate(sub)
     _add_sim(sub)
     return parser
@@ -308,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = f"peerinfer {args.command}"
     level = logging.WARNING
     if getattr(args, "verbose", 0) == 1:
         level = logging.INFO
@@ -319,8 +641,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except PeerInferError as exc:
-        print(f"peerinfer: error: {exc}", file=sys.stderr)
-        return 1
+        return _report(command, exc)
+    except BaseExceptionGroup as group:
+        leaf = _sole_error(group)
+        if leaf is None:
+            raise
+        return _report(command, leaf)
+
+
+def _sole_error(group: BaseExceptionGroup[Any]) -> PeerInferError | None:
+    """The one peerinfer error in nested exception groups (cancellations aside), or None."""
+    matched, _ = group.split(PeerInferError)
+    if matched is None:
+        return None
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [matched]
+    while stack and len(leaves) < 64:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    first = leaves[0] if leaves else None
+    if isinstance(first, PeerInferError) and all(str(e) == str(first) for e in leaves):
+        return first
+    return None
+
+
+def _report(command: str, exc: PeerInferError) -> int:
+    # One line: libraries' messages (the hub's, the OS's) may span several.
+    message = " ".join(str(exc).split())
+    if len(message) > 400:
+        message = message[:397] + "..."
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from peerinfer.core.messages import (
     ErrorMessage,
     GenerateDone,
     GenerateRequest,
+    Load,
     SamplingParams,
     StatusRequest,
     StatusResponse,
@@ -46,13 +47,10 @@ from peerinfer.core.messages import (
 )
 from peerinfer.errors import (
     ClosedError,
-    EngineError,
     InvalidRequestError,
-    PeerBusyError,
-    PeerInferError,
     PeerUnavailableError,
     ProtocolError,
-    RequestTimeoutError,
+    error_from_code,
 )
 from peerinfer.net import Host, HostConfig, open_host
 
@@ -79,19 +77,8 @@ class GenerationResult:
         return asdict(self)
 
 
-_ERRORS: dict[str, type[PeerInferError]] = {
-    "busy": PeerBusyError,
-    "invalid": InvalidRequestError,
-    "timeout": RequestTimeoutError,
-    "unavailable": PeerUnavailableError,
-    "protocol": ProtocolError,
-    "internal": EngineError,
-    "shutdown": PeerUnavailableError,
-}
-
-
 def _raise_error(message: ErrorMessage) -> None:
-    raise _ERRORS.get(message.code, PeerInferError)(f"{message.code}: {message.message}")
+    raise error_from_code(message.code, message.message)
 
 
 def _build_request(
@@ -142,14 +129,18 @@ class Client:
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, multiaddr: str, *, timeout_s: float = 120.0) -> AsyncIterator[Client]:
-        """Connect to the node at ``multiaddr`` (``/ip4/.../tcp/.../p2p/<peer id>``)."""
+    async def connect(
+        cls, multiaddr: str, *, timeout_s: float = 120.0, swarm_key: bytes | None = None
+    ) -> AsyncIterator[Client]:
+        """Connect to the node at ``multiaddr`` (``/ip4/.../tcp/.../p2p/<peer id>``); a node of
+        a private swarm needs its ``swarm_key``."""
         config = HostConfig(
             listen=("/ip4/127.0.0.1/tcp/0",),
             persist_identity=False,
             mdns=False,
             liveness_interval_s=0,
             gossip_topics=(),
+            swarm_key=swarm_key,
         )
         async with open_host(config) as host:
             peer = await host.connect(multiaddr)
@@ -257,18 +248,24 @@ class Client:
         return status_to_dict(msg)
 
 
+def _load_to_dict(load: Load) -> dict[str, int]:
+    """A node's load: queued, running and its capacity (``slots``, kept for old readers)."""
+    return {"queued": load.queued, "running": load.running, "slots": load.slots,
+            "capacity": load.slots}
+
+
 def status_to_dict(msg: StatusResponse) -> dict[str, Any]:
     """A ``StatusResponse`` as plain JSON-able data (the ``peerinfer status --json`` shape)."""
     return {
         "peer_id": msg.peer_id,
         "addrs": list(msg.addrs),
         "model": msg.model,
-        "load": {"queued": msg.load.queued, "running": msg.load.running, "slots": msg.load.slots},
+        "load": _load_to_dict(msg.load),
         "peers": [
             {
                 "peer_id": p.peer_id,
                 "digest_age_s": p.digest_age_s,
-                "load": {"queued": p.load.queued, "running": p.load.running, "slots": p.load.slots},
+                "load": _load_to_dict(p.load),
                 "cached_tokens": p.cached_tokens,
                 "rtt_ms": p.rtt_ms,
             }

@@ -16,9 +16,15 @@ this tree in exactly one place each, keeping the original as ``__cause__``.
     │   ├── PeerBusyError           the peer refused: at capacity
     │   └── RequestTimeoutError     a deadline passed
     └── EngineError                 the inference backend failed on a well-formed request
+
+``ERROR_TABLE`` is the one table from the wire's error codes (``ErrorMessage.code``) to these
+classes, HTTP statuses, OpenAI error types and forwarding reasons; the client, the node's
+forwarding, the HTTP API and the simulator all read it (``error_kind(code)``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass as _dataclass
 
 
 class PeerInferError(Exception):
@@ -65,7 +71,67 @@ class EngineError(PeerInferError):
     """The inference backend failed while serving a well-formed request."""
 
 
+# --------------------------------------------------------------------------------------------
+# The one table from wire error codes to what each front end makes of them.
+
+
+@_dataclass(frozen=True, slots=True)
+class ErrorKind:
+    """What one wire error code (``ErrorMessage.code``) means, for every front end.
+
+    ``exception``: what the client raises. ``http_status`` and ``openai_type``: what the HTTP API
+    answers (OpenAI's error ``type``). ``forward_reason``: what a forwarding node tells its core
+    when a peer answers with this code (a ``ForwardFailed`` reason; the node and the simulator
+    both read it here). ``retry_elsewhere``: whether another peer may succeed where this one
+    failed (False: the request itself is at fault, it would fail anywhere). A peer that
+    *answered* with an error is reachable, so only ``unavailable`` and ``timeout`` make the
+    core stop routing to it.
+    """
+
+    code: str
+    exception: type[PeerInferError]
+    http_status: int
+    openai_type: str
+    forward_reason: str
+    retry_elsewhere: bool
+    reason: str
+
+
+#: Every code of ``peerinfer.core.messages.ERROR_CODES``, once (a test pins that they match).
+ERROR_TABLE: dict[str, ErrorKind] = {
+    kind.code: kind
+    for kind in (
+        ErrorKind("invalid", InvalidRequestError, 400, "invalid_request_error", "invalid", False,
+                  "the request cannot be served as given"),
+        ErrorKind("busy", PeerBusyError, 429, "rate_limit_error", "busy", True,
+                  "the node (and every peer it could use) is at capacity"),
+        ErrorKind("timeout", RequestTimeoutError, 504, "timeout_error", "timeout", True,
+                  "no first token within the deadline"),
+        ErrorKind("unavailable", PeerUnavailableError, 503, "service_unavailable_error",
+                  "unavailable", True, "no peer could serve the request"),
+        ErrorKind("protocol", ProtocolError, 502, "api_error", "protocol", True,
+                  "a peer sent a malformed message"),
+        ErrorKind("internal", EngineError, 500, "api_error", "internal", True,
+                  "the inference backend failed"),
+        ErrorKind("shutdown", PeerUnavailableError, 503, "service_unavailable_error",
+                  "unavailable", True, "the node is shutting down"),
+    )
+}
+
+
+def error_kind(code: str) -> ErrorKind:
+    """The table's row for ``code``; an unknown code (a newer peer) reads as ``internal``."""
+    return ERROR_TABLE.get(code) or ERROR_TABLE["internal"]
+
+
+def error_from_code(code: str, message: str) -> PeerInferError:
+    """The exception a client raises for an ``ErrorMessage(code, message)``."""
+    return error_kind(code).exception(f"{code}: {message}")
+
+
 __all__ = [
+    "ERROR_TABLE",
+    "ErrorKind",
     "ClosedError",
     "ConfigError",
     "EngineError",
@@ -77,4 +143,6 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RequestTimeoutError",
+    "error_from_code",
+    "error_kind",
 ]

@@ -9,8 +9,12 @@ executes its effects and feeds it events, on one trio thread:
   an announcement, a sync round, a local run, a forward, a rejection, a ping). A timer task
   calls ``core.tick(now)`` no later than ``core.next_deadline()``.
 * The engine is synchronous; every call into it runs in a worker thread, one at a time (a
-  ``trio.Lock``), one decode step per call, so requests stay cancellable and the event loop
-  never blocks on compute.
+  ``trio.Lock``), so the event loop never blocks on compute. One *engine worker* task owns a
+  :class:`~peerinfer.engine.batch.BatchScheduler` and is the only caller into the engine while
+  requests run: ``_run_local`` hands it the requests the core started, and it calls
+  ``scheduler.step()`` (one prefill chunk and one batched decode step) in the thread while any
+  run, routing each event to its request's sink and reporting cache changes to the core in
+  the engine's order. The core admits up to the engine's ``max_batch_size`` at once.
 * Each request, whoever serves it, has a *sink*: a memory channel whose receiver is the stream
   handler that answers the client (or the forwarding peer). Local runs and forwards write
   ``TokenChunk`` frames into it and end it with ``GenerateDone`` or ``ErrorMessage``.
@@ -25,18 +29,29 @@ Protocols (all frames are ``peerinfer.core.messages``, varint length-prefixed):
 ``/peerinfer/peers/1.0.0``                 PeerExchange -> PeerExchange (who we know)
 gossip ``peerinfer/1/<model>/announce``    Announce (digest root, epoch, load, delta)
 =========================================  ===============================================
+
+Membership and clocks (see docs/security.md): in a private swarm (``swarm_key``) the host admits
+only peers that prove the key (``peerinfer.net.admission``) before any of the above. A peer
+becomes a member of the core only after a ping answered over a direct connection; peers are
+exchanged only with members, and what they tell is deduplicated and dialed at a bounded rate.
+Every timer runs on trio's monotonic clock; the wall clock (``NodeOptions.wall_clock``, for
+tests) only seeds the epochs, which are persisted beside the identity so that they grow across
+restarts even if the wall clock stepped back.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
 import math
+import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +109,7 @@ from peerinfer.core.node import (
 )
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine, Finished, Started, Tokens
+from peerinfer.engine.batch import BatchScheduler, StepResult
 from peerinfer.errors import (
     EngineError,
     InvalidRequestError,
@@ -101,9 +117,11 @@ from peerinfer.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
+    error_kind,
 )
 from peerinfer.net import FramedStream, GossipMessage, Host, HostConfig, PeerEvent, open_host
-from peerinfer.net.config import DEFAULT_PORT
+from peerinfer.net.config import DEFAULT_PORT, default_identity_path
+from peerinfer.net.pacing import TokenBucket
 from peerinfer.types import PeerId, RequestId
 
 logger = logging.getLogger("peerinfer.node")
@@ -122,6 +140,23 @@ MAX_EXCHANGED_PEERS = 64
 PEER_EXCHANGE_INTERVAL_S = 10.0
 #: The client handler's wait for the next token of a request served here or relayed.
 TOKEN_GAP_TIMEOUT_S = 120.0
+#: Dials caused by peer exchange: at most this many per second (bursts of PEER_DIAL_BURST), and
+#: one peer at most once per PEER_REDIAL_S; learned peers beyond the rate are dropped, not queued.
+PEER_DIAL_RATE = 1.0
+PEER_DIAL_BURST = 8
+PEER_REDIAL_S = 10.0
+#: Bound of the per-peer tables kept here (peer exchange, dial history).
+MAX_PEER_TABLE = 4096
+#: Replica budget, by default a share of the local cache budget (in bytes), at about this many
+#: bytes per replica hash (measured: 1.69M hashes in 253 MB, issue 11); with no cache budget,
+#: DEFAULT_REPLICA_BUDGET_BLOCKS (about 40 MB).
+REPLICA_BUDGET_SHARE = 1 / 8
+REPLICA_BYTES_PER_BLOCK = 150
+DEFAULT_REPLICA_BUDGET_BLOCKS = 1 << 18
+MIN_REPLICA_BUDGET_BLOCKS = 1 << 16
+#: Epoch bases of two incarnations of one identity differ by at least this (epochs within one
+#: incarnation grow by one per announcement, four per second at most: 34 years of room).
+EPOCH_STRIDE = 1 << 32
 
 
 def announce_topic(fingerprint: bytes, swarm_secret: bytes | None = None) -> str:
@@ -148,7 +183,7 @@ class NodeOptions:
     cache_bytes: int | None = None
     cache_tokens: int | None = None
     policy: str = "cost"
-    swarm_key: bytes | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
     costs: CostModel = DEFAULT_COSTS
     announce_interval_s: float = 1.0
     first_token_timeout_s: float = 30.0
@@ -156,6 +191,14 @@ class NodeOptions:
     max_queue: int = 8
     seed: int | None = None
     expected_peers: int = 64
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    http: str | None = None
+    #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
+    api_keys: tuple[str, ...] = ()
+    #: hashes all peers' replicas may hold together; None: a share of the cache budget
+    replica_budget_blocks: int | None = None
+    #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
+    wall_clock: Callable[[], float] = time.time
 
 
 @dataclass(slots=True)
@@ -171,6 +214,90 @@ class _Sink:
     cancel: threading.Event = field(default_factory=threading.Event)
     forward_scope: trio.CancelScope | None = None
     done: bool = False
+    serving_peer: str = ""  # where the request runs now (the last routing decision)
+
+
+#: How many routing decisions a node remembers for its dashboard.
+RECENT_DECISIONS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRecord:
+    """One routing decision, as the dashboard shows it."""
+
+    at: float  # wall clock
+    request_id: str
+    peer: str
+    local: bool
+    reason: str
+
+
+class Submission:
+    """The events of one request submitted through :meth:`Node.submit`, in order.
+
+    ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
+    ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
+    it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
+    routed). ``on_end`` runs once, as the final event is handed out (before the front end can
+    answer its client, so a scrape after the answer sees the request) or, for a request left
+    early, when the door closes.
+    """
+
+    def __init__(
+        self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
+        sink: _Sink | None, final: ErrorMessage | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._receive = receive
+        self._sink = sink
+        self._pending = final
+        self.final: GenerateDone | ErrorMessage | None = None
+        self.on_end: Callable[[Submission], None] | None = None
+
+    @classmethod
+    def failed(cls, error: ErrorMessage) -> Submission:
+        return cls(error.request_id, None, None, final=error)
+
+    def end(self) -> None:
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback(self)
+
+    @property
+    def serving_peer(self) -> str:
+        return self._sink.serving_peer if self._sink is not None else ""
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> TokenChunk | GenerateDone | ErrorMessage:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item: Message
+        if self._pending is not None or self._receive is None:
+            item = self._pending or ErrorMessage(self.request_id, "internal", "no result")
+        else:
+            try:
+                with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
+                    item = await self._receive.receive()
+            except trio.TooSlowError:
+                item = ErrorMessage(self.request_id, "timeout",
+                                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
+        if isinstance(item, GenerateDone | ErrorMessage):
+            self.final = item
+            self.end()
+        assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
+        return item
+
+
+@dataclass(eq=False, slots=True)
+class _LocalRun:
+    """A request the core runs here; the engine worker's key for it in the scheduler."""
+
+    effect: RunLocal
+    sink: _Sink
 
 
 def _load_engine(options: NodeOptions) -> Engine:
@@ -197,16 +324,36 @@ class Node:
         self.host: Host | None = None
         self.core: NodeCore | None = None
         self._engine_lock = trio.Lock()
+        #: Requests for the engine worker: handed over, and running in its scheduler.
+        self._local_new: list[_LocalRun] = []
+        self._local_runs: set[_LocalRun] = set()
+        self._engine_wake = trio.Event()
         self._sinks: dict[RequestId, _Sink] = {}
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._closing = False
         self._open_handlers = 0
-        #: peers (nodes, not clients) we have swapped peer lists with at least once
-        self._exchanged: set[str] = set()
+        #: members (nodes, not clients) we have swapped peer lists with (bounded)
+        self._exchanged: OrderedDict[str, None] = OrderedDict()
+        #: when peer exchange last made us dial each peer (bounded), and the dial pacer
+        self._dialed_at: OrderedDict[str, float] = OrderedDict()
+        self._dial_bucket = TokenBucket(PEER_DIAL_RATE, PEER_DIAL_BURST)
+        #: dials caused by peer exchange (statistics for tests and the attack bench)
+        self.exchange_dials = 0
         self._topic = ""
         self._started_at = time.time()
         self.ready = trio.Event()
+        #: the last routing decisions, newest last (bounded)
+        self.recent_decisions: collections.deque[RoutingRecord] = collections.deque(
+            maxlen=RECENT_DECISIONS
+        )
+        #: called with (submission, local) when a request submitted through the door ends
+        #: with its final event (metrics); must not block or raise
+        self.request_listeners: list[Callable[[Submission, bool], None]] = []
+        #: anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")
+        self.traffic: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: the HTTP API's URL once it accepts (None: off)
+        self.http_url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -221,6 +368,14 @@ class Node:
 
     async def serve(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         opts = self.options
+        http_address = None
+        if opts.http is not None:
+            from peerinfer.http import check_exposure, parse_http_address
+
+            # Refuse a bad or unsafe address before the (slow) model load.
+            http_address = parse_http_address(opts.http)
+            if http_address is not None:
+                check_exposure(http_address[0], opts.api_keys)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(_load_engine, opts)
         engine = self.engine
@@ -232,7 +387,25 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
+        # One capacity for the core and the scheduler: the engine's max_batch_size, unless the
+        # cost model names its own number of slots (the default model's is 1: "not set"). If
+        # the two differed, the scheduler would queue requests the core thinks are running, in
+        # its own FIFO order, behind the core's fair share.
+        costs = opts.costs
+        if costs.slots == 1 and engine.max_batch_size > 1:
+            costs = costs.with_slots(engine.max_batch_size)
+        scheduler = BatchScheduler(engine, max_running=costs.slots)
+        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
         self._topic = announce_topic(engine.fingerprint, secret)
+        replica_budget = opts.replica_budget_blocks
+        if replica_budget is None:
+            stats = engine.statistics().cache
+            capacity = stats.capacity_bytes if stats is not None else None
+            replica_budget = (
+                DEFAULT_REPLICA_BUDGET_BLOCKS if not capacity
+                else max(MIN_REPLICA_BUDGET_BLOCKS,
+                         int(capacity * REPLICA_BUDGET_SHARE) // REPLICA_BYTES_PER_BLOCK)
+            )
         host_config = HostConfig(
             listen=opts.listen,
             identity_path=opts.identity,
@@ -243,21 +416,22 @@ class Node:
             expected_peers=opts.expected_peers,
             announce_interval_s=opts.announce_interval_s,
             liveness_interval_s=max(2.0, opts.peer_timeout_s / 2),
+            swarm_key=secret,
         )
         async with open_host(host_config) as host:
             self.host = host
-            # Epochs must grow across restarts: start them from the wall clock (microseconds).
-            epoch_base = int(time.time() * 1_000_000)
+            epoch_base = self._epoch_base()
             self.core = NodeCore(
                 NodeConfig(
                     peer_id=PeerId(host.peer_id),
                     policy=opts.policy,
-                    costs=opts.costs,
+                    costs=costs,
                     announce_interval_s=opts.announce_interval_s,
                     first_token_timeout_s=opts.first_token_timeout_s,
                     peer_timeout_s=opts.peer_timeout_s,
                     ping_after_s=max(0.5, opts.peer_timeout_s / 3),
                     max_queue=opts.max_queue,
+                    replica_budget_blocks=replica_budget,
                 ),
                 hasher,
                 rng=random.Random(opts.seed),
@@ -276,8 +450,13 @@ class Node:
                 nursery.start_soon(self._peer_event_loop, host.peer_events())
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._peer_exchange_loop)
+                nursery.start_soon(self._engine_worker, scheduler)
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
+                if http_address is not None:
+                    from peerinfer.http import serve_http
+
+                    await nursery.start(serve_http, self, *http_address, opts.api_keys)
                 self.ready.set()
                 task_status.started(self)
                 try:
@@ -315,8 +494,36 @@ class Node:
 
     @staticmethod
     def _now() -> float:
-        # Wall clock: announcements carry it, and peers compare it within a freshness window.
-        return time.time()
+        # Monotonic: a wall-clock step (sleep, NTP, a user) must not move any timer.
+        return trio.current_time()
+
+    def _epoch_base(self) -> int:
+        """Where this incarnation's epochs start: above every epoch of the previous ones.
+
+        The wall clock (microseconds) normally suffices; a base persisted beside a persistent
+        identity covers a clock that stepped back between two runs. A throwaway identity has no
+        previous incarnation to outgrow."""
+        opts = self.options
+        wall_base = max(0, int(opts.wall_clock() * 1_000_000))
+        if not opts.persist_identity:
+            return wall_base
+        path = (opts.identity or default_identity_path()).with_suffix(".epoch")
+        last = 0
+        try:
+            last = int(path.read_text().strip() or 0)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the unreadable epoch file %s: %s", path, exc)
+        base = max(wall_base, last + EPOCH_STRIDE) if last else wall_base
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{base}\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("cannot persist the epoch base to %s: %s", path, exc)
+        return base
 
     def _feed(self, event: Event) -> None:
         core = self.core
@@ -328,6 +535,9 @@ class Node:
             logger.exception("node core failed on %s", type(event).__name__)
             return
         self._execute(effects)
+        for peer, reason, detail in core.take_refusals():
+            # Once per (peer, reason): the core deduplicates.
+            logger.info("refused an announcement from %s: %s (%s)", peer, reason, detail)
         self._wake.set()
 
     def _execute(self, effects: Sequence[Effect]) -> None:
@@ -335,6 +545,8 @@ class Node:
         if nursery is None:
             return
         for eff in effects:
+            if isinstance(eff, RunLocal | Forward):
+                self._note_route(eff)
             if isinstance(eff, Publish):
                 nursery.start_soon(self._publish, eff.announce)
             elif isinstance(eff, SendSyncRequest):
@@ -359,6 +571,7 @@ class Node:
                 nursery.start_soon(self._ping, eff.peer)
             elif isinstance(eff, DropPeer):
                 logger.info("peer %s left the candidate set", eff.peer)
+                self._exchanged.pop(eff.peer, None)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -396,42 +609,73 @@ class Node:
             return
         except trio.EndOfChannel:
             return
-        if self._closing:
-            await stream.send(encode(ErrorMessage(req.request_id, "shutdown", "the node is shutting down")))
-            return
         try:
-            tokens = await self._prompt_tokens(req)
-        except InvalidRequestError as exc:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", str(exc))))
-            return
-        rid = RequestId(f"{stream.remote_peer}/{req.request_id}")
-        if rid in self._sinks:
-            await stream.send(encode(ErrorMessage(req.request_id, "invalid", "duplicate request id")))
+            async with self.submit(req, requester=stream.remote_peer, local=False) as events:
+                async for item in events:
+                    await stream.send(encode(item))
+        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # Leaving submit() cancelled the work, wherever it ran.
+            logger.info("request %s from %s: stream ended early (%s)", req.request_id,
+                        stream.remote_peer, type(exc).__name__)
+
+    @contextlib.asynccontextmanager
+    async def submit(
+        self, req: GenerateRequest, *, requester: str, local: bool
+    ) -> AsyncIterator[Submission]:
+        """The door: every front end (the libp2p generate handler, the HTTP API) submits here.
+
+        ``requester`` names who asked (a peer id, ``http:<address>``): request ids are unique
+        per requester, and the core's fair share of the engine is kept between requesters.
+        ``local``: the request comes from this node's own users (the HTTP API's loopback
+        clients), whom the core serves before the network's. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
+        events ending with exactly one ``GenerateDone`` or ``ErrorMessage``; a request that
+        cannot be taken (bad prompt, duplicate id, shutting down) yields just the error.
+        Leaving the block before the end (the client went away, the caller was cancelled)
+        cancels the work wherever in the network it runs.
+        """
+        error: ErrorMessage | None = None
+        tokens: list[int] = []
+        rid = RequestId(f"{requester}/{req.request_id}")
+        if self._closing:
+            error = ErrorMessage(req.request_id, "shutdown", "the node is shutting down")
+        elif rid in self._sinks:
+            error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        else:
+            try:
+                tokens = await self._prompt_tokens(req)
+            except InvalidRequestError as exc:
+                error = ErrorMessage(req.request_id, "invalid", str(exc))
+            if rid in self._sinks:  # the same id arrived again while we tokenized
+                error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        if error is not None:
+            refused = Submission.failed(error)
+            refused.on_end = lambda sub: self._notify_listeners(sub, local)
+            try:
+                yield refused
+            finally:
+                refused.end()
             return
         send, receive = trio.open_memory_channel[Message](math.inf)
         sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
         self._sinks[rid] = sink
         self._open_handlers += 1
+        submission = Submission(req.request_id, receive, sink)
+        submission.on_end = lambda sub: self._notify_listeners(sub, local)
         self._feed(
             ClientRequest(
                 request_id=rid,
                 tokens=tuple(tokens),
                 params=req.params,
                 forwarded=req.forwarded,
-                origin=PeerId(stream.remote_peer) if req.forwarded else None,
+                origin=PeerId(requester) if req.forwarded else None,
                 max_outstanding=req.max_outstanding if req.forwarded else None,
+                requester=requester,
+                local=local,
             )
         )
         try:
             async with receive:
-                while True:
-                    with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
-                        item = await receive.receive()
-                    await stream.send(encode(item))
-                    if isinstance(item, GenerateDone | ErrorMessage):
-                        break
-        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, trio.EndOfChannel) as exc:
-            logger.info("request %s: client stream ended early (%s)", rid, type(exc).__name__)
+                yield submission
         finally:
             self._open_handlers -= 1
             if rid in self._sinks and not sink.done:
@@ -441,6 +685,31 @@ class Node:
                 if sink.forward_scope is not None:
                     sink.forward_scope.cancel()
                 self._sinks.pop(rid, None)
+            submission.end()
+
+    def _notify_listeners(self, submission: Submission, local: bool) -> None:
+        for listener in self.request_listeners:
+            try:
+                listener(submission, local)
+            except Exception:  # metrics must never break a request
+                logger.exception("request listener failed")
+
+    def _note_route(self, eff: RunLocal | Forward) -> None:
+        """Remember where a request went and why (the dashboard shows the last ones)."""
+        sink = self._sinks.get(eff.request_id)
+        target = self.peer_id if isinstance(eff, RunLocal) else eff.peer
+        if sink is not None:
+            sink.serving_peer = target
+        decision = eff.decision
+        self.recent_decisions.append(
+            RoutingRecord(
+                at=self._now(),
+                request_id=str(eff.request_id),
+                peer=str(target),
+                local=isinstance(eff, RunLocal),
+                reason=decision.reason if decision is not None else "",
+            )
+        )
 
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
         engine = self.engine
@@ -490,77 +759,111 @@ class Node:
     # ------------------------------------------------------------------ requests: served here
 
     async def _run_local(self, eff: RunLocal) -> None:
-        engine = self.engine
-        assert engine is not None
         sink = self._sinks.get(eff.request_id)
         if sink is None:  # the client left while the request was queued
             self._feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
             return
         if eff.decision is not None:
             logger.info("request %s served here: %s", eff.request_id, eff.decision.reason)
-        cached = 0
-        finished: Finished | None = None
-        error: ErrorMessage | None = None
-        events = None
+        # The engine worker submits it at its next step; the client's going away sets
+        # sink.cancel, which the scheduler sees at every step.
+        self._local_new.append(_LocalRun(eff, sink))
+        self._engine_wake.set()
+
+    async def _engine_worker(self, scheduler: BatchScheduler) -> None:
+        """The engine's one driver while requests run: submit what ``_run_local`` handed over,
+        step the scheduler in the worker thread while anything runs, route the events."""
         try:
-            events = await self._in_engine(engine.generate, eff.tokens, eff.params, sink.cancel)
-            while finished is None:
-                ev = await self._in_engine(next, events, None)
-                if ev is None:
-                    break
-                if isinstance(ev, Started):
-                    cached = ev.cached_tokens
-                    self._feed(LocalStarted(eff.request_id, cached))
-                elif isinstance(ev, Tokens):
-                    self._relay_tokens(sink, ev.token_ids, ev.text)
-                elif isinstance(ev, Finished):
-                    # The last event: report its cache changes before anything else can run in
-                    # the engine, so the digest applies every report in the engine's order.
-                    finished = ev
-        except InvalidRequestError as exc:
-            error = ErrorMessage(sink.request_id, "invalid", str(exc))
-        except EngineError as exc:
-            error = ErrorMessage(sink.request_id, "internal", str(exc))
-        except Exception as exc:  # a backend bug: answer the client, keep serving others
-            logger.exception("engine failed on %s", eff.request_id)
-            error = ErrorMessage(sink.request_id, "internal", f"engine failure: {type(exc).__name__}")
+            while True:
+                if not self._local_new and scheduler.idle:
+                    self._engine_wake = trio.Event()
+                    await self._engine_wake.wait()
+                    continue
+                new, self._local_new = self._local_new, []
+                self._local_runs.update(new)
+                try:
+                    async with self._engine_lock:
+                        results, changes = await trio.to_thread.run_sync(
+                            self._engine_step, scheduler, new
+                        )
+                except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
+                    logger.exception("the batch scheduler failed")
+                    changes = None
+                    try:
+                        async with self._engine_lock:
+                            await trio.to_thread.run_sync(scheduler.close)
+                            changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                    except Exception:
+                        logger.exception("the batch scheduler failed to close")
+                    failure = EngineError(f"engine failure: {type(exc).__name__}")
+                    results = [(run, failure) for run in list(self._local_runs)]
+                for run, item in results:
+                    assert isinstance(run, _LocalRun)
+                    self._route_local(run, item)
+                if changes is not None and (changes.added or changes.removed):
+                    # Left over by requests that failed: reported after every Finished of the
+                    # step, so the digest still applies the engine's reports in order.
+                    self._feed(CacheChanged(added=changes.added, removed=changes.removed))
         finally:
-            if events is not None:
-                # The generator unlocks its cache path and frees its working memory in its
-                # cleanup, which must run in the engine's thread now, not whenever the garbage
-                # collector gets to it (also for a generation abandoned mid-way).
-                with trio.CancelScope(shield=True):
-                    await self._in_engine(events.close)
-        if finished is None:
-            changes = await self._in_engine(engine.take_cache_changes)
+            with trio.CancelScope(shield=True):
+                async with self._engine_lock:
+                    await trio.to_thread.run_sync(scheduler.close)
+
+    def _engine_step(self, scheduler: BatchScheduler, new: list[_LocalRun]) -> tuple[StepResult, Any]:
+        """Worker thread: submit ``new``, run one scheduling step; the events, and the cache
+        changes left unreported when a request failed (None otherwise)."""
+        out: StepResult = []
+        for run in new:
+            try:
+                scheduler.submit(run, run.effect.tokens, run.effect.params, run.sink.cancel)
+            except PeerInferError as exc:
+                out.append((run, exc))
+        out.extend(scheduler.step())
+        changes = None
+        if any(isinstance(item, PeerInferError) for _, item in out):
+            assert self.engine is not None
+            changes = self.engine.take_cache_changes()
+        return out, changes
+
+    def _route_local(self, run: _LocalRun, item: object) -> None:
+        """One scheduler event of a local run: to the core and to the request's sink."""
+        eff, sink = run.effect, run.sink
+        if isinstance(item, Started):
+            self._feed(LocalStarted(eff.request_id, item.cached_tokens))
+        elif isinstance(item, Tokens):
+            self._relay_tokens(sink, item.token_ids, item.text)
+        elif isinstance(item, Finished):
+            self._local_runs.discard(run)
+            # Fed here, in the order the engine made them: the digest applies every report in
+            # the engine's order.
             self._feed(
                 LocalFinished(
-                    eff.request_id, ok=False, cache_added=changes.added,
-                    cache_removed=changes.removed, error=error.message if error else "",
+                    eff.request_id, ok=True, cache_added=item.cache_added,
+                    cache_removed=item.cache_removed,
                 )
             )
-            self._finish_sink(sink, error or ErrorMessage(sink.request_id, "internal", "no result"))
-            return
-        self._feed(
-            LocalFinished(
-                eff.request_id, ok=True, cache_added=finished.cache_added,
-                cache_removed=finished.cache_removed,
+            now = trio.current_time()
+            self._finish_sink(
+                sink,
+                GenerateDone(
+                    request_id=sink.request_id,
+                    prompt_tokens=sink.prompt_tokens,
+                    completion_tokens=len(eff.resume_after) + item.completion_tokens,
+                    cached_tokens=item.cached_tokens,
+                    served_by=self.peer_id,
+                    ttft_s=(sink.first_token_at or now) - sink.started,
+                    latency_s=now - sink.started,
+                    finish_reason=item.finish_reason,
+                ),
             )
-        )
-        now = trio.current_time()
-        self._finish_sink(
-            sink,
-            GenerateDone(
-                request_id=sink.request_id,
-                prompt_tokens=sink.prompt_tokens,
-                completion_tokens=len(eff.resume_after) + finished.completion_tokens,
-                cached_tokens=finished.cached_tokens,
-                served_by=self.peer_id,
-                ttft_s=(sink.first_token_at or now) - sink.started,
-                latency_s=now - sink.started,
-                finish_reason=finished.finish_reason,
-            ),
-        )
+        else:
+            assert isinstance(item, PeerInferError)
+            self._local_runs.discard(run)
+            code = "invalid" if isinstance(item, InvalidRequestError) else "internal"
+            if not isinstance(item, InvalidRequestError | EngineError):
+                logger.warning("request %s failed in the engine: %r", eff.request_id, item)
+            self._feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
+            self._finish_sink(sink, ErrorMessage(sink.request_id, code, str(item)))
 
     # ------------------------------------------------------------------ requests: forwarded
 
@@ -642,12 +945,12 @@ class Node:
                     return ForwardFinished(eff.request_id, eff.peer), msg
                 else:
                     assert isinstance(msg, ErrorMessage)
-                    reason = msg.code if msg.code in ("busy", "invalid", "timeout") else "unavailable"
-                    if msg.code == "invalid":
+                    kind = error_kind(msg.code)
+                    if not kind.retry_elsewhere:
                         # The peer found the request itself bad: it would be bad anywhere.
-                        self._finish_sink(sink, ErrorMessage(sink.request_id, "invalid", msg.message))
+                        self._finish_sink(sink, ErrorMessage(sink.request_id, msg.code, msg.message))
                         return ForwardFinished(eff.request_id, eff.peer), None
-                    return ForwardFailed(eff.request_id, eff.peer, reason, tuple(generated)), None
+                    return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
 
     # ------------------------------------------------------------------ anti-entropy
 
@@ -655,7 +958,9 @@ class Node:
         host = self.host
         assert host is not None
         try:
-            await host.publish(self._topic, encode(announce))
+            data = encode(announce)
+            await host.publish(self._topic, data)
+            self.traffic["announce", "sent"] += len(data)
         except PeerInferError as exc:
             logger.warning("announcement not published: %s", exc)
 
@@ -671,23 +976,36 @@ class Node:
 
     async def _gossip_loop(self, messages: trio.MemoryReceiveChannel[GossipMessage]) -> None:
         async for message in messages:
+            self.traffic["announce", "received"] += len(message.data)
             try:
                 announce = decode(message.data, expected=Announce)
             except ProtocolError:
                 continue
             assert isinstance(announce, Announce)
-            if message.sender not in self._exchanged and self._nursery is not None:
-                # A node we have not swapped peer lists with yet (clients never announce, so
-                # they are never asked for a protocol they do not speak).
-                self._exchanged.add(message.sender)
-                self._nursery.start_soon(self._exchange_peers, message.sender)
-            self._feed(AnnounceReceived(PeerId(message.sender), announce))
+            sender = message.sender
+            self._feed(AnnounceReceived(PeerId(sender), announce))
+            if sender not in self._exchanged and self._is_member(sender) and self._nursery is not None:
+                # A member we have not swapped peer lists with yet (clients never announce, so
+                # they are never asked for a protocol they do not speak; identities heard of
+                # only through gossip are not members, and are never dialed for it).
+                self._exchanged[sender] = None
+                if len(self._exchanged) > MAX_PEER_TABLE:
+                    self._exchanged.popitem(last=False)
+                self._nursery.start_soon(self._exchange_peers, sender)
+
+    def _is_member(self, peer: str) -> bool:
+        """A peer that answered us over a direct (admitted) connection, and still has one."""
+        core, host = self.core, self.host
+        return core is not None and host is not None and core.is_member(PeerId(peer)) and host.is_admitted(peer)
 
     async def _sync_round(self, eff: SendSyncRequest) -> None:
         host = self.host
         assert host is not None
         try:
-            reply = await host.request(eff.peer, SYNC_PROTOCOL, encode(eff.request), timeout=eff.timeout_s)
+            data = encode(eff.request)
+            self.traffic["sync", "sent"] += len(data)
+            reply = await host.request(eff.peer, SYNC_PROTOCOL, data, timeout=eff.timeout_s)
+            self.traffic["sync", "received"] += len(reply)
             response = decode(reply, expected=SyncResponse)
             assert isinstance(response, SyncResponse)
         except PeerInferError as exc:
@@ -699,9 +1017,12 @@ class Node:
         core = self.core
         assert core is not None
         async for frame in stream:
+            self.traffic["sync", "received"] += len(frame)
             request = decode(frame, expected=SyncRequest)
             assert isinstance(request, SyncRequest)
-            await stream.send(encode(core.answer_sync(request)))
+            answer = encode(core.answer_sync(request))
+            self.traffic["sync", "sent"] += len(answer)
+            await stream.send(answer)
 
     # ------------------------------------------------------------------ status and peers
 
@@ -759,19 +1080,36 @@ class Node:
                 peers.append(PeerAddrs(peer, addrs))
         return PeerExchange(tuple(peers))
 
-    async def _learn_peers(self, exchange: PeerExchange) -> None:
+    async def _learn_peers(self, source: str, exchange: PeerExchange) -> None:
+        """Dial the peers a member told us about: each at most once per PEER_REDIAL_S, all of
+        them at PEER_DIAL_RATE; what exceeds the rate is dropped (the next exchange retries)."""
         host = self.host
         assert host is not None
-        connected = set(host.connected_peers())
+        if not self._is_member(source):
+            return  # only members' word counts
+        now = trio.current_time()
+        seen: set[str] = set()
         for entry in exchange.peers[:MAX_EXCHANGED_PEERS]:
-            if entry.peer_id == host.peer_id or entry.peer_id in connected:
+            peer = entry.peer_id
+            if peer == host.peer_id or peer in seen or host.is_connected(peer):
                 continue
+            seen.add(peer)
+            last = self._dialed_at.get(peer)
+            if last is not None and now - last < PEER_REDIAL_S:
+                continue
+            if not self._dial_bucket.take(now):
+                break
             try:
-                host.add_known_peer(entry.peer_id, entry.addrs)
+                host.add_known_peer(peer, tuple(dict.fromkeys(entry.addrs)))
             except ProtocolError:
                 continue
+            self._dialed_at.pop(peer, None)
+            self._dialed_at[peer] = now
+            if len(self._dialed_at) > MAX_PEER_TABLE:
+                self._dialed_at.popitem(last=False)
+            self.exchange_dials += 1
             assert self._nursery is not None
-            self._nursery.start_soon(self._dial_quietly, entry.peer_id)
+            self._nursery.start_soon(self._dial_quietly, peer)
 
     async def _dial_quietly(self, peer: str) -> None:
         host = self.host
@@ -783,7 +1121,7 @@ class Node:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
         await stream.send(encode(self._known_peers()))
-        await self._learn_peers(exchange)
+        await self._learn_peers(stream.remote_peer, exchange)
 
     async def _exchange_peers(self, peer: str) -> None:
         host = self.host
@@ -794,14 +1132,14 @@ class Node:
         except PeerInferError:
             return
         assert isinstance(exchange, PeerExchange)
-        await self._learn_peers(exchange)
+        await self._learn_peers(peer, exchange)
 
     async def _peer_exchange_loop(self) -> None:
         host = self.host
         assert host is not None
         while True:
             await trio.sleep(PEER_EXCHANGE_INTERVAL_S * (0.5 + random.random()))
-            peers = [p for p in host.connected_peers() if p in self._exchanged]
+            peers = [p for p in host.connected_peers() if p in self._exchanged and self._is_member(p)]
             if peers:
                 await self._exchange_peers(random.choice(peers))
 
@@ -816,8 +1154,12 @@ class Node:
             # peer is gone, so its replica is not thrown away on every reconnect.
 
     async def _ping(self, peer: PeerId) -> None:
-        host = self.host
-        assert host is not None
+        host, core = self.host, self.core
+        assert host is not None and core is not None
+        if not core.is_member(peer) and not host.is_admitted(peer):
+            # A would-be member is pinged over its own direct connection only: an identity
+            # heard of through gossip (forged, or just far away) is never dialed for it.
+            return
         try:
             rtt = await host.ping(peer, timeout=2.0)
         except PeerInferError:

@@ -229,9 +229,13 @@ def test_batch_node_by_hand() -> None:
     node = BatchNode(BATCHED)
     a = BatchJob("a", prompt=160, cached=0, tokens=3)
     b = BatchJob("b", prompt=160, cached=0, tokens=3)
-    # Both start at 0. A's prefill runs alone: 160 ms.
+    # Both start at 0. A's prefill runs alone, 160 ms, but B's arrival ends the segment at A's
+    # first chunk (100 ms): the scheduler picks each chunk anew, the fewest tokens left first.
     assert node.join(a, 0.0) == pytest.approx(0.160)
-    assert node.join(b, 0.0) is None
+    assert node.join(b, 0.0) == pytest.approx(0.100)
+    assert node.finish(0.100) == [] and a.uncached == 60
+    # A has 60 left, B 160: A goes on.
+    assert node.plan(0.100) == pytest.approx(0.160)
     assert [(j.key, f, d) for j, f, d in node.finish(0.160)] == [("a", True, False)]
     # B's first chunk (100 tokens at 2 ms) next to A's decode step (10 ms): 210 ms.
     assert node.plan(0.160) == pytest.approx(0.370)
@@ -243,6 +247,21 @@ def test_batch_node_by_hand() -> None:
     assert node.plan(0.500) == pytest.approx(0.520)
     assert [(j.key, f, d) for j, f, d in node.finish(0.520)] == [("b", False, True)]
     assert node.plan(0.520) is None and node.busy_s == pytest.approx(0.520)
+
+
+def test_a_short_prompt_overtakes_a_long_one_at_the_next_chunk() -> None:
+    node = BatchNode(BATCHED)
+    long = BatchJob("long", prompt=400, cached=0, tokens=1)
+    assert node.join(long, 0.0) == pytest.approx(0.400)
+    # A 30-token prompt arrives at 0.150, in the long one's second chunk (0.100-0.200).
+    short = BatchJob("short", prompt=30, cached=0, tokens=1)
+    assert node.join(short, 0.150) == pytest.approx(0.200)
+    assert node.finish(0.200) == [] and long.uncached == 200
+    # The short one's 30 tokens run next (nothing decodes: 1 ms each), then the long one's rest.
+    assert node.plan(0.200) == pytest.approx(0.230)
+    assert [(j.key, d) for j, _, d in node.finish(0.230)] == [("short", True)]
+    assert node.plan(0.230) == pytest.approx(0.430)
+    assert [(j.key, d) for j, _, d in node.finish(0.430)] == [("long", True)]
 
 
 def test_a_joiner_ends_the_decode_segment_at_the_step_under_way() -> None:
@@ -398,3 +417,60 @@ def test_sim_command_line_batch_and_slots() -> None:
     assert config().costs == DEFAULT_COSTS
     with pytest.raises(ConfigError, match="--batch"):
         config("--batch", "--costs", "gpu")
+
+
+def test_the_simulated_engine_under_the_batch_scheduler_keeps_the_simulators_times(monkeypatch) -> None:
+    """The real scheduler over the simulated engine, on a fake clock that its sleeps advance,
+    gives each request the first-token and end times the simulator's batch model gives it."""
+    from peerinfer.engine.base import Finished, Tokens
+    from peerinfer.engine.batch import BatchScheduler
+
+    clock = [0.0]
+
+    def sleep(cancel, seconds):  # the engine's only way to spend time
+        clock[0] += max(0.0, seconds)
+        return False
+
+    monkeypatch.setattr(simulated_module, "wait_cancelled", sleep)
+    rng = random.Random(11)
+    for case in range(6):
+        n = rng.randrange(1, 5)
+        shapes = [(rng.randrange(2, 450), rng.randrange(1, 9)) for _ in range(n)]
+        if case == 0:
+            shapes = [(160, 3), (160, 3)]  # test_batch_node_by_hand's case
+        engine = SimulatedEngine(costs=BATCHED, time_scale=1.0)
+        scheduler = BatchScheduler(engine)
+        node = BatchNode(BATCHED)
+        clock[0] = 0.0
+        for k, (prompt, tokens) in enumerate(shapes):
+            ids = [1000 * (k + 1) + i for i in range(prompt)]
+            scheduler.submit(k, ids, SamplingParams(max_tokens=tokens))
+            node.jobs.append(BatchJob(k, prompt, 0, tokens))  # all at 0, planned below
+        first: dict[int, float] = {}
+        end: dict[int, float] = {}
+        for _ in range(10_000):
+            if scheduler.idle:
+                break
+            for key, ev in scheduler.step():
+                if isinstance(ev, Tokens) and ev.token_ids and key not in first:
+                    first[key] = clock[0]
+                if isinstance(ev, Finished):
+                    end[key] = clock[0]
+        assert scheduler.idle
+        model_first: dict[int, float] = {}
+        model_end: dict[int, float] = {}
+        t = 0.0
+        for _ in range(10_000):
+            for job, got_first, finished in node.finish(t):
+                if got_first:
+                    model_first[job.key] = t
+                if finished:
+                    model_end[job.key] = t
+            nxt = node.plan(t)
+            if nxt is None:
+                break
+            t = nxt
+        assert first == pytest.approx(model_first) and end == pytest.approx(model_end), shapes
+        if case == 0:
+            assert first == pytest.approx({0: 0.160, 1: 0.500})
+            assert end == pytest.approx({0: 0.500, 1: 0.520})

@@ -130,6 +130,8 @@ async def test_bad_requests_are_refused_and_the_node_keeps_serving() -> None:
             status = await client.status()
             assert status["peer_id"] == node.peer_id
             assert status["cache"]["tokens"] >= 0
+            load = status["load"]
+            assert load["running"] == load["queued"] == 0 and load["capacity"] == load["slots"] >= 1
             # The three bad requests were refused at the door, before the core counted them.
             assert status["requests"] == {
                 "received": 1, "served_locally": 1, "forwarded": 0, "failovers": 0,

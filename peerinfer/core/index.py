@@ -57,6 +57,19 @@ Memory bounds
   index rescans it and indexes what it skipped (the hysteresis keeps the rescan amortized; the
   rescan runs at the next query, never inside the digest's own change callback).
 * At most ``max_speculative_blocks`` speculative block references in total.
+* The replicas together hold at most ``replica_budget_blocks`` elements (the *replica budget*,
+  one for all peers). Each peer has an *allowance*, its replica's ``max_elements``, and the
+  allowances never sum to more than the budget. ``rebalance(now)`` recomputes them: every peer
+  gets up to an equal share (``budget // peers``), enough for twice what it holds or claims
+  (headroom for a growing cache, at least ``MIN_ALLOWANCE``); what the shares leave unused goes
+  to the *useful* peers, most hits first (a hit: a routed prompt matched at least one of its
+  blocks; hits halve at every rebalance), then the most recently fresh. A peer whose prompts
+  never hit gets no more than the equal share, however much it claims, so announcements of
+  fresh hashes cannot buy memory. A newcomer between rebalances gets what is left unallocated
+  (at most an equal share). ``enforce_allowance(peer)`` empties a replica that grew past its
+  allowance (a delta or a pull can add elements before the count check): the caller calls it
+  after every change it feeds a replica, so at event boundaries the budget is never exceeded,
+  and within one event by at most one message's elements.
 
 So the combined mask dict holds at most ``max_peers * max_replica_blocks`` keys and the
 speculative structures at most ``2 * max_speculative_blocks`` (``memory_entries`` counts them).
@@ -74,7 +87,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Container, Mapping, Sequence
 
-from peerinfer.core.antientropy import Replica
+from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
 from peerinfer.core.digest import CacheObserver
 from peerinfer.core.messages import Load
 from peerinfer.core.routing import Candidate, make_candidate
@@ -86,6 +99,10 @@ from peerinfer.types import BlockHash, PeerId
 ReplicaFactory = Callable[[CacheObserver], Replica]
 
 _NO_LOAD = Load()
+
+#: The smallest allowance a peer's equal share is sized at (if the budget allows): a cache
+#: that grows from nothing is not refused at its first announcements.
+MIN_ALLOWANCE = 4096
 
 
 class _PeerState:
@@ -105,6 +122,8 @@ class _PeerState:
         "spec_refs",
         "spec_entries",
         "spec_live",
+        "allowance",
+        "hits",
     )
 
     def __init__(self, peer: PeerId, slot: int, added_seq: int) -> None:
@@ -121,6 +140,8 @@ class _PeerState:
         self.spec_refs: dict[BlockHash, int] = {}
         self.spec_entries: deque[_SpecEntry] = deque()
         self.spec_live = 0
+        self.allowance = 0
+        self.hits = 0.0
 
 
 class _SpecEntry:
@@ -177,6 +198,7 @@ class PeerIndex:
         max_replica_blocks: int = 1_000_000,
         confirm_grace_s: float = 1.0,
         replica_factory: ReplicaFactory | None = None,
+        replica_budget_blocks: int = 1 << 22,
     ) -> None:
         if max_peers < 1:
             raise ConfigError(f"peer index: max_peers must be >= 1, got {max_peers}")
@@ -188,6 +210,10 @@ class PeerIndex:
             raise ConfigError("peer index: speculative_ttl_s must be > 0")
         if not confirm_grace_s >= 0.0:
             raise ConfigError("peer index: confirm_grace_s must be >= 0")
+        if replica_budget_blocks < 0:
+            raise ConfigError("peer index: replica_budget_blocks must be >= 0")
+        self.replica_budget_blocks = replica_budget_blocks
+        self._allocated = 0  # the sum of all allowances
         self.max_peers = max_peers
         self.max_speculative_blocks = max_speculative_blocks
         self.speculative_ttl_s = speculative_ttl_s
@@ -238,7 +264,90 @@ class PeerIndex:
         self._by_slot[slot] = state
         replica = self._replica_factory(observer)
         state.replica = replica
+        # Until the next rebalance: an equal share, from what is unallocated; when too little
+        # is left, a rebalance (it sizes allowances by demand, so it frees most of the budget
+        # and the next newcomers need none: amortized O(log peers) per add).
+        share = self.replica_budget_blocks // len(self._states)
+        if self.replica_budget_blocks - self._allocated >= share:
+            state.allowance = share
+            self._allocated += share
+            replica.max_elements = share
+        else:
+            self.rebalance(decay=False)
         return replica
+
+    # ------------------------------------------------------------------ replica budget
+
+    def allowance(self, peer: PeerId) -> int:
+        """How many elements ``peer``'s replica may hold (0 for an unknown peer)."""
+        state = self._states.get(peer)
+        return 0 if state is None else state.allowance
+
+    def enforce_allowance(self, peer: PeerId) -> bool:
+        """Empty ``peer``'s replica if it holds more than its allowance; True if it did.
+
+        The emptied replica starts over (epoch 0, never fresh); its load and hits are kept.
+        Call after every announcement or sync response applied to the replica.
+        """
+        state = self._states.get(peer)
+        if state is None or state.replica is None or len(state.replica.digest) <= state.allowance:
+            return False
+        kept = state.load, state.load_at, state.hits, state.allowance
+        self.remove_peer(peer)
+        self.add_peer(peer)
+        fresh = self._states[peer]
+        fresh.load, fresh.load_at, fresh.hits = kept[0], kept[1], kept[2]
+        self._set_allowance(fresh, min(kept[3], fresh.allowance))
+        return True
+
+    def _set_allowance(self, state: _PeerState, allowance: int) -> None:
+        self._allocated += allowance - state.allowance
+        state.allowance = allowance
+        assert state.replica is not None
+        state.replica.max_elements = allowance
+
+    def rebalance(self, *, decay: bool = True) -> list[PeerId]:
+        """Recompute every allowance (see the module docstring); halve the hits (``decay``).
+        Returns the peers whose replicas were emptied for holding more than their new
+        allowance. O(peers log peers); the node runs it every few seconds."""
+        states = list(self._states.values())
+        if not states:
+            return []
+        budget = self.replica_budget_blocks
+        share = budget // len(states)
+        wants: dict[int, int] = {}
+        given: dict[int, int] = {}
+        for st in states:
+            assert st.replica is not None
+            claimed = st.replica._announced[2] if st.replica._announced is not None else 0
+            want = min(max(2 * max(len(st.replica.digest), claimed), MIN_ALLOWANCE), self.max_replica_elements)
+            wants[st.slot] = want
+            given[st.slot] = min(share, want)
+        spare = budget - sum(given.values())
+        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)):
+            if spare <= 0 or st.hits <= 0.0:
+                break
+            extra = min(spare, wants[st.slot] - given[st.slot])
+            if extra > 0:
+                given[st.slot] += extra
+                spare -= extra
+        emptied = []
+        for st in states:
+            if decay:
+                st.hits *= 0.5
+            st.allowance = given[st.slot]
+            assert st.replica is not None
+            st.replica.max_elements = st.allowance
+        self._allocated = budget - spare
+        for st in states:
+            if self.enforce_allowance(st.peer):
+                emptied.append(st.peer)
+        return emptied
+
+    @property
+    def max_replica_elements(self) -> int:
+        """The most one replica may ever hold, whatever the budget (antientropy's cap)."""
+        return MAX_REPLICA_ELEMENTS
 
     def remove_peer(self, peer: PeerId) -> None:
         """Forget ``peer``: disarm its observer, clear every bit it had, free its slot."""
@@ -264,6 +373,7 @@ class PeerIndex:
         state.spec_entries.clear()
         assert not state.spec_refs
         self._pending_rescan.pop(peer, None)
+        self._allocated -= state.allowance
         del self._by_slot[state.slot]
         heapq.heappush(self._free_slots, state.slot)
 
@@ -405,6 +515,8 @@ class PeerIndex:
                 tokens = int(cap)
             for slot in self._slots_in(mask):
                 matched[slot] = tokens
+                # A hit for the replica budget: this peer's replica helped route a prompt.
+                self._by_slot[slot].hits += 1.0
         inflight = inflight or {}
         get_inflight = inflight.get
         make = make_candidate
@@ -645,6 +757,9 @@ class PeerIndex:
         """Raise AssertionError if any internal structure disagrees with the others."""
         states = self._states
         assert len(states) <= self.max_peers
+        assert sum(s.allowance for s in states.values()) == self._allocated
+        assert self._allocated <= self.replica_budget_blocks
+        assert all(s.replica is not None and s.replica.max_elements <= s.allowance for s in states.values())
         assert set(self._observers) == set(states)
         assert all(o.armed for o in self._observers.values())
         assert {s.slot: s for s in states.values()} == self._by_slot

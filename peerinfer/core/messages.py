@@ -41,6 +41,8 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 * 1024 * 1024
 #: The longest prompt, in tokens, a peer may forward to us.
 MAX_PROMPT_TOKENS = 131_072
+#: The most tokens one request may ask to generate (``SamplingParams.max_tokens``).
+MAX_NEW_TOKENS = 65_536
 #: The longest prompt text, in characters.
 MAX_PROMPT_CHARS = 1_048_576
 MAX_ID_CHARS = 128
@@ -307,7 +309,7 @@ class SamplingParams(Record):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
-        UInt(65_536, minimum=1),
+        UInt(MAX_NEW_TOKENS, minimum=1),
         Float(0.0, 100.0),
         Float(1e-6, 1.0),
         Optional(UInt(U64)),
@@ -333,8 +335,8 @@ class Announce(Message):
 
     ``added``/``removed`` are the block hashes changed since ``prev_epoch`` when they fit; a peer
     whose replica is at ``prev_epoch`` applies them without a pull. ``truncated`` says the delta
-    was too large to carry (then a pull repairs). ``time_ms`` is the sender's wall clock, used
-    only for a freshness window against replays.
+    was too large to carry (then a pull repairs). ``time_ms`` is informational (the sender's
+    clock; receivers never compare it with theirs: freshness is epochs and receive times).
     """
 
     sender: str

@@ -18,10 +18,26 @@ What it decides
   blocks added or evicted. An announcement (epoch, root, count, load and the changes since the
   previous epoch when they fit) is published every ``announce_interval_s``, and sooner after a
   change, but never more often than ``min_announce_gap_s`` (gossipsub drops bursts).
-* **Pull.** An announcement from a peer is refused when its epoch is not newer than the last one
-  seen from that peer (stale or replayed) or its timestamp is outside the freshness window.
-  Otherwise the peer's replica applies the carried delta; if its root still differs, a pull runs
-  the Merkle reconciliation state machine (one session per peer at a time, with a deadline).
+* **Membership.** A peer is a *member* (it has state here, a replica, and may be a routing
+  candidate) only once it answered this node directly: a ``PeerSeen`` with a measured round trip,
+  which the shell feeds only for a ping answered over a direct, authenticated (and, in a private
+  swarm, admitted) connection. A connection alone (``PeerSeen`` without a round trip) asks for
+  that ping. Identities heard of only through relayed gossip are never members: their
+  announcements are refused and allocate nothing, so forged identities over one connection cost
+  nothing but the refusal (and a ping request the shell drops, having no connection to them).
+* **Pull.** An announcement from a member is refused when its epoch is not newer than the last
+  one seen from that peer (stale or replayed). Freshness never reads the sender's clock: a
+  member is as fresh as the last time *we* received from it (``now``, the receiver's monotonic
+  clock), so a skewed or stepped clock elsewhere changes nothing; the sender's epochs only have
+  to grow, across its restarts too (the shell persists them). Otherwise the peer's replica
+  applies the carried delta; if its root still differs, a pull runs the Merkle reconciliation
+  state machine (one session per peer at a time, with a deadline). Each refusal is reported once
+  per (peer, reason) through ``take_refusals()``, for the shell to log.
+* **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
+  index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
+  ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
+  announcement claiming more than the sender's allowance is refused; a replica that grew past it
+  (a lying delta, a pull) is emptied.
 * **Route.** A client request is hashed into its block chain, the peer index estimates every
   peer's match in one walk, and the routing policy picks a target among the local node and
   every live peer; the decision (target, expected cached tokens, reason) is returned in the
@@ -31,18 +47,48 @@ What it decides
   deadline goes to the next candidate in the policy's ranking, and finally to the local engine.
   A failure after tokens were streamed resumes locally from the prompt plus the tokens already
   relayed, so the client's stream continues instead of being lost.
-* **Admit.** The local engine runs ``slots`` requests at once; the rest wait in a FIFO queue.
-  Forwarded requests are refused as busy when the queue is at ``max_queue`` (their origin has
-  other options); the origin's own client requests are always queued (up to
-  ``hard_max_queue``, then refused), so a client is never silently dropped.
+* **Admit, fair share.** The local engine runs ``slots`` requests at once (its capacity: the
+  engine's ``max_batch_size``); the rest wait, each in its *requester's* queue (the origin peer
+  of a forwarded request, the client's peer of a direct one). When a slot frees, the next
+  request comes from this node's own front ends (``local``) if one waits, else from the waiting
+  requester running the fewest requests here, and among those the one served least recently
+  (round robin, one request per requester in turn). So a flood from one requester delays the
+  request of a requester with nothing running here by at most the wait for one slot to free
+  (unless other such requesters wait too: then one turn each). Refused as ``busy``, with a
+  message naming the limit: a forwarded request when ``max_queue`` requests wait and every slot
+  runs, or when more than its ``max_outstanding`` are here (its origin has other options); a
+  requester other than this node and its front ends with ``max_queued_per_peer`` already
+  waiting; anything once ``hard_max_queue`` wait. A prompt longer than ``max_prompt_tokens`` or
+  a ``max_tokens`` above ``max_new_tokens`` is refused as ``invalid``. Nothing is dropped
+  silently: every request ends in exactly one ``Reject`` or one finish.
 * **Liveness.** Peers are pinged when quiet; a peer silent for ``peer_timeout_s`` leaves the
   index (and the candidate set); when it announces again it rejoins with an empty replica.
+
+Request lifecycle
+~~~~~~~~~~~~~~~~~
+Every request this node holds is in exactly one ``Phase``; ``_TRANSITIONS`` (right after the
+imports) lists every allowed move with its cause, h11-style, and ``_transition`` refuses any other (a
+bug in this module: it raises). The bookkeeping each phase implies (the requester queues, the
+running count, in-flight counts per peer, the blocks pending locally, the requesters' shares)
+changes only in ``_transition``, so ``check_invariants()`` can recount all of it from the
+requests::
+
+    ROUTING --> QUEUED --> RUNNING --> DONE            (served here)
+       |          ^
+       +----> FORWARDED --> RELAYING --> DONE          (served by a peer, relayed)
+              |   ^  |         |
+              +---+  +--> QUEUED <-+                   (fail over: next peer, or here;
+                                                        mid-stream: resume here)
+
+``ROUTING`` lasts only within the handler of the request's arrival; ``DONE`` requests are
+forgotten at once. A request that arrived forwarded goes ``ROUTING -> QUEUED`` only.
 """
 
 from __future__ import annotations
 
+import enum
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,6 +97,8 @@ from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.digest import LocalDigest
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import (
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_TOKENS,
     Announce,
     Load,
     SamplingParams,
@@ -61,6 +109,58 @@ from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.routing import RouteDecision, RouteRequest, make_policy
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
+
+# ---------------------------------------------------------------------------------------------
+# Request lifecycle
+
+
+class Phase(enum.Enum):
+    """Where a request this node holds is (see "Request lifecycle" above)."""
+
+    #: arrived; the handler is deciding where it goes (never seen between events)
+    ROUTING = "routing"
+    #: waiting in its requester's queue for a local slot
+    QUEUED = "queued"
+    #: on the local engine (holds a slot)
+    RUNNING = "running"
+    #: sent to ``target``, no first token yet (``deadline`` set)
+    FORWARDED = "forwarded"
+    #: ``target`` streams tokens, relayed to the client
+    RELAYING = "relaying"
+    #: ended (served, failed, cancelled or refused) and forgotten
+    DONE = "done"
+
+
+#: Every allowed move: phase -> {next phase: the cause}. Anything else is a bug (``_transition``
+#: raises).
+_TRANSITIONS: dict[Phase, dict[Phase, str]] = {
+    Phase.ROUTING: {
+        Phase.QUEUED: "routed here (always, for a forwarded request)",
+        Phase.FORWARDED: "routed to a peer",
+        Phase.DONE: "refused: busy (queue or share full)",
+    },
+    Phase.QUEUED: {
+        Phase.RUNNING: "a slot freed and its requester's turn came",
+        Phase.DONE: "cancelled while waiting",
+    },
+    Phase.RUNNING: {
+        Phase.DONE: "the engine finished, failed or was cancelled (LocalFinished)",
+    },
+    Phase.FORWARDED: {
+        Phase.RELAYING: "the peer's first token",
+        Phase.FORWARDED: "failed before a token: fail over to the next peer",
+        Phase.QUEUED: "failed: fail over to the local engine (or resume after relayed tokens)",
+        Phase.DONE: "finished, cancelled, or failed over into a full queue (refused)",
+    },
+    Phase.RELAYING: {
+        Phase.QUEUED: "failed mid-stream: resume locally after the relayed tokens",
+        Phase.DONE: "finished or cancelled",
+    },
+    Phase.DONE: {},
+}
+
+_LOCAL_PHASES = (Phase.QUEUED, Phase.RUNNING)
+_FORWARD_PHASES = (Phase.FORWARDED, Phase.RELAYING)
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -80,8 +180,10 @@ class NodeConfig:
     peer_timeout_s: float = 6.0
     #: ping a peer we have not heard from for this long
     ping_after_s: float = 2.0
-    #: refuse announcements whose sender clock differs from ours by more than this
-    freshness_window_s: float = 600.0
+    #: hashes all replicas together may hold (see PeerIndex: the replica budget)
+    replica_budget_blocks: int = 1 << 20
+    #: how often the replica budget's allowances are recomputed
+    rebalance_interval_s: float = 5.0
     #: a forwarded request must produce its first token within this budget, or we fail over
     first_token_timeout_s: float = 30.0
     max_forward_attempts: int = 3
@@ -89,6 +191,12 @@ class NodeConfig:
     max_queue: int = 8
     #: client requests are refused beyond this many queued locally
     hard_max_queue: int = 1024
+    #: a requester (other than this node and its own front ends) with this many requests
+    #: waiting here is refused as busy: its fair share of the queue
+    max_queued_per_peer: int = 32
+    #: per-request limits: longer prompts, or more tokens asked for, are refused as invalid
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    max_new_tokens: int = MAX_NEW_TOKENS
     #: assumed round trip to a peer we have not measured yet
     default_rtt_s: float = 0.005
     #: a peer whose digest is older than this is not a routing candidate
@@ -100,6 +208,8 @@ class NodeConfig:
             raise ConfigError("announce intervals must be positive")
         if self.max_forward_attempts < 0 or self.max_queue < 0 or self.hard_max_queue < 1:
             raise ConfigError("queue and attempt limits must be non-negative")
+        if self.max_queued_per_peer < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
+            raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +228,13 @@ class ClientRequest:
     #: a forwarded request is refused as busy if more requests than this are queued or
     #: running here when it arrives (the origin's routing assumed no more; None: no limit)
     max_outstanding: int | None = None
+    #: who asked, for the fair share of this node's engine: the client's peer id for a direct
+    #: client; "" means the origin for a forwarded request, else this node itself (an
+    #: in-process caller, the simulator's users)
+    requester: str = ""
+    #: from this node's own front ends (HTTP on this machine, the in-process API): served
+    #: before every other requester and not held to ``max_queued_per_peer``
+    local: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +441,10 @@ Effect = (
 # Internal state
 
 
+#: A requester's share of the local engine: (from this node's own front ends, requester).
+_ShareKey = tuple[bool, str]
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: RequestId
@@ -331,15 +452,28 @@ class _Request:
     params: SamplingParams
     forwarded: bool
     chain: tuple[BlockHash, ...]
+    share: _ShareKey
+    phase: Phase = Phase.ROUTING
     decision: RouteDecision | None = None
     #: peers tried so far, in order
     tried: list[PeerId] = field(default_factory=list)
+    #: the peer serving it, in the forward phases only
     target: PeerId | None = None
-    streaming: bool = False
+    #: first-token deadline, in FORWARDED only
     deadline: float | None = None
-    local_queued: bool = False
-    local_running: bool = False
     resume_after: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class _Share:
+    """One requester's part of the local engine: its waiting requests, oldest first."""
+
+    queue: deque[RequestId] = field(default_factory=deque)
+    #: its requests queued or running here (the share is forgotten at 0), and running
+    outstanding: int = 0
+    running: int = 0
+    #: the local start count when it last got a slot (0: none since it arrived)
+    last_start: int = 0
 
 
 @dataclass(slots=True)
@@ -376,8 +510,15 @@ class NodeStatistics:
     rejected: int
     #: forwarded requests refused because more were outstanding than the origin assumed
     rejected_over_limit: int
+    #: requests that ended after admission: served, failed or cancelled (so requests ==
+    #: rejected + completed + those held now)
+    completed: int
     announces_sent: int
     announces_refused: int
+    #: announcements refused because the sender is not a member (never answered us directly)
+    announces_unverified: int
+    #: replicas emptied for growing past their allowance of the replica budget
+    replicas_emptied: int
     syncs_started: int
     syncs_converged: int
     syncs_failed: int
@@ -406,11 +547,16 @@ class NodeCore:
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
         self.local = LocalDigest(epoch_base=epoch_base)
-        self.index = PeerIndex(max_peers=config.max_peers)
+        self.index = PeerIndex(
+            max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
+        )
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
-        self._queue: deque[RequestId] = deque()
+        #: requesters with requests queued or running here, and the totals over them
+        self._shares: dict[_ShareKey, _Share] = {}
+        self._queued = 0
         self._running = 0
+        self._local_starts = 0
         # Blocks of requests queued or running here: the local engine will hold them soon.
         self._pending_local: dict[BlockHash, int] = {}
         self._next_announce = now
@@ -420,6 +566,12 @@ class NodeCore:
         #: smoothed round trips, and requests we forwarded that have not finished, per peer
         self._rtt: dict[PeerId, float] = {}
         self._inflight: dict[PeerId, int] = {}
+        #: when we last asked the shell to ping a non-member (bounded, oldest forgotten)
+        self._ping_asked: dict[PeerId, float] = {}
+        #: (peer, reason) pairs already reported, and those not yet taken by the shell
+        self._refusals_seen: dict[tuple[PeerId, str], None] = {}
+        self._refusals: list[tuple[PeerId, str, str]] = []
+        self._next_rebalance = now + config.rebalance_interval_s
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -428,8 +580,11 @@ class NodeCore:
                 "failovers",
                 "rejected",
                 "rejected_over_limit",
+                "completed",
                 "announces_sent",
                 "announces_refused",
+                "announces_unverified",
+                "replicas_emptied",
                 "syncs_started",
                 "syncs_converged",
                 "syncs_failed",
@@ -444,7 +599,7 @@ class NodeCore:
         return self.config.peer_id
 
     def load(self) -> Load:
-        return Load(queued=len(self._queue), running=self._running, slots=self.config.costs.slots)
+        return Load(queued=self._queued, running=self._running, slots=self.config.costs.slots)
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         """Process one event; return the effects to execute, in order."""
@@ -462,11 +617,25 @@ class NodeCore:
         self._check_liveness(now, effects)
         self._maybe_announce(now, effects)
         self.index.expire(now)
+        if now >= self._next_rebalance:
+            self._next_rebalance = now + self.config.rebalance_interval_s
+            for peer in self.index.rebalance():
+                self._replica_emptied(peer)
         return effects
+
+    def take_refusals(self) -> list[tuple[PeerId, str, str]]:
+        """Refused announcements not reported before, as ``(peer, reason, detail)``: each
+        (peer, reason) pair once (the table of reported pairs is bounded), for the shell's log."""
+        out, self._refusals = self._refusals, []
+        return out
+
+    def is_member(self, peer: PeerId) -> bool:
+        """Whether ``peer`` answered us directly and has not been forgotten since."""
+        return peer in self._peers
 
     def next_deadline(self) -> float:
         """The latest time by which ``tick`` must run again."""
-        candidates = [self._next_announce]
+        candidates = [self._next_announce, self._next_rebalance]
         if self.local.has_pending_changes():
             candidates.append(self._last_announce + self.config.min_announce_gap_s)
         for req in self._requests.values():
@@ -497,10 +666,87 @@ class NodeCore:
         return out
 
     def statistics(self) -> NodeStatistics:
-        return NodeStatistics(queued=len(self._queue), running=self._running, **self._stats)
+        return NodeStatistics(queued=self._queued, running=self._running, **self._stats)
 
     def pending_requests(self) -> list[RequestId]:
         return list(self._requests)
+
+    def phase(self, request_id: RequestId) -> Phase | None:
+        """The phase of a request this node holds (None: not held, e.g. done)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.phase
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any count disagrees with the requests it counts.
+
+        Recounted from the requests: every request is in one phase and one place (the queue
+        holds exactly the QUEUED ones, each once, in its requester's share), the running count
+        is the RUNNING ones and within capacity, no request waits while a slot is free, the
+        in-flight count per peer is the FORWARDED/RELAYING ones sent there, the blocks pending
+        locally are those of the QUEUED and RUNNING chains, each share counts its requests, no
+        done request is kept, and the statistics add up. O(requests + their blocks).
+        """
+
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(f"node {self.peer_id} invariant violated: {msg}")
+
+        slots = self.config.costs.slots
+        phases = Counter(r.phase for r in self._requests.values())
+        check(not phases[Phase.ROUTING] and not phases[Phase.DONE], f"transient phases kept: {phases}")
+        queued_ids = [rid for share in self._shares.values() for rid in share.queue]
+        held_queued = {rid for rid, r in self._requests.items() if r.phase is Phase.QUEUED}
+        check(len(queued_ids) == len(set(queued_ids)), "a request waits twice")
+        check(set(queued_ids) == held_queued, "the queue does not hold exactly the QUEUED requests")
+        check(self._queued == len(held_queued), f"queued count {self._queued} != {len(held_queued)}")
+        check(self._running == phases[Phase.RUNNING], f"running count {self._running} != "
+              f"{phases[Phase.RUNNING]} RUNNING requests")
+        check(self._running <= slots, f"{self._running} running on {slots} slots")
+        check(not self._queued or self._running == slots, "a request waits while a slot is free")
+        inflight: Counter[PeerId] = Counter()
+        pending: Counter[BlockHash] = Counter()
+        outstanding: Counter[_ShareKey] = Counter()
+        running: Counter[_ShareKey] = Counter()
+        attempts = self.config.max_forward_attempts
+        for rid, req in self._requests.items():
+            check(rid == req.request_id, f"request {rid!r} is filed under another id")
+            check(len(req.tried) <= attempts, f"{rid!r} was forwarded {len(req.tried)} times")
+            if req.phase in _FORWARD_PHASES:
+                check(not req.forwarded, f"{rid!r} arrived forwarded and was forwarded again")
+                check(req.target is not None and req.target != self.peer_id
+                      and req.target == req.tried[-1], f"{rid!r} forwarded to {req.target!r}")
+                assert req.target is not None
+                inflight[req.target] += 1
+                check((req.deadline is not None) == (req.phase is Phase.FORWARDED),
+                      f"{rid!r} in {req.phase.value} with deadline {req.deadline}")
+            else:
+                check(req.target is None and req.deadline is None,
+                      f"{rid!r} is {req.phase.value} but has a target or deadline")
+                for h in req.chain:
+                    pending[h] += 1
+                outstanding[req.share] += 1
+                if req.phase is Phase.RUNNING:
+                    running[req.share] += 1
+                if req.share in self._shares:
+                    check(req.phase is not Phase.QUEUED or rid in self._shares[req.share].queue,
+                          f"{rid!r} waits in another requester's queue")
+        check(dict(inflight) == self._inflight, f"in-flight per peer {self._inflight} != {dict(inflight)}")
+        check(dict(pending) == self._pending_local, "blocks pending locally != the local chains")
+        check({k: s.outstanding for k, s in self._shares.items()} == dict(outstanding),
+              "a share does not count its requests (or an empty share is kept)")
+        check({k: s.running for k, s in self._shares.items() if s.running} == dict(running),
+              "a share does not count its running requests")
+        check(all(0 <= s.last_start <= self._local_starts for s in self._shares.values()),
+              "a share started after the last start")
+        st = self._stats
+        check(st["requests"] == st["rejected"] + st["completed"] + len(self._requests),
+              f"requests {st['requests']} != rejected {st['rejected']} + completed "
+              f"{st['completed']} + held {len(self._requests)}")
+        check(st["rejected_over_limit"] <= st["rejected"], "more over-limit refusals than refusals")
+        check(st["forwarded"] >= st["failovers"] + sum(self._inflight.values()),
+              "more forwards failed or in flight than were made")
+        check(st["served_locally"] == self._local_starts >= self._running,
+              "local starts disagree with served_locally or the running count")
 
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
               exclude: Sequence[PeerId] = ()) -> RouteDecision:
@@ -513,38 +759,55 @@ class NodeCore:
     def _on_client_request(self, ev: ClientRequest, now: float) -> list[Effect]:
         self._stats["requests"] += 1
         effects: list[Effect] = []
-        if ev.request_id in self._requests:
-            self._stats["rejected"] += 1
-            return [Reject(ev.request_id, "invalid", f"duplicate request id {ev.request_id!r}")]
+        cfg = self.config
+        rid = ev.request_id
+        if rid in self._requests:
+            return self._refuse(rid, "invalid", f"duplicate request id {rid!r}")
         if not ev.tokens:
-            self._stats["rejected"] += 1
-            return [Reject(ev.request_id, "invalid", "the prompt is empty")]
-        chain = tuple(self.hasher.chain(ev.tokens))
-        req = _Request(ev.request_id, ev.tokens, ev.params, ev.forwarded, chain)
+            return self._refuse(rid, "invalid", "the prompt is empty")
+        if len(ev.tokens) > cfg.max_prompt_tokens:
+            return self._refuse(
+                rid,
+                "invalid",
+                f"the prompt has {len(ev.tokens)} tokens, more than this node's "
+                f"max_prompt_tokens of {cfg.max_prompt_tokens}",
+            )
+        if ev.params.max_tokens > cfg.max_new_tokens:
+            return self._refuse(
+                rid,
+                "invalid",
+                f"max_tokens {ev.params.max_tokens} is more than this node's max_new_tokens "
+                f"of {cfg.max_new_tokens}",
+            )
+        requester = ev.requester or (ev.origin if ev.forwarded and ev.origin else self.peer_id)
         if ev.forwarded:
-            # Served where it lands: a forwarded request is never forwarded again.
-            if len(self._queue) >= self.config.max_queue and self._running >= self.config.costs.slots:
-                self._stats["rejected"] += 1
-                return [Reject(ev.request_id, "busy", f"{self.peer_id} is at capacity")]
+            # Served where it lands: a forwarded request is never forwarded again. Refused
+            # before its prompt is hashed: a refusal costs little.
+            outstanding = self._queued + self._running
+            if self._queued >= cfg.max_queue and self._running >= cfg.costs.slots:
+                return self._refuse(rid, "busy", f"{self.peer_id} is at capacity")
             limit = ev.max_outstanding
-            if limit is not None and len(self._queue) + self._running > limit:
-                self._stats["rejected"] += 1
+            if limit is not None and outstanding > limit:
                 self._stats["rejected_over_limit"] += 1
-                return [
-                    Reject(
-                        ev.request_id,
-                        "busy",
-                        f"{self.peer_id} has {len(self._queue) + self._running} requests "
-                        f"outstanding, more than the {limit} the origin's routing assumed",
-                    )
-                ]
-            self._requests[req.request_id] = req
-            self._enqueue_local(req, None, effects)
-            self._start_queued(effects)
+                return self._refuse(
+                    rid,
+                    "busy",
+                    f"{self.peer_id} has {outstanding} requests outstanding, more than the "
+                    f"{limit} the origin's routing assumed",
+                )
+        chain = tuple(self.hasher.chain(ev.tokens))
+        req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
+        self._requests[rid] = req
+        if ev.forwarded:
+            self._admit_local(req, None, effects)
             return effects
-        self._requests[req.request_id] = req
         self._route_and_dispatch(req, now, effects)
         return effects
+
+    def _refuse(self, request_id: RequestId, code: str, message: str) -> list[Effect]:
+        """Refuse an arrival before it is held."""
+        self._stats["rejected"] += 1
+        return [Reject(request_id, code, message)]
 
     def _decide(
         self,
@@ -582,19 +845,13 @@ class NodeCore:
             decision = self._local_decision(req, "failover: forward attempts exhausted")
         req.decision = decision
         if decision.is_local:
-            if len(self._queue) >= self.config.hard_max_queue:
-                self._stats["rejected"] += 1
-                del self._requests[req.request_id]
-                effects.append(Reject(req.request_id, "busy", "the local queue is full"))
-                return
-            self._enqueue_local(req, decision, effects)
-            self._start_queued(effects)
+            self._admit_local(req, decision, effects)
             return
         peer = decision.target
-        req.target = peer
         req.tried.append(peer)
-        req.deadline = now + self.config.first_token_timeout_s
-        self._inflight[peer] = self._inflight.get(peer, 0) + 1
+        self._transition(
+            req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
+        )
         self.index.add_speculative(peer, req.chain, now)
         self._stats["forwarded"] += 1
         effects.append(
@@ -627,40 +884,138 @@ class NodeCore:
                 break
         return n
 
-    def _enqueue_local(
+    def _admit_local(
         self, req: _Request, decision: RouteDecision | None, effects: list[Effect]
     ) -> None:
+        """Queue ``req`` here (it starts at once if a slot is free), or refuse it as busy when
+        the queue, or its requester's share of it, is full."""
+        cfg = self.config
+        if self._queued >= cfg.hard_max_queue:
+            self._end(req, effects, Reject(req.request_id, "busy", "the local queue is full"))
+            return
+        local, requester = req.share
+        share = self._shares.get(req.share)
+        waiting = len(share.queue) if share is not None else 0
+        if not local and requester != self.peer_id and waiting >= cfg.max_queued_per_peer:
+            message = (
+                f"{requester} already has {waiting} requests waiting at {self.peer_id}, its "
+                f"fair share (max_queued_per_peer {cfg.max_queued_per_peer})"
+            )
+            self._end(req, effects, Reject(req.request_id, "busy", message))
+            return
         req.decision = decision
-        req.local_queued = True
-        req.target = self.peer_id
-        req.deadline = None
-        self._queue.append(req.request_id)
-        pending = self._pending_local
-        for h in req.chain:
-            pending[h] = pending.get(h, 0) + 1
+        self._transition(req, Phase.QUEUED)
+        self._start_queued(effects)
 
     def _start_queued(self, effects: list[Effect]) -> None:
-        while self._queue and self._running < self.config.costs.slots:
-            rid = self._queue.popleft()
-            req = self._requests.get(rid)
-            if req is None or not req.local_queued:
-                continue
-            req.local_queued = False
-            req.local_running = True
-            self._running += 1
+        slots = self.config.costs.slots
+        while self._queued and self._running < slots:
+            share = self._next_share()
+            req = self._requests[share.queue[0]]
+            self._transition(req, Phase.RUNNING)
             self._stats["served_locally"] += 1
             params = req.params
             if req.resume_after:
                 params = replace(params, max_tokens=max(1, params.max_tokens - len(req.resume_after)))
             effects.append(
                 RunLocal(
-                    request_id=rid,
+                    request_id=req.request_id,
                     tokens=req.tokens + req.resume_after,
                     params=params,
                     decision=req.decision,
                     resume_after=req.resume_after,
                 )
             )
+
+    def _next_share(self) -> _Share:
+        """Whose turn a free slot is: this node's own front ends first; then the waiting
+        requester running the fewest requests here, and among those the one that got a slot
+        least recently (ties: the one that came first)."""
+        best: _Share | None = None
+        best_key = (True, 0, 0)
+        for (local, _), share in self._shares.items():
+            if share.queue:
+                key = (not local, share.running, share.last_start)
+                if best is None or key < best_key:
+                    best, best_key = share, key
+        assert best is not None, "a request is counted as queued but no share holds one"
+        return best
+
+    def _transition(
+        self,
+        req: _Request,
+        new: Phase,
+        *,
+        target: PeerId | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """Move ``req`` to ``new`` (``target`` and ``deadline``: entering FORWARDED), keeping
+        every count that depends on phases. A move not in ``_TRANSITIONS`` is a bug in this
+        module: AssertionError."""
+        old = req.phase
+        rid = req.request_id
+        if new not in _TRANSITIONS[old]:
+            raise AssertionError(f"request {rid!r}: no transition from {old.value} to {new.value}")
+        if new is Phase.FORWARDED and (req.forwarded or target is None or target == self.peer_id):
+            raise AssertionError(f"request {rid!r}: forwarding it to {target!r} is not allowed")
+        # Leave the old phase.
+        if old is Phase.QUEUED:
+            queue = self._shares[req.share].queue
+            if queue[0] == rid:
+                queue.popleft()
+            else:
+                queue.remove(rid)
+            self._queued -= 1
+        elif old is Phase.RUNNING:
+            self._running -= 1
+            self._shares[req.share].running -= 1
+        elif old in _FORWARD_PHASES and new is not Phase.RELAYING:
+            assert req.target is not None
+            self._forward_done(req.target)
+            req.target = None
+        req.deadline = None
+        was_local, is_local = old in _LOCAL_PHASES, new in _LOCAL_PHASES
+        if was_local and not is_local:
+            self._release_pending(req)
+            share = self._shares[req.share]
+            share.outstanding -= 1
+            if share.outstanding == 0:
+                del self._shares[req.share]
+        elif is_local and not was_local:
+            pending = self._pending_local
+            for h in req.chain:
+                pending[h] = pending.get(h, 0) + 1
+            joined = self._shares.get(req.share)
+            if joined is None:
+                joined = self._shares[req.share] = _Share()
+            joined.outstanding += 1
+        # Enter the new one.
+        req.phase = new
+        if new is Phase.QUEUED:
+            self._shares[req.share].queue.append(rid)
+            self._queued += 1
+        elif new is Phase.RUNNING:
+            self._running += 1
+            self._local_starts += 1
+            share = self._shares[req.share]
+            share.running += 1
+            share.last_start = self._local_starts
+        elif new is Phase.FORWARDED:
+            assert target is not None
+            req.target = target
+            req.deadline = deadline
+            self._inflight[target] = self._inflight.get(target, 0) + 1
+        elif new is Phase.DONE:
+            del self._requests[rid]
+
+    def _end(self, req: _Request, effects: list[Effect], refusal: Reject | None = None) -> None:
+        """The request ended: served, failed or cancelled, or refused with ``refusal``."""
+        if refusal is None:
+            self._stats["completed"] += 1
+        else:
+            self._stats["rejected"] += 1
+            effects.append(refusal)
+        self._transition(req, Phase.DONE)
 
     def _release_pending(self, req: _Request) -> None:
         pending = self._pending_local
@@ -677,13 +1032,9 @@ class NodeCore:
     def _on_local_finished(self, ev: LocalFinished, now: float) -> list[Effect]:
         effects: list[Effect] = []
         self._apply_local_changes(ev.cache_added, ev.cache_removed)
-        req = self._requests.pop(ev.request_id, None)
-        if req is not None:
-            self._release_pending(req)
-            if req.local_running:
-                self._running -= 1
-            elif req.local_queued:
-                req.local_queued = False
+        req = self._requests.get(ev.request_id)
+        if req is not None and req.phase in _LOCAL_PHASES:
+            self._end(req, effects)
         self._start_queued(effects)
         self._maybe_announce(now, effects)
         return effects
@@ -705,17 +1056,16 @@ class NodeCore:
 
     def _on_forward_first_token(self, ev: ForwardFirstToken, now: float) -> list[Effect]:
         req = self._requests.get(ev.request_id)
-        if req is not None and req.target == ev.peer:
-            req.streaming = True
-            req.deadline = None
+        if req is not None and req.phase is Phase.FORWARDED and req.target == ev.peer:
+            self._transition(req, Phase.RELAYING)
         return []
 
     def _on_forward_finished(self, ev: ForwardFinished, now: float) -> list[Effect]:
+        effects: list[Effect] = []
         req = self._requests.get(ev.request_id)
-        if req is not None and req.target == ev.peer:
-            del self._requests[ev.request_id]
-            self._forward_done(ev.peer)
-        return []
+        if req is not None and req.phase in _FORWARD_PHASES and req.target == ev.peer:
+            self._end(req, effects)
+        return effects
 
     def _forward_done(self, peer: PeerId) -> None:
         n = self._inflight.get(peer, 0) - 1
@@ -726,22 +1076,19 @@ class NodeCore:
 
     def _on_forward_failed(self, ev: ForwardFailed, now: float) -> list[Effect]:
         req = self._requests.get(ev.request_id)
-        if req is None or req.target != ev.peer:
+        if req is None or req.phase not in _FORWARD_PHASES or req.target != ev.peer:
             return []
-        self._forward_done(ev.peer)
         self._stats["failovers"] += 1
         effects: list[Effect] = []
-        req.target = None
-        req.deadline = None
         if ev.reason in ("unavailable", "timeout") and ev.peer in self._peers:
             # It may be gone: stop routing to it until it is heard from again.
             self._peers[ev.peer].last_seen = -1e18
-        if ev.generated or req.streaming:
-            # Tokens already reached the client: finish here, after them.
+        if ev.generated or req.phase is Phase.RELAYING:
+            # Tokens already reached the client: finish here, after them, whatever the queue
+            # holds (refusing now would cut a stream the client is reading).
             req.resume_after = req.resume_after + ev.generated
-            self._enqueue_local(
-                req, self._local_decision(req, f"resume after {ev.peer} failed mid-stream"), effects
-            )
+            req.decision = self._local_decision(req, f"resume after {ev.peer} failed mid-stream")
+            self._transition(req, Phase.QUEUED)
             self._start_queued(effects)
             return effects
         self._route_and_dispatch(req, now, effects)
@@ -752,23 +1099,21 @@ class NodeCore:
         if req is None:
             return []
         effects: list[Effect] = []
-        if req.local_running:
-            effects.append(CancelLocal(req.request_id))  # LocalFinished will clean up
-        elif req.local_queued:
-            del self._requests[req.request_id]
-            self._release_pending(req)
-            req.local_queued = False
-        elif req.target is not None:
+        if req.phase is Phase.RUNNING:
+            effects.append(CancelLocal(req.request_id))  # LocalFinished ends it
+        elif req.phase is Phase.QUEUED:
+            self._end(req, effects)
+        elif req.phase in _FORWARD_PHASES:
+            assert req.target is not None
             effects.append(CancelForward(req.request_id, req.target))
-            del self._requests[req.request_id]
-            self._forward_done(req.target)
+            self._end(req, effects)
         return effects
 
     def _check_forward_deadlines(self, now: float, effects: list[Effect]) -> None:
         expired = [
             r
             for r in self._requests.values()
-            if r.deadline is not None and r.deadline <= now and r.target not in (None, self.peer_id)
+            if r.phase is Phase.FORWARDED and r.deadline is not None and r.deadline <= now
         ]
         for req in expired:
             peer = req.target
@@ -815,21 +1160,50 @@ class NodeCore:
             self._peers[peer] = st
         return st
 
+    def _refuse_announce(self, peer: PeerId, reason: str, detail: str) -> None:
+        self._stats["announces_refused"] += 1
+        key = (peer, reason)
+        seen = self._refusals_seen
+        if key in seen:
+            return
+        seen[key] = None
+        if len(seen) > 4 * self.config.max_peers:
+            del seen[next(iter(seen))]
+        if len(self._refusals) < 1024:
+            self._refusals.append((peer, reason, detail))
+
+    def _ask_ping(self, peer: PeerId, now: float, effects: list[Effect]) -> None:
+        """Ask the shell to ping a non-member (it will, over a direct connection only)."""
+        asked = self._ping_asked
+        last = asked.get(peer)
+        if last is not None and now - last < self.config.ping_after_s:
+            return
+        asked.pop(peer, None)
+        asked[peer] = now
+        if len(asked) > 4 * self.config.max_peers:
+            del asked[next(iter(asked))]
+        effects.append(PingPeer(peer))
+
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
         if ev.sender == self.peer_id or a.sender != ev.sender:
             # Our own echo, or a forwarded claim to speak for someone else.
             if a.sender != ev.sender:
-                self._stats["announces_refused"] += 1
+                self._refuse_announce(ev.sender, "speaks for another peer", f"claims to be {a.sender}")
             return []
-        if a.epoch <= self._last_epochs.get(ev.sender, 0):
-            self._stats["announces_refused"] += 1  # stale or replayed
-            return []
-        if abs(a.time_ms / 1000.0 - now) > self.config.freshness_window_s:
-            self._stats["announces_refused"] += 1
+        st = self._peers.get(ev.sender)
+        if st is None:
+            # Not a member: heard only through gossip, or connected but not answered yet.
+            self._stats["announces_unverified"] += 1
+            self._refuse_announce(ev.sender, "not a member", "it has not answered this node directly yet")
+            asked: list[Effect] = []
+            self._ask_ping(ev.sender, now, asked)
+            return asked
+        last_epoch = self._last_epochs.get(ev.sender, 0)
+        if a.epoch <= last_epoch:
+            self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
             return []
         self._remember_epoch(ev.sender, a.epoch)
-        st = self._peer(ev.sender, now)
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
@@ -840,7 +1214,14 @@ class NodeCore:
             a.prev_epoch, a.epoch, a.root, a.count, a.added, a.removed, a.truncated
         )
         if replica.refused != refused:
-            self._stats["announces_refused"] += 1  # claims a set larger than any replica holds
+            # Claims a set larger than its allowance of the replica budget.
+            self._refuse_announce(
+                ev.sender, "over its replica allowance",
+                f"claims {a.count} blocks, allowance {replica.max_elements}",
+            )
+        if self.index.enforce_allowance(ev.sender):
+            self._replica_emptied(ev.sender)
+            return []
         # The load, and if the replica now matches, its freshness (which also confirms the
         # speculative entries for the peer).
         index.announced(ev.sender, a.load, now, fresh=replica.epoch == a.epoch)
@@ -877,15 +1258,29 @@ class NodeCore:
         if len(epochs) > 4 * self.config.max_peers:
             del epochs[next(iter(epochs))]
 
+    def _replica_emptied(self, peer: PeerId) -> None:
+        """The index emptied ``peer``'s replica (over its allowance): drop its pull."""
+        self._stats["replicas_emptied"] += 1
+        st = self._peers.get(peer)
+        if st is not None:
+            st.sync = None
+            st.pull_wanted = False
+
     def _on_sync_response(self, ev: SyncResponseReceived, now: float) -> list[Effect]:
         st = self._peers.get(ev.peer)
         effects: list[Effect] = []
         if st is None or st.sync is None or ev.response.session != st.sync_session:
             return effects
+        if st.sync.replica is not self.index.replica(ev.peer):
+            st.sync = None  # the replica was emptied (replica budget) while the pull ran
+            return effects
         try:
             nxt = st.sync.handle_response(ev.response)
         except ProtocolError:
             self._finish_sync(ev.peer, st, now, ok=False, effects=effects)
+            return effects
+        if self.index.enforce_allowance(ev.peer):
+            self._replica_emptied(ev.peer)
             return effects
         st.last_seen = now
         if nxt is not None:
@@ -929,6 +1324,12 @@ class NodeCore:
     def _on_peer_seen(self, ev: PeerSeen, now: float) -> list[Effect]:
         if ev.peer == self.peer_id:
             return []
+        if ev.rtt_s is None and ev.peer not in self._peers:
+            # Connected, not yet answered: a member once a ping comes back.
+            effects: list[Effect] = []
+            self._ask_ping(ev.peer, now, effects)
+            return effects
+        self._ping_asked.pop(ev.peer, None)
         st = self._peer(ev.peer, now)
         st.last_seen = now
         if ev.rtt_s is not None:

@@ -28,7 +28,8 @@ of stream is ``trio.EndOfChannel``, as for trio channels.
 
 Module map: ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, Host,
 the theory of operation), ``framing`` (FramedStream), ``gossip`` (the guarded gossipsub),
-``discovery`` (mDNS bridge, dialable addresses), ``identity`` (the persistent key), ``pacing``
+``admission`` (the private swarm's
+handshake and invites), ``discovery`` (mDNS bridge, dialable addresses), ``identity`` (the persistent key), ``pacing``
 (backoff and token bucket, pure), ``_errors`` (the one translation table).
 
 QUIC is not offered. In a loopback trial py-libp2p 0.8.1's QUIC transport connected, carried

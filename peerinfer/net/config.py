@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from peerinfer.core.messages import MAX_FRAME_BYTES
@@ -130,6 +130,13 @@ class HostConfig:
     bootstrap_backoff_min_s: float = 1.0
     bootstrap_backoff_max_s: float = 30.0
 
+    # --- admission (private swarms, see peerinfer.net.admission) --------------------------
+    #: The swarm key: when set, a peer is served nothing (streams, gossip) and used for
+    #: nothing until it proved it holds the key; peers that fail are disconnected.
+    swarm_key: bytes | None = field(default=None, repr=False)
+    #: How long a new connection may take to pass admission before it is closed.
+    admission_timeout_s: float = 5.0
+
     # --- liveness -------------------------------------------------------------------------
     #: Ping every connected peer this often (0 disables); a hung (SIGSTOPped) peer keeps its TCP
     #: connection open and py-libp2p would keep it for minutes.
@@ -159,6 +166,7 @@ class HostConfig:
             "validation_timeout_s": self.validation_timeout_s,
             "liveness_timeout_s": self.liveness_timeout_s,
             "bootstrap_backoff_min_s": self.bootstrap_backoff_min_s,
+            "admission_timeout_s": self.admission_timeout_s,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -189,6 +197,8 @@ class HostConfig:
             raise ConfigError(f"gossip_degree must satisfy 1 <= D_low <= D <= D_high, got {self.gossip_degree}")
         if self.gossip_rate_limit is not None and self.gossip_rate_limit < 1:
             raise ConfigError("gossip_rate_limit must be >= 1")
+        if self.swarm_key is not None and not self.swarm_key:
+            raise ConfigError("the swarm key is empty (leave it unset for an open swarm)")
         if self.gossip_topics is not None and not all(self.gossip_topics):
             raise ConfigError("gossip topics must be non-empty strings")
 

@@ -30,6 +30,10 @@ It also re-announces our subscriptions to each newly registered peer: py-libp2p 
 ``subscribe()`` that lands while a peer's pubsub stream is being set up, and the two peers then
 never mesh (seen under load in the tests here).
 
+In a private swarm (``admitted`` given) a peer gets no pubsub stream from us and its pubsub
+streams are not read until it has passed admission (``peerinfer.net.admission``): it can
+neither subscribe, publish, nor learn our subscriptions and messages before that.
+
 ``GuardedGossipSub`` ignores peer exchange in PRUNE messages: py-libp2p dials the (self-signed,
 so arbitrary) addresses any peer puts there, even with ``do_px=False``.
 
@@ -93,6 +97,9 @@ ViolationCallback = Callable[[str, str], None]
 
 #: Called (synchronously, in push order) with each accepted message for a topic we joined.
 DeliveryCallback = Callable[[str, rpc_pb2.Message], None]
+
+#: Waits for a peer's admission verdict: True once admitted, False if refused.
+AdmissionCheck = Callable[[ID], Awaitable[bool]]
 
 
 def gossip_message_from_pb(topic: str, msg: rpc_pb2.Message) -> GossipMessage:
@@ -161,6 +168,8 @@ class GuardedPubsub(Pubsub):
         config: HostConfig,
         on_violation: ViolationCallback,
         deliver: DeliveryCallback,
+        *,
+        admitted: AdmissionCheck | None = None,
     ) -> None:
         super().__init__(
             host,
@@ -172,6 +181,18 @@ class GuardedPubsub(Pubsub):
         )
         self._on_violation = on_violation
         self._deliver = deliver
+        self._admitted = admitted
+
+    async def stream_handler(self, stream: INetStream) -> None:
+        if self._admitted is not None and not await self._admitted(stream.muxed_conn.peer_id):
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+            return
+        await super().stream_handler(stream)
 
     def _report(self, peer_id: ID, reason: str) -> None:
         try:
@@ -197,6 +218,8 @@ class GuardedPubsub(Pubsub):
             self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
 
     async def _handle_new_peer(self, peer_id: ID) -> None:
+        if self._admitted is not None and not await self._admitted(peer_id):
+            return  # not a member: no pubsub stream, no subscriptions, no messages
         await super()._handle_new_peer(peer_id)
         # py-libp2p builds the hello (our subscriptions) before it registers the peer, with
         # an await in between; a subscribe() in that gap is announced to neither (the peer

@@ -17,6 +17,11 @@ owns, everything the node needs from the network:
   swarm's auto-connector and retry loop are disabled: dialing policy is ours (bootstrap redial,
   mDNS, ``dial``). Frames are bounded by ``max_frame_bytes``; inbound handler invocations per peer
   by ``max_streams_per_peer`` (excess streams are reset on arrival).
+* **Admission** (only with ``swarm_key``; see ``peerinfer.net.admission``). Every new peer must
+  prove it holds the swarm key before anything else: handlers (ping included) and the gossip
+  layer wait for the verdict, our own ``open_stream``/``request``/``ping`` too, ``connect``
+  returns only once the peer passed, and ``connected`` events and ``connected_peers()`` cover
+  admitted peers only. A peer that fails is disconnected and the refusal logged once per peer.
 * **Stream handlers** registered with ``set_handler`` run wrapped: an exception is logged, the
   stream reset, and the host carries on (in py-libp2p an exception escaping a handler crashes
   the host). A handler that returns normally has its stream closed for it.
@@ -55,10 +60,12 @@ at once (one sender and one receiver per ``FramedStream``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import secrets
-from collections import defaultdict
+import socket
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -92,8 +99,18 @@ from peerinfer.errors import (
     PeerUnavailableError,
     ProtocolError,
     RemoteError,
+    RequestTimeoutError,
 )
 from peerinfer.net._errors import translated
+from peerinfer.net.admission import (
+    ADMIT_PROTOCOL,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    admission_key,
+    check_proof,
+    new_nonce,
+    proof,
+)
 from peerinfer.net.config import HostConfig, own_publish_rate
 from peerinfer.net.discovery import MdnsBridge, expand_unspecified, local_ipv4s
 from peerinfer.net.framing import FramedStream, peer_id_text
@@ -128,6 +145,8 @@ OUTBOUND_DRAIN_WAIT_S = 0.25
 #: On shutdown, how long connections may take to close politely before their sockets are
 #: closed under them.
 SHUTDOWN_GRACE_S = 1.0
+#: Peers whose admission refusal was logged (once each); the oldest are forgotten beyond this.
+MAX_REFUSALS_LOGGED = 4096
 
 T = TypeVar("T")
 
@@ -162,6 +181,20 @@ class HostStatistics:
     dial_failures: int
     bootstrap_attempts: int
     unresponsive_disconnects: int
+    #: peers refused by admission (wrong key, no key, silent), and streams of peers not (yet)
+    #: admitted that were reset unserved
+    admissions_refused: int = 0
+    unadmitted_streams_refused: int = 0
+
+
+@dataclass
+class _Admission:
+    """The admission verdict for one peer's current connections."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    ok: bool = False
+    reason: str = ""
+    started: bool = False
 
 
 @dataclass
@@ -174,6 +207,8 @@ class _Counters:
     dial_failures: int = 0
     bootstrap_attempts: int = 0
     unresponsive_disconnects: int = 0
+    admissions_refused: int = 0
+    unadmitted_streams_refused: int = 0
 
 
 @dataclass
@@ -262,11 +297,20 @@ class Host:
         self._topics: dict[str, _Topic] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._publish_rate = own_publish_rate(config.effective_gossip_rate_limit())
+        self._admission_key = None if config.swarm_key is None else admission_key(config.swarm_key)
+        self._admissions: dict[str, _Admission] = {}
+        #: the last admission refusal of each peer (bounded), logged once per peer
+        self._refusals_logged: OrderedDict[str, str] = OrderedDict()
         self._router = make_router(config)
-        self._pubsub = GuardedPubsub(libp2p_host, self._router, config, self._on_violation, self._deliver)
+        self._pubsub = GuardedPubsub(
+            libp2p_host, self._router, config, self._on_violation, self._deliver,
+            admitted=None if self._admission_key is None else self._pubsub_admitted,
+        )
         self._mdns: MdnsBridge | None = None
         self._network.register_notifee(_ConnectionNotifee(self))
         self.set_handler(PING_PROTOCOL, self._serve_ping)
+        if self._admission_key is not None:
+            self.set_handler(ADMIT_PROTOCOL, self._serve_admit)
 
     # -- identity and addresses ---------------------------------------------------------------
 
@@ -356,14 +400,135 @@ class Host:
             listed[:] = [conn for conn in listed if not conn.is_closed]
             if not listed:
                 del self._network.connections[info.peer_id]
+        started = trio.current_time()
         try:
             await self._within("connect", peer, deadline, lambda: self._h.connect(info))
             if not self.is_connected(peer):
-                raise PeerUnavailableError(f"connect: the connection to {peer} closed at once")
+                if self._admission_key is not None:
+                    reason = self._refusals_logged.get(peer) or "closed by the peer"
+                    raise PeerUnavailableError(f"connect: {peer} refused by swarm admission: {reason}")
+                raise PeerUnavailableError(
+                    f"connect: the connection to {peer} closed at once (a node of a private "
+                    "swarm closes it like this: it needs the swarm key)"
+                )
+            if self._admission_key is not None:
+                left = max(0.0, deadline - (trio.current_time() - started))
+                await self._require_admitted(peer, left)
         except RemoteError:
             self._counters.dial_failures += 1
             raise
         return peer
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def is_admitted(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` passed admission on its current connections (always True for an
+        open swarm, i.e. without ``swarm_key``, once connected)."""
+        if self._admission_key is None:
+            return self.is_connected(peer_id)
+        adm = self._admissions.get(peer_id)
+        return adm is not None and adm.done.is_set() and adm.ok
+
+    async def _wait_admitted(self, peer_id: str, timeout: float | None = None) -> _Admission | None:
+        """The peer's verdict once known (None: no connection, so no admission under way)."""
+        adm = self._admissions.get(peer_id)
+        if adm is None:
+            return None
+        limit = self._config.admission_timeout_s if timeout is None else timeout
+        with trio.move_on_after(limit):
+            await adm.done.wait()
+        return adm
+
+    async def _require_admitted(self, peer_id: str, timeout: float) -> None:
+        adm = await self._wait_admitted(peer_id, timeout)
+        if adm is None or not adm.done.is_set():
+            reason = "no connection" if adm is None else f"admission not done within {timeout:.1f} s"
+            raise PeerUnavailableError(f"{peer_id} is not admitted to this swarm: {reason}")
+        if not adm.ok:
+            raise PeerUnavailableError(f"{peer_id} refused by swarm admission: {adm.reason}")
+
+    async def _pubsub_admitted(self, pid: ID) -> bool:
+        adm = await self._wait_admitted(pid.to_base58())
+        return adm is not None and adm.ok
+
+    def _begin_admission(self, peer_id: str) -> None:
+        adm = self._admissions.get(peer_id)
+        if adm is None or (adm.done.is_set() and not adm.ok):
+            adm = self._admissions[peer_id] = _Admission()
+        if not adm.started and self._nursery is not None and not self._closed:
+            adm.started = True
+            self._nursery.start_soon(self._admit, peer_id, adm)
+
+    async def _admit(self, peer_id: str, adm: _Admission) -> None:
+        """Challenge ``peer_id``; admit it, or refuse and disconnect it."""
+        try:
+            ok, reason = await self._challenge(peer_id)
+        except ClosedError:
+            ok, reason = False, "the host is closing"
+        adm.ok, adm.reason = ok, reason
+        adm.done.set()
+        if ok:
+            self._emit(PeerEvent("connected", peer_id))
+            return
+        self._counters.admissions_refused += 1
+        if peer_id not in self._refusals_logged:
+            logger.warning("refusing peer %s: %s", peer_id, reason)
+        self._refusals_logged[peer_id] = reason
+        if len(self._refusals_logged) > MAX_REFUSALS_LOGGED:
+            self._refusals_logged.popitem(last=False)
+        if not self._closed:
+            await self.disconnect(peer_id)
+
+    async def _challenge(self, peer_id: str) -> tuple[bool, str]:
+        key = self._admission_key
+        assert key is not None
+        timeout = self._config.admission_timeout_s
+        deadline = trio.current_time() + timeout
+        pid = parse_peer_id(peer_id)
+        while True:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return False, f"no admission answer within {timeout:.1f} s"
+            try:
+                net_stream = await self._within(
+                    "admission", peer_id, left,
+                    lambda: self._h.new_stream(pid, [TProtocol(ADMIT_PROTOCOL)]),
+                    discard=_reset_stream,
+                )
+                break
+            except RequestTimeoutError:
+                return False, f"no admission answer within {timeout:.1f} s"
+            except PeerUnavailableError as exc:
+                if "refused the protocol" in str(exc):
+                    return False, "it does not speak swarm admission (no swarm key: an open-swarm node?)"
+                if not self.is_connected(peer_id):
+                    return False, f"the connection closed during admission ({exc})"
+                # The connected notification can precede the muxer's readiness: try again.
+                await trio.sleep(0.02)
+        stream = FramedStream(net_stream, max_frame_bytes=PROOF_BYTES + 16, timeout_s=timeout)
+        async with stream:
+            nonce = new_nonce()
+            try:
+                await stream.send(nonce, timeout=max(0.01, deadline - trio.current_time()))
+                answer = await stream.receive(
+                    timeout=max(0.01, deadline - trio.current_time()), max_bytes=PROOF_BYTES
+                )
+            except RequestTimeoutError:
+                return False, f"no admission answer within {timeout:.1f} s"
+            except (RemoteError, trio.EndOfChannel) as exc:
+                return False, f"the admission exchange failed ({type(exc).__name__}: {exc})"
+        if not check_proof(key, self._peer_id, peer_id, nonce, answer):
+            return False, "wrong admission proof: it does not hold this swarm's key"
+        return True, ""
+
+    async def _serve_admit(self, stream: FramedStream) -> None:
+        """Answer a peer's challenge (to anyone: the proof is useless for any other exchange)."""
+        key = self._admission_key
+        assert key is not None
+        nonce = await stream.receive(max_bytes=NONCE_BYTES)
+        if len(nonce) != NONCE_BYTES:
+            raise ProtocolError(f"admission nonce of {len(nonce)} bytes, expected {NONCE_BYTES}")
+        await stream.send(proof(key, stream.remote_peer, self._peer_id, nonce))
 
     async def _within(
         self,
@@ -420,8 +585,10 @@ class Host:
         return value  # type: ignore[return-value]
 
     def connected_peers(self) -> list[str]:
-        """Peers with at least one open connection."""
+        """Peers with at least one open connection (and, in a private swarm, admitted)."""
         peers = {pid.to_base58() for pid in self._h.get_connected_peers()} | set(self._connections)
+        if self._admission_key is not None:
+            return sorted(p for p in peers if self.is_admitted(p))
         return sorted(p for p in peers if self.is_connected(p))
 
     def is_connected(self, peer_id: str) -> bool:
@@ -497,7 +664,11 @@ class Host:
             if self._nursery is not None and not self._closed:
                 self._nursery.start_soon(self.disconnect, peer_id)
             return
-        if first:
+        if self._admission_key is not None:
+            # "connected" comes from _admit, once the peer has passed.
+            if first or peer_id not in self._admissions:
+                self._begin_admission(peer_id)
+        elif first:
             self._emit(PeerEvent("connected", peer_id))
 
     def _connection_closed(self, peer_id: str, conn: INetConn) -> None:
@@ -514,6 +685,7 @@ class Host:
             del self._connections[peer_id]
             self._liveness_failures.pop(peer_id, None)
             self._rtts.pop(peer_id, None)
+            self._admissions.pop(peer_id, None)
             event = self._disconnect_events.pop(peer_id, None)
             if event is not None:
                 event.set()
@@ -559,6 +731,12 @@ class Host:
         if peer in self._banned:
             await stream.reset()
             return
+        if self._admission_key is not None and protocol != ADMIT_PROTOCOL:
+            adm = await self._wait_admitted(peer)
+            if adm is None or not adm.ok:
+                self._counters.unadmitted_streams_refused += 1
+                await stream.reset()
+                return
         if self._inflight[peer] >= self._config.max_streams_per_peer:
             self._counters.streams_refused += 1
             logger.info("refusing a %s stream from %s: %d already running", protocol, peer, self._inflight[peer])
@@ -591,6 +769,14 @@ class Host:
         self._check_open()
         pid = parse_peer_id(peer_id)
         deadline = self._config.stream_timeout_s if timeout is None else timeout
+        if self._admission_key is not None:
+            # Never a stream to a peer that has not proved membership; dial it first if needed.
+            started = trio.current_time()
+            if not self.is_connected(peer_id):
+                await self._connect_info(PeerInfo(pid, []), deadline)
+            else:
+                await self._require_admitted(peer_id, deadline)
+            deadline = max(0.01, deadline - (trio.current_time() - started))
         net_stream = await self._within(
             "open_stream",
             peer_id,
@@ -828,6 +1014,8 @@ class Host:
             dial_failures=c.dial_failures,
             bootstrap_attempts=c.bootstrap_attempts,
             unresponsive_disconnects=c.unresponsive_disconnects,
+            admissions_refused=c.admissions_refused,
+            unadmitted_streams_refused=c.unadmitted_streams_refused,
         )
 
     # -- discovery ----------------------------------------------------------------------------
@@ -884,6 +1072,10 @@ class Host:
 
     def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        # Connections that arrived while libp2p was starting, before we had a nursery.
+        for peer_id, adm in list(self._admissions.items()):
+            if not adm.started:
+                self._begin_admission(peer_id)
 
     def _start_discovery(self, bootstrap: Sequence[PeerInfo]) -> None:
         nursery = self._nursery_or_closed()
@@ -1004,6 +1196,7 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """
     config.check()
     listen = [_parse_multiaddr(a, ConfigError) for a in config.listen]
+    _check_ports_free(listen)
     bootstrap = [parse_peer_multiaddr(a, ConfigError) for a in config.bootstrap]
     key_pair = (
         load_or_create_identity(config.effective_identity_path())
@@ -1025,6 +1218,43 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
         if leaf is None:
             raise
         raise leaf from leaf.__cause__
+
+
+def _check_ports_free(listen: Sequence[multiaddr.Multiaddr]) -> None:
+    """Refuse a TCP listen address another socket already listens on.
+
+    py-libp2p's TCP listener sets SO_REUSEPORT (for hole punching), so on Linux a second
+    process binds the same port without complaint and the kernel then spreads incoming
+    connections over both: dials to the first node land on either at random. A probe bound
+    without SO_REUSEPORT (SO_REUSEADDR only, which still fails while a socket listens there)
+    finds the port taken first.
+    """
+    for addr in listen:
+        protocols = {p.name for p in addr.protocols()}
+        if "tcp" not in protocols:
+            continue
+        port = int(addr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        if "ip6" in protocols:
+            family, ip = socket.AF_INET6, addr.value_for_protocol("ip6")
+        elif "ip4" in protocols:
+            family, ip = socket.AF_INET, addr.value_for_protocol("ip4")
+        else:
+            continue
+        probe = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((ip, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"cannot listen on {addr}: the address is in use (another node?); pick "
+                    "another port with --listen"
+                ) from None
+            raise ConfigError(f"cannot listen on {addr}: {exc.strerror}") from None
+        finally:
+            probe.close()
 
 
 def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:

@@ -4,8 +4,8 @@ Algorithm
 ---------
 The node's engine runs the requests its core started (the core admits at most ``slots``; the
 rest wait in the core's queue), the way the batch scheduler (``peerinfer.engine.batch``) runs
-them: every scheduling step runs at most one prefill chunk, of the oldest request still in
-prefill, then one decode step that gives every request past its prefill one more token
+them: every scheduling step runs at most one prefill chunk, of the request in prefill with
+the fewest prompt tokens left (ties: the oldest), then one decode step that gives every request past its prefill one more token
 (``peerinfer.core.costmodel`` gives each its duration). A request's first token is ready when
 its last chunk has run; each further token takes one decode step of the batch.
 
@@ -13,15 +13,16 @@ Stepping every token through the event heap would cost an event per step per nod
 batch advances in *segments* of identical steps, and the simulator holds one event per node,
 at the segment's end (``end``):
 
-* **Prefill, nothing decoding**: the oldest request's whole remaining prefill, back to back
-  (requests that join meanwhile wait for their turn anyway): one segment.
+* **Prefill, nothing decoding**: that request's whole remaining prefill, chunk after chunk:
+  one segment.
 * **Prefill next to decoders**: one chunk step (``chunk`` prompt tokens plus one decode step
   of the decoders), then the batch is looked at again.
 * **Decode only**: ``k`` steps of ``decode_step_s(n)``, ``k`` the fewest tokens any of the
   ``n`` has left, so the segment ends when the first of them finishes.
 
-A request that joins or leaves during a decode segment ends it at the end of the step under
-way (the scheduler changes the batch only between steps); the steps done so far are kept. At
+A request that joins or leaves during a multi-step segment ends it at the end of the step (or
+chunk) under way (the scheduler changes the batch, and picks the next chunk, only between
+steps); the steps done so far are kept. At
 a segment's end the progress is applied, and the requests whose first token came or who
 finished are returned, in admission order; then ``plan`` starts the next segment.
 
@@ -109,6 +110,8 @@ class BatchNode:
             return None
         if self.kind == _IDLE:
             return self.plan(now)
+        if self.kind == _PREFILL:
+            return self._cut_prefill(now)
         if self.kind != _DECODE:
             return None  # a prefill step is one step: the batch is looked at when it ends
         done = math.floor((now - self.start) / self.step + _EPS) if self.step > 0 else self.steps
@@ -118,6 +121,29 @@ class BatchNode:
             return None
         self.steps = max(done, 0)
         self.end = self.start + self.steps * self.step
+        self.epoch += 1
+        return self.end if self.end > now else now
+
+    def _cut_prefill(self, now: float) -> float | None:
+        """End a back-to-back prefill at the end of its chunk under way (the next chunk may be
+        another request's, with fewer tokens left)."""
+        p = self.prefilling
+        if p is None:
+            return None
+        costs = self.costs
+        size = costs.prefill_chunk_tokens
+        rate = costs.prefill_s_per_token
+        extra = self.step - self.chunk * rate  # what the first chunk pays besides its tokens
+        elapsed = now - self.start - extra
+        tol = _EPS * max(self.step, 1.0)
+        done = 0
+        while done < self.chunk and (done == 0 or done * rate < elapsed - tol):
+            done = min(self.chunk, done + size)
+        if done >= self.chunk:
+            return None
+        self.chunk = done
+        self.end = self.start + extra + done * rate
+        self.step = self.end - self.start
         self.epoch += 1
         return self.end if self.end > now else now
 
@@ -175,7 +201,10 @@ class BatchNode:
             return None
         costs = self.costs
         decoders = [j for j in jobs if j.produced > 0]
-        p = next((j for j in jobs if j.in_prefill), None)
+        p = None
+        for j in jobs:  # the fewest prompt tokens left; ties: the oldest
+            if j.in_prefill and (p is None or j.uncached < p.uncached):
+                p = j
         if p is not None:
             extra = 0.0 if p.started else costs.overhead_s + p.cached * costs.cached_s_per_token
             self.prefilling = p

@@ -105,17 +105,13 @@ from peerinfer.core.node import (
     SyncResponseReceived,
 )
 from peerinfer.core.prefix import PrefixHasher
-from peerinfer.errors import PeerInferError
+from peerinfer.errors import PeerInferError, error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
 from peerinfer.sim.config import SimConfig
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 _NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY = range(7)
 _INF = math.inf
-
-#: Reject codes as ForwardFailed reasons (the rest are "internal").
-_REJECT_REASONS = {"busy": "busy", "invalid": "invalid", "timeout": "timeout",
-                   "unavailable": "unavailable", "protocol": "protocol", "shutdown": "unavailable"}
 
 
 class SimulationError(PeerInferError):
@@ -580,7 +576,7 @@ class Simulation:
             self._complete(i, now, ok=False)
             return
         # A peer refused a forwarded request: the refusal travels back to the origin.
-        reason = _REJECT_REASONS.get(eff.code, "internal")
+        reason = error_kind(eff.code).forward_reason
         self._push(
             now + self.delay[n][origin],
             _NODE,

@@ -399,6 +399,8 @@ class Cluster:
             "--listen", listen,
             "--no-mdns",
             "--identity", str(identity),
+            # The HTTP API's default port would be shared by every node of the cluster.
+            "--http", "none",
         ]
         if self.model is not None:
             argv += ["--model", self.model]

@@ -1,0 +1,227 @@
+"""The request lifecycle's phases and the fair share of the local engine, driven by hand."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from peerinfer.core.costmodel import DEFAULT_COSTS
+from peerinfer.core.messages import Load, SamplingParams
+from peerinfer.core.node import (
+    _TRANSITIONS,
+    AnnounceReceived,
+    CacheChanged,
+    ClientRequest,
+    Effect,
+    Forward,
+    ForwardFailed,
+    ForwardFinished,
+    ForwardFirstToken,
+    LocalFinished,
+    NodeConfig,
+    NodeCore,
+    PeerSeen,
+    Phase,
+    Publish,
+    Reject,
+    RunLocal,
+)
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.types import PeerId, RequestId
+
+HASHER = PrefixHasher(b"fair-model")
+PARAMS = SamplingParams(max_tokens=4)
+
+
+def make(slots: int = 1, **config: object) -> NodeCore:
+    cfg = NodeConfig(peer_id=PeerId("A"), policy="longest_prefix",
+                     costs=DEFAULT_COSTS.with_slots(slots), **config)  # type: ignore[arg-type]
+    return NodeCore(cfg, HASHER, rng=random.Random(0), now=0.0)
+
+
+def prompt(seed: int, n: int = 64) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(1, 30000) for _ in range(n))
+
+
+def started(effects: Sequence[Effect]) -> list[str]:
+    return [e.request_id for e in effects if isinstance(e, RunLocal)]
+
+
+def send(core: NodeCore, rid: str, requester: str, *, local: bool = False,
+         tokens: tuple[int, ...] | None = None, params: SamplingParams = PARAMS) -> list[Effect]:
+    effects = core.handle(
+        ClientRequest(RequestId(rid), tokens or prompt(hash(rid) % 1000), params,
+                      requester=requester, local=local),
+        0.0,
+    )
+    core.check_invariants()
+    return effects
+
+
+def finish(core: NodeCore, rid: str) -> list[str]:
+    effects = core.handle(LocalFinished(RequestId(rid), ok=True), 1.0)
+    core.check_invariants()
+    return started(effects)
+
+
+def with_peer_holding(core: NodeCore, tokens: tuple[int, ...]) -> PeerId:
+    """Make peer B a routing candidate that holds ``tokens``."""
+    b = NodeCore(NodeConfig(peer_id=PeerId("B"), policy="local"), HASHER, rng=random.Random(1))
+    effects = b.handle(CacheChanged(added=tuple(HASHER.chain(tokens))), 0.0) + b.tick(0.0)
+    core.handle(PeerSeen(PeerId("B"), rtt_s=0.001), 0.0)
+    for e in effects:
+        if isinstance(e, Publish):
+            core.handle(AnnounceReceived(PeerId("B"), e.announce), 0.0)
+    return PeerId("B")
+
+
+def test_the_transition_table_is_closed_and_done_is_final() -> None:
+    assert set(_TRANSITIONS) == set(Phase)
+    assert all(set(nxt) <= set(Phase) for nxt in _TRANSITIONS.values())
+    assert _TRANSITIONS[Phase.DONE] == {}
+    assert Phase.FORWARDED not in _TRANSITIONS[Phase.QUEUED]  # nothing local is forwarded
+
+
+def test_phases_follow_a_request_here_and_through_a_peer() -> None:
+    a = make()
+    send(a, "l1", "c")
+    send(a, "l2", "c")
+    assert (a.phase(RequestId("l1")), a.phase(RequestId("l2"))) == (Phase.RUNNING, Phase.QUEUED)
+    assert finish(a, "l1") == ["l2"]
+    assert a.phase(RequestId("l1")) is None and a.phase(RequestId("l2")) is Phase.RUNNING
+    shared = prompt(7, 256)
+    b = with_peer_holding(a, shared)
+    rid = RequestId("f")
+    assert [e.peer for e in send(a, rid, "c", tokens=shared + prompt(8, 16))
+            if isinstance(e, Forward)] == [b]
+    assert a.phase(rid) is Phase.FORWARDED
+    a.handle(ForwardFirstToken(rid, b), 0.1)
+    assert a.phase(rid) is Phase.RELAYING
+    a.check_invariants()
+    a.handle(ForwardFinished(rid, b), 0.2)
+    assert a.phase(rid) is None
+    a.check_invariants()
+    assert a.statistics().completed == 2
+
+
+def test_a_move_not_in_the_table_is_a_bug() -> None:
+    a = make()
+    send(a, "r", "c")
+    req = a._requests[RequestId("r")]
+    with pytest.raises(AssertionError, match="no transition from running to queued"):
+        a._transition(req, Phase.QUEUED)
+    forwarded = ClientRequest(RequestId("p/1"), prompt(2), PARAMS, forwarded=True,
+                              origin=PeerId("P"))
+    a.handle(forwarded, 0.0)
+    with pytest.raises(AssertionError, match="from queued to forwarded"):
+        a._transition(a._requests[RequestId("p/1")], Phase.FORWARDED, target=PeerId("B"))
+
+
+def test_an_honest_requester_is_next_despite_a_flood() -> None:
+    """Issue 11's attack at the core: 32 maximal requests from one peer on a 4-slot node."""
+    size = 4096
+    a = make(slots=4, max_prompt_tokens=size, max_new_tokens=4096)
+    big = SamplingParams(max_tokens=4096)
+    flood = [f"x{i}" for i in range(32)]
+    runs = []
+    for rid in flood:
+        runs += started(send(a, rid, "flooder", tokens=prompt(int(rid[1:]), size), params=big))
+    assert runs == flood[:4]
+    assert a.load() == Load(queued=28, running=4, slots=4)
+    assert not started(send(a, "h1", "honest-1"))
+    assert not started(send(a, "h2", "honest-2"))
+    # One free slot each: the honest requesters go first, before any more of the flood.
+    assert finish(a, "x0") == ["h1"]
+    assert finish(a, "x1") == ["h2"]
+    assert finish(a, "x2") == ["x4"]
+    # A requester that already runs here yields to one with nothing running ...
+    assert not started(send(a, "h1b", "honest-1"))
+    assert not started(send(a, "h3", "honest-3"))
+    assert finish(a, "x3") == ["h3"]
+    # ... and, running as many as the flooder (one each), goes first as the one served
+    # least recently.
+    assert finish(a, "h2") == ["h1b"]
+    assert finish(a, "x4") == ["x5"]
+
+
+def test_equal_requesters_take_turns() -> None:
+    a = make(slots=1)
+    assert started(send(a, "x1", "x")) == ["x1"]
+    for rid, who in [("x2", "x"), ("x3", "x"), ("y1", "y"), ("y2", "y"), ("z1", "z")]:
+        assert not started(send(a, rid, who))
+    order = []
+    running = "x1"
+    for _ in range(5):
+        (running,) = finish(a, running)
+        order.append(running)
+    assert order == ["y1", "z1", "x2", "y2", "x3"]
+
+
+def test_the_nodes_own_front_ends_go_first() -> None:
+    a = make(slots=1)
+    send(a, "p1", "peer")
+    send(a, "p2", "peer")
+    send(a, "o1", "other")
+    send(a, "h1", "http", local=True)
+    assert finish(a, "p1") == ["h1"]
+    assert finish(a, "h1") == ["o1"]
+
+
+def test_a_requester_over_its_share_is_refused_as_busy() -> None:
+    a = make(slots=1, max_queued_per_peer=2, hard_max_queue=6)
+    for rid in ("f1", "f2", "f3"):
+        assert not [e for e in send(a, rid, "flooder") if isinstance(e, Reject)]
+    refused = [e for e in send(a, "f4", "flooder") if isinstance(e, Reject)]
+    assert [r.code for r in refused] == ["busy"]
+    assert "flooder" in refused[0].message and "max_queued_per_peer 2" in refused[0].message
+    assert not [e for e in send(a, "o1", "other") if isinstance(e, Reject)]
+    # This node's own callers and front ends answer only to the node-wide limit.
+    for rid in ("s1", "s2", "s3"):
+        assert not [e for e in send(a, rid, "") if isinstance(e, Reject)]
+    full = [e for e in send(a, "s4", "") if isinstance(e, Reject)]
+    assert [r.message for r in full] == ["the local queue is full"]
+    stats = a.statistics()
+    assert stats.rejected == 2 and stats.queued == 6 and stats.running == 1
+
+
+def test_per_request_limits_are_refused_as_invalid_naming_the_limit() -> None:
+    a = make(max_prompt_tokens=100, max_new_tokens=16)
+    long = [e for e in send(a, "l", "c", tokens=prompt(1, 101)) if isinstance(e, Reject)]
+    assert [r.code for r in long] == ["invalid"]
+    assert "101 tokens" in long[0].message and "max_prompt_tokens of 100" in long[0].message
+    many = send(a, "m", "c", params=SamplingParams(max_tokens=17))
+    assert [(e.code, "max_new_tokens of 16" in e.message) for e in many
+            if isinstance(e, Reject)] == [("invalid", True)]
+    fwd = a.handle(ClientRequest(RequestId("p/1"), prompt(2, 101), PARAMS, forwarded=True,
+                                 origin=PeerId("P")), 0.0)
+    assert [e.code for e in fwd if isinstance(e, Reject)] == ["invalid"]
+    assert started(send(a, "ok", "c", tokens=prompt(3, 100),
+                        params=SamplingParams(max_tokens=16))) == ["ok"]
+    with pytest.raises(Exception, match="max_new_tokens"):
+        NodeConfig(peer_id=PeerId("A"), max_new_tokens=0)
+
+
+def test_a_relayed_stream_that_fails_without_new_tokens_still_resumes_here() -> None:
+    a = make(slots=2)
+    shared = prompt(7, 256)
+    b = with_peer_holding(a, shared)
+    rid = RequestId("f")
+    tokens = shared + prompt(8, 16)
+    assert [e.peer for e in send(a, rid, "c", tokens=tokens) if isinstance(e, Forward)] == [b]
+    a.handle(ForwardFirstToken(rid, b), 0.1)
+    effects = a.handle(ForwardFailed(rid, b, "busy"), 0.2)
+    a.check_invariants()
+    assert not [e for e in effects if isinstance(e, Forward)]
+    assert started(effects) == [rid]
+
+
+def test_the_load_announced_carries_the_capacity() -> None:
+    a = make(slots=3)
+    for i in range(5):
+        send(a, f"r{i}", "c")
+    assert a.load() == Load(queued=2, running=3, slots=3)
+    published = [e for e in a.tick(5.0) if isinstance(e, Publish)]
+    assert published and published[-1].announce.load == Load(queued=2, running=3, slots=3)
