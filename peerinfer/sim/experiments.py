@@ -832,6 +832,47 @@ def markdown_tables(out: Path) -> str:
                 f"{by['cost']['sync_bytes_per_node_per_s'] / 1000:.1f} |"
             )
         parts.append("")
+    batch = out / "batch.json"
+    if batch.exists():
+        data = json.loads(batch.read_text())
+        parts.append("batched nodes, hot:2: TTFT mean / p99 (s); p99 cost / longest_prefix\n")
+        parts.append("| slots | delay (ms) | local | longest_prefix | cost | p99 cost / LP |")
+        parts.append("|---:|---:|---:|---:|---:|---:|")
+        for row in data["hot_table"]:
+            cells = " | ".join(
+                f"{_f(row[p]['ttft_mean_s'])} / {_f(row[p]['ttft_p99_s'])}" for p in POLICIES
+            )
+            parts.append(f"| {row['slots']} | {row['delay_ms']:g} | {cells} | "
+                         f"{_f(row['p99_ttft_cost_over_lp'])} |")
+        for row in data["loaded_table"]:
+            cells = " | ".join(
+                f"{_f(row[p]['ttft_mean_s'])} / {_f(row[p]['ttft_p99_s'])}"
+                for p in ("longest_prefix", "cost")
+            )
+            parts.append(f"| {row['slots']}, rate {row['rate']:g} | 5 | - | {cells} | "
+                         f"{_f(row['p99_ttft_cost_over_lp'])} |")
+        parts.append("")
+        parts.append("batched nodes: mean latency (s), local / LP / cost, and cost's margin\n")
+        parts.append("| delay (ms) | zipf:1.1 | margin | uniform | margin |")
+        parts.append("|---:|---:|---:|---:|---:|")
+        for d in DELAYS_MS:
+            cells = []
+            for skew in (SKEWED, "uniform"):
+                row = next(r for r in data["sweep_table"]
+                           if r["skew"] == skew and r["delay_ms"] == d)
+                cells.append(" / ".join(_f(row[p]["latency_mean_s"]) for p in POLICIES))
+                cells.append(f"{row['cost_margin']:+.1%}")
+            parts.append(f"| {d:g} | " + " | ".join(cells) + " |")
+        parts.append("")
+        k = data["knees"]
+        parts.append("batched nodes: knee rate (mean TTFT > 5x idle), hot:2, cost, 5 ms\n")
+        parts.append("| slots | idle TTFT (s) | knee rate | curve (rate: mean TTFT s) |")
+        parts.append("|---:|---:|---:|---|")
+        for slots in BATCH_SLOTS:
+            e = k[str(slots)]
+            curve = ", ".join(f"{r:g}: {t:.2f}" for r, t in e["curve"])
+            parts.append(f"| {slots} | {_f(e['idle_ttft_s'])} | {_f(e['knee_rate'])} | {curve} |")
+        parts.append(f"\nratio {_f(k['ratio'], 2)}\n")
     return "\n".join(parts)
 
 
