@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from peerinfer.core.costmodel import DEFAULT_COSTS, default_costs
 from peerinfer.core.messages import (
     ErrorMessage,
 )
@@ -146,8 +147,12 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         # cost model names its own number of slots (the default model's is 1: "not set"). If
         # the two differed, the scheduler would queue requests the core thinks are running, in
         # its own FIFO order, behind the core's fair share.
+        # A node left on the default (single-slot) model whose engine batches gets the batched
+        # default, whose step times grow with the batch as measured (docs/performance.md).
         costs = opts.costs
-        if costs.slots == 1 and engine.max_batch_size > 1:
+        if costs == DEFAULT_COSTS and engine.max_batch_size > 1:
+            costs = default_costs(engine.max_batch_size)
+        elif costs.slots == 1 and engine.max_batch_size > 1:
             costs = costs.with_slots(engine.max_batch_size)
         scheduler = BatchScheduler(engine, max_running=costs.slots)
         self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
