@@ -7,9 +7,11 @@ import json
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+import peerinfer
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.messages import Load, SamplingParams
 from peerinfer.core.routing import Candidate, CostPolicy, RouteRequest
@@ -348,8 +350,10 @@ def test_batching_carries_a_load_one_slot_cannot_and_stays_deterministic() -> No
     # 6 requests/s per node keeps a single slot busy all the time (its queue grows); four
     # slots share each decode step and keep up.
     costs = replace(BATCHED, prefill_busy_s_per_token=None)
+    # The packaged excerpt, whatever ../shared holds: the figure depends on the prompts.
+    excerpt = str(Path(peerinfer.__file__).parent / "data" / "mmlu_excerpt.json")
     cfg = SimConfig(nodes=4, requests=400, policy="cost", skew="hot:2", rate=6.0, seed=3,
-                    costs=replace(costs, slots=1))
+                    costs=replace(costs, slots=1), data=excerpt)
     _, single = simulate(cfg)
     assert single["load"]["utilization_max"] > 0.99
     batched_cfg = replace(cfg, costs=costs)
