@@ -236,6 +236,17 @@ class Decoder(ABC):
     @abstractmethod
     def step(self) -> int | None: ...
 
+    def prefill(self, max_tokens: int) -> bool:
+        """Run up to ``max_tokens`` more prompt tokens; True once the whole prompt has run and
+        the first token's logits are ready (the next ``step()`` only samples). Default: True at
+        once, doing nothing (``step()`` runs the whole prompt)."""
+        return True
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens not yet run."""
+        return 0
+
     @property
     def kv_tokens(self) -> int:
         return 0
@@ -498,6 +509,10 @@ class Engine(ABC):
     default_capacity_bytes: int | None = None
     #: Block size of the cache configured on first use when the node configured none.
     default_block_size: int = 16
+    #: How many requests the engine decodes at once (its capacity).
+    max_batch_size: int = 1
+    #: KV bytes one token of a running request takes (0 = unknown: no memory accounting).
+    kv_bytes_per_token: int = 0
 
     _cache: RadixCache | None = None
     _changes: _ChangeLog | None = None
@@ -576,6 +591,11 @@ class Engine(ABC):
     def open_decoder(self, request: DecodeRequest) -> Decoder:
         """Start decoding ``request`` (backends with KV reuse override this)."""
         return _IteratorDecoder(self.generate_tokens(request))
+
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        """One new token for each decoder (each past prefill), in one forward pass where the
+        backend can; entry i is decoders[i]'s token or None when the backend stops it."""
+        return [d.step() for d in decoders]
 
     def free_segment(self, payload: Any) -> None:
         """Release a KV segment payload the cache no longer holds (default: drop it)."""
