@@ -92,6 +92,7 @@ class Model:
     query_tokens: int = 0
     hit_tokens: int = 0
     inserted: int = 0
+    reserved: int = 0
 
     def pin_count(self, prefix: Prefix) -> int:
         """Pins held on ``prefix`` or below it (what the node's lock_ref must be)."""
@@ -120,12 +121,13 @@ class Model:
     def fits(self, nbytes: int) -> bool:
         tokens, used_bytes = self.used()
         return (self.capacity_tokens is None or tokens + BS <= self.capacity_tokens) and (
-            self.capacity_bytes is None or used_bytes + nbytes <= self.capacity_bytes
+            self.capacity_bytes is None
+            or used_bytes + self.reserved + nbytes <= self.capacity_bytes
         )
 
     def make_room(self, nbytes: int, protect: Prefix) -> bool:
         if (self.capacity_tokens is not None and BS > self.capacity_tokens) or (
-            self.capacity_bytes is not None and nbytes > self.capacity_bytes
+            self.capacity_bytes is not None and nbytes > self.capacity_bytes - self.reserved
         ):
             return False
         while not self.fits(nbytes):
@@ -196,6 +198,18 @@ class Model:
     def clear(self) -> None:
         while (victim := self.lru_victim(None)) is not None:
             self.evict_one(victim)
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.capacity_bytes is not None:
+            pinned = sum(e.nbytes for p, e in self.entries.items() if self.pin_count(p))
+            if pinned + self.reserved + nbytes > self.capacity_bytes:
+                return False
+            while self.used()[1] + self.reserved + nbytes > self.capacity_bytes:
+                victim = self.lru_victim(None)
+                assert victim is not None
+                self.evict_one(victim)
+        self.reserved += nbytes
+        return True
 
 
 def tree_nodes(cache: RadixCache) -> dict[Prefix, RadixNode]:
@@ -384,6 +398,17 @@ class RadixMachine(RuleBasedStateMachine):
             return
         assert self.cache.evict(tokens=tokens, bytes=nbytes) == self.model.evict(tokens, nbytes)
 
+    @rule(nbytes=st.integers(0, 12))
+    def reserve(self, nbytes: int) -> None:
+        assert self.cache.reserve(nbytes) == self.model.reserve(nbytes)
+
+    @precondition(lambda self: self.model.reserved)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        nbytes = data.draw(st.integers(0, self.model.reserved))
+        self.cache.release(nbytes)
+        self.model.reserved -= nbytes
+
     @rule(roll=st.integers(0, 9))
     def clear(self, roll: int) -> None:
         if roll:  # clearing is drastic: do it on one draw in ten
@@ -425,6 +450,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert (stats.query_tokens, stats.hit_tokens) == (model.query_tokens, model.hit_tokens)
         assert stats.inserted_blocks == model.inserted
         assert stats.evicted_blocks == len(model.evicted)
+        assert stats.reserved_bytes == self.cache.reserved_bytes == model.reserved
         assert self.cache.tick == model.tick
 
 
@@ -556,6 +582,44 @@ def test_byte_capacity_evicts_as_much_as_needed() -> None:
     assert [n.key for n in evicted] == [A, B]
     assert cache.stats().bytes == 9
     cache.check_invariants()
+
+
+def test_reserve_evicts_lru_unpinned_blocks_and_inserts_stay_within_the_rest() -> None:
+    cache, evicted = make(capacity_bytes=12)
+    cache.insert(toks(A, B), nbytes=3)  # A <- B, 6 bytes
+    cache.insert(toks(C), nbytes=3)
+    cache.insert(toks(D), nbytes=3)
+    cache.lock(cache.match(toks(D), touch=False).last_node)  # D is pinned, 3 bytes
+    assert cache.reserve(5)  # 12 + 5 > 12: evicts the LRU leaves B, then A
+    assert [n.key for n in evicted] == [B, A]
+    assert cache.stats().bytes == 6 and cache.reserved_bytes == 5
+    cache.check_invariants()
+    # Inserts now have 12 - 5 = 7 bytes: C goes (LRU) for the new block, D (pinned) stays.
+    result = cache.insert(toks(E), nbytes=4)
+    assert result.inserted_blocks == 1 and [n.key for n in evicted] == [B, A, C]
+    assert cache.stats().bytes == 7
+    cache.check_invariants()
+
+
+def test_reserve_that_cannot_fit_evicts_nothing_and_release_gives_room_back() -> None:
+    cache, evicted = make(capacity_bytes=10)
+    cache.insert(toks(A), nbytes=4)
+    cache.insert(toks(B), nbytes=4)
+    cache.lock(cache.match(toks(A), touch=False).last_node)
+    assert cache.reserve(3)  # evicts B only
+    assert [n.key for n in evicted] == [B]
+    assert not cache.reserve(4)  # pinned 4 + reserved 3 + 4 > 10, even with all else evicted
+    assert [n.key for n in evicted] == [B] and cache.reserved_bytes == 3
+    cache.release(3)
+    assert cache.reserve(6)
+    with pytest.raises(ValueError):
+        cache.release(7)
+    with pytest.raises(ValueError):
+        cache.reserve(-1)
+    cache.check_invariants()
+    # A cache without a byte bound counts reservations but never refuses them.
+    unbounded, _ = make()
+    assert unbounded.reserve(10**12) and unbounded.stats().reserved_bytes == 10**12
 
 
 def test_partial_trailing_block_is_ignored() -> None:

@@ -41,6 +41,14 @@ the path it is inserting into (whose only possible leaf is the current bottom no
 if no room can be made it stops there and hands the payloads it could not store back to the
 caller. Accounting is exact, so the cache never exceeds its capacity.
 
+**Reservations.** Running requests hold KV memory the cache does not (their working state), and
+it comes out of the same byte budget. ``reserve(n)`` sets ``n`` bytes aside, evicting LRU
+unpinned leaves until ``bytes + reserved <= capacity_bytes``; every later insert makes room
+within what is left. Since pins are ancestor-closed, every unpinned block can be evicted (leaves
+first), so a reservation fits exactly when ``pinned bytes + reserved + n <= capacity_bytes``;
+``reserve`` checks that first and evicts nothing when it fails (the caller waits for running
+requests to end). ``release(n)`` gives the bytes back. Pinned bytes are counted as pins change.
+
 Callbacks (``on_evict`` and observers) run synchronously inside the operation that caused them,
 after the tree is consistent again; they must not raise and must not call back into the cache.
 """
@@ -172,7 +180,8 @@ class CacheStats:
 
     ``queries``/``query_tokens`` count ``match(touch=True)`` calls and their prompt lengths;
     ``hit_queries``/``hit_tokens`` those that matched at least one block and the matched tokens.
-    ``inserted_blocks``/``evicted_blocks`` are lifetime totals.
+    ``inserted_blocks``/``evicted_blocks`` are lifetime totals. ``reserved_bytes``: the budget
+    set aside with ``reserve`` for memory outside the cache (running requests' KV).
     """
 
     blocks: int
@@ -187,6 +196,7 @@ class CacheStats:
     hit_tokens: int
     inserted_blocks: int
     evicted_blocks: int
+    reserved_bytes: int = 0
 
 
 class RadixCache:
@@ -215,6 +225,8 @@ class RadixCache:
         self._tick = 0
         self._bytes = 0
         self._locked = 0
+        self._locked_bytes = 0
+        self._reserved = 0
         self._heap: list[tuple[int, int, RadixNode]] = []
         self._seq = 0
         self._heap_limit = _HEAP_SLACK
@@ -396,6 +408,7 @@ class RadixCache:
         while n is not None and n.depth > 0:
             if n.lock_ref == 0:
                 self._locked += 1
+                self._locked_bytes += n.nbytes
             n.lock_ref += 1
             n = n.parent
 
@@ -411,6 +424,7 @@ class RadixCache:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self._locked -= 1
+                self._locked_bytes -= n.nbytes
                 if not n.children:
                     self._push(n)
             n = n.parent
@@ -422,6 +436,36 @@ class RadixCache:
         if n is not self._root:
             what = "an evicted node" if node.evicted or n.depth > 0 else "a node of another cache"
             raise ValueError(f"cannot (un)lock {what}: {node!r}")
+
+    # ---------------------------------------------------------------- reservations
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the budget set aside with ``reserve`` and not released yet."""
+        return self._reserved
+
+    def reserve(self, nbytes: int) -> bool:
+        """Set ``nbytes`` of the byte budget aside for memory outside the cache, evicting LRU
+        unpinned leaves to make room. Returns False, evicting nothing, if even evicting every
+        unpinned block would not make room. Unbounded in bytes: always True (still counted)."""
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        cap_b = self.capacity_bytes
+        if cap_b is not None:
+            if self._locked_bytes + self._reserved + nbytes > cap_b:
+                return False
+            while self._bytes + self._reserved + nbytes > cap_b:
+                node = self._pop_evictable()
+                assert node is not None, "an unpinned block must be evictable"
+                self._evict_node(node)
+        self._reserved += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` taken with ``reserve``."""
+        if type(nbytes) is not int or not 0 <= nbytes <= self._reserved:
+            raise ValueError(f"cannot release {nbytes!r} bytes of {self._reserved} reserved")
+        self._reserved -= nbytes
 
     # ---------------------------------------------------------------- eviction
 
@@ -447,7 +491,7 @@ class RadixCache:
     def _make_room(self, tokens: int, nbytes: int, protect: RadixNode) -> bool:
         """Evict until ``tokens``/``nbytes`` more fit, sparing ``protect``; False if impossible."""
         cap_t = self.capacity_tokens
-        cap_b = self.capacity_bytes
+        cap_b = None if self.capacity_bytes is None else self.capacity_bytes - self._reserved
         if (cap_t is None or len(self._by_hash) * self.block_size + tokens <= cap_t) and (
             cap_b is None or self._bytes + nbytes <= cap_b
         ):
@@ -545,6 +589,7 @@ class RadixCache:
             hit_tokens=self._hit_tokens,
             inserted_blocks=self._inserted,
             evicted_blocks=self._evicted,
+            reserved_bytes=self._reserved,
         )
 
     def check_invariants(self, *, verify_hashes: bool = True) -> None:
@@ -570,7 +615,7 @@ class RadixCache:
             and not node.lock_ref
             and node.parent is not None
         }
-        blocks = total_bytes = locked = 0
+        blocks = total_bytes = locked = locked_bytes = 0
         stack = [root]
         while stack:
             node = stack.pop()
@@ -591,15 +636,24 @@ class RadixCache:
                 check(False, f"{node!r} has fewer pins than its children")
             if node.lock_ref:
                 locked += 1
+                locked_bytes += node.nbytes
             elif not node.children and id(node) not in valid_entries:
                 check(False, f"evictable leaf {node!r} missing from the heap")
         check(blocks == len(self._by_hash), f"{blocks} nodes but {len(self._by_hash)} hashes")
         check(total_bytes == self._bytes, f"bytes {total_bytes} != accounted {self._bytes}")
         check(locked == self._locked, f"locked {locked} != accounted {self._locked}")
+        check(
+            locked_bytes == self._locked_bytes,
+            f"locked bytes {locked_bytes} != accounted {self._locked_bytes}",
+        )
+        check(self._reserved >= 0, f"negative reservation {self._reserved}")
         if self.capacity_tokens is not None:
             check(blocks * bs <= self.capacity_tokens, "over token capacity")
         if self.capacity_bytes is not None:
-            check(total_bytes <= self.capacity_bytes, "over byte capacity")
+            check(
+                total_bytes + self._reserved <= self.capacity_bytes,
+                f"bytes {total_bytes} + reserved {self._reserved} over capacity",
+            )
         heap = self._heap
         check(
             all(heap[(i - 1) // 2][:2] <= heap[i][:2] for i in range(1, len(heap))),

@@ -237,14 +237,19 @@ class Decoder(ABC):
     def step(self) -> int | None: ...
 
     def prefill(self, max_tokens: int) -> bool:
-        """Run up to ``max_tokens`` more prompt tokens; True once the whole prompt has run and
-        the first token's logits are ready (the next ``step()`` only samples). Default: True at
-        once, doing nothing (``step()`` runs the whole prompt)."""
+        """Run up to ``max_tokens`` more prompt tokens (those past ``request.prefix`` not run yet).
+
+        Return True once the whole prompt has run and the first token's logits are ready (the
+        next ``step()`` then only samples). The default does nothing and returns True: ``step()``
+        runs the whole prompt, so backends that do not chunk their prefill keep working. The
+        :class:`~peerinfer.engine.batch.BatchScheduler` calls it (one chunk per scheduling
+        step) so that a long prompt never stalls the requests already decoding.
+        """
         return True
 
     @property
     def prefill_remaining(self) -> int:
-        """Prompt tokens not yet run."""
+        """Prompt tokens not run yet (default 0: the backend does not chunk its prefill)."""
         return 0
 
     @property
@@ -509,9 +514,12 @@ class Engine(ABC):
     default_capacity_bytes: int | None = None
     #: Block size of the cache configured on first use when the node configured none.
     default_block_size: int = 16
-    #: How many requests the engine decodes at once (its capacity).
+    #: How many requests the engine decodes at once (its capacity; the node's ``slots``).
+    #: Backends whose ``decode_batch`` runs one forward pass for many decoders raise it.
     max_batch_size: int = 1
-    #: KV bytes one token of a running request takes (0 = unknown: no memory accounting).
+    #: KV bytes one token of a running request takes (0 = unknown: no memory accounting). The
+    #: scheduler reserves ``(prompt + max_tokens) * kv_bytes_per_token`` per running request
+    #: out of the cache's byte budget.
     kv_bytes_per_token: int = 0
 
     _cache: RadixCache | None = None
@@ -592,14 +600,19 @@ class Engine(ABC):
         """Start decoding ``request`` (backends with KV reuse override this)."""
         return _IteratorDecoder(self.generate_tokens(request))
 
-    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
-        """One new token for each decoder (each past prefill), in one forward pass where the
-        backend can; entry i is decoders[i]'s token or None when the backend stops it."""
-        return [d.step() for d in decoders]
-
     def free_segment(self, payload: Any) -> None:
         """Release a KV segment payload the cache no longer holds (default: drop it)."""
         return None
+
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        """One new token for each decoder (each has finished its prefill), in one forward pass
+        where the backend can. Entry ``i`` is ``decoders[i]``'s token, or None when the backend
+        stops it. The default steps them one by one (backends that cannot batch keep working).
+
+        If it raises, the scheduler retries each decoder alone (``decode_batch([d])``) to find
+        the failing request, so a batching backend should raise before it advances any decoder.
+        """
+        return [d.step() for d in decoders]
 
     # ------------------------------------------------------------ cache
 
@@ -712,87 +725,21 @@ class Engine(ABC):
     def _generate(
         self, prompt: tuple[int, ...], params: SamplingParams, cancel: CancelToken
     ) -> Iterator[EngineEvent]:
-        counters = self._counters
-        if counters is None:
-            counters = self._counters = _Counters()
-        counters.requests += 1
-        cache = self._ensure_cache()
-        bs = cache.block_size if cache is not None else self.default_block_size
-        locked: RadixNode | None = None
-        prefix = NO_PREFIX
-        decoder: Decoder | None = None
+        job = RequestJob(self, prompt, params, cancel)
         try:
-            if cache is not None:
-                match = cache.match(prompt[: len(prompt) - 1])
-                if match.nodes:
-                    locked = match.last_node
-                    cache.lock(locked)
-                    prefix = CachedPrefix(match.tokens, tuple(match.payloads))
-            rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
-            request = DecodeRequest(prompt, params, cancel, rng, prefix, bs)
-            decoder = self.open_decoder(request)
-            counters.prompt_tokens += len(prompt)
-            counters.cached_tokens += prefix.tokens
-            yield Started(len(prompt), prefix.tokens)
-
-            text = TextStream(self.detokenize, prompt, params.stop)
-            eos = self.eos_token_ids
-            limit = min(params.max_tokens, self.max_context_tokens - len(prompt))
-            generated: list[int] = []
-            reason: FinishReason = "length"
-            while True:
-                if cancel.is_set():
-                    reason = "cancelled"
-                    break
-                if len(generated) >= limit:
-                    reason = "length"
-                    break
-                token = decoder.step()
-                if cancel.is_set():  # cancelled during the step: drop its token
-                    reason = "cancelled"
-                    break
-                if token is None:
-                    reason = "stop"
-                    break
-                generated.append(token)
-                counters.completion_tokens += 1
-                if token in eos:  # reported, never spelled out
-                    yield Tokens((token,), "")
-                    reason = "stop"
-                    break
-                yield Tokens((token,), text.push(token))
-                if text.stopped:
-                    reason = "stop"
-                    break
-            tail = text.finish()
-            if tail:
-                yield Tokens((), tail)
-            if cache is not None:
-                self._store(cache, decoder, prompt, generated, prefix)
-            changes = self.take_cache_changes()
-            yield Finished(
-                reason,
-                len(prompt),
-                len(generated),
-                prefix.tokens,
-                changes.added,
-                changes.removed,
-            )
-        except GeneratorExit:
-            raise
-        except PeerInferError:
-            counters.errors += 1
-            raise
-        except Exception as exc:  # the backend's own failure: translated here, and only here
-            counters.errors += 1
-            raise EngineError(f"{type(self).__name__} failed: {type(exc).__name__}: {exc}") from exc
+            yield job.start()
+            while not job.done:
+                events = job.before_step()
+                if not job.done:
+                    events = job.accept(job.step())
+                yield from events
+        except Exception as exc:
+            error = job.fail(exc)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
-            try:
-                if decoder is not None:
-                    decoder.close()
-            finally:
-                if locked is not None and cache is not None and not locked.evicted:
-                    cache.unlock(locked)
+            job.close()
 
     def _store(
         self,
@@ -850,6 +797,254 @@ class Engine(ABC):
         self.close()
 
 
+# --------------------------------------------------------------------------------------------
+# One request's life on an engine.
+
+
+class RequestJob:
+    """One request's life on an engine: the per-request logic that ``Engine.generate()`` and the
+    :class:`~peerinfer.engine.batch.BatchScheduler` share (worker thread only).
+
+    The owner drives it in this order: ``start()`` (match and lock the cached prefix, open the
+    decoder: the ``Started`` event), then, while not ``done``, optionally ``prefill(n)`` chunks,
+    ``before_step()`` (ends the request when it is cancelled or has all its tokens), a token from
+    ``step()`` or the engine's ``decode_batch``, and ``accept(token)`` (eos, stop sequences,
+    text; the events it produced). The ending call stores the request's KV blocks in the cache
+    and reports the cache changes in ``Finished``. ``fail(exc)`` turns any failure into the
+    error the caller raises or reports (a backend's own exception becomes an EngineError, here
+    and only here); ``close()`` always runs last, frees the decoder, unlocks the prefix and
+    gives back the request's KV reservation.
+    """
+
+    __slots__ = (
+        "engine",
+        "prompt",
+        "params",
+        "cancel",
+        "limit",
+        "decoder",
+        "done",
+        "generated",
+        "kv_reserved",
+        "_cache",
+        "_locked",
+        "_prefix",
+        "_text",
+        "_aborted",
+        "_counted",
+        "_closed",
+    )
+
+    def __init__(
+        self, engine: Engine, prompt: tuple[int, ...], params: SamplingParams, cancel: CancelToken
+    ) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.params = params
+        self.cancel = cancel
+        #: The most tokens this request may generate (``max_tokens``, or what the context has).
+        self.limit = min(params.max_tokens, engine.max_context_tokens - len(prompt))
+        self.decoder: Decoder | None = None
+        self.done = False
+        self.generated: list[int] = []
+        #: Bytes of the cache's budget set aside for this request's KV (0: none reserved).
+        self.kv_reserved = 0
+        self._cache: RadixCache | None = None
+        self._locked: RadixNode | None = None
+        self._prefix = NO_PREFIX
+        self._text: TextStream | None = None
+        self._aborted = False
+        self._counted = False
+        self._closed = False
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def cancelled(self) -> bool:
+        """The caller's token is set, or ``abort()`` was called."""
+        return self._aborted or self.cancel.is_set()
+
+    def abort(self) -> None:
+        """Cancel the request from the owner's side (the token may belong to someone else)."""
+        self._aborted = True
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._prefix.tokens
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens the decoder has not run yet (0 for decoders that do not chunk)."""
+        return 0 if self.decoder is None else self.decoder.prefill_remaining
+
+    # ------------------------------------------------------------ KV memory
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV bytes this request may come to hold: ``(prompt + limit) * kv_bytes_per_token``
+        (0 when the engine does not know its KV size)."""
+        return (len(self.prompt) + self.limit) * max(0, self.engine.kv_bytes_per_token)
+
+    def kv_budget(self) -> int | None:
+        """The byte budget running requests and the cache share (None: not accounted)."""
+        if self.engine.kv_bytes_per_token <= 0:
+            return None
+        cache = self.engine._ensure_cache()
+        return None if cache is None else cache.capacity_bytes
+
+    def reserve_kv(self) -> bool:
+        """Reserve ``kv_bytes`` in the cache's budget, evicting unpinned blocks for it; False
+        (nothing evicted) while pinned blocks and other reservations leave too little room."""
+        if self.kv_reserved or self.kv_budget() is None:
+            return True
+        cache = self._cache = self.engine._ensure_cache()
+        assert cache is not None
+        need = self.kv_bytes
+        if need and not cache.reserve(need):
+            return False
+        self.kv_reserved = need
+        return True
+
+    # ------------------------------------------------------------ the life of a request
+
+    def _count(self) -> _Counters:
+        counters = self.engine._counters
+        if counters is None:
+            counters = self.engine._counters = _Counters()
+        if not self._counted:
+            self._counted = True
+            counters.requests += 1
+        return counters
+
+    def start(self) -> Started:
+        """Match and lock the cached prefix and open the decoder."""
+        engine = self.engine
+        counters = self._count()
+        cache = self._cache = engine._ensure_cache()
+        bs = cache.block_size if cache is not None else engine.default_block_size
+        prompt = self.prompt
+        if cache is not None:
+            match = cache.match(prompt[: len(prompt) - 1])
+            if match.nodes:
+                self._locked = match.last_node
+                cache.lock(self._locked)
+                self._prefix = CachedPrefix(match.tokens, tuple(match.payloads))
+        params = self.params
+        rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
+        request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs)
+        self.decoder = engine.open_decoder(request)
+        counters.prompt_tokens += len(prompt)
+        counters.cached_tokens += self._prefix.tokens
+        self._text = TextStream(engine.detokenize, prompt, params.stop)
+        return Started(len(prompt), self._prefix.tokens)
+
+    def cancel_unstarted(self) -> list[EngineEvent]:
+        """End a request cancelled before it started: no cache lookup, no decoder."""
+        self._count()
+        self.done = True
+        changes = self.engine.take_cache_changes()
+        n = len(self.prompt)
+        return [Started(n, 0), Finished("cancelled", n, 0, 0, changes.added, changes.removed)]
+
+    def prefill(self, max_tokens: int) -> bool:
+        """Run one prefill chunk of at most ``max_tokens``; True once the prompt has run."""
+        assert self.decoder is not None, "prefill() before start()"
+        return bool(self.decoder.prefill(max_tokens))
+
+    def step(self) -> int | None:
+        """The decoder's next token (single-request path; the scheduler batches instead)."""
+        assert self.decoder is not None, "step() before start()"
+        return self.decoder.step()
+
+    def before_step(self) -> list[EngineEvent]:
+        """The events that end the request if it must not take another step (cancelled, or
+        all its tokens generated), else no events."""
+        if self.done:
+            return []
+        if self.cancelled:
+            return self._end("cancelled")
+        if len(self.generated) >= self.limit:
+            return self._end("length")
+        return []
+
+    def accept(self, token: int | None) -> list[EngineEvent]:
+        """Take the token a step produced; the events it makes (the request may end)."""
+        if self.done:
+            return []
+        if self.cancelled:  # cancelled during the step: drop its token
+            return self._end("cancelled")
+        if token is None:
+            return self._end("stop")
+        assert self._text is not None
+        self.generated.append(token)
+        counters = self._count()
+        counters.completion_tokens += 1
+        if token in self.engine.eos_token_ids:  # reported, never spelled out
+            return [Tokens((token,), ""), *self._end("stop")]
+        events: list[EngineEvent] = [Tokens((token,), self._text.push(token))]
+        if self._text.stopped:
+            events.extend(self._end("stop"))
+        return events
+
+    def _end(self, reason: FinishReason) -> list[EngineEvent]:
+        assert self._text is not None and self.decoder is not None
+        self.done = True
+        events: list[EngineEvent] = []
+        tail = self._text.finish()
+        if tail:
+            events.append(Tokens((), tail))
+        if self._cache is not None:
+            self.engine._store(self._cache, self.decoder, self.prompt, self.generated, self._prefix)
+        changes = self.engine.take_cache_changes()
+        events.append(
+            Finished(
+                reason,
+                len(self.prompt),
+                len(self.generated),
+                self._prefix.tokens,
+                changes.added,
+                changes.removed,
+            )
+        )
+        return events
+
+    def fail(self, exc: BaseException) -> PeerInferError:
+        """The error that ends the request for ``exc`` (counted once; the request is done).
+
+        Our own errors pass through unchanged; anything else is the backend's failure and
+        becomes an EngineError whose ``__cause__`` is ``exc``.
+        """
+        self.done = True
+        self._count().errors += 1
+        if isinstance(exc, PeerInferError):
+            return exc
+        error = EngineError(
+            f"{type(self.engine).__name__} failed: {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+
+    def close(self) -> None:
+        """Free the decoder, unlock the prefix, release the KV reservation (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.done = True
+        cache = self._cache
+        try:
+            if self.decoder is not None:
+                self.decoder.close()
+        finally:
+            try:
+                locked = self._locked
+                if locked is not None and cache is not None and not locked.evicted:
+                    cache.unlock(locked)
+            finally:
+                if self.kv_reserved and cache is not None:
+                    cache.release(self.kv_reserved)
+                self.kv_reserved = 0
+
+
 __all__ = [
     "NEVER_CANCELLED",
     "NO_PREFIX",
@@ -864,6 +1059,7 @@ __all__ = [
     "FinishReason",
     "Finished",
     "KVSegment",
+    "RequestJob",
     "Started",
     "TextStream",
     "Tokens",

@@ -1,0 +1,405 @@
+"""The batch scheduler: many requests at once on one engine, joining and leaving at any step.
+
+Algorithm
+---------
+Every request is a :class:`~peerinfer.engine.base.RequestJob` (the same per-request logic as
+``Engine.generate()``: prefix match and lock, events, stop sequences, limits, cache store,
+error translation). A request is *waiting* (FIFO), then *running*: first *prefilling*, then
+*decoding*. One call of :meth:`BatchScheduler.step` is one scheduling iteration:
+
+1. **Leave.** Running requests that are cancelled end now (``Finished('cancelled')``); waiting
+   ones that are cancelled end without ever touching the engine.
+2. **Admit.** While fewer than ``max_running`` run, the oldest waiting request is admitted if
+   its KV fits: it reserves ``(prompt + max_tokens) * engine.kv_bytes_per_token`` bytes of the
+   cache's byte budget (:meth:`RadixCache.reserve`, which evicts unpinned LRU blocks for it).
+   The reservation is held until the request has stored its blocks and closed, so the cache
+   plus the running requests' KV never exceed the budget, not even while one stores. If it
+   does not fit, admission stops (FIFO: no request overtakes the head, so a large request
+   is not starved) and waits for running requests to end. A request that could not fit even
+   alone is refused at ``submit`` with InvalidRequestError; one that cannot fit when nothing
+   runs (memory pinned by someone else) fails instead of waiting forever.
+3. **Prefill.** Requests whose decoder reports no ``prefill_remaining`` (backends that do not
+   chunk) are ready at once; otherwise the oldest prefilling request runs **one** chunk of at
+   most ``prefill_chunk_tokens`` (``Decoder.prefill``), so a long prompt never stalls the
+   requests already decoding: it costs each of their steps one chunk at most.
+4. **Decode.** One ``engine.decode_batch`` over every ready request gives each its next token;
+   a request that reaches its end (eos, stop sequence, ``max_tokens``, context, cancelled in
+   the meantime) leaves in this same step, and its place is offered at the next one.
+
+**Failures stay local.** An exception in one request's start, prefill or store ends that request
+with the error (translated by the job: backend exceptions become EngineError) and nothing
+else. If ``decode_batch`` raises, every decoder of the batch is retried alone
+(``decode_batch([d])``) and only the ones that fail again end. Engines that keep the base
+class's one-by-one ``decode_batch`` are stepped one decoder at a time directly, so a failure
+never costs a neighbour a token.
+
+Everything here runs in the engine's worker thread, like every other engine call.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from peerinfer.core.messages import SamplingParams
+from peerinfer.engine.base import (
+    NEVER_CANCELLED,
+    CancelToken,
+    Decoder,
+    Engine,
+    EngineEvent,
+    Finished,
+    RequestJob,
+)
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, PeerInferError
+
+#: Prefill chunk when neither the caller nor the engine (``prefill_chunk_tokens``) sets one.
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+
+Key = Hashable
+StepResult = list[tuple[Key, EngineEvent | PeerInferError]]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """A snapshot of the scheduler.
+
+    ``running`` (``prefilling`` of them still in prefill) and ``waiting``: requests now.
+    ``steps``: ``step()`` calls that had work; ``decode_steps``/``prefill_chunks``: decode
+    batches and prefill chunks run. ``batch_sizes``: (batch size, decode steps of that size),
+    ascending; ``mean_batch``: decoders per decode step. ``kv_reserved_bytes``: the running
+    requests' reservations; ``kv_budget_bytes``: the cache's byte budget they share with it
+    (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
+    (``cancelled`` is part of ``finished``); ``batch_retries``: decode batches that raised and
+    were retried one by one.
+    """
+
+    running: int
+    prefilling: int
+    waiting: int
+    max_running: int
+    steps: int
+    decode_steps: int
+    prefill_chunks: int
+    batch_sizes: tuple[tuple[int, int], ...]
+    mean_batch: float
+    kv_reserved_bytes: int
+    kv_budget_bytes: int | None
+    admitted: int
+    finished: int
+    failed: int
+    cancelled: int
+    batch_retries: int
+
+
+class _Failed(enum.Enum):
+    FAILED = 0
+
+
+_FAILED = _Failed.FAILED
+
+
+def _decoder(job: RequestJob) -> Decoder:
+    assert job.decoder is not None, "a running request has a decoder"
+    return job.decoder
+
+
+def _accept(job: RequestJob, token: int | None) -> list[EngineEvent]:
+    """The token's events, then the end if the request is now complete: it leaves at once."""
+    return [*job.accept(token), *job.before_step()]
+
+
+class _Running:
+    __slots__ = ("job", "ready")
+
+    def __init__(self, job: RequestJob) -> None:
+        self.job = job
+        self.ready = False  # past prefill: decodes in the next batch
+
+
+class BatchScheduler:
+    """Runs many requests on one engine (see the module docstring). Worker thread only.
+
+    ``max_running`` defaults to ``engine.max_batch_size``; ``prefill_chunk_tokens`` to the
+    engine's ``prefill_chunk_tokens`` attribute, else 512.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_running: int | None = None,
+        prefill_chunk_tokens: int | None = None,
+    ) -> None:
+        if max_running is None:
+            max_running = engine.max_batch_size
+        if type(max_running) is not int or max_running < 1:
+            raise ConfigError(f"max_running must be an integer >= 1, got {max_running!r}")
+        if prefill_chunk_tokens is None:
+            prefill_chunk_tokens = getattr(engine, "prefill_chunk_tokens", None)
+        if prefill_chunk_tokens is None:
+            prefill_chunk_tokens = DEFAULT_PREFILL_CHUNK_TOKENS
+        if type(prefill_chunk_tokens) is not int or prefill_chunk_tokens < 1:
+            raise ConfigError(
+                f"prefill_chunk_tokens must be an integer >= 1, got {prefill_chunk_tokens!r}"
+            )
+        self.engine = engine
+        self.max_running = max_running
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._waiting: deque[tuple[Key, RequestJob]] = deque()
+        self._running: dict[Key, _Running] = {}  # admission order: oldest first
+        self._keys: dict[Key, RequestJob] = {}
+        # The base class's decode_batch steps decoders one by one: do that here, one decoder
+        # per call, so that a failing decoder never takes its neighbours' tokens with it.
+        self._one_by_one = type(engine).decode_batch is Engine.decode_batch
+        self._steps = 0
+        self._decode_steps = 0
+        self._prefill_chunks = 0
+        self._batch_sizes: Counter[int] = Counter()
+        self._admitted = 0
+        self._finished = 0
+        self._failed = 0
+        self._cancelled = 0
+        self._batch_retries = 0
+
+    # ------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        key: Key,
+        tokens: Sequence[int],
+        params: SamplingParams | None = None,
+        cancel: CancelToken | None = None,
+    ) -> None:
+        """Queue a request under ``key`` (its events come back from ``step()`` with it).
+
+        Raises InvalidRequestError now, queueing nothing, for a bad prompt or parameters, a key
+        already in use, or a request whose KV could not fit the cache's budget even alone.
+        """
+        if key in self._keys:
+            raise InvalidRequestError(f"request {key!r} was already submitted")
+        engine = self.engine
+        if params is None:
+            params = SamplingParams()
+        prompt = engine.validate_request(tokens, params)
+        job = RequestJob(engine, prompt, params, NEVER_CANCELLED if cancel is None else cancel)
+        budget = job.kv_budget()
+        if budget is not None and job.kv_bytes > budget:
+            raise InvalidRequestError(
+                f"the request needs {job.kv_bytes} bytes of KV memory ({len(prompt)} prompt + "
+                f"{job.limit} new tokens x {engine.kv_bytes_per_token} bytes), more than the "
+                f"cache's whole budget of {budget} bytes; lower max_tokens or shorten the prompt"
+            )
+        self._keys[key] = job
+        self._waiting.append((key, job))
+
+    def cancel(self, key: Key) -> None:
+        """Cancel the request (it ends at the next ``step()``); unknown keys are ignored."""
+        job = self._keys.get(key)
+        if job is not None:
+            job.abort()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do: no request running or waiting."""
+        return not self._running and not self._waiting
+
+    # ------------------------------------------------------------ one iteration
+
+    def step(self) -> StepResult:
+        """One scheduling iteration (see the module docstring): the events it produced, in
+        order, each with its request's key, or the error that ended a request."""
+        out: StepResult = []
+        if self.idle:
+            return out
+        self._steps += 1
+        self._leave_cancelled(out)
+        self._admit(out)
+        self._prefill_one(out)
+        self._decode(out)
+        return out
+
+    def _leave_cancelled(self, out: StepResult) -> None:
+        # Through _attempt: a cancel token is the caller's object, and if it raises, that
+        # request fails, not the step.
+        for key, entry in list(self._running.items()):
+            job = entry.job
+            self._emit(out, key, job, self._attempt(out, key, job, job.before_step))
+        kept: deque[tuple[Key, RequestJob]] = deque()
+        for key, job in self._waiting:
+            cancelled = self._attempt(out, key, job, lambda job=job: job.cancelled)
+            if cancelled is True:
+                self._emit(out, key, job, self._attempt(out, key, job, job.cancel_unstarted))
+            elif cancelled is False:
+                kept.append((key, job))
+        self._waiting = kept
+
+    def _admit(self, out: StepResult) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            key, job = self._waiting[0]
+            fits = self._attempt(out, key, job, job.reserve_kv)
+            if fits is _FAILED:
+                self._waiting.popleft()
+                continue
+            if not fits:
+                if self._running:
+                    return  # wait for running requests to give memory back
+                self._waiting.popleft()
+                self._end(out, key, job, InvalidRequestError(
+                    f"the request needs {job.kv_bytes} bytes of KV memory and no request is "
+                    "running, yet the cache cannot free that much (blocks pinned elsewhere)"
+                ))
+                continue
+            self._waiting.popleft()
+            self._running[key] = _Running(job)
+            self._admitted += 1
+            started = self._attempt(out, key, job, job.start)
+            if started is not _FAILED:
+                self._emit(out, key, job, (started,))
+
+    def _prefill_one(self, out: StepResult) -> None:
+        for key, entry in list(self._running.items()):
+            if entry.ready:
+                continue
+            job = entry.job
+            if job.prefill_remaining <= 0:
+                entry.ready = True  # a backend that does not chunk: step() runs the prompt
+                continue
+            self._prefill_chunks += 1
+            done = self._attempt(out, key, job, job.prefill, self.prefill_chunk_tokens)
+            if done is True:
+                entry.ready = True
+            return  # one chunk per step
+
+    def _decode(self, out: StepResult) -> None:
+        batch = [(key, e.job) for key, e in self._running.items() if e.ready]
+        if not batch:
+            return
+        self._decode_steps += 1
+        self._batch_sizes[len(batch)] += 1
+        tokens: list[int | None | _Failed]
+        if self._one_by_one:
+            tokens = [self._attempt(out, key, job, job.step) for key, job in batch]
+        else:
+            try:
+                tokens = list(self._decode_batch([_decoder(job) for _, job in batch]))
+            except Exception:
+                # Find the failing request(s): each alone; the others carry on.
+                self._batch_retries += 1
+                tokens = [
+                    self._attempt(out, key, job, self._decode_alone, job) for key, job in batch
+                ]
+        for (key, job), token in zip(batch, tokens, strict=True):
+            if token is _FAILED:
+                continue
+            self._emit(out, key, job, self._attempt(out, key, job, _accept, job, token))
+
+    def _decode_alone(self, job: RequestJob) -> int | None:
+        return self._decode_batch([_decoder(job)])[0]
+
+    def _decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        tokens = self.engine.decode_batch(decoders)
+        if len(tokens) != len(decoders):
+            raise EngineError(
+                f"{type(self.engine).__name__}.decode_batch returned {len(tokens)} tokens "
+                f"for {len(decoders)} decoders"
+            )
+        return tokens
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _attempt(
+        self, out: StepResult, key: Key, job: RequestJob, call: Callable[..., _T], *args: Any
+    ) -> _T | _Failed:
+        """Run one call for ``job``; if it fails, the job ends with the error (and only it)."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            self._end(out, key, job, job.fail(exc))
+            return _FAILED
+
+    def _emit(
+        self, out: StepResult, key: Key, job: RequestJob, events: Sequence[EngineEvent] | _Failed
+    ) -> None:
+        if events is _FAILED:
+            return
+        out.extend((key, ev) for ev in events)
+        if job.done:
+            self._end(out, key, job, None)
+
+    def _end(
+        self, out: StepResult, key: Key, job: RequestJob, error: PeerInferError | None
+    ) -> None:
+        if self._keys.get(key) is not job:
+            return  # already ended
+        del self._keys[key]
+        self._running.pop(key, None)
+        try:
+            job.close()
+        except Exception as exc:
+            # A decoder that fails to close: an error for a request still running; after its
+            # Finished it is only counted (the client already has its answer).
+            failure = job.fail(exc)
+            if error is None and not job.generated and not self._has_finished(out, key):
+                error = failure
+        if error is not None:
+            self._failed += 1
+            out.append((key, error))
+        else:
+            self._finished += 1
+            if job.cancelled:
+                self._cancelled += 1
+
+    @staticmethod
+    def _has_finished(out: StepResult, key: Key) -> bool:
+        return any(k == key and isinstance(ev, Finished) for k, ev in out)
+
+    def close(self) -> None:
+        """End every request without events (shutdown): decoders closed, pins and KV
+        reservations given back."""
+        jobs = list(self._keys.values())
+        self._keys.clear()
+        self._running.clear()
+        self._waiting.clear()
+        for job in jobs:
+            job.close()
+
+    def statistics(self) -> SchedulerStatistics:
+        decoded = sum(size * n for size, n in self._batch_sizes.items())
+        budget: int | None = None
+        cache = self.engine.radix_cache
+        if self.engine.kv_bytes_per_token > 0 and cache is not None:
+            budget = cache.capacity_bytes
+        return SchedulerStatistics(
+            running=len(self._running),
+            prefilling=sum(1 for e in self._running.values() if not e.ready),
+            waiting=len(self._waiting),
+            max_running=self.max_running,
+            steps=self._steps,
+            decode_steps=self._decode_steps,
+            prefill_chunks=self._prefill_chunks,
+            batch_sizes=tuple(sorted(self._batch_sizes.items())),
+            mean_batch=decoded / self._decode_steps if self._decode_steps else 0.0,
+            kv_reserved_bytes=sum(e.job.kv_reserved for e in self._running.values()),
+            kv_budget_bytes=budget,
+            admitted=self._admitted,
+            finished=self._finished,
+            failed=self._failed,
+            cancelled=self._cancelled,
+            batch_retries=self._batch_retries,
+        )
+
+
+__all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "BatchScheduler", "SchedulerStatistics"]

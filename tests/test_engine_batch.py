@@ -1,0 +1,205 @@
+"""The batch scheduler on the recording test engine: what it batched, chunked and isolated.
+
+The conformance suite (tests/test_engine_conformance.py) checks results on every engine; here
+the recording engine shows *how* they were produced: which requests decoded together, how the
+prefill was cut, what happened to a batch with a failing request in it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from peerinfer.core.messages import SamplingParams
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.engine import Finished, Started, Tokens
+from peerinfer.engine.base import Decoder, DecodeRequest
+from peerinfer.engine.batch import BatchScheduler
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, PeerInferError
+from peerinfer.testing.engines import BatchRecordingEngine
+
+POISON = 3  # a reserved id: never generated, so only a prompt can carry it
+
+
+def _engine(**kwargs: object) -> BatchRecordingEngine:
+    engine = BatchRecordingEngine(**kwargs)  # type: ignore[arg-type]
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
+    return engine
+
+
+def _alone(engine: BatchRecordingEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    return [
+        t
+        for ev in engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+        if isinstance(ev, Tokens)
+        for t in ev.token_ids
+    ]
+
+
+def _drive(scheduler: BatchScheduler, max_steps: int = 500) -> dict[object, list[object]]:
+    events: dict[object, list[object]] = {}
+    for _ in range(max_steps):
+        if scheduler.idle:
+            return events
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+    raise AssertionError("the scheduler did not become idle")
+
+
+def _ids(items: list[object]) -> list[int]:
+    return [t for ev in items if isinstance(ev, Tokens) for t in ev.token_ids]
+
+
+def _prompt(i: int, n: int = 12) -> list[int]:
+    return [10 + (i * 7 + j) % 200 for j in range(n)]
+
+
+def test_requests_submitted_together_decode_in_one_batch() -> None:
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=64)
+    prompts = [_prompt(i) for i in range(4)]
+    expected = [_alone(engine, p, 5) for p in prompts]
+    engine.batch_sizes.clear()
+    scheduler = BatchScheduler(engine)
+    assert scheduler.max_running == 4
+    for i, p in enumerate(prompts):
+        scheduler.submit(i, p, SamplingParams(max_tokens=5))
+    events = _drive(scheduler)
+    assert [_ids(events[i]) for i in range(4)] == expected
+    # One prefill chunk per step: the k-th request joins the batch at step k, then all decode
+    # together, and they leave in the order they came.
+    assert engine.batch_sizes == [1, 2, 3, 4, 4, 3, 2, 1]
+    stats = scheduler.statistics()
+    assert stats.batch_sizes == ((1, 2), (2, 2), (3, 2), (4, 2))
+    assert stats.mean_batch == 2.5 and stats.decode_steps == 8
+    assert engine.open_decoders == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps() -> None:
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=8)
+    short = _prompt(0, 5)
+    long = _prompt(1, 60)
+    expected = [_alone(engine, short, 20), _alone(engine, long, 3)]
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    engine.batch_sizes.clear()
+    engine.prefill_chunks.clear()
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("short", short, SamplingParams(max_tokens=20))
+    events: dict[object, list[object]] = {}
+    for _ in range(2):
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+    scheduler.submit("long", long, SamplingParams(max_tokens=3))
+    decoded_while_prefilling = 0
+    for _ in range(100):
+        if scheduler.idle:
+            break
+        prefilling = scheduler.statistics().prefilling
+        before = len(engine.batch_sizes)
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+        if prefilling:
+            decoded_while_prefilling += len(engine.batch_sizes) - before
+    assert _ids(events["short"]) == expected[0]
+    assert _ids(events["long"]) == expected[1]
+    # 60 prompt tokens in chunks of at most 8; the short request kept decoding meanwhile.
+    long_chunks = engine.prefill_chunks[1:]
+    assert sum(long_chunks) == 60 and max(long_chunks) == 8 and len(long_chunks) == 8
+    assert decoded_while_prefilling >= 7
+    assert scheduler.statistics().prefill_chunks == len(engine.prefill_chunks)
+
+
+def test_a_failing_batch_is_retried_one_by_one_and_only_the_culprit_fails() -> None:
+    engine = _engine(max_batch_size=4, fail_tokens=frozenset({POISON}))
+    prompts = [_prompt(i) for i in range(3)]
+    prompts[1] = prompts[1][:-1] + [POISON]
+    expected = [_alone(engine, prompts[i], 4) for i in (0, 2)]
+    scheduler = BatchScheduler(engine)
+    for i, p in enumerate(prompts):
+        scheduler.submit(i, p, SamplingParams(max_tokens=4))
+    events = _drive(scheduler)
+    (error,) = [ev for ev in events[1] if isinstance(ev, PeerInferError)]
+    assert isinstance(error, EngineError) and "poisoned" in str(error)
+    assert isinstance(error.__cause__, RuntimeError)
+    assert not any(isinstance(ev, Finished) for ev in events[1])
+    assert [_ids(events[0]), _ids(events[2])] == expected
+    stats = scheduler.statistics()
+    assert stats.failed == 1 and stats.finished == 2 and stats.batch_retries >= 1
+    assert engine.open_decoders == 0
+    assert engine.radix_cache is not None and engine.radix_cache.stats().locked_blocks == 0
+
+
+class _BrokenOpenEngine(BatchRecordingEngine):
+    def open_decoder(self, request: DecodeRequest) -> Decoder:
+        if POISON in request.tokens:
+            raise MemoryError("no room for this one")
+        return super().open_decoder(request)
+
+
+def test_a_request_that_cannot_start_fails_alone() -> None:
+    engine = _BrokenOpenEngine(max_batch_size=4)
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("ok", _prompt(0), SamplingParams(max_tokens=3))
+    scheduler.submit("bad", [POISON, *_prompt(1)], SamplingParams(max_tokens=3))
+    events = _drive(scheduler)
+    assert isinstance(events["bad"][-1], EngineError) and "MemoryError" in str(events["bad"][-1])
+    assert isinstance(events["ok"][0], Started) and isinstance(events["ok"][-1], Finished)
+    assert len(_ids(events["ok"])) == 3
+
+
+def test_submit_validates_at_once() -> None:
+    engine = _engine(kv_bytes_per_token=10)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=1000)
+    scheduler = BatchScheduler(engine)
+    with pytest.raises(InvalidRequestError):
+        scheduler.submit("empty", [], SamplingParams())
+    with pytest.raises(InvalidRequestError):
+        scheduler.submit("bad-params", [5, 6], SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidRequestError, match="more than the cache's whole budget"):
+        scheduler.submit("huge", _prompt(0), SamplingParams(max_tokens=100))  # (12+100)*10
+    scheduler.submit("fits", _prompt(0), SamplingParams(max_tokens=80))  # (12+80)*10 = 920
+    with pytest.raises(InvalidRequestError, match="already submitted"):
+        scheduler.submit("fits", _prompt(1), SamplingParams())
+    assert scheduler.waiting == 1 and scheduler.running == 0 and not scheduler.idle
+    with pytest.raises(ConfigError):
+        BatchScheduler(engine, max_running=0)
+    with pytest.raises(ConfigError):
+        BatchScheduler(engine, prefill_chunk_tokens=0)
+
+
+def test_admission_is_fifo_and_waits_for_memory() -> None:
+    engine = _engine(max_batch_size=8, kv_bytes_per_token=10)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=400)
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("a", _prompt(0), SamplingParams(max_tokens=8))  # 200 bytes
+    scheduler.submit("big", _prompt(1), SamplingParams(max_tokens=28))  # 400 bytes: alone
+    scheduler.submit("c", _prompt(2), SamplingParams(max_tokens=8))  # would fit beside "a"
+    order: list[object] = []
+    for _ in range(200):
+        if scheduler.idle:
+            break
+        for key, item in scheduler.step():
+            if isinstance(item, Started):
+                order.append(key)
+        stats = scheduler.statistics()
+        assert stats.kv_reserved_bytes <= 400 and stats.kv_budget_bytes == 400
+        assert engine.radix_cache is not None
+        assert engine.radix_cache.stats().bytes + stats.kv_reserved_bytes <= 400
+    # "c" did not overtake "big", which waited until "a" was done and then ran alone.
+    assert order == ["a", "big", "c"]
+
+
+def test_close_gives_everything_back() -> None:
+    engine = _engine(kv_bytes_per_token=10)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=10_000)
+    scheduler = BatchScheduler(engine, max_running=2)
+    for i in range(4):
+        scheduler.submit(i, _prompt(0) + [50 + i], SamplingParams(max_tokens=20))
+    _alone(engine, _prompt(0) + [99], 2)  # something to hit in the cache
+    scheduler.step()
+    scheduler.step()
+    assert scheduler.running == 2 and engine.open_decoders == 2
+    scheduler.close()
+    cache = engine.radix_cache
+    assert cache is not None
+    assert engine.open_decoders == 0 and scheduler.idle
+    assert cache.stats().locked_blocks == 0 and cache.reserved_bytes == 0
+    cache.check_invariants()
