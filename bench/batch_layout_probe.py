@@ -49,7 +49,7 @@ def main() -> None:
         prefix_kv.append(pkv)
         for s in suffixes:
             full = kv_of(prefix + s)
-            rows.append((len(prefixes := prefix), full))
+            rows.append((len(prefix), full))
     lengths = [int(full[0][0].shape[2]) for _, full in rows]
     b, lmax = len(rows), max(lengths)
 
