@@ -9,8 +9,12 @@ executes its effects and feeds it events, on one trio thread:
   an announcement, a sync round, a local run, a forward, a rejection, a ping). A timer task
   calls ``core.tick(now)`` no later than ``core.next_deadline()``.
 * The engine is synchronous; every call into it runs in a worker thread, one at a time (a
-  ``trio.Lock``), one decode step per call, so requests stay cancellable and the event loop
-  never blocks on compute.
+  ``trio.Lock``), so the event loop never blocks on compute. One *engine worker* task owns a
+  :class:`~peerinfer.engine.batch.BatchScheduler` and is the only caller into the engine while
+  requests run: ``_run_local`` hands it the requests the core started, and it calls
+  ``scheduler.step()`` (one prefill chunk and one batched decode step) in the thread while any
+  run, routing each event to its request's sink and reporting cache changes to the core in
+  the engine's order. The core admits up to the engine's ``max_batch_size`` at once.
 * Each request, whoever serves it, has a *sink*: a memory channel whose receiver is the stream
   handler that answers the client (or the forwarding peer). Local runs and forwards write
   ``TokenChunk`` frames into it and end it with ``GenerateDone`` or ``ErrorMessage``.
@@ -94,6 +98,7 @@ from peerinfer.core.node import (
 )
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine, Finished, Started, Tokens
+from peerinfer.engine.batch import BatchScheduler, StepResult
 from peerinfer.errors import (
     EngineError,
     InvalidRequestError,
@@ -173,6 +178,14 @@ class _Sink:
     done: bool = False
 
 
+@dataclass(eq=False, slots=True)
+class _LocalRun:
+    """A request the core runs here; the engine worker's key for it in the scheduler."""
+
+    effect: RunLocal
+    sink: _Sink
+
+
 def _load_engine(options: NodeOptions) -> Engine:
     from peerinfer.engine.registry import load_engine
 
@@ -197,6 +210,10 @@ class Node:
         self.host: Host | None = None
         self.core: NodeCore | None = None
         self._engine_lock = trio.Lock()
+        #: Requests for the engine worker: handed over, and running in its scheduler.
+        self._local_new: list[_LocalRun] = []
+        self._local_runs: set[_LocalRun] = set()
+        self._engine_wake = trio.Event()
         self._sinks: dict[RequestId, _Sink] = {}
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
@@ -232,6 +249,12 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
+        scheduler = BatchScheduler(engine)
+        # The core admits as many requests as the engine runs at once, unless the cost model
+        # names its own number of slots (the default model's is 1: "not set").
+        costs = opts.costs
+        if costs.slots == 1 and engine.max_batch_size > 1:
+            costs = costs.with_slots(engine.max_batch_size)
         self._topic = announce_topic(engine.fingerprint, secret)
         host_config = HostConfig(
             listen=opts.listen,
@@ -252,7 +275,7 @@ class Node:
                 NodeConfig(
                     peer_id=PeerId(host.peer_id),
                     policy=opts.policy,
-                    costs=opts.costs,
+                    costs=costs,
                     announce_interval_s=opts.announce_interval_s,
                     first_token_timeout_s=opts.first_token_timeout_s,
                     peer_timeout_s=opts.peer_timeout_s,
@@ -276,6 +299,7 @@ class Node:
                 nursery.start_soon(self._peer_event_loop, host.peer_events())
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._peer_exchange_loop)
+                nursery.start_soon(self._engine_worker, scheduler)
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
                 self.ready.set()
@@ -490,77 +514,111 @@ class Node:
     # ------------------------------------------------------------------ requests: served here
 
     async def _run_local(self, eff: RunLocal) -> None:
-        engine = self.engine
-        assert engine is not None
         sink = self._sinks.get(eff.request_id)
         if sink is None:  # the client left while the request was queued
             self._feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
             return
         if eff.decision is not None:
             logger.info("request %s served here: %s", eff.request_id, eff.decision.reason)
-        cached = 0
-        finished: Finished | None = None
-        error: ErrorMessage | None = None
-        events = None
+        # The engine worker submits it at its next step; the client's going away sets
+        # sink.cancel, which the scheduler sees at every step.
+        self._local_new.append(_LocalRun(eff, sink))
+        self._engine_wake.set()
+
+    async def _engine_worker(self, scheduler: BatchScheduler) -> None:
+        """The engine's one driver while requests run: submit what ``_run_local`` handed over,
+        step the scheduler in the worker thread while anything runs, route the events."""
         try:
-            events = await self._in_engine(engine.generate, eff.tokens, eff.params, sink.cancel)
-            while finished is None:
-                ev = await self._in_engine(next, events, None)
-                if ev is None:
-                    break
-                if isinstance(ev, Started):
-                    cached = ev.cached_tokens
-                    self._feed(LocalStarted(eff.request_id, cached))
-                elif isinstance(ev, Tokens):
-                    self._relay_tokens(sink, ev.token_ids, ev.text)
-                elif isinstance(ev, Finished):
-                    # The last event: report its cache changes before anything else can run in
-                    # the engine, so the digest applies every report in the engine's order.
-                    finished = ev
-        except InvalidRequestError as exc:
-            error = ErrorMessage(sink.request_id, "invalid", str(exc))
-        except EngineError as exc:
-            error = ErrorMessage(sink.request_id, "internal", str(exc))
-        except Exception as exc:  # a backend bug: answer the client, keep serving others
-            logger.exception("engine failed on %s", eff.request_id)
-            error = ErrorMessage(sink.request_id, "internal", f"engine failure: {type(exc).__name__}")
+            while True:
+                if not self._local_new and scheduler.idle:
+                    self._engine_wake = trio.Event()
+                    await self._engine_wake.wait()
+                    continue
+                new, self._local_new = self._local_new, []
+                self._local_runs.update(new)
+                try:
+                    async with self._engine_lock:
+                        results, changes = await trio.to_thread.run_sync(
+                            self._engine_step, scheduler, new
+                        )
+                except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
+                    logger.exception("the batch scheduler failed")
+                    changes = None
+                    try:
+                        async with self._engine_lock:
+                            await trio.to_thread.run_sync(scheduler.close)
+                            changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                    except Exception:
+                        logger.exception("the batch scheduler failed to close")
+                    failure = EngineError(f"engine failure: {type(exc).__name__}")
+                    results = [(run, failure) for run in list(self._local_runs)]
+                for run, item in results:
+                    assert isinstance(run, _LocalRun)
+                    self._route_local(run, item)
+                if changes is not None and (changes.added or changes.removed):
+                    # Left over by requests that failed: reported after every Finished of the
+                    # step, so the digest still applies the engine's reports in order.
+                    self._feed(CacheChanged(added=changes.added, removed=changes.removed))
         finally:
-            if events is not None:
-                # The generator unlocks its cache path and frees its working memory in its
-                # cleanup, which must run in the engine's thread now, not whenever the garbage
-                # collector gets to it (also for a generation abandoned mid-way).
-                with trio.CancelScope(shield=True):
-                    await self._in_engine(events.close)
-        if finished is None:
-            changes = await self._in_engine(engine.take_cache_changes)
+            with trio.CancelScope(shield=True):
+                async with self._engine_lock:
+                    await trio.to_thread.run_sync(scheduler.close)
+
+    def _engine_step(self, scheduler: BatchScheduler, new: list[_LocalRun]) -> tuple[StepResult, Any]:
+        """Worker thread: submit ``new``, run one scheduling step; the events, and the cache
+        changes left unreported when a request failed (None otherwise)."""
+        out: StepResult = []
+        for run in new:
+            try:
+                scheduler.submit(run, run.effect.tokens, run.effect.params, run.sink.cancel)
+            except PeerInferError as exc:
+                out.append((run, exc))
+        out.extend(scheduler.step())
+        changes = None
+        if any(isinstance(item, PeerInferError) for _, item in out):
+            assert self.engine is not None
+            changes = self.engine.take_cache_changes()
+        return out, changes
+
+    def _route_local(self, run: _LocalRun, item: object) -> None:
+        """One scheduler event of a local run: to the core and to the request's sink."""
+        eff, sink = run.effect, run.sink
+        if isinstance(item, Started):
+            self._feed(LocalStarted(eff.request_id, item.cached_tokens))
+        elif isinstance(item, Tokens):
+            self._relay_tokens(sink, item.token_ids, item.text)
+        elif isinstance(item, Finished):
+            self._local_runs.discard(run)
+            # Fed here, in the order the engine made them: the digest applies every report in
+            # the engine's order.
             self._feed(
                 LocalFinished(
-                    eff.request_id, ok=False, cache_added=changes.added,
-                    cache_removed=changes.removed, error=error.message if error else "",
+                    eff.request_id, ok=True, cache_added=item.cache_added,
+                    cache_removed=item.cache_removed,
                 )
             )
-            self._finish_sink(sink, error or ErrorMessage(sink.request_id, "internal", "no result"))
-            return
-        self._feed(
-            LocalFinished(
-                eff.request_id, ok=True, cache_added=finished.cache_added,
-                cache_removed=finished.cache_removed,
+            now = trio.current_time()
+            self._finish_sink(
+                sink,
+                GenerateDone(
+                    request_id=sink.request_id,
+                    prompt_tokens=sink.prompt_tokens,
+                    completion_tokens=len(eff.resume_after) + item.completion_tokens,
+                    cached_tokens=item.cached_tokens,
+                    served_by=self.peer_id,
+                    ttft_s=(sink.first_token_at or now) - sink.started,
+                    latency_s=now - sink.started,
+                    finish_reason=item.finish_reason,
+                ),
             )
-        )
-        now = trio.current_time()
-        self._finish_sink(
-            sink,
-            GenerateDone(
-                request_id=sink.request_id,
-                prompt_tokens=sink.prompt_tokens,
-                completion_tokens=len(eff.resume_after) + finished.completion_tokens,
-                cached_tokens=finished.cached_tokens,
-                served_by=self.peer_id,
-                ttft_s=(sink.first_token_at or now) - sink.started,
-                latency_s=now - sink.started,
-                finish_reason=finished.finish_reason,
-            ),
-        )
+        else:
+            assert isinstance(item, PeerInferError)
+            self._local_runs.discard(run)
+            code = "invalid" if isinstance(item, InvalidRequestError) else "internal"
+            if not isinstance(item, InvalidRequestError | EngineError):
+                logger.warning("request %s failed in the engine: %r", eff.request_id, item)
+            self._feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
+            self._finish_sink(sink, ErrorMessage(sink.request_id, code, str(item)))
 
     # ------------------------------------------------------------------ requests: forwarded
 

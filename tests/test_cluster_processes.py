@@ -128,10 +128,11 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 async def test_digests_converge_after_inserts_and_evictions(tmp_path: Path) -> None:
-    """Each node caches prompts (policy 'local': served where sent) in a cache of 8 blocks,
+    """Each node caches prompts (policy 'local': served where sent) in a cache of 128 blocks,
     so most of them are evicted again; every node's view of every other node's cache size
-    converges to that node's own figure, after the inserts and again after more evictions."""
-    capacity_blocks = 8
+    converges to that node's own figure, after the inserts and again after more evictions.
+    (The budget also holds a running request's KV, ~800 tokens here, beside the cache.)"""
+    capacity_blocks = 128
     cache_bytes = capacity_blocks * BLOCK * DEFAULT_KV_BYTES_PER_TOKEN
     async with open_cluster(
         4, costs_file=costs_file(tmp_path), policy="local", cache_bytes=cache_bytes
@@ -141,7 +142,7 @@ async def test_digests_converge_after_inserts_and_evictions(tmp_path: Path) -> N
             async with trio.open_nursery() as nursery:
                 for h in cluster:
                     for k in range(4):
-                        # ~100 tokens each: 4 prompts need more than 8 blocks.
+                        # ~800 tokens (50 blocks) each: 4 prompts need more than 128 blocks.
                         text = " ".join(f"{tag}-{h.index}-{k}-w{i}" for i in range(100))
                         nursery.start_soon(generate, h.addr, text, 3)
 

@@ -8,6 +8,9 @@ prefill was cut, what happened to a batch with a failing request in it.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from peerinfer.core.messages import SamplingParams
 from peerinfer.core.prefix import PrefixHasher
@@ -203,3 +206,113 @@ def test_close_gives_everything_back() -> None:
     assert engine.open_decoders == 0 and scheduler.idle
     assert cache.stats().locked_blocks == 0 and cache.reserved_bytes == 0
     cache.check_invariants()
+
+
+# --------------------------------------------------------------------------------------------
+# Random schedules against requests run alone.
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submits, cancellations, failing requests and steps; after every step the cache,
+    the KV budget and the engine's open decoders are consistent, and at the end every request
+    got exactly what it gets alone (a prefix of it if cancelled; an error if poisoned)."""
+
+    @initialize(
+        max_running=st.integers(1, 4),
+        chunk=st.integers(1, 16),
+        budget_requests=st.sampled_from([None, 1, 2, 3]),
+    )
+    def setup(self, max_running: int, chunk: int, budget_requests: int | None) -> None:
+        self.engine = BatchRecordingEngine(
+            max_batch_size=max_running,
+            prefill_chunk_tokens=chunk,
+            kv_bytes_per_token=10,
+            fail_tokens=frozenset({POISON}),
+        )
+        # Requests here need at most (24 + 8) * 10 bytes.
+        self.budget = None if budget_requests is None else budget_requests * 320
+        self.engine.configure_cache(
+            PrefixHasher(self.engine.fingerprint, block_size=4), capacity_bytes=self.budget
+        )
+        self.reference = BatchRecordingEngine()
+        self.scheduler = BatchScheduler(self.engine)
+        self.requests: dict[int, tuple[list[int], int, bool]] = {}
+        self.cancelled: set[int] = set()
+        self.events: dict[object, list[object]] = {}
+
+    @rule(
+        base=st.integers(0, 3),
+        length=st.integers(1, 24),
+        max_tokens=st.integers(1, 8),
+        poisoned=st.sampled_from([False, False, False, True]),
+    )
+    def submit(self, base: int, length: int, max_tokens: int, poisoned: bool) -> None:
+        # Few distinct bases, so requests share cached prefixes.
+        prompt = _prompt(base, 24)[:length]
+        if poisoned:
+            prompt = [*prompt[:-1], POISON]
+        key = len(self.requests)
+        self.requests[key] = (prompt, max_tokens, poisoned)
+        self.scheduler.submit(key, prompt, SamplingParams(max_tokens=max_tokens))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.requests)))
+        self.cancelled.add(key)
+        self.scheduler.cancel(key)
+
+    @rule()
+    def step(self) -> None:
+        for key, item in self.scheduler.step():
+            self.events.setdefault(key, []).append(item)
+        self.check_step()
+
+    def check_step(self) -> None:
+        cache = self.engine.radix_cache
+        assert cache is not None
+        cache.check_invariants(verify_hashes=False)
+        stats = self.scheduler.statistics()
+        assert stats.running <= stats.max_running
+        assert stats.kv_reserved_bytes == cache.reserved_bytes
+        if self.budget is not None:
+            assert cache.stats().bytes + cache.reserved_bytes <= self.budget
+        assert self.engine.open_decoders == stats.running
+
+    def teardown(self) -> None:
+        for _ in range(5000):  # 30 requests x (24 prefill + 8 decode steps) one at a time
+            if self.scheduler.idle:
+                break
+            self.step()
+        assert self.scheduler.idle
+        cache = self.engine.radix_cache
+        assert cache is not None
+        assert cache.stats().locked_blocks == 0 and cache.reserved_bytes == 0
+        assert self.engine.open_decoders == 0
+        for key, (prompt, max_tokens, poisoned) in self.requests.items():
+            items = self.events[key]
+            ids = _ids(items)
+            last = items[-1]
+            if poisoned:
+                # It fails at its first decode step, unless it was cancelled before that.
+                assert ids == []
+                assert isinstance(last, EngineError) or (
+                    key in self.cancelled
+                    and isinstance(last, Finished)
+                    and last.finish_reason == "cancelled"
+                )
+                continue
+            assert not any(isinstance(item, PeerInferError) for item in items)
+            alone = _alone(self.reference, prompt, max_tokens)
+            assert isinstance(items[0], Started) and isinstance(items[-1], Finished)
+            if key in self.cancelled:
+                assert ids == alone[: len(ids)]
+            else:
+                assert ids == alone and items[-1].finish_reason == "length"
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSchedulerMachine = SchedulerMachine.TestCase

@@ -17,15 +17,18 @@ from peerinfer.engine.base import (
     Finished,
     FinishReason,
     KVSegment,
+    RequestJob,
     Started,
     TextStream,
     Tokens,
 )
+from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
 from peerinfer.engine.registry import available_engines, load_engine, resolve_engine_class
 from peerinfer.engine.simulated import Plan, SimulatedEngine
 
 __all__ = [
     "NEVER_CANCELLED",
+    "BatchScheduler",
     "CacheChanges",
     "CachedPrefix",
     "CancelToken",
@@ -38,6 +41,8 @@ __all__ = [
     "Finished",
     "KVSegment",
     "Plan",
+    "RequestJob",
+    "SchedulerStatistics",
     "SimulatedEngine",
     "Started",
     "TextStream",

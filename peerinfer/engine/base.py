@@ -5,9 +5,12 @@ Theory of operation
 An engine is **plain synchronous code**. The node runs every call into it in one worker thread
 (``trio.to_thread``) and relays the events it yields back to the trio loop, so the event loop
 never blocks on model compute. Engines are therefore not thread-safe and need not be: all calls
-come from one thread at a time (several ``generate`` iterators may be interleaved, step by step,
-in that thread). A request is cancelled through a :class:`CancelToken` (a ``threading.Event``
-will do) that the engine checks before the first forward pass and between decode steps.
+come from one thread at a time (several requests may be interleaved, step by step, in that
+thread: ``generate`` iterators, or the :class:`~peerinfer.engine.batch.BatchScheduler`, which
+decodes many at once through :meth:`Engine.decode_batch`). A request is cancelled through a
+:class:`CancelToken` (a ``threading.Event`` will do) that the engine checks before the first
+forward pass and between decode steps. The per-request logic is one class,
+:class:`RequestJob`, shared by ``generate`` and the scheduler.
 
 A backend author implements the identity (``fingerprint``, ``vocab_size``), ``tokenize`` /
 ``detokenize`` and one method producing token ids, :meth:`Engine.generate_tokens`. The base class

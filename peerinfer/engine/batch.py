@@ -108,6 +108,10 @@ def _decoder(job: RequestJob) -> Decoder:
     return job.decoder
 
 
+def _prefill_remaining(job: RequestJob) -> int:
+    return int(job.prefill_remaining)
+
+
 def _accept(job: RequestJob, token: int | None) -> list[EngineEvent]:
     """The token's events, then the end if the request is now complete: it leaves at once."""
     return [*job.accept(token), *job.before_step()]
@@ -274,7 +278,10 @@ class BatchScheduler:
             if entry.ready:
                 continue
             job = entry.job
-            if job.prefill_remaining <= 0:
+            remaining = self._attempt(out, key, job, _prefill_remaining, job)
+            if remaining is _FAILED:
+                continue
+            if remaining <= 0:
                 entry.ready = True  # a backend that does not chunk: step() runs the prompt
                 continue
             self._prefill_chunks += 1

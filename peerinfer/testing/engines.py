@@ -10,12 +10,14 @@ requests really decoded together. Requests whose prompt contains one of ``fail_t
 ``decode_batch`` raise (before advancing any decoder, as the contract asks), so tests can
 check that one failing request does not fail its neighbours. With a ``gate`` (a
 ``threading.Event``), ``decode_batch`` first waits for it to be set (at most ``gate_timeout_s``),
-so a test can let requests pile up before the first batch.
+so a test can let requests pile up before the first batch; ``step_delay_s`` paces every decode
+batch (real time), so that a test's clients can act while others still decode.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
@@ -48,6 +50,7 @@ class BatchRecordingEngine(Engine):
         fail_tokens: frozenset[int] = frozenset(),
         gate: threading.Event | None = None,
         gate_timeout_s: float = 30.0,
+        step_delay_s: float = 0.0,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -58,6 +61,7 @@ class BatchRecordingEngine(Engine):
         self.fail_tokens = fail_tokens
         self.gate = gate
         self.gate_timeout_s = gate_timeout_s
+        self.step_delay_s = step_delay_s
         #: The size of every decode batch, in order.
         self.batch_sizes: list[int] = []
         #: The tokens of every prefill chunk run through ``Decoder.prefill``, in order.
@@ -92,6 +96,8 @@ class BatchRecordingEngine(Engine):
     def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
         if self.gate is not None and not self.gate.wait(self.gate_timeout_s):
             raise RuntimeError("the test's gate was never opened")
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
         self.batch_sizes.append(len(decoders))
         mine = [d for d in decoders if isinstance(d, _RecordingDecoder)]
         if len(mine) != len(decoders):
