@@ -27,7 +27,8 @@ Figures (keys of the JSON object)
   ``generate`` of the prompt alone with no prefix cache; ``tie_flips`` counts the differing
   ones whose first differing token scored within 1e-4 of the lone run's best logit (float
   rounding of a near tie), ``mismatches`` the others (bugs).
-* ``node_x_16``: 16 concurrent clients on one real node through ``peerinfer.connect`` over the
+* ``node_x_16``: 16 concurrent clients (``Client.connect``, the client behind ``peerinfer.connect``)
+  on one real node (libp2p on 127.0.0.1), generated tokens/s over the
   same 16 one after another, if this checkout's node serves batches (else ``node_level``
   says why it is missing).
 
@@ -78,6 +79,9 @@ class Workload:
         #: instead of answering and ending, so these keep decoding (the busy requests).
         self.raw: list[list[int]] = []
         self.warm: list[list[int]] = []
+        #: The user messages of ``prompts`` and ``warm`` (what a client sends a node).
+        self.texts: dict[str, list[str]] = {}
+        self.warm_texts: list[str] = []
         for subject in subjects:
             if subject not in mmlu.subjects:
                 raise SystemExit(f"no subject {subject!r} in {self.source}")
@@ -90,14 +94,22 @@ class Workload:
                 return list(engine.chat_tokens([ChatMessage("user", prefix + question_suffix(q))]))
 
             self.warm.append(chat(questions[-1]))
+            self.warm_texts.append(prefix + question_suffix(questions[-1]))
             qs = questions[:-1]
+            self.texts[subject] = [prefix + question_suffix(qs[i % len(qs)]) for i in range(per_subject)]
             self.prompts[subject] = [chat(qs[i % len(qs)]) for i in range(per_subject)]
             self.raw += [engine.tokenize(prefix + question_suffix(q)) for q in qs[:4]]
 
     def mixed(self, n: int, offset: int = 0) -> list[list[int]]:
         """``n`` prompts alternating between the subjects."""
-        lists = list(self.prompts.values())
-        return [lists[i % len(lists)][(offset + i) // len(lists)] for i in range(n)]
+        return _alternate(list(self.prompts.values()), n, offset)
+
+    def mixed_texts(self, n: int, offset: int = 0) -> list[str]:
+        return _alternate(list(self.texts.values()), n, offset)
+
+
+def _alternate(lists: list[list[Any]], n: int, offset: int) -> list[Any]:
+    return [lists[(offset + i) % len(lists)][(offset + i) // len(lists)] for i in range(n)]
 
 
 def fresh_cache(engine: Any, workload: Workload) -> None:
@@ -284,15 +296,62 @@ def step_times(engine: Any, prompts: Sequence[list[int]], sizes: Sequence[int], 
     return out
 
 
-def node_level(args: argparse.Namespace) -> dict[str, Any]:
-    """16 concurrent clients vs 16 sequential on one real node, if the node serves batches."""
+def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[str, Any]:
+    """``n`` clients at once on one real node (libp2p on 127.0.0.1, the ``local`` policy) over
+    the same ``n`` requests sent one after another; each run on a freshly started node (its
+    cache cleared) that first caches the two prefixes."""
     import inspect
 
+    import trio
+
     import peerinfer.node as node_module
+    from peerinfer.client import Client
+    from peerinfer.node import Node, NodeOptions
 
     if "BatchScheduler" not in inspect.getsource(node_module):
         return {"node_level": "missing: this checkout's node does not run the BatchScheduler"}
-    return {"node_level": "missing: not measured by this script yet (see bench/cluster_bench.py)"}
+    chats = [[{"role": "user", "content": text}] for text in work.mixed_texts(n)]
+    warm = [[{"role": "user", "content": text}] for text in work.warm_texts]
+
+    async def run(concurrent: bool) -> tuple[float, int]:
+        options = NodeOptions(
+            engine="unused", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
+            policy="local", seed=1, max_queue=n,
+        )
+        node = Node(options, engine=engine)
+        produced = [0] * n
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            addr = node.addresses()[0]
+            async with Client.connect(addr) as client:
+                for chat in warm:
+                    await client.generate(chat, max_tokens=1)
+            t0 = clock()
+            if concurrent:
+                async def ask(i: int) -> None:
+                    async with Client.connect(addr) as client:
+                        produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
+
+                async with trio.open_nursery() as clients:
+                    for i in range(n):
+                        clients.start_soon(ask, i)
+            else:
+                async with Client.connect(addr) as client:
+                    for i in range(n):
+                        produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
+            elapsed = clock() - t0
+            nursery.cancel_scope.cancel()
+        return elapsed, sum(produced)
+
+    t_seq, n_seq = trio.run(run, False)
+    t_conc, n_conc = trio.run(run, True)
+    say(f"node, {n} clients: one after another {t_seq:.2f} s ({n_seq} tokens), "
+        f"at once {t_conc:.2f} s ({n_conc} tokens)")
+    return {
+        f"node_sequential_{n}_s": round(t_seq, 3), f"node_concurrent_{n}_s": round(t_conc, 3),
+        f"node_tokens_{n}": [n_seq, n_conc],
+        f"node_x_{n}": round((n_conc / t_conc) / (n_seq / t_seq), 3),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-sizes", default="1,2,4,8,16")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     parser.add_argument("--skip-cb", action="store_true", help="skip generate_batch (slow on CPU)")
+    parser.add_argument("--skip-node", action="store_true", help="skip the node-level figure")
     parser.add_argument("--quick", action="store_true", help="tiny figures, for a smoke run")
     args = parser.parse_args(argv)
     if args.clock == "cpu":
@@ -393,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"exact: {verdicts.count('equal')}/{len(prompts)} equal, {verdicts.count('tie')} tie flips, "
         f"{verdicts.count('mismatch')} mismatches")
 
-    result.update(node_level(args))
+    if args.skip_node:
+        result["node_level"] = "skipped (--skip-node)"
+    else:
+        result.update(node_level(engine, work, args.tokens))
     result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     engine.close()
     if args.json:
