@@ -395,3 +395,37 @@ def test_default_model_batched_greedy_is_exact(smol):
     assert driver.finished[3].cancelled
     for k, prompt in enumerate(prompts):
         flips += _assert_exact(smol, prompt, driver.finished[k].tokens)
+
+
+def test_through_the_batch_scheduler_is_exact(tiny):
+    """The engine under the real BatchScheduler: staggered submits, a cancellation, requests
+    ending at different lengths, hits and misses; every finished request is exact."""
+    from peerinfer.engine import Finished
+    from peerinfer.engine.batch import BatchScheduler
+    from peerinfer.errors import PeerInferError
+
+    shared = _prompt(70, 21)
+    sched = BatchScheduler(tiny, max_running=3, prefill_chunk_tokens=8)
+    prompts = {k: (shared if k % 2 else []) + _prompt(71 + k, 5 + 4 * k) for k in range(6)}
+    lengths = {k: 6 + (k * 5) % 9 for k in prompts}
+    got: dict[int, list[int]] = {k: [] for k in prompts}
+    done: dict[int, Finished] = {}
+    for step in range(300):
+        if step < len(prompts):
+            sched.submit(step, prompts[step], SamplingParams(max_tokens=lengths[step]))
+        if len(got[2]) == 2 and 2 not in done:
+            sched.cancel(2)
+        for key, ev in sched.step():
+            assert not isinstance(ev, PeerInferError), ev
+            if isinstance(ev, Tokens):
+                got[key].extend(ev.token_ids)
+            elif isinstance(ev, Finished):
+                done[key] = ev
+        if sched.idle and step >= len(prompts):
+            break
+    assert sched.idle and set(done) == set(prompts)
+    assert done[2].finish_reason == "cancelled"
+    assert any(done[k].cached_tokens for k in (3, 5))
+    assert max(n for n, _ in sched.statistics().batch_sizes) == 3
+    for k, prompt in prompts.items():
+        _assert_exact(tiny, prompt, got[k])
