@@ -49,7 +49,10 @@ one copy of its own cache into a free row (its own cache is then dropped); it le
 last row into its place; a decoder asked to step alone is *parked* (its row copied back into a
 cache of its own). The buffers are reallocated only when rows or columns run out (columns: then
 compacted to the longest row plus headroom, so the copy is amortised over many steps) and freed
-when the batch empties. Greedy rows take one batched argmax; sampled rows draw from their own
+when the batch empties. Memory: the scheduler reserves ``(prompt + max_tokens)`` tokens of KV per
+running request; the buffers take ``row capacity x columns`` tokens, which adds the shorter rows'
+left padding, the free columns (at least 64, or half the longest row) and unused rows to that:
+this overhead is not accounted against ``--cache-bytes``. Greedy rows take one batched argmax; sampled rows draw from their own
 seeded generator, so a seeded request's tokens do not depend on its neighbours.
 
 Why padded rows and not packed sequences: both were measured on this CPU (bench/
@@ -895,13 +898,17 @@ class _BatchKV:
         columns = left + max(_MIN_HEADROOM, left // 2)
         shape = (rows, engine._kv_heads, columns, engine._head_dim)
         new_keys, new_values = [], []
+        old: list[tuple[torch.Tensor, torch.Tensor] | None] = (
+            list(zip(self._keys, self._values, strict=True)) if self._keys else [None] * engine._layers
+        )
         with torch.inference_mode():
-            for old_k, old_v in zip(self._keys or [None] * engine._layers, self._values or [None] * engine._layers, strict=True):
+            for layer in old:
                 # Zeros, not empty: masked-out columns are multiplied by zero weights, and
                 # uninitialised memory may hold NaNs, which would survive that.
                 k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
                 v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-                if old_k is not None and old_v is not None:
+                if layer is not None:
+                    old_k, old_v = layer
                     for r, d in enumerate(self.rows):
                         n = d._kv
                         k[r, :, left - n : left] = old_k[r, :, self.end - n : self.end]
