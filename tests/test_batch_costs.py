@@ -242,13 +242,17 @@ def test_batch_node_by_hand() -> None:
     # B's first chunk (100 tokens at 2 ms) next to A's decode step (10 ms): 210 ms.
     assert node.plan(0.160) == pytest.approx(0.370)
     assert node.finish(0.370) == []
-    # B's last 60 tokens (120 ms) and A's third token (10 ms): A ends as B's first token comes.
-    assert node.plan(0.370) == pytest.approx(0.500)
-    assert [(j.key, f, d) for j, f, d in node.finish(0.500)] == [("a", False, True), ("b", True, False)]
-    # B alone: 2 more tokens of 10 ms.
-    assert node.plan(0.500) == pytest.approx(0.520)
-    assert [(j.key, f, d) for j, f, d in node.finish(0.520)] == [("b", False, True)]
-    assert node.plan(0.520) is None and node.busy_s == pytest.approx(0.520)
+    # B's last 60 tokens (120 ms) complete its prompt: its first token comes back at once and
+    # A's decode step waits for the next segment (the previous one decoded, so it may).
+    assert node.plan(0.370) == pytest.approx(0.490)
+    assert [(j.key, f, d) for j, f, d in node.finish(0.490)] == [("b", True, False)]
+    # Both decode one step of two (12 ms): A's third token ends it.
+    assert node.plan(0.490) == pytest.approx(0.502)
+    assert [(j.key, f, d) for j, f, d in node.finish(0.502)] == [("a", False, True)]
+    # B alone: its third token, 10 ms.
+    assert node.plan(0.502) == pytest.approx(0.512)
+    assert [(j.key, f, d) for j, f, d in node.finish(0.512)] == [("b", False, True)]
+    assert node.plan(0.512) is None and node.busy_s == pytest.approx(0.512)
 
 
 def test_a_short_prompt_overtakes_a_long_one_at_the_next_chunk() -> None:
@@ -277,15 +281,17 @@ def test_a_joiner_ends_the_decode_segment_at_the_step_under_way() -> None:
     b = BatchJob("b", prompt=50, cached=0, tokens=2)
     assert node.join(b, 0.125) == pytest.approx(0.130)
     assert node.finish(0.130) == [] and a.produced == 4
-    # B's prefill (50 tokens at 2 ms) next to A's step: 110 ms.
-    assert node.plan(0.130) == pytest.approx(0.240)
-    assert [(j.key, f) for j, f, _ in node.finish(0.240)] == [("b", True)]
-    assert a.produced == 5
+    # B's prefill (50 tokens at 2 ms, one chunk) completes its prompt: its first token comes
+    # back at once (100 ms) and A's step waits for the next segment.
+    assert node.plan(0.130) == pytest.approx(0.230)
+    assert [(j.key, f) for j, f, _ in node.finish(0.230)] == [("b", True)]
+    assert a.produced == 4
     # Both decode at 12 ms a step until B (1 token left) ends.
-    assert node.plan(0.240) == pytest.approx(0.252)
-    assert [(j.key, d) for j, _, d in node.finish(0.252)] == [("b", True)]
-    # A alone again: 5 tokens left at 10 ms.
-    assert node.plan(0.252) == pytest.approx(0.302)
+    assert node.plan(0.230) == pytest.approx(0.242)
+    assert [(j.key, d) for j, _, d in node.finish(0.242)] == [("b", True)]
+    assert a.produced == 5
+    # A alone again: 6 tokens left at 10 ms.
+    assert node.plan(0.242) == pytest.approx(0.302)
 
 
 def _one_node(costs: CostModel, prompts, arrivals, max_tokens: int) -> Simulation:
@@ -301,8 +307,8 @@ def test_a_batched_node_in_the_simulator_follows_the_hand_worked_times() -> None
     # The case of test_batch_node_by_hand, through the real NodeCore: 2 requests at t=0.
     p, q = tuple(range(1000, 1160)), tuple(range(5000, 5160))
     sim = _one_node(BATCHED, [p, q], [(0.0, 0), (0.0, 0)], max_tokens=3)
-    assert sim.first == pytest.approx([0.160, 0.500])
-    assert sim.finish == pytest.approx([0.500, 0.520])
+    assert sim.first == pytest.approx([0.160, 0.490])
+    assert sim.finish == pytest.approx([0.502, 0.512])
     assert sim.queue_wait == [0.0, 0.0]  # both admitted at once: 4 slots
     # With 1 slot the second waits for the first: FIFO, each at its single-request times.
     sim = _one_node(replace(BATCHED, slots=1), [p, q], [(0.0, 0), (0.0, 0)], max_tokens=3)
@@ -476,5 +482,9 @@ def test_the_simulated_engine_under_the_batch_scheduler_keeps_the_simulators_tim
             t = nxt
         assert first == pytest.approx(model_first) and end == pytest.approx(model_end), shapes
         if case == 0:
-            assert first == pytest.approx({0: 0.160, 1: 0.500})
-            assert end == pytest.approx({0: 0.500, 1: 0.520})
+            # 0 prefills alone (0.1 + 0.06: first token at 0.16, handed back at once); then 1's
+            # chunk of 100 at the busy rate with 0's decode step (0.2 + 0.01 = 0.37); 1's last
+            # 60 (0.12: its first token at 0.49, the decode put off); both decode (0.012: 0
+            # ends at 0.502); 1 alone (0.01: 0.512).
+            assert first == pytest.approx({0: 0.160, 1: 0.490})
+            assert end == pytest.approx({0: 0.502, 1: 0.512})

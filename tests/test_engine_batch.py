@@ -7,6 +7,9 @@ prefill was cut, what happened to a batch with a failing request in it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -67,12 +70,15 @@ def test_requests_submitted_together_decode_in_one_batch() -> None:
         scheduler.submit(i, p, SamplingParams(max_tokens=5))
     events = _drive(scheduler)
     assert [_ids(events[i]) for i in range(4)] == expected
-    # One prefill chunk per step: the k-th request joins the batch at step k, then all decode
-    # together, and they leave in the order they came.
-    assert engine.batch_sizes == [1, 2, 3, 4, 4, 3, 2, 1]
+    # One prefill chunk per step. Request 0's prefill completes at step 1 and its first token
+    # comes back at once, alone (1); step 2 prefills request 1 and decodes both (2: the decode
+    # is never put off twice in a row); step 3 hands back request 2's first token (1); step 4
+    # prefills request 3 and decodes all four (4); then all decode together until they leave,
+    # in the order they came.
+    assert engine.batch_sizes == [1, 2, 1, 4, 4, 4, 3, 1]
     stats = scheduler.statistics()
-    assert stats.batch_sizes == ((1, 2), (2, 2), (3, 2), (4, 2))
-    assert stats.mean_batch == 2.5 and stats.decode_steps == 8
+    assert stats.batch_sizes == ((1, 1), (2, 1), (3, 1), (4, 3))
+    assert stats.mean_batch == 3.0 and stats.decode_steps == 6
     assert engine.open_decoders == 0
 
 
@@ -141,8 +147,29 @@ def test_a_short_prompt_joining_behind_long_ones_is_prefilled_first() -> None:
     assert all(len(_ids(events[("long", i)])) == 2 for i in range(3))
 
 
+class _LatePoisonEngine(BatchRecordingEngine):
+    """A poisoned request gets its first token (taken alone, right after its prefill), then
+    makes every batch it is in fail: the failure happens mid-batch."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._first_taken: set[int] = set()
+
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        for d in decoders:
+            if getattr(d, "poisoned", False) and id(d) not in self._first_taken:
+                self._first_taken.add(id(d))
+                d.poisoned = False  # type: ignore[attr-defined]
+                try:
+                    return super().decode_batch(decoders)
+                finally:
+                    d.poisoned = True  # type: ignore[attr-defined]
+        return super().decode_batch(decoders)
+
+
 def test_a_failing_batch_is_retried_one_by_one_and_only_the_culprit_fails() -> None:
-    engine = _engine(max_batch_size=4, fail_tokens=frozenset({POISON}))
+    engine = _LatePoisonEngine(max_batch_size=4, fail_tokens=frozenset({POISON}))
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
     prompts = [_prompt(i) for i in range(3)]
     prompts[1] = prompts[1][:-1] + [POISON]
     expected = [_alone(engine, prompts[i], 4) for i in (0, 2)]

@@ -40,6 +40,7 @@ Everything here runs in the engine's worker thread, like every other engine call
 from __future__ import annotations
 
 import enum
+import functools
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -163,6 +164,8 @@ class BatchScheduler:
         self._one_by_one = type(engine).decode_batch is Engine.decode_batch
         self._steps = 0
         self._decode_steps = 0
+        #: the last step handed back a first token instead of decoding (see ``step``)
+        self._deferred_decode = False
         self._prefill_chunks = 0
         self._batch_sizes: Counter[int] = Counter()
         self._admitted = 0
@@ -232,7 +235,21 @@ class BatchScheduler:
         self._steps += 1
         self._leave_cancelled(out)
         self._admit(out)
-        self._prefill_one(out)
+        completed = self._prefill_one(out)
+        if completed is not None and not self._deferred_decode:
+            # A request just finished its prefill: hand its first token back now rather than
+            # after the others' decode step (which would add a whole step to its time to first
+            # token). The decode runs at the next step, and is never put off twice in a row, so
+            # a stream of newcomers cannot stall the requests already decoding.
+            key, entry = completed
+            job = entry.job
+            step = job.step if self._one_by_one else functools.partial(self._decode_alone, job)
+            token = self._attempt(out, key, job, step)
+            if token is not _FAILED:
+                self._emit(out, key, job, self._attempt(out, key, job, _accept, job, token))
+            self._deferred_decode = True
+            return out
+        self._deferred_decode = False
         self._decode(out)
         return out
 
@@ -274,7 +291,9 @@ class BatchScheduler:
             if started is not _FAILED:
                 self._emit(out, key, job, (started,))
 
-    def _prefill_one(self, out: StepResult) -> None:
+    def _prefill_one(self, out: StepResult) -> tuple[Key, _Running] | None:
+        """Run one prefill chunk; the request whose prompt it completed, if it did (its
+        decoder's next step only samples the logits it kept)."""
         # Shortest remaining prompt first (ties: the oldest): a short prompt that joins behind
         # long ones gets its first token after one chunk, not after their whole prefill, so a
         # requester flooding the node with maximal prompts cannot delay another's first token
@@ -294,12 +313,14 @@ class BatchScheduler:
             if best is None or remaining < best[0]:
                 best = (remaining, key, entry)
         if best is None:
-            return
+            return None
         _, key, entry = best
         self._prefill_chunks += 1
         done = self._attempt(out, key, entry.job, entry.job.prefill, self.prefill_chunk_tokens)
-        if done is True:
-            entry.ready = True
+        if done is not True:
+            return None
+        entry.ready = True
+        return key, entry
 
     def _decode(self, out: StepResult) -> None:
         batch = [(key, e.job) for key, e in self._running.items() if e.ready]

@@ -5,9 +5,11 @@ Algorithm
 The node's engine runs the requests its core started (the core admits at most ``slots``; the
 rest wait in the core's queue), the way the batch scheduler (``peerinfer.engine.batch``) runs
 them: every scheduling step runs at most one prefill chunk, of the request in prefill with
-the fewest prompt tokens left (ties: the oldest), then one decode step that gives every request past its prefill one more token
-(``peerinfer.core.costmodel`` gives each its duration). A request's first token is ready when
-its last chunk has run; each further token takes one decode step of the batch.
+the fewest prompt tokens left (ties: the oldest), then one decode step that gives every request
+past its prefill one more token (``peerinfer.core.costmodel`` gives each its duration). A
+request's first token is ready when its last chunk has run: that step hands it back at once and
+puts the decode step off to the next one, unless the step before already did. Each further
+token takes one decode step of the batch.
 
 Stepping every token through the event heap would cost an event per step per node, so the
 batch advances in *segments* of identical steps, and the simulator holds one event per node,
@@ -88,6 +90,10 @@ class BatchNode:
     busy_s: float = 0.0
     #: set while the caller handles a segment's end: joins then only queue (``plan`` follows)
     in_boundary: bool = False
+    #: this segment ends a prefill and hands back its first token without a decode step
+    early: bool = False
+    #: the last segment did so: the scheduler never puts the decode off twice in a row
+    deferred: bool = False
 
     # ------------------------------------------------------------------ changes
 
@@ -142,6 +148,7 @@ class BatchNode:
         if done >= self.chunk:
             return None
         self.chunk = done
+        self.early = False  # cut short: the prompt is not done, no first token yet
         self.end = self.start + extra + done * rate
         self.step = self.end - self.start
         self.epoch += 1
@@ -180,6 +187,9 @@ class BatchNode:
         ended = {id(job) for job, _, finished in out if finished}
         if ended:
             self.jobs = [j for j in self.jobs if id(j) not in ended]
+        if kind != _IDLE:
+            self.deferred = self.early
+        self.early = False
         self.kind = _IDLE
         self.start = now
         self.end = math.inf
@@ -212,6 +222,7 @@ class BatchNode:
                 # Nothing decodes: its whole prefill runs back to back.
                 self.kind = _PREFILL
                 self.chunk = p.uncached
+                self.early = True  # its last chunk hands back the first token at once
                 duration = (
                     p.uncached * costs.prefill_s_per_token
                     if p.started
@@ -221,16 +232,20 @@ class BatchNode:
             else:
                 self.kind = _CHUNK
                 self.chunk = min(costs.prefill_chunk_tokens, p.uncached)
-                duration = (
-                    extra
-                    + self.chunk * costs.prefill_busy_rate
-                    + costs.decode_step_s(len(decoders))
-                )
-                self.members = {id(j) for j in decoders}
+                duration = extra + self.chunk * costs.prefill_busy_rate
+                if self.chunk == p.uncached and not self.deferred:
+                    # The chunk completes the prompt: its first token comes back at once and
+                    # the decoders' step waits for the next segment.
+                    self.early = True
+                    self.members = set()
+                else:
+                    duration += costs.decode_step_s(len(decoders))
+                    self.members = {id(j) for j in decoders}
             self.steps = 1
             self.step = duration
             self.end = now + duration
             return self.end
+        self.early = False
         self.kind = _DECODE
         self.members = {id(j) for j in decoders}
         self.step = costs.decode_step_s(len(decoders))
