@@ -598,6 +598,11 @@ class PeerIndex:
         while queue and (not queue[0].alive or queue[0].time <= cutoff):
             self._drop_entry(queue.popleft())
 
+    def has_speculative(self, peer: PeerId) -> bool:
+        """Whether ``peer`` has speculative entries queued (some may be dead already)."""
+        state = self._states.get(peer)
+        return state is not None and bool(state.spec_entries)
+
     def speculative_blocks(self) -> int:
         """How many speculative block references are held (at most the budget)."""
         return self._spec_blocks

@@ -202,6 +202,9 @@ class NodeConfig:
     #: a peer whose digest is older than this is not a routing candidate
     max_digest_age_s: float = 60.0
     max_peers: int = 4096
+    #: take in announcements that change nothing but a peer's epoch, load and freshness only
+    #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
+    lazy_announcements: bool = True
 
     def __post_init__(self) -> None:
         if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
@@ -490,6 +493,18 @@ class _PeerState:
     announced_root: int = 0
 
 
+@dataclass(slots=True)
+class _Unapplied:
+    """Announcements of one peer not yet taken in: ``times`` of them, each chaining from the
+    replica's epoch with no change and the replica's own root and count; the newest's epoch,
+    load and arrival time."""
+
+    epoch: int
+    load: Load
+    at: float
+    times: int = 1
+
+
 @dataclass(frozen=True, slots=True)
 class PeerSnapshot:
     peer_id: PeerId
@@ -547,9 +562,11 @@ class NodeCore:
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
         self.local = LocalDigest(epoch_base=epoch_base)
-        self.index = PeerIndex(
+        self._index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
         )
+        #: announcements kept for later, per peer (only with ``config.lazy_announcements``)
+        self._unapplied: dict[PeerId, _Unapplied] = {}
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -598,6 +615,14 @@ class NodeCore:
     def peer_id(self) -> PeerId:
         return self.config.peer_id
 
+    @property
+    def index(self) -> PeerIndex:
+        """The peer index, every announcement received taken in (``_take_unapplied``)."""
+        if self._unapplied:
+            for peer in list(self._unapplied):
+                self._take_unapplied(peer)
+        return self._index
+
     def load(self) -> Load:
         return Load(queued=self._queued, running=self._running, slots=self.config.costs.slots)
 
@@ -616,7 +641,12 @@ class NodeCore:
         self._check_sync_deadlines(now, effects)
         self._check_liveness(now, effects)
         self._maybe_announce(now, effects)
-        self.index.expire(now)
+        # Expiry only drops speculative entries, which only their own peer's announcements
+        # also drop: the other peers' announcements may wait.
+        index = self._index
+        for peer in [p for p in self._unapplied if index.has_speculative(p)]:
+            self._take_unapplied(peer)
+        index.expire(now)
         if now >= self._next_rebalance:
             self._next_rebalance = now + self.config.rebalance_interval_s
             for peer in self.index.rebalance():
@@ -1207,7 +1237,16 @@ class NodeCore:
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
-        index = self.index
+        if self.config.lazy_announcements:
+            if self._defer_unchanged(ev.sender, a, st, now):
+                return []
+            if ev.sender in self._index:
+                self._take_unapplied(ev.sender)
+                index = self._index
+            else:
+                index = self.index  # adding a peer may evict the least recently fresh one
+        else:
+            index = self._index
         replica = index.add_peer(ev.sender)
         refused = replica.refused
         needs_pull = replica.apply_announce(
@@ -1219,7 +1258,9 @@ class NodeCore:
                 ev.sender, "over its replica allowance",
                 f"claims {a.count} blocks, allowance {replica.max_elements}",
             )
-        if self.index.enforce_allowance(ev.sender):
+        if len(replica.digest) > index.allowance(ev.sender):
+            index = self.index  # emptying it may rebalance every peer's allowance
+        if index.enforce_allowance(ev.sender):
             self._replica_emptied(ev.sender)
             return []
         # The load, and if the replica now matches, its freshness (which also confirms the
@@ -1232,6 +1273,53 @@ class NodeCore:
         if st.sync is None:
             self._start_pull(ev.sender, st, now, effects)
         return effects
+
+    def _defer_unchanged(self, peer: PeerId, a: Announce, st: _PeerState, now: float) -> bool:
+        """Keep ``a`` for later (True) if taking it in now could do nothing but move the
+        replica to its epoch and record its load and freshness: no change, it chains from the
+        replica's epoch (as of the announcements already kept), announces the replica's own
+        root and count within its allowance, no pull is running or wanted. Taking it in later
+        (``_take_unapplied``) before anything reads this peer's state gives the same state;
+        every read goes through ``index``, which takes everything in first."""
+        if a.added or a.removed or a.truncated or st.sync is not None or st.pull_wanted:
+            return False
+        index = self._index
+        replica = index.replica(peer)
+        if replica is None:
+            return False
+        pending = self._unapplied.get(peer)
+        epoch = replica.epoch if pending is None else pending.epoch
+        digest = replica.digest
+        if (
+            a.prev_epoch != epoch
+            or a.epoch <= epoch
+            or not digest.is_flat
+            or a.count != len(digest)
+            or a.count > replica.max_elements
+            or a.count > index.allowance(peer)
+            or a.root != digest.root
+        ):
+            return False
+        if pending is None:
+            self._unapplied[peer] = _Unapplied(a.epoch, a.load, now)
+        else:
+            pending.epoch, pending.load, pending.at = a.epoch, a.load, now
+            pending.times += 1
+        return True
+
+    def _take_unapplied(self, peer: PeerId) -> None:
+        """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
+        pending = self._unapplied.pop(peer, None)
+        if pending is None:
+            return
+        index = self._index
+        replica = index.replica(peer)
+        if replica is None:  # pragma: no cover - removal goes through ``index``, which took it in
+            return
+        replica.take_unchanged(pending.times, pending.epoch)
+        # Loads and times only ever replace the older ones; confirming at the newest time drops
+        # what confirming at each would have.
+        index.announced(peer, pending.load, pending.at, fresh=True)
 
     def _start_pull(self, peer: PeerId, st: _PeerState, now: float, effects: list[Effect]) -> None:
         replica = self.index.replica(peer)
