@@ -50,7 +50,15 @@ def _decisions(sim: sim_module.Simulation) -> dict[str, object]:
         "stats": [c.statistics() for c in sim.cores],
         "loads": [[(p, c.index.load(p), c.index.digest_age(p, sim.now)) for p in c.index.peers()]
                   for c in sim.cores],
+        # Each replica's own state as well, what only later pulls would show (their sizing).
+        "replicas": [[_replica_state(c, p) for p in c.index.peers()] for c in sim.cores],
     }
+
+
+def _replica_state(core: node.NodeCore, peer: object) -> tuple[object, ...]:
+    r = core.index.replica(peer)  # type: ignore[arg-type]
+    assert r is not None
+    return (r.epoch, r.root, r.count, r.refused, r._rate, r._announced)
 
 
 def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:

@@ -502,6 +502,8 @@ class _Unapplied:
     epoch: int
     load: Load
     at: float
+    root: int
+    count: int
     times: int = 1
 
 
@@ -644,8 +646,9 @@ class NodeCore:
         # Expiry only drops speculative entries, which only their own peer's announcements
         # also drop: the other peers' announcements may wait.
         index = self._index
-        for peer in [p for p in self._unapplied if index.has_speculative(p)]:
-            self._take_unapplied(peer)
+        if self._unapplied and index.speculative_blocks():
+            for peer in [p for p in self._unapplied if index.has_speculative(p)]:
+                self._take_unapplied(peer)
         index.expire(now)
         if now >= self._next_rebalance:
             self._next_rebalance = now + self.config.rebalance_interval_s
@@ -1238,6 +1241,19 @@ class NodeCore:
         st.announced_root = a.root
         st.last_seen = now
         if self.config.lazy_announcements:
+            pending = self._unapplied.get(ev.sender)
+            if (
+                pending is not None
+                and a.prev_epoch == pending.epoch
+                and a.root == pending.root
+                and a.count == pending.count
+                and not (a.added or a.removed or a.truncated)
+            ):
+                # Nothing read this peer's replica, allowance or pull state since the kept
+                # announcements were checked (every read takes them in first): the same again.
+                pending.epoch, pending.load, pending.at = a.epoch, a.load, now
+                pending.times += 1
+                return []
             if self._defer_unchanged(ev.sender, a, st, now):
                 return []
             if ev.sender in self._index:
@@ -1301,7 +1317,7 @@ class NodeCore:
         ):
             return False
         if pending is None:
-            self._unapplied[peer] = _Unapplied(a.epoch, a.load, now)
+            self._unapplied[peer] = _Unapplied(a.epoch, a.load, now, a.root, a.count)
         else:
             pending.epoch, pending.load, pending.at = a.epoch, a.load, now
             pending.times += 1
