@@ -89,17 +89,19 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert deferred > 1000
 
 
-def test_lazy_nodes_defer_most_announcements(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between two reads of the index a lazy node only files unchanged announcements."""
-    config = SimConfig(nodes=8, requests=100, seed=3)
-    handled: list[int] = []
-    original = node.NodeCore._defer_unchanged
+def test_lazy_nodes_keep_most_announcements_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most deliveries change nothing and wait; each wait ends in one take-in of many."""
+    config = SimConfig(nodes=16, requests=300, seed=3)
+    taken_in: list[int] = []
+    original = antientropy.Replica.take_unchanged
 
-    def spy(self: node.NodeCore, *args: object) -> bool:
-        kept: bool = original(self, *args)  # type: ignore[arg-type]
-        handled.append(kept)
-        return kept
+    def counting(self: antientropy.Replica, times: int, epoch: int) -> None:
+        taken_in.append(times)
+        original(self, times, epoch)
 
-    monkeypatch.setattr(node.NodeCore, "_defer_unchanged", spy)
-    simulate(config)
-    assert handled and sum(handled) / len(handled) > 0.5
+    monkeypatch.setattr(antientropy.Replica, "take_unchanged", counting)
+    sim, _ = simulate(config)
+    waiting = sum(k.times for c in sim.cores for k in c._unapplied.values())
+    kept = sum(taken_in) + waiting
+    assert kept > 0.6 * sim.announce_deliveries
+    assert kept > 2 * len(taken_in)  # several announcements per take-in, on average

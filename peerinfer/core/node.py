@@ -92,7 +92,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from peerinfer.core.antientropy import Reconciliation
+from peerinfer.core.antientropy import Reconciliation, Replica
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.digest import LocalDigest
 from peerinfer.core.index import PeerIndex
@@ -494,17 +494,25 @@ class _PeerState:
 
 
 @dataclass(slots=True)
-class _Unapplied:
-    """Announcements of one peer not yet taken in: ``times`` of them, each chaining from the
-    replica's epoch with no change and the replica's own root and count; the newest's epoch,
-    load and arrival time."""
+class _Kept:
+    """One peer's announcements that change nothing, kept for later (``_defer_unchanged``).
 
+    ``times`` of them are not taken in yet (0: none), the newest at ``epoch`` with ``load``,
+    heard at ``at``. The check that let them wait stays true while the peer's replica is the
+    same object at the same epoch with the same flat summary (``replica_epoch``, ``summary``)
+    and the announcements keep announcing ``root`` and ``count``: then the next one may wait
+    without checking the digest again.
+    """
+
+    replica: Replica
+    summary: tuple[int, int]
+    replica_epoch: int
+    root: int
+    count: int
     epoch: int
     load: Load
     at: float
-    root: int
-    count: int
-    times: int = 1
+    times: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,8 +575,10 @@ class NodeCore:
         self._index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
         )
-        #: announcements kept for later, per peer (only with ``config.lazy_announcements``)
-        self._unapplied: dict[PeerId, _Unapplied] = {}
+        #: per peer, the last check that its unchanged announcements may wait, and those of
+        #: them not taken in yet (only with ``config.lazy_announcements``)
+        self._kept: dict[PeerId, _Kept] = {}
+        self._unapplied: dict[PeerId, _Kept] = {}
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -1241,20 +1251,24 @@ class NodeCore:
         st.announced_root = a.root
         st.last_seen = now
         if self.config.lazy_announcements:
-            pending = self._unapplied.get(ev.sender)
-            if (
-                pending is not None
-                and a.prev_epoch == pending.epoch
-                and a.root == pending.root
-                and a.count == pending.count
+            kept = self._kept.get(ev.sender)
+            if kept is None or not (
+                a.prev_epoch == kept.epoch < a.epoch
+                and a.root == kept.root
+                and a.count == kept.count
                 and not (a.added or a.removed or a.truncated)
+                and st.sync is None
+                and not st.pull_wanted
+                and a.count <= kept.replica.max_elements  # the allowance (rebalanced or not)
+                and kept.replica.epoch == kept.replica_epoch
+                and kept.replica.digest.flat_summary() == kept.summary
+                and self._index.replica(ev.sender) is kept.replica
             ):
-                # Nothing read this peer's replica, allowance or pull state since the kept
-                # announcements were checked (every read takes them in first): the same again.
-                pending.epoch, pending.load, pending.at = a.epoch, a.load, now
-                pending.times += 1
-                return []
-            if self._defer_unchanged(ev.sender, a, st, now):
+                kept = self._defer_unchanged(ev.sender, a, st)
+            if kept is not None:
+                kept.epoch, kept.load, kept.at = a.epoch, a.load, now
+                kept.times += 1
+                self._unapplied[ev.sender] = kept
                 return []
             if ev.sender in self._index:
                 self._take_unapplied(ev.sender)
@@ -1290,52 +1304,55 @@ class NodeCore:
             self._start_pull(ev.sender, st, now, effects)
         return effects
 
-    def _defer_unchanged(self, peer: PeerId, a: Announce, st: _PeerState, now: float) -> bool:
-        """Keep ``a`` for later (True) if taking it in now could do nothing but move the
+    def _defer_unchanged(self, peer: PeerId, a: Announce, st: _PeerState) -> _Kept | None:
+        """A record to keep ``a`` for later, if taking it in now could do nothing but move the
         replica to its epoch and record its load and freshness: no change, it chains from the
-        replica's epoch (as of the announcements already kept), announces the replica's own
-        root and count within its allowance, no pull is running or wanted. Taking it in later
-        (``_take_unapplied``) before anything reads this peer's state gives the same state;
-        every read goes through ``index``, which takes everything in first."""
+        replica's epoch, announces the replica's own root and count within its allowance, no
+        pull is running or wanted (then it starts no pull, is not refused, empties nothing).
+        Taking it in later (``_take_unapplied``) before anything reads this peer's state gives
+        the same state: every read goes through ``index``, which takes everything in first,
+        and so does any other announcement of the peer.
+
+        Why: a node hears every peer about once a second, almost always with no change, and
+        reads the index when it routes or rebalances, every few seconds; the announcements
+        in between then cost a few attribute updates instead of a replica and index update."""
         if a.added or a.removed or a.truncated or st.sync is not None or st.pull_wanted:
-            return False
+            return None
+        pending = self._unapplied.get(peer)
+        if pending is not None:
+            return None  # a kept one that this one does not follow: take both in now
         index = self._index
         replica = index.replica(peer)
         if replica is None:
-            return False
-        pending = self._unapplied.get(peer)
-        epoch = replica.epoch if pending is None else pending.epoch
+            return None
         digest = replica.digest
+        summary = digest.flat_summary()
+        epoch = replica.epoch
         if (
-            a.prev_epoch != epoch
+            summary is None
+            or a.prev_epoch != epoch
             or a.epoch <= epoch
-            or not digest.is_flat
-            or a.count != len(digest)
+            or a.count != summary[1]
             or a.count > replica.max_elements
             or a.count > index.allowance(peer)
             or a.root != digest.root
         ):
-            return False
-        if pending is None:
-            self._unapplied[peer] = _Unapplied(a.epoch, a.load, now, a.root, a.count)
-        else:
-            pending.epoch, pending.load, pending.at = a.epoch, a.load, now
-            pending.times += 1
-        return True
+            return None
+        kept = _Kept(replica, summary, epoch, a.root, a.count, epoch, a.load, 0.0)
+        self._kept[peer] = kept
+        return kept
 
     def _take_unapplied(self, peer: PeerId) -> None:
         """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
-        pending = self._unapplied.pop(peer, None)
-        if pending is None:
+        kept = self._unapplied.pop(peer, None)
+        if kept is None:
             return
-        index = self._index
-        replica = index.replica(peer)
-        if replica is None:  # pragma: no cover - removal goes through ``index``, which took it in
-            return
-        replica.take_unchanged(pending.times, pending.epoch)
+        kept.replica.take_unchanged(kept.times, kept.epoch)
+        kept.replica_epoch = kept.epoch
+        kept.times = 0
         # Loads and times only ever replace the older ones; confirming at the newest time drops
         # what confirming at each would have.
-        index.announced(peer, pending.load, pending.at, fresh=True)
+        self._index.announced(peer, kept.load, kept.at, fresh=True)
 
     def _start_pull(self, peer: PeerId, st: _PeerState, now: float, effects: list[Effect]) -> None:
         replica = self.index.replica(peer)
@@ -1454,6 +1471,7 @@ class NodeCore:
         del self._peers[peer]
         self._rtt.pop(peer, None)
         self.index.remove_peer(peer)
+        self._kept.pop(peer, None)
         effects.append(DropPeer(peer))
         # Requests in flight to it fail over now rather than at their deadline.
         for req in list(self._requests.values()):
