@@ -73,10 +73,10 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     deferred = 0
     original = antientropy.Replica.take_unchanged
 
-    def counting(self: antientropy.Replica, times: int, epoch: int) -> None:
+    def counting(self: antientropy.Replica, times: int, *args: int) -> None:
         nonlocal deferred
         deferred += times
-        original(self, times, epoch)
+        original(self, times, *args)
 
     monkeypatch.setattr(antientropy.Replica, "take_unchanged", counting)
     for seed in range(20):
@@ -95,9 +95,9 @@ def test_lazy_nodes_keep_most_announcements_for_later(monkeypatch: pytest.Monkey
     taken_in: list[int] = []
     original = antientropy.Replica.take_unchanged
 
-    def counting(self: antientropy.Replica, times: int, epoch: int) -> None:
+    def counting(self: antientropy.Replica, times: int, *args: int) -> None:
         taken_in.append(times)
-        original(self, times, epoch)
+        original(self, times, *args)
 
     monkeypatch.setattr(antientropy.Replica, "take_unchanged", counting)
     sim, _ = simulate(config)

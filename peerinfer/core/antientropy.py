@@ -306,11 +306,12 @@ class Replica:
             return False
         return True
 
-    def take_unchanged(self, times: int, epoch: int) -> None:
+    def take_unchanged(self, times: int, epoch: int, root: int, count: int) -> None:
         """Exactly what ``apply_announce`` does for ``times`` announcements in a row, the last at
-        ``epoch``, each chaining from this replica's epoch with no change and this replica's own
-        root and count (a node keeps such announcements and takes them in when the peer's state
-        is next read: ``NodeCore._defer_unchanged``)."""
+        ``epoch``, each chaining from this replica's epoch with no change and announcing this
+        replica's own ``root`` and ``count`` (the caller checked: a node keeps such
+        announcements and takes them in when the peer's state is next read,
+        ``NodeCore._defer_unchanged``)."""
         rate = self._rate
         per_epoch = 0.0  # no change in any of them
         for _ in range(times if self._announced is not None else times - 1):
@@ -318,7 +319,7 @@ class Replica:
         self._rate = rate
         # Their epochs ascend, so the last one is the newest heard if any of them is.
         if self._announced is None or epoch >= self._announced[0]:
-            self._announced = (epoch, self.digest.root, len(self.digest))
+            self._announced = (epoch, root, count)
         self.epoch = epoch
 
     def start_pull(

@@ -631,8 +631,13 @@ class NodeCore:
     def index(self) -> PeerIndex:
         """The peer index, every announcement received taken in (``_take_unapplied``)."""
         if self._unapplied:
-            for peer in list(self._unapplied):
-                self._take_unapplied(peer)
+            pending, self._unapplied = self._unapplied, {}
+            for kept in pending.values():
+                kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
+                kept.replica_epoch = kept.epoch
+                kept.times = 0
+            # Peers' states are disjoint: their replicas first, then their index entries.
+            self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
         return self._index
 
     def load(self) -> Load:
@@ -1347,7 +1352,7 @@ class NodeCore:
         kept = self._unapplied.pop(peer, None)
         if kept is None:
             return
-        kept.replica.take_unchanged(kept.times, kept.epoch)
+        kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
         kept.replica_epoch = kept.epoch
         kept.times = 0
         # Loads and times only ever replace the older ones; confirming at the newest time drops
