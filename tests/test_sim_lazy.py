@@ -21,8 +21,8 @@ from peerinfer.sim import simulator as sim_module
 def _random_config(seed: int) -> SimConfig:
     rng = random.Random(f"lazy-equivalence:{seed}")
     return SimConfig(
-        nodes=rng.randint(3, 12),
-        requests=rng.randint(80, 200),
+        nodes=rng.randint(3, 10),
+        requests=rng.randint(60, 140),
         policy=rng.choice(["cost", "cost", "longest_prefix", "least_loaded", "random"]),
         delay_ms=rng.choice(["5", "uniform:1:30", "lognormal:10:0.5"]),
         cache_tokens=rng.choice([2048, 4096, 8192]),  # small caches evict: deltas both ways
