@@ -21,6 +21,9 @@ Where the time goes: every announcement is applied by every other node to its re
 sender (``Replica.apply_announce``: the replica's flat set and root summary, and ``PeerIndex``
 upkeep), so the work per simulated request grows with the number of nodes;
 ``us_per_request_per_node`` shows that constant (docs/evaluation.md, "Simulator speed").
+Announcements that change nothing wait until the recipient next reads its index
+(``NodeConfig.lazy_announcements``, the default); ``--eager`` takes every one in at once, for a
+comparison (the decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
 ``--profile`` prints the top functions of the largest run.
 """
 

@@ -33,6 +33,10 @@ What it decides
   applies the carried delta; if its root still differs, a pull runs the Merkle reconciliation
   state machine (one session per peer at a time, with a deadline). Each refusal is reported once
   per (peer, reason) through ``take_refusals()``, for the shell to log.
+  An announcement that changes nothing and chains from an in-step replica (most of them) waits:
+  the node keeps the newest per peer and takes them in when anything next reads the peer index
+  (the ``index`` property), with the state eager application would have left
+  (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
   ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
