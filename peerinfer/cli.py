@@ -91,6 +91,10 @@ def _add_node(sub: Any) -> None:
                    help="a bearer token the HTTP API accepts (repeatable; required for a non-loopback --http)")
     p.add_argument("--api-key-file", type=Path, metavar="PATH", help="a file of API keys, one per line")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
+    # Trust (docs/security.md): forwarded prompts reach the serving peer in full.
+    trust = p.add_argument_group("trust")
+    trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer)")
+    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded greedy answers re-scored by the local model (default: 0.05)")
     p.set_defaults(run=_run_node)
 
 
@@ -144,6 +148,8 @@ def _run_node(args: argparse.Namespace) -> int:
         seed=args.seed,
         http=None if http_address is None else f"{http_address[0]}:{http_address[1]}",
         api_keys=api_keys,
+        trusted_peers=tuple(args.trust) if args.trust else None,
+        audit_rate=args.audit_rate,
     )
     node = Node(options, engine=_load_engine_verbosely(options))
 
@@ -481,6 +487,8 @@ def _run_status(args: argparse.Namespace) -> int:
             f"{p['cached_tokens']} tokens cached  load {p['load']['running']}+{p['load']['queued']}  "
             f"rtt {p['rtt_ms']:.1f} ms"
         )
+        if p.get("reputation"):
+            print(f"    reputation {p['reputation']}")
     return 0
 
 

@@ -268,6 +268,7 @@ def status_to_dict(msg: StatusResponse) -> dict[str, Any]:
                 "load": _load_to_dict(p.load),
                 "cached_tokens": p.cached_tokens,
                 "rtt_ms": p.rtt_ms,
+                "reputation": p.reputation,
             }
             for p in msg.peers
         ],

@@ -82,10 +82,10 @@ class ErrorKind:
     ``exception``: what the client raises. ``http_status`` and ``openai_type``: what the HTTP API
     answers (OpenAI's error ``type``). ``forward_reason``: what a forwarding node tells its core
     when a peer answers with this code (a ``ForwardFailed`` reason; the node and the simulator
-    both read it here). ``retry_elsewhere``: whether another peer may succeed where this one
-    failed (False: the request itself is at fault, it would fail anywhere). A peer that
-    *answered* with an error is reachable, so only ``unavailable`` and ``timeout`` make the
-    core stop routing to it.
+    both read it here). A forwarding node fails every error a peer answers over to the next
+    candidate, ``invalid`` included: it validated the request itself, so a peer that calls it
+    invalid is at fault, not the client (issue 12). A peer that *answered* is reachable, so
+    only ``unavailable`` and ``timeout`` make the core stop routing to it.
     """
 
     code: str
@@ -93,7 +93,6 @@ class ErrorKind:
     http_status: int
     openai_type: str
     forward_reason: str
-    retry_elsewhere: bool
     reason: str
 
 
@@ -101,20 +100,20 @@ class ErrorKind:
 ERROR_TABLE: dict[str, ErrorKind] = {
     kind.code: kind
     for kind in (
-        ErrorKind("invalid", InvalidRequestError, 400, "invalid_request_error", "invalid", False,
+        ErrorKind("invalid", InvalidRequestError, 400, "invalid_request_error", "invalid",
                   "the request cannot be served as given"),
-        ErrorKind("busy", PeerBusyError, 429, "rate_limit_error", "busy", True,
+        ErrorKind("busy", PeerBusyError, 429, "rate_limit_error", "busy",
                   "the node (and every peer it could use) is at capacity"),
-        ErrorKind("timeout", RequestTimeoutError, 504, "timeout_error", "timeout", True,
+        ErrorKind("timeout", RequestTimeoutError, 504, "timeout_error", "timeout",
                   "no first token within the deadline"),
         ErrorKind("unavailable", PeerUnavailableError, 503, "service_unavailable_error",
-                  "unavailable", True, "no peer could serve the request"),
-        ErrorKind("protocol", ProtocolError, 502, "api_error", "protocol", True,
+                  "unavailable", "no peer could serve the request"),
+        ErrorKind("protocol", ProtocolError, 502, "api_error", "protocol",
                   "a peer sent a malformed message"),
-        ErrorKind("internal", EngineError, 500, "api_error", "internal", True,
+        ErrorKind("internal", EngineError, 500, "api_error", "internal",
                   "the inference backend failed"),
         ErrorKind("shutdown", PeerUnavailableError, 503, "service_unavailable_error",
-                  "unavailable", True, "the node is shutting down"),
+                  "unavailable", "the node is shutting down"),
     )
 }
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 import trio
 
-import peerinfer.node as node_module
+import peerinfer.node.door as node_door
 from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
 from peerinfer.core.messages import ERROR_CODES, ErrorMessage, GenerateRequest, SamplingParams
@@ -381,7 +381,7 @@ async def test_no_token_in_time_is_504(monkeypatch: pytest.MonkeyPatch) -> None:
     # A prefill of ~3 s against a 0.3 s gap limit at the door.
     slow = CostModel(prefill_s_per_token=0.01, cached_s_per_token=0.00001,
                      decode_s_per_token=0.002, overhead_s=0.002, slots=1)
-    monkeypatch.setattr(node_module, "TOKEN_GAP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(node_door, "TOKEN_GAP_TIMEOUT_S", 0.3)
     async with nodes(1, costs=slow) as (node,):
         with pytest.raises(openai.APIStatusError) as info:
             await in_thread(lambda: sdk(node).completions.create(

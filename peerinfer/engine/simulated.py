@@ -18,10 +18,18 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
   eviction behave alike.
 * **Time.** :meth:`SimulatedEngine.plan` is the pure part: it validates a request, updates the
   cache and returns the timings the cost model gives (TTFT, service time) without sleeping; the
-  discrete-event simulator schedules virtual events from it. :meth:`Engine.generate` serves the
-  same request in real time: it sleeps the TTFT, then ``decode_s_per_token`` per further token
-  (times ``time_scale``; 0 never sleeps), checking the cancel token while it sleeps. A plan
-  ignores stop sequences (the simulator has no text); ``generate`` honours them.
+  discrete-event simulator schedules virtual events from it (its batch model adds what
+  running next to other requests costs: ``peerinfer.sim.batch``). :meth:`Engine.generate`
+  serves the same request in real time: it sleeps the TTFT, then ``decode_step_s(1)`` per
+  further token (times ``time_scale``; 0 never sleeps), checking the cancel token while it
+  sleeps. A plan ignores stop sequences (the simulator has no text); ``generate`` honours them.
+* **Batches.** Under the batch scheduler (``peerinfer.engine.batch``) the engine serves up to
+  ``max_batch_size`` requests (default: the cost model's ``slots``) with the cost model's
+  batched times: ``Decoder.prefill(k)`` sleeps ``k`` uncached tokens at the idle or the busy
+  prefill rate (busy while another of its decoders is decoding; the first chunk also the
+  overhead and the cached tokens), and one ``decode_batch`` of ``n`` decoders sleeps
+  ``decode_step_s(n)`` once, for all of them (a decoder whose prefill has just ended only
+  samples its first token, which costs nothing, as on a real model).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.messages import SamplingParams
 from peerinfer.engine.base import (
+    NEVER_CANCELLED,
     CancelToken,
     Decoder,
     DecodeRequest,
@@ -108,6 +117,7 @@ class SimulatedEngine(Engine):
         time_scale: float = 1.0,
         capacity_bytes: int | None = None,
         block_size: int = 16,
+        max_batch_size: int | None = None,
     ) -> None:
         if vocab_size <= RESERVED_IDS:
             raise ConfigError(f"vocab_size must be > {RESERVED_IDS}, got {vocab_size}")
@@ -118,6 +128,15 @@ class SimulatedEngine(Engine):
         if not time_scale >= 0:
             raise ConfigError(f"time_scale must be >= 0, got {time_scale}")
         self.costs = costs if costs is not None else DEFAULT_COSTS
+        if max_batch_size is None:
+            max_batch_size = self.costs.slots
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        #: how many requests the engine decodes at once (the node's capacity)
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = self.costs.prefill_chunk_tokens
+        #: open decoders past their prefill (for the busy prefill rate)
+        self._decoding = 0
         self._vocab_size = vocab_size
         self._max_context = max_context_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -238,14 +257,26 @@ class SimulatedEngine(Engine):
             params = _with_seed(params, request.seed)
         n = min(params.max_tokens, self._max_context - len(request.tokens))
         return _SimulatedDecoder(
+            self,
             request.tokens,
             self.completion_ids(request.tokens, params, n),
-            self.costs.prefill_s(len(request.tokens), request.prefix.tokens) * self.time_scale,
-            self.costs.decode_s_per_token * self.time_scale,
+            min(request.prefix.tokens, len(request.tokens)),
             request.cancel,
             self.kv_bytes_per_token * request.block_size,
             request.block_size,
         )
+
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        """One token for each decoder, sleeping one decode step of the batch: those that
+        decode (past their first token) take ``decode_step_s(n)`` together."""
+        ours = [d for d in decoders if isinstance(d, _SimulatedDecoder)]
+        if len(ours) != len(decoders):
+            raise ConfigError("decode_batch: every decoder must come from this engine")
+        decoding = sum(1 for d in ours if d.decoding)
+        if decoding:
+            cancel = ours[0].cancel if len(ours) == 1 else NEVER_CANCELLED
+            wait_cancelled(cancel, self.costs.decode_step_s(decoding) * self.time_scale)
+        return [d.take_token() for d in ours]
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
@@ -253,34 +284,87 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 class _SimulatedDecoder(Decoder):
-    """Sleeps the cost model's time, then hands out the precomputed completion."""
+    """Sleeps the cost model's time, then hands out the precomputed completion.
+
+    Alone (``step()`` only), the first token costs the whole prefill and each further one
+    ``decode_step_s(1)``. Under the batch scheduler, ``prefill`` sleeps per chunk and the
+    engine's ``decode_batch`` sleeps per batch; ``step()`` then only samples what is ready.
+    """
 
     def __init__(
         self,
+        engine: SimulatedEngine,
         prompt: tuple[int, ...],
         completion: list[int],
-        first_token_s: float,
-        per_token_s: float,
+        cached_tokens: int,
         cancel: CancelToken,
         block_nbytes: int,
         block_size: int,
     ) -> None:
+        self._engine = engine
         self._prompt_len = len(prompt)
         self._completion = completion
-        self._first_s = first_token_s
-        self._per_token_s = per_token_s
-        self._cancel = cancel
+        self._cached = cached_tokens
+        #: uncached prompt tokens not yet prefilled
+        self._remaining = len(prompt) - cached_tokens
+        self._started = False  # the first prefill chunk (overhead, cached tokens) has run
+        self.cancel = cancel
         self._block_nbytes = block_nbytes
         self._block_size = block_size
         self._produced = 0
+        self._counted = False  # counted in the engine's decoding requests
+        self._closed = False
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self._remaining
+
+    @property
+    def decoding(self) -> bool:
+        """Past the first token: its next token needs a decode step."""
+        return self._produced > 0
+
+    def prefill(self, max_tokens: int) -> bool:
+        if self._started and self._remaining == 0:
+            return True
+        costs = self._engine.costs
+        run = min(max(1, max_tokens), self._remaining)
+        rate = costs.prefill_busy_rate if self._engine._decoding > 0 else costs.prefill_s_per_token
+        seconds = run * rate
+        if not self._started:
+            seconds += costs.overhead_s + self._cached * costs.cached_s_per_token
+            self._started = True
+        self._remaining -= run
+        wait_cancelled(self.cancel, seconds * self._engine.time_scale)
+        if self._remaining == 0 and not self._counted:
+            self._counted = True
+            self._engine._decoding += 1
+        return self._remaining == 0
+
+    def take_token(self) -> int | None:
+        """The next token, its compute already paid (by ``prefill`` or ``decode_batch``)."""
+        if self._produced >= len(self._completion):
+            return None
+        token = self._completion[self._produced]
+        self._produced += 1
+        return token
 
     def step(self) -> int | None:
         if self._produced >= len(self._completion):
             return None
-        wait_cancelled(self._cancel, self._first_s if self._produced == 0 else self._per_token_s)
-        token = self._completion[self._produced]
-        self._produced += 1
-        return token
+        if self._produced == 0:
+            if not (self._started and self._remaining == 0):
+                self.prefill(self._remaining)
+        else:
+            costs = self._engine.costs
+            wait_cancelled(self.cancel, costs.decode_step_s(1) * self._engine.time_scale)
+        return self.take_token()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._counted:
+                self._engine._decoding -= 1
 
     @property
     def kv_tokens(self) -> int:

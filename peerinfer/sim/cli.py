@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from peerinfer.core.routing import POLICY_NAMES
-from peerinfer.errors import PeerInferError
+from peerinfer.errors import ConfigError, PeerInferError
 from peerinfer.sim.config import SimConfig, load_costs
 
 _D = SimConfig()
@@ -64,14 +64,20 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--costs",
         metavar="FILE|PRESET",
         help="cost model: a JSON file (the output of 'peerinfer calibrate') or a preset, "
-        "'default' (a small model on a CPU) or 'gpu' (a 7-8B model on a home GPU); "
-        "default: 'default'",
+        "'default' (a small model on a CPU), 'batched' (the same, calibrated by batch size "
+        "and served 8 at a time) or 'gpu' (a 7-8B model on a home GPU); default: 'default'",
+    )
+    g.add_argument(
+        "--batch",
+        action="store_true",
+        help="batched nodes: the same as --costs batched (use --slots for another capacity)",
     )
     g.add_argument(
         "--slots",
         type=int,
         metavar="K",
-        help=f"requests each node serves at once (default: the cost model's, {_D.costs.slots})",
+        help="requests each node serves at once, in one batch (its engine's max_batch_size; "
+        f"default: the cost model's, {_D.costs.slots} for 'default', 8 for 'batched')",
     )
     g.add_argument(
         "--max-queue",
@@ -214,6 +220,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The ``SimConfig`` the parsed arguments describe."""
     costs = _D.costs
     source = "default"
+    if getattr(args, "batch", False):
+        if args.costs and args.costs != "batched":
+            raise ConfigError("--batch is --costs batched: give one of them")
+        args.costs = "batched"
     if args.costs:
         costs = load_costs(args.costs)
         source = str(args.costs)
@@ -254,6 +264,8 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [
         f"peerinfer sim: {p['nodes']} nodes, {summary['requests']} requests, policy {p['policy']}, "
         f"delay {p['delay_ms']} ms, workload {p['workload']} ({p['skew']}), seed {p['seed']}",
+        f"  costs {p['costs_source']}, {p['costs']['slots']} slot(s) per node"
+        + (", batched by the measured decode step times" if p["costs"].get("decode_step_s_by_batch") else ""),
         "",
         f"  {'':<22}{'mean':>10}{'p50':>10}{'p99':>10}",
         f"  {'TTFT (s)':<22}{summary['ttft_mean_s']:>10.4f}{summary['ttft_p50_s']:>10.4f}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS, CostModel
 from peerinfer.core.node import NodeConfig
 from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError
@@ -127,9 +127,12 @@ class SimConfig:
 #: Named cost models for ``--costs``. ``default`` is ``DEFAULT_COSTS`` (a small model on a CPU:
 #: prefill dominates and is slow next to any network delay). ``gpu`` is a home GPU serving a
 #: 7-8B model (about 6,700 prompt tokens/s, 45 generated tokens/s): prefill is cheap enough that
-#: a few tens of milliseconds of network delay cost as much as a cache hit saves.
+#: a few tens of milliseconds of network delay cost as much as a cache hit saves. ``batched``
+#: is ``BATCHED_COSTS``: the small model on the CPU, calibrated with its decode step time by
+#: batch size, served 8 at a time.
 COST_PRESETS: dict[str, CostModel] = {
     "default": DEFAULT_COSTS,
+    "batched": BATCHED_COSTS,
     "gpu": CostModel(
         prefill_s_per_token=0.00015,
         cached_s_per_token=0.000005,

@@ -16,6 +16,9 @@ Experiments
     ``admission`` the admission limit for forwarded requests (``max_queue`` 0, 1, 8) on the
                  Zipf, uniform and hot workloads
     ``scale``    the gains of routing from 4 to 256 nodes
+    ``batch``    batched nodes (the ``batched`` cost model, 8 slots) against the same model on
+                 one slot: the hot-subject tail, the delay sweep, and the arrival rate that
+                 a node carries before its mean TTFT passes 5x the idle one
 """
 
 from __future__ import annotations
@@ -99,10 +102,16 @@ def command_line(config: SimConfig) -> str:
         ("min_announce_gap_s", "--min-announce-gap"),
         ("max_queue", "--max-queue"),
         ("costs_source", "--costs"),
+        ("slots", "--slots"),
         ("gossip_loss", "--gossip-loss"),
         ("seed", "--seed"),
     )
     for attr, flag in flags:
+        if attr == "slots":
+            preset = COST_PRESETS.get(config.costs_source)
+            if preset is not None and preset.slots != config.costs.slots:
+                parts.append(f"{flag} {config.costs.slots}")
+            continue
         value = getattr(config, attr)
         always = ("nodes", "requests", "policy", "delay_ms", "skew", "cache_tokens", "seed")
         if value != getattr(d, attr) or attr in always:
@@ -556,6 +565,192 @@ def scale_experiment(
 # ------------------------------------------------------------------------------ markdown
 
 
+# ------------------------------------------------------------------------------ batching
+
+BATCH_PROFILE = "batched"
+#: single-slot against batched nodes, the same cost model otherwise
+BATCH_SLOTS = (1, 8)
+#: arrivals per node per second for the load sweep (hot:2, cost, 5 ms); the first is "idle"
+BATCH_RATES = (0.02, 0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.2)
+#: requests per run of the load sweep and of the delay sweep with batched nodes (a quarter of
+#: the base: the 2-core machine runs the 76 runs of this experiment in about half an hour)
+BATCH_RATE_REQUESTS = 1000
+BATCH_SWEEP_REQUESTS = 1000
+#: delays of the hot-subject runs (a subset of HOT_DELAYS_MS)
+BATCH_HOT_DELAYS_MS = (0, 5, 50)
+#: the hot-subject tail also at this multiple of the profile's rate (5 ms)
+BATCH_HOT_LOAD = 2.0
+#: mean TTFT this many times the idle one marks the rate a swarm carries
+TTFT_KNEE = 5.0
+
+
+def batched(config: SimConfig, slots: int) -> SimConfig:
+    """``config`` on the ``batched`` cost model with ``slots`` per node, at the default
+    profile's rate (the same machine and model as ``default``)."""
+    return replace(
+        config,
+        costs=COST_PRESETS[BATCH_PROFILE].with_slots(slots),
+        costs_source=BATCH_PROFILE,
+        rate=PROFILE_RATE["default"],
+    )
+
+
+def knee_rate(points: Sequence[tuple[float, float]], factor: float = TTFT_KNEE) -> float | None:
+    """The arrival rate at which mean TTFT first exceeds ``factor`` x its value at the lowest
+    rate, interpolated linearly between the two sweep points around it (None: never)."""
+    points = sorted(points)
+    idle = points[0][1]
+    limit = factor * idle
+    for (r0, t0), (r1, t1) in zip(points, points[1:], strict=False):
+        if t1 > limit:
+            return r0 + (r1 - r0) * (limit - t0) / (t1 - t0) if t1 != t0 else r1
+    return None
+
+
+def batch_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    hot = [
+        replace(batched(base, k), skew=HOT, delay_ms=f"{d:g}", policy=p)
+        for k in BATCH_SLOTS
+        for d in BATCH_HOT_DELAYS_MS
+        for p in POLICIES
+        if p != "local" or d in (BATCH_HOT_DELAYS_MS[0], BATCH_HOT_DELAYS_MS[-1])
+    ]
+    hot_loaded = [
+        replace(batched(base, k), skew=HOT, delay_ms="5", policy=p,
+                rate=PROFILE_RATE["default"] * BATCH_HOT_LOAD)
+        for k in BATCH_SLOTS
+        for p in ("longest_prefix", "cost")
+    ]
+    sweep = delay_configs(
+        replace(batched(base, BATCH_SLOTS[-1]), requests=min(base.requests, BATCH_SWEEP_REQUESTS)),
+        DELAYS_MS,
+        (SKEWED, "uniform"),
+    )
+    rates = [
+        replace(batched(base, k), skew=HOT, delay_ms="5", policy="cost", rate=r,
+                requests=min(base.requests, BATCH_RATE_REQUESTS))
+        for k in BATCH_SLOTS
+        for r in BATCH_RATES
+    ]
+    results = run_all(hot + hot_loaded + sweep + rates, jobs=jobs, log=log)
+    hot_runs = results[: len(hot)]
+    loaded_runs = results[len(hot) : len(hot) + len(hot_loaded)]
+    rest = results[len(hot) + len(hot_loaded) :]
+    sweep_runs = rest[: len(sweep)]
+    rate_runs = rest[len(sweep) :]
+
+    def slots_of(r: dict) -> int:
+        return int(r["params"]["costs"]["slots"])
+
+    # hot:2 tail, per slots and delay
+    hot_table = []
+    for k in BATCH_SLOTS:
+        mine = [r for r in hot_runs if slots_of(r) == k]
+        for d in BATCH_HOT_DELAYS_MS:
+            by = {r["params"]["policy"]: r for r in mine if float(r["params"]["delay_ms"]) == d}
+            if "local" not in by:
+                by["local"] = next(r for r in mine if r["params"]["policy"] == "local")
+            row: dict[str, Any] = {"slots": k, "delay_ms": d}
+            for p in POLICIES:
+                row[p] = {m: by[p][m] for m in ("ttft_mean_s", "ttft_p99_s", "latency_mean_s",
+                                                 "latency_p99_s", "hit_ratio", "forwarded_fraction")}
+            row["p99_ttft_cost_over_lp"] = row["cost"]["ttft_p99_s"] / row["longest_prefix"]["ttft_p99_s"]
+            hot_table.append(row)
+    loaded_table = []
+    for k in BATCH_SLOTS:
+        by = {r["params"]["policy"]: r for r in loaded_runs if slots_of(r) == k}
+        loaded_table.append({
+            "slots": k, "rate": PROFILE_RATE["default"] * BATCH_HOT_LOAD,
+            **{p: {m: by[p][m] for m in ("ttft_mean_s", "ttft_p99_s", "latency_mean_s",
+                                         "latency_p99_s", "hit_ratio")} for p in by},
+            "p99_ttft_cost_over_lp": by["cost"]["ttft_p99_s"] / by["longest_prefix"]["ttft_p99_s"],
+        })
+    # delay sweep, batched
+    sweep_runs = _local_stand_in(sweep_runs, log)
+    sweep_table = []
+    for skew in (SKEWED, "uniform"):
+        for d in DELAYS_MS:
+            row = {"skew": skew, "delay_ms": d}
+            for r in sweep_runs:
+                p = r["params"]
+                if (p["skew"], float(p["delay_ms"])) == (skew, d):
+                    row[p["policy"]] = {m: r[m] for m in ("latency_mean_s", "latency_p99_s",
+                                                           "ttft_mean_s", "ttft_p99_s", "hit_ratio",
+                                                           "forwarded_fraction")}
+            best = min(row["local"]["latency_mean_s"], row["longest_prefix"]["latency_mean_s"])
+            row["cost_le_best"] = row["cost"]["latency_mean_s"] <= best
+            row["cost_margin"] = 1 - row["cost"]["latency_mean_s"] / best
+            sweep_table.append(row)
+    # load sweep
+    knees: dict[str, Any] = {}
+    curves: dict[int, list[tuple[float, float]]] = {}
+    for k in BATCH_SLOTS:
+        pts = sorted((float(r["params"]["rate"]), r["ttft_mean_s"]) for r in rate_runs
+                     if slots_of(r) == k)
+        curves[k] = pts
+        knees[str(k)] = {"idle_ttft_s": pts[0][1], "knee_rate": knee_rate(pts), "curve": pts}
+    single, multi = (knees[str(k)]["knee_rate"] for k in BATCH_SLOTS)
+    knees["ratio"] = multi / single if single and multi else None
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k, style in zip(BATCH_SLOTS, ("--", "-"), strict=True):
+        for policy in POLICIES:
+            pts = [(row["delay_ms"], row[policy]["ttft_p99_s"]) for row in hot_table
+                   if row["slots"] == k]
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o" + style,
+                         label=f"{policy}, {k} slot(s)", markersize=4)
+    _delay_axis(axes[0], BATCH_HOT_DELAYS_MS)
+    axes[0].set_ylabel("p99 TTFT (s)")
+    axes[0].set_title(f"{HOT}, {base.nodes} nodes, costs '{BATCH_PROFILE}'", fontsize=10)
+    for skew, style in ((SKEWED, "-"), ("uniform", "--")):
+        for policy in POLICIES:
+            pts = [(row["delay_ms"], row[policy]["latency_mean_s"]) for row in sweep_table
+                   if row["skew"] == skew]
+            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], "o" + style,
+                         label=f"{policy}, {skew}", markersize=4)
+    _delay_axis(axes[1], DELAYS_MS)
+    axes[1].set_ylabel("mean latency (s)")
+    axes[1].set_title(f"{BATCH_SLOTS[-1]} slots: latency against delay", fontsize=10)
+    for k in BATCH_SLOTS:
+        pts = curves[k]
+        axes[2].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{k} slot(s)")
+        axes[2].axhline(TTFT_KNEE * pts[0][1], linestyle=":", linewidth=0.8)
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("arrivals per node per second")
+    axes[2].set_ylabel("mean TTFT (s)")
+    axes[2].set_title(f"{HOT}, cost, 5 ms: load against TTFT", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, out / "batch.png")
+    return {"runs": results, "hot_table": hot_table, "loaded_table": loaded_table,
+            "sweep_table": sweep_table, "knees": knees}
+
+
+def print_batch_tables(data: dict, log: Callable[[str], None]) -> None:
+    log("hot:2: TTFT mean / p99 (s) per policy; cost p99 / longest_prefix p99")
+    for row in data["hot_table"]:
+        cells = "".join(
+            f"  {p} {row[p]['ttft_mean_s']:.3f}/{row[p]['ttft_p99_s']:.3f}" for p in POLICIES
+        )
+        log(f"  slots {row['slots']} delay {row['delay_ms']:>3g}:{cells}  "
+            f"ratio {row['p99_ttft_cost_over_lp']:.3f}")
+    for row in data["loaded_table"]:
+        log(f"  slots {row['slots']} rate {row['rate']:g}, 5 ms: " + "  ".join(
+            f"{p} {row[p]['ttft_mean_s']:.3f}/{row[p]['ttft_p99_s']:.3f}"
+            for p in ("longest_prefix", "cost")) + f"  ratio {row['p99_ttft_cost_over_lp']:.3f}")
+    log("delay sweep (8 slots): mean latency; cost <= min(local, longest_prefix)")
+    for row in data["sweep_table"]:
+        log(f"  {row['skew']:<9} {row['delay_ms']:>4g} ms: " + "  ".join(
+            f"{p} {row[p]['latency_mean_s']:.3f}" for p in POLICIES)
+            + f"  {row['cost_le_best']} ({row['cost_margin']:+.1%})")
+    k = data["knees"]
+    log(f"load: knee rate (mean TTFT > {TTFT_KNEE:g}x idle) "
+        + "  ".join(f"{s} slot(s): {k[str(s)]['knee_rate']}" for s in BATCH_SLOTS)
+        + f"  ratio {k['ratio']}")
+
+
 def _f(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -637,6 +832,47 @@ def markdown_tables(out: Path) -> str:
                 f"{by['cost']['sync_bytes_per_node_per_s'] / 1000:.1f} |"
             )
         parts.append("")
+    batch = out / "batch.json"
+    if batch.exists():
+        data = json.loads(batch.read_text())
+        parts.append("batched nodes, hot:2: TTFT mean / p99 (s); p99 cost / longest_prefix\n")
+        parts.append("| slots | delay (ms) | local | longest_prefix | cost | p99 cost / LP |")
+        parts.append("|---:|---:|---:|---:|---:|---:|")
+        for row in data["hot_table"]:
+            cells = " | ".join(
+                f"{_f(row[p]['ttft_mean_s'])} / {_f(row[p]['ttft_p99_s'])}" for p in POLICIES
+            )
+            parts.append(f"| {row['slots']} | {row['delay_ms']:g} | {cells} | "
+                         f"{_f(row['p99_ttft_cost_over_lp'])} |")
+        for row in data["loaded_table"]:
+            cells = " | ".join(
+                f"{_f(row[p]['ttft_mean_s'])} / {_f(row[p]['ttft_p99_s'])}"
+                for p in ("longest_prefix", "cost")
+            )
+            parts.append(f"| {row['slots']}, rate {row['rate']:g} | 5 | - | {cells} | "
+                         f"{_f(row['p99_ttft_cost_over_lp'])} |")
+        parts.append("")
+        parts.append("batched nodes: mean latency (s), local / LP / cost, and cost's margin\n")
+        parts.append("| delay (ms) | zipf:1.1 | margin | uniform | margin |")
+        parts.append("|---:|---:|---:|---:|---:|")
+        for d in DELAYS_MS:
+            cells = []
+            for skew in (SKEWED, "uniform"):
+                row = next(r for r in data["sweep_table"]
+                           if r["skew"] == skew and r["delay_ms"] == d)
+                cells.append(" / ".join(_f(row[p]["latency_mean_s"]) for p in POLICIES))
+                cells.append(f"{row['cost_margin']:+.1%}")
+            parts.append(f"| {d:g} | " + " | ".join(cells) + " |")
+        parts.append("")
+        k = data["knees"]
+        parts.append("batched nodes: knee rate (mean TTFT > 5x idle), hot:2, cost, 5 ms\n")
+        parts.append("| slots | idle TTFT (s) | knee rate | curve (rate: mean TTFT s) |")
+        parts.append("|---:|---:|---:|---|")
+        for slots in BATCH_SLOTS:
+            e = k[str(slots)]
+            curve = ", ".join(f"{r:g}: {t:.2f}" for r, t in e["curve"])
+            parts.append(f"| {slots} | {_f(e['idle_ttft_s'])} | {_f(e['knee_rate'])} | {curve} |")
+        parts.append(f"\nratio {_f(k['ratio'], 2)}\n")
     return "\n".join(parts)
 
 
@@ -649,6 +885,7 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "hot": hot_experiment,
     "admission": admission_experiment,
     "scale": scale_experiment,
+    "batch": batch_experiment,
 }
 
 
@@ -701,6 +938,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
         if name == "delay":
             print_delay_table(data, log)
+        elif name == "batch":
+            print_batch_tables(data, log)
         else:
             for r in data["runs"]:
                 p = r["params"]

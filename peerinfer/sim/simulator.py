@@ -27,8 +27,8 @@ The event heap
     ``_SYNC``       ``(responder, requester, SyncRequest)``: a pull reaches its responder,
                     which answers from its digest as it is *then*; the response travels back
                     one link delay later as a ``SyncResponseReceived``
-    ``_FIRST``      ``(node, request_id, run)``: the engine produced the first token
-    ``_DONE``       ``(node, request_id, run)``: the engine finished
+    ``_STEP``       ``(node, epoch)``: the node's batch ends a segment of decode/prefill steps
+                    (``peerinfer.sim.batch``); stale when the batch's epoch has moved on
     ``_RELAY``      ``(origin, event, server, cached, prompt)``: a forwarded request's first
                     token or end reaches its origin (which relays it to the client)
     ==============  ===========================================================================
@@ -41,11 +41,13 @@ How effects are executed
     as a ``ClientRequest(forwarded=True)``; the peer's own core admits it or rejects it as busy
     (the ``Reject`` travels back as ``ForwardFailed(reason="busy")``). ``RunLocal``: the node's
     engine *plans* the request (``plan`` matches and inserts the prompt in its radix cache and
-    returns the cached tokens and the times); ``LocalStarted`` is reported at once, the first
-    token and the end are scheduled after ``ttft_s`` and ``service_s``, and the end reports
-    ``LocalFinished`` with the cache changes accumulated since the node's previous report.
-    ``CancelForward`` sends ``Cancel`` to the peer; ``CancelLocal`` stops the run (its pending
-    events are dropped) and reports ``LocalFinished(ok=False)``. ``PingPeer`` is answered with
+    returns the cached and generated token counts); ``LocalStarted`` is reported at once, and
+    the request joins the node's batch (``peerinfer.sim.batch``: up to ``slots`` requests run
+    at once, each decode step's duration set by how many run, a joiner's prefill chunks
+    interleaved with the others' steps, all by the cost model). The batch reports the first
+    token and the end; the end reports ``LocalFinished`` with the cache changes accumulated
+    since the node's previous report. ``CancelForward`` sends ``Cancel`` to the peer;
+    ``CancelLocal`` takes the run out of the batch and reports ``LocalFinished(ok=False)``. ``PingPeer`` is answered with
     ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts.
 
 The client's view
@@ -61,7 +63,8 @@ What is simplified
     (gossipsub's mesh adds hops and duplicates); bytes count one copy per recipient. Each
     delivery of an announcement may be lost with probability ``gossip_loss`` (the pulls then
     repair the replicas); every other message is reliable and in order. Nodes do not fail. The
-    engine serves requests whole: with ``slots`` > 1 they do not slow each other.
+    batch is the cost model's: every request of a node's batch holds the same decode step
+    time, whatever its context length, and KV memory never limits admission (``slots`` does).
 """
 
 from __future__ import annotations
@@ -103,10 +106,11 @@ from peerinfer.core.node import (
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import PeerInferError, error_kind
+from peerinfer.sim.batch import BatchJob, BatchNode
 from peerinfer.sim.config import SimConfig
 from peerinfer.types import BlockHash, PeerId, RequestId
 
-_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _FIRST, _DONE, _RELAY = range(8)
+_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY = range(7)
 _INF = math.inf
 
 
@@ -130,6 +134,7 @@ class SimRequest:
 class PlanLike(Protocol):
     prompt_tokens: int
     cached_tokens: int
+    completion_tokens: int
     ttft_s: float
     service_s: float
     cache_added: Sequence[BlockHash]
@@ -246,6 +251,7 @@ class Simulation:
         self._seq = itertools.count()
         self._tick_at = [_INF] * n
         self._runs: list[dict[RequestId, int]] = [{} for _ in range(n)]
+        self.batches = [BatchNode(costs) for _ in range(n)]
         self._enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
         self._touched: list[set[BlockHash]] = [set() for _ in range(n)]
         self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
@@ -363,10 +369,8 @@ class Simulation:
                 self._deliver(item[3], item[4], now)
             elif kind == _GOSSIP:
                 self._gossip(item, now)
-            elif kind == _DONE:
-                self._done(item[3], item[4], item[5], now)
-            elif kind == _FIRST:
-                self._first(item[3], item[4], item[5], now)
+            elif kind == _STEP:
+                self._step(item[3], item[4], now)
             elif kind == _ARRIVAL:
                 self._arrive(item[3], now)
             elif kind == _SYNC:
@@ -594,15 +598,38 @@ class Simulation:
             if self.decided[i] == 0 and eff.decision is not None:
                 self._record_decision(i, eff.decision, remote=False)
         self.served[n] += 1
-        self.busy_s[n] += plan.service_s
         self.node_cached[n] += plan.cached_tokens
         self.node_prompt[n] += plan.prompt_tokens
         wait = now - self._enqueued[n].pop(rid, now)
         self.waits[n].append(wait)
         self.queue_wait[i] = wait
-        self._push(now + plan.ttft_s, _FIRST, n, rid, run)
-        self._push(now + plan.service_s, _DONE, n, rid, (run, plan.cached_tokens, plan.prompt_tokens))
+        job = BatchJob(
+            rid, plan.prompt_tokens, plan.cached_tokens, plan.completion_tokens, payload=run
+        )
+        self._batch_moved(n, self.batches[n].join(job, now))
         self._deliver(n, LocalStarted(rid, plan.cached_tokens), now)
+
+    def _batch_moved(self, n: int, end: float | None) -> None:
+        if end is not None:
+            self._push(end, _STEP, n, self.batches[n].epoch)
+
+    def _step(self, n: int, epoch: int, now: float) -> None:
+        """A segment of node ``n``'s batch ends: first tokens and ends, then the next one."""
+        batch = self.batches[n]
+        if batch.epoch != epoch:
+            return  # superseded: the batch changed and rescheduled
+        events = batch.finish(now)
+        batch.in_boundary = True
+        try:
+            for job, first, finished in events:
+                if first:
+                    self._first(n, job.key, job.payload, now)
+                if finished:
+                    self._done(n, job.key, (job.payload, job.cached, job.prompt), now)
+        finally:
+            batch.in_boundary = False
+        self.busy_s[n] = batch.busy_s
+        self._batch_moved(n, batch.plan(now))
 
     def _record_decision(self, i: int, decision: Any, remote: bool) -> None:
         """The origin's first routing decision for request ``i``: where, and the policy's own
@@ -699,6 +726,7 @@ class Simulation:
     def _cancel_local(self, n: int, rid: RequestId, now: float) -> None:
         if self._runs[n].pop(rid, None) is None:
             return
+        self._batch_moved(n, self.batches[n].leave(rid, now))
         added, removed = self._flush_changes(n)
         self._deliver(n, LocalFinished(rid, False, added, removed, "cancelled"), now)
 
@@ -714,6 +742,8 @@ class Simulation:
                 raise SimulationError(f"node {n} still holds {core.pending_requests()[:5]}")
             if self._runs[n]:
                 raise SimulationError(f"node {n} still runs {list(self._runs[n])[:5]}")
+            if self.batches[n].jobs:
+                raise SimulationError(f"node {n}'s batch still holds {len(self.batches[n].jobs)}")
             st = core.statistics()
             if st.queued or st.running:
                 raise SimulationError(f"node {n} still has {st.queued} queued, {st.running} running")

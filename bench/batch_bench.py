@@ -1,0 +1,471 @@
+"""Batched serving benchmark: many requests at once on one Transformers engine.
+
+Run ``python bench/batch_bench.py`` for a table on stderr and ``--json`` for one JSON object on
+stdout. Model: the engine's default (SmolLM2-135M-Instruct), float32 on the CPU, one torch
+thread for every figure (``--threads``). Workload: MMLU 5-shot **chat** prompts of two subjects
+(``--subjects``, default astronomy and virology; the data from ``../shared/data/mmlu`` when
+present, else the excerpt shipped in peerinfer/data): one user message holding the subject's
+five-shot block and a test question, through the model's chat template. Every timed phase
+starts from a fresh cache holding the two subjects' prefixes (cached by one request per subject
+with another question), greedy, ``--tokens`` (32) new tokens at most (a request also ends at
+the model's end of sequence: every system compared produces the same tokens).
+
+Figures (keys of the JSON object)
+---------------------------------
+* ``throughput_x_8``: 8 requests (4 per subject) submitted at once to a ``BatchScheduler``,
+  aggregate generated tokens/s, over the same 8 through ``engine.generate`` one after another.
+* ``vs_hf_padded_8``: the same aggregate over transformers' own left-padded batch
+  ``generate`` of the 8 full prompts (no prefix cache; its own KV cache as always).
+* ``vs_hf_cb_8``: ... over transformers' ``generate_batch`` (continuous batching) of the 8.
+* ``ttft_join_ratio``: time to first token of a request submitted while 7 others decode, over
+  the same request's on an idle engine (medians over ``--ttft-repeats`` prompts).
+* ``step_time_by_batch``: seconds per ``engine.decode_batch`` with 1, 2, 4, 8, 16 requests
+  decoding (contexts of the workload's prompts, cached prefixes); also as the cost model's
+  ``decode_step_s_by_batch`` (``[[n, seconds], ...]``, what ``peerinfer calibrate`` writes).
+* ``exact_share``: share of ``--exact-requests`` (64) requests, run through the scheduler 8 at
+  a time (joining and leaving as others end), whose greedy tokens equal transformers'
+  ``generate`` of the prompt alone with no prefix cache; ``tie_flips`` counts the differing
+  ones whose first differing token scored within 1e-4 of the lone run's best logit (float
+  rounding of a near tie), ``mismatches`` the others (bugs).
+* ``node_x_16``: 16 concurrent clients (``Client.connect``, the client behind ``peerinfer.connect``)
+  on one real node (libp2p on 127.0.0.1), generated tokens/s over the
+  same 16 one after another, if this checkout's node serves batches (else ``node_level``
+  says why it is missing).
+
+``--clock cpu`` times with the process's CPU time instead of the wall clock (with one thread,
+what the wall clock would read on an idle machine; generate_batch runs a thread of its own,
+whose time is counted too). Say which when quoting figures, with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: The clock the timed sections read (``--clock``).
+clock: Callable[[], float] = time.perf_counter
+TIE = 1e-4
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Workload:
+    """Chat prompts per subject, and the warm-up prompts that cache each subject's prefix."""
+
+    def __init__(self, engine: Any, data: str | None, subjects: Sequence[str], per_subject: int) -> None:
+        from peerinfer.core.messages import ChatMessage
+        from peerinfer.workload import MMLU, default_data_dir, five_shot_prefix, question_suffix
+
+        if data is None:
+            data = default_data_dir()
+        if data is None and (ROOT.parent / "shared" / "data" / "mmlu" / "dev").is_dir():
+            data = ROOT.parent / "shared" / "data" / "mmlu"
+        mmlu = MMLU.load(data)
+        self.source = str(data or "packaged excerpt")
+        self.prompts: dict[str, list[list[int]]] = {}
+        #: The same questions as plain text, no chat template: the model continues the pattern
+        #: instead of answering and ending, so these keep decoding (the busy requests).
+        self.raw: list[list[int]] = []
+        self.warm: list[list[int]] = []
+        #: The user messages of ``prompts`` and ``warm`` (what a client sends a node).
+        self.texts: dict[str, list[str]] = {}
+        self.warm_texts: list[str] = []
+        for subject in subjects:
+            if subject not in mmlu.subjects:
+                raise SystemExit(f"no subject {subject!r} in {self.source}")
+            prefix = five_shot_prefix(subject, mmlu.dev(subject))
+            questions = mmlu.test(subject)
+            if len(questions) < 2:
+                raise SystemExit(f"{subject}: needs at least 2 test questions")
+
+            def chat(q: Any, prefix: str = prefix) -> list[int]:
+                return list(engine.chat_tokens([ChatMessage("user", prefix + question_suffix(q))]))
+
+            self.warm.append(chat(questions[-1]))
+            self.warm_texts.append(prefix + question_suffix(questions[-1]))
+            qs = questions[:-1]
+            self.texts[subject] = [prefix + question_suffix(qs[i % len(qs)]) for i in range(per_subject)]
+            self.prompts[subject] = [chat(qs[i % len(qs)]) for i in range(per_subject)]
+            self.raw += [engine.tokenize(prefix + question_suffix(q)) for q in qs[:4]]
+
+    def mixed(self, n: int, offset: int = 0) -> list[list[int]]:
+        """``n`` prompts alternating between the subjects."""
+        return _alternate(list(self.prompts.values()), n, offset)
+
+    def mixed_texts(self, n: int, offset: int = 0) -> list[str]:
+        return _alternate(list(self.texts.values()), n, offset)
+
+
+def _alternate(lists: list[list[Any]], n: int, offset: int) -> list[Any]:
+    return [lists[(offset + i) % len(lists)][(offset + i) // len(lists)] for i in range(n)]
+
+
+def fresh_cache(engine: Any, workload: Workload) -> None:
+    """An empty cache, then each subject's prefix cached by a request with another question."""
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.core.prefix import PrefixHasher
+
+    engine.configure_cache(PrefixHasher(engine.fingerprint))
+    for prompt in workload.warm:
+        for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):
+            pass
+
+
+def run_serial(engine: Any, prompts: Sequence[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Tokens
+
+    outs = []
+    t0 = clock()
+    for p in prompts:
+        outs.append([t for ev in engine.generate(p, SamplingParams(max_tokens=tokens)) if isinstance(ev, Tokens) for t in ev.token_ids])
+    return clock() - t0, outs
+
+
+def run_scheduler(
+    engine: Any, prompts: Sequence[list[int]], tokens: int, max_running: int
+) -> tuple[float, list[list[int]], list[int]]:
+    """All ``prompts`` submitted at once; (seconds, tokens per request, cached tokens)."""
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Started, Tokens
+    from peerinfer.engine.batch import BatchScheduler
+    from peerinfer.errors import PeerInferError
+
+    sched = BatchScheduler(engine, max_running=max_running)
+    outs: list[list[int]] = [[] for _ in prompts]
+    cached = [0] * len(prompts)
+    t0 = clock()
+    for k, p in enumerate(prompts):
+        sched.submit(k, p, SamplingParams(max_tokens=tokens))
+    for _ in range(100_000):
+        if sched.idle:
+            break
+        for key, ev in sched.step():
+            if isinstance(ev, PeerInferError):
+                raise ev
+            if isinstance(ev, Tokens):
+                outs[key].extend(ev.token_ids)
+            elif isinstance(ev, Started):
+                cached[key] = ev.cached_tokens
+    return clock() - t0, outs, cached
+
+
+def run_hf_padded(engine: Any, prompts: Sequence[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    import torch
+
+    tok = engine.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos_token_ids)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=engine.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=engine.device)
+    t0 = clock()
+    with torch.inference_mode():
+        out = engine.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+            pad_token_id=pad,
+        )
+    elapsed = clock() - t0
+    return elapsed, [_until_eos(engine, row[width:].tolist()) for row in out]
+
+
+def run_hf_cb(engine: Any, prompts: Sequence[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(
+        max_new_tokens=tokens, do_sample=False, eos_token_id=sorted(engine.eos_token_ids),
+        pad_token_id=min(engine.eos_token_ids),
+    )
+    t0 = clock()
+    outs = engine.model.generate_batch(inputs=[list(p) for p in prompts], generation_config=gc)
+    elapsed = clock() - t0
+    by_id = sorted(outs.items(), key=lambda kv: kv[0])
+    return elapsed, [_until_eos(engine, list(o.generated_tokens)) for _, o in by_id]
+
+
+def _until_eos(engine: Any, ids: list[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in engine.eos_token_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def reference(engine: Any, prompt: Sequence[int], n: int) -> tuple[list[int], list[Any]]:
+    import torch
+
+    ids = torch.tensor([list(prompt)], device=engine.device)
+    with torch.inference_mode():
+        out = engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            pad_token_id=min(engine.eos_token_ids), output_logits=True, return_dict_in_generate=True,
+        )
+    return _until_eos(engine, out.sequences[0, len(prompt):].tolist()), [r[0] for r in out.logits]
+
+
+def compare(engine: Any, prompt: Sequence[int], got: Sequence[int], n: int) -> str:
+    """'equal', 'tie' (first difference at a near tie of the lone run) or 'mismatch'."""
+    expected, logits = reference(engine, prompt, n)
+    if list(got) == expected:
+        return "equal"
+    for i, (a, b) in enumerate(zip(got, expected, strict=False)):
+        if a != b:
+            gap = float(logits[i].max() - logits[i][a])
+            return "tie" if gap <= TIE else "mismatch"
+    return "mismatch"  # one is a prefix of the other: a length difference
+
+
+def ttft_scheduler(engine: Any, prompt: list[int], busy: Sequence[list[int]], tokens: int) -> float:
+    """Time from submitting ``prompt`` to its first token, with ``busy`` decoding meanwhile."""
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Tokens
+    from peerinfer.engine.batch import BatchScheduler
+    from peerinfer.errors import PeerInferError
+
+    sched = BatchScheduler(engine, max_running=len(busy) + 1)
+    seen: set[int] = set()
+    for k, p in enumerate(busy):
+        sched.submit(k, p, SamplingParams(max_tokens=128))  # outlives the timed part; fits the KV budget
+    for _ in range(10_000):  # until every busy request decodes, then two more steps
+        if len(seen) == len(busy):
+            break
+        for key, ev in sched.step():
+            if isinstance(ev, PeerInferError):
+                raise ev
+            if isinstance(ev, Tokens) and ev.token_ids:
+                seen.add(key)  # type: ignore[arg-type]
+    for _ in range(2 if busy else 0):
+        sched.step()
+    assert sched.running == len(busy), "a busy request ended early"
+    t0 = clock()
+    sched.submit("new", prompt, SamplingParams(max_tokens=tokens))
+    first = None
+    for _ in range(10_000):
+        for key, ev in sched.step():
+            if key == "new" and isinstance(ev, Tokens) and ev.token_ids:
+                first = clock() - t0
+        if first is not None:
+            break
+    for k in range(len(busy)):
+        sched.cancel(k)
+    sched.cancel("new")
+    for _ in range(10_000):
+        if sched.idle:
+            break
+        sched.step()
+    assert first is not None
+    return first
+
+
+def step_times(engine: Any, prompts: Sequence[list[int]], sizes: Sequence[int], steps: int) -> dict[int, float]:
+    """Median ``decode_batch`` seconds with ``n`` decoders (end of sequence ignored: timing only)."""
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine.base import NEVER_CANCELLED, RequestJob
+
+    out: dict[int, float] = {}
+    for n in sizes:
+        jobs = [RequestJob(engine, tuple(p), SamplingParams(max_tokens=steps + 4), NEVER_CANCELLED) for p in prompts[:n]]
+        try:
+            for job in jobs:
+                job.start()
+                assert job.decoder is not None
+                job.decoder.prefill(1 << 20)
+            decoders = [job.decoder for job in jobs]
+            engine.decode_batch(decoders)  # first tokens: sampling only
+            engine.decode_batch(decoders)  # joins the batch
+            times = []
+            for _ in range(steps):
+                t0 = clock()
+                engine.decode_batch(decoders)
+                times.append(clock() - t0)
+            out[n] = statistics.median(times)
+        finally:
+            for job in jobs:
+                job.close()
+        say(f"decode step with {n:2d} running: {out[n] * 1000:7.1f} ms ({n / out[n]:.1f} tokens/s)")
+    return out
+
+
+def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[str, Any]:
+    """``n`` clients at once on one real node (libp2p on 127.0.0.1, the ``local`` policy) over
+    the same ``n`` requests sent one after another; each run on a freshly started node (its
+    cache cleared) that first caches the two prefixes."""
+    import inspect
+
+    import trio
+
+    import peerinfer.node as node_module
+    from peerinfer.client import Client
+    from peerinfer.node import Node, NodeOptions
+
+    if "BatchScheduler" not in inspect.getsource(node_module):
+        return {"node_level": "missing: this checkout's node does not run the BatchScheduler"}
+    chats = [[{"role": "user", "content": text}] for text in work.mixed_texts(n)]
+    warm = [[{"role": "user", "content": text}] for text in work.warm_texts]
+
+    async def run(concurrent: bool) -> tuple[float, int]:
+        options = NodeOptions(
+            engine="unused", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
+            policy="local", seed=1, max_queue=n,
+        )
+        node = Node(options, engine=engine)
+        produced = [0] * n
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            addr = node.addresses()[0]
+            async with Client.connect(addr) as client:
+                for chat in warm:
+                    await client.generate(chat, max_tokens=1)
+            t0 = clock()
+            if concurrent:
+                async def ask(i: int) -> None:
+                    async with Client.connect(addr) as client:
+                        produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
+
+                async with trio.open_nursery() as clients:
+                    for i in range(n):
+                        clients.start_soon(ask, i)
+            else:
+                async with Client.connect(addr) as client:
+                    for i in range(n):
+                        produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
+            elapsed = clock() - t0
+            nursery.cancel_scope.cancel()
+        return elapsed, sum(produced)
+
+    t_seq, n_seq = trio.run(run, False)
+    t_conc, n_conc = trio.run(run, True)
+    say(f"node, {n} clients: one after another {t_seq:.2f} s ({n_seq} tokens), "
+        f"at once {t_conc:.2f} s ({n_conc} tokens)")
+    return {
+        f"node_sequential_{n}_s": round(t_seq, 3), f"node_concurrent_{n}_s": round(t_conc, 3),
+        f"node_tokens_{n}": [n_seq, n_conc],
+        f"node_x_{n}": round((n_conc / t_conc) / (n_seq / t_seq), 3),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    global clock
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--data", help="MMLU directory (default $PEERINFER_MMLU or ../shared/data/mmlu, else the excerpt)")
+    parser.add_argument("--subjects", default="astronomy,virology")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per request (32)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--exact-requests", type=int, default=64)
+    parser.add_argument("--ttft-repeats", type=int, default=4)
+    parser.add_argument("--step-sizes", default="1,2,4,8,16")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    parser.add_argument("--skip-cb", action="store_true", help="skip generate_batch (slow on CPU)")
+    parser.add_argument("--skip-node", action="store_true", help="skip the node-level figure")
+    parser.add_argument("--quick", action="store_true", help="tiny figures, for a smoke run")
+    args = parser.parse_args(argv)
+    if args.clock == "cpu":
+        clock = time.process_time
+    if args.quick:
+        args.tokens, args.exact_requests, args.ttft_repeats, args.steps = 4, 4, 1, 2
+        args.step_sizes = "1,2"
+
+    import torch
+
+    from peerinfer.engine.hf import TransformersEngine
+
+    torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.step_sizes.split(",")]
+    engine = TransformersEngine(device="cpu", threads=args.threads, max_batch_size=8)
+    subjects = [s.strip() for s in args.subjects.split(",") if s.strip()]
+    per_subject = max(8, -(-max(sizes + [args.exact_requests]) // len(subjects)))
+    work = Workload(engine, args.data, subjects, per_subject)
+    result: dict[str, Any] = {
+        "model": engine.model_name, "threads": args.threads, "clock": args.clock,
+        "tokens": args.tokens, "data": work.source, "subjects": subjects,
+    }
+    eight = work.mixed(8)
+    say(f"prompt tokens of the 8: {[len(p) for p in eight]}")
+    fresh_cache(engine, work)
+    run_serial(engine, eight[:1], 2)  # warm-up
+
+    fresh_cache(engine, work)
+    t_serial, serial = run_serial(engine, eight, args.tokens)
+    fresh_cache(engine, work)
+    t_batch, batched, cached = run_scheduler(engine, eight, args.tokens, 8)
+    n_tokens = sum(map(len, batched))
+    rate = n_tokens / t_batch  # the batched engine's aggregate tokens/s
+    result.update(
+        serial_8_s=round(t_serial, 3), batched_8_s=round(t_batch, 3), tokens_8=n_tokens,
+        tokens_8_serial=sum(map(len, serial)), cached_tokens_8=cached,
+        serial_equal=sum(a == b for a, b in zip(serial, batched, strict=True)),
+        throughput_x_8=round(rate / (sum(map(len, serial)) / t_serial), 3),
+    )
+    say(f"8 requests, {n_tokens} tokens: one by one {t_serial:.2f} s, batched {t_batch:.2f} s "
+        f"-> x{result['throughput_x_8']} (cached {cached})")
+
+    t_pad, padded = run_hf_padded(engine, eight, args.tokens)
+    result.update(hf_padded_8_s=round(t_pad, 3),
+                  vs_hf_padded_8=round(rate / (sum(map(len, padded)) / t_pad), 3),
+                  hf_padded_equal=sum(a == b for a, b in zip(padded, batched, strict=True)))
+    say(f"transformers padded generate: {t_pad:.2f} s -> x{result['vs_hf_padded_8']} "
+        f"({result['hf_padded_equal']}/8 outputs equal)")
+    if not args.skip_cb:
+        t_cb, cb = run_hf_cb(engine, eight, args.tokens)
+        result.update(hf_cb_8_s=round(t_cb, 3),
+                      vs_hf_cb_8=round(rate / (sum(map(len, cb)) / t_cb), 3),
+                      hf_cb_equal=sum(a == b for a, b in zip(cb, batched, strict=True)))
+        say(f"transformers generate_batch: {t_cb:.2f} s -> x{result['vs_hf_cb_8']} "
+            f"({result['hf_cb_equal']}/8 outputs equal)")
+
+    idle, joined = [], []
+    others = work.raw[:7]
+    for i in range(args.ttft_repeats):
+        prompt = work.mixed(1, offset=15 + i)[0]
+        fresh_cache(engine, work)
+        idle.append(ttft_scheduler(engine, prompt, [], args.tokens))
+        fresh_cache(engine, work)
+        joined.append(ttft_scheduler(engine, prompt, others, args.tokens))
+        say(f"TTFT idle {idle[-1] * 1000:.0f} ms, joining 7 decoding {joined[-1] * 1000:.0f} ms")
+    ti, tj = statistics.median(idle), statistics.median(joined)
+    result.update(ttft_idle_s=round(ti, 4), ttft_join_s=round(tj, 4), ttft_join_ratio=round(tj / ti, 3))
+
+    fresh_cache(engine, work)
+    steps = step_times(engine, work.mixed(max(sizes)), sizes, args.steps)
+    result["step_time_by_batch"] = {str(n): round(t, 5) for n, t in steps.items()}
+    result["decode_step_s_by_batch"] = [[n, round(t, 5)] for n, t in sorted(steps.items())]
+
+    fresh_cache(engine, work)
+    prompts = work.mixed(args.exact_requests)
+    _, outs, _ = run_scheduler(engine, prompts, args.tokens, 8)
+    verdicts = [compare(engine, p, o, args.tokens) for p, o in zip(prompts, outs, strict=True)]
+    result.update(
+        exact_requests=len(prompts), exact_share=round(verdicts.count("equal") / len(prompts), 4),
+        tie_flips=verdicts.count("tie"), mismatches=verdicts.count("mismatch"),
+    )
+    say(f"exact: {verdicts.count('equal')}/{len(prompts)} equal, {verdicts.count('tie')} tie flips, "
+        f"{verdicts.count('mismatch')} mismatches")
+
+    if args.skip_node:
+        result["node_level"] = "skipped (--skip-node)"
+    else:
+        result.update(node_level(engine, work, args.tokens))
+    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    engine.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:24s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

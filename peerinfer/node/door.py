@@ -1,0 +1,287 @@
+"""The door: the one entry point (``Node.submit``) through which every front end (the libp2p
+generate handler, the HTTP API) submits a request and receives its stream of events."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from peerinfer.core.messages import (
+    MAX_PROMPT_TOKENS,
+    ErrorMessage,
+    GenerateDone,
+    GenerateRequest,
+    Message,
+    TokenChunk,
+    decode,
+    encode,
+)
+from peerinfer.core.node import (
+    Cancel,
+    ClientRequest,
+    Forward,
+    RunLocal,
+)
+from peerinfer.errors import (
+    InvalidRequestError,
+    PeerInferError,
+    ProtocolError,
+)
+from peerinfer.net import FramedStream
+from peerinfer.node.options import TOKEN_GAP_TIMEOUT_S, logger
+from peerinfer.types import PeerId, RequestId
+
+
+@dataclass(slots=True)
+class _Sink:
+    """Where a request's frames go: the stream handler that owns the request reads them."""
+
+    send: trio.MemorySendChannel[Message]
+    request_id: str  # the id the client used (frames carry it)
+    started: float
+    prompt_tokens: int
+    first_token_at: float | None = None
+    completion_ids: list[int] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    forward_scope: trio.CancelScope | None = None
+    done: bool = False
+    serving_peer: str = ""  # where the request runs now (the last routing decision)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRecord:
+    """One routing decision, as the dashboard shows it."""
+
+    at: float  # wall clock
+    request_id: str
+    peer: str
+    local: bool
+    reason: str
+
+
+class Submission:
+    """The events of one request submitted through :meth:`Node.submit`, in order.
+
+    ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
+    ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
+    it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
+    routed). ``on_end`` runs once, as the final event is handed out (before the front end can
+    answer its client, so a scrape after the answer sees the request) or, for a request left
+    early, when the door closes.
+    """
+
+    def __init__(
+        self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
+        sink: _Sink | None, final: ErrorMessage | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._receive = receive
+        self._sink = sink
+        self._pending = final
+        self.final: GenerateDone | ErrorMessage | None = None
+        self.on_end: Callable[[Submission], None] | None = None
+
+    @classmethod
+    def failed(cls, error: ErrorMessage) -> Submission:
+        return cls(error.request_id, None, None, final=error)
+
+    def end(self) -> None:
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback(self)
+
+    @property
+    def serving_peer(self) -> str:
+        return self._sink.serving_peer if self._sink is not None else ""
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> TokenChunk | GenerateDone | ErrorMessage:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item: Message
+        if self._pending is not None or self._receive is None:
+            item = self._pending or ErrorMessage(self.request_id, "internal", "no result")
+        else:
+            try:
+                with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
+                    item = await self._receive.receive()
+            except trio.TooSlowError:
+                item = ErrorMessage(self.request_id, "timeout",
+                                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
+        if isinstance(item, GenerateDone | ErrorMessage):
+            self.final = item
+            self.end()
+        assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
+        return item
+
+
+class DoorMixin:
+    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+
+    async def _serve_generate(self, stream: FramedStream) -> None:
+        """A client (or a peer forwarding) asks for a completion; stream it back."""
+        try:
+            frame = await stream.receive()
+            req = decode(frame, expected=GenerateRequest)
+            assert isinstance(req, GenerateRequest)
+        except ProtocolError as exc:
+            with contextlib.suppress(PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.send(encode(ErrorMessage("", "protocol", str(exc))))
+            return
+        except trio.EndOfChannel:
+            return
+        try:
+            async with self.submit(req, requester=stream.remote_peer, local=False) as events:
+                async for item in events:
+                    await stream.send(encode(item))
+        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # Leaving submit() cancelled the work, wherever it ran.
+            logger.info("request %s from %s: stream ended early (%s)", req.request_id,
+                        stream.remote_peer, type(exc).__name__)
+
+    @contextlib.asynccontextmanager
+    async def submit(
+        self, req: GenerateRequest, *, requester: str, local: bool
+    ) -> AsyncIterator[Submission]:
+        """The door: every front end (the libp2p generate handler, the HTTP API) submits here.
+
+        ``requester`` names who asked (a peer id, ``http:<address>``): request ids are unique
+        per requester, and the core's fair share of the engine is kept between requesters.
+        ``local``: the request comes from this node's own users (the HTTP API's loopback
+        clients), whom the core serves before the network's. Yields a :class:`Submission`, an async iterator of ``TokenChunk``
+        events ending with exactly one ``GenerateDone`` or ``ErrorMessage``; a request that
+        cannot be taken (bad prompt, duplicate id, shutting down) yields just the error.
+        Leaving the block before the end (the client went away, the caller was cancelled)
+        cancels the work wherever in the network it runs.
+        """
+        error: ErrorMessage | None = None
+        tokens: list[int] = []
+        rid = RequestId(f"{requester}/{req.request_id}")
+        if self._closing:
+            error = ErrorMessage(req.request_id, "shutdown", "the node is shutting down")
+        elif rid in self._sinks:
+            error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        else:
+            try:
+                tokens = await self._prompt_tokens(req)
+            except InvalidRequestError as exc:
+                error = ErrorMessage(req.request_id, "invalid", str(exc))
+            if rid in self._sinks:  # the same id arrived again while we tokenized
+                error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
+        if error is not None:
+            refused = Submission.failed(error)
+            refused.on_end = lambda sub: self._notify_listeners(sub, local)
+            try:
+                yield refused
+            finally:
+                refused.end()
+            return
+        send, receive = trio.open_memory_channel[Message](math.inf)
+        sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
+        self._sinks[rid] = sink
+        self._open_handlers += 1
+        submission = Submission(req.request_id, receive, sink)
+        submission.on_end = lambda sub: self._notify_listeners(sub, local)
+        self._feed(
+            ClientRequest(
+                request_id=rid,
+                tokens=tuple(tokens),
+                params=req.params,
+                forwarded=req.forwarded,
+                origin=PeerId(requester) if req.forwarded else None,
+                max_outstanding=req.max_outstanding if req.forwarded else None,
+                requester=requester,
+                local=local,
+            )
+        )
+        try:
+            async with receive:
+                yield submission
+        finally:
+            self._open_handlers -= 1
+            if rid in self._sinks and not sink.done:
+                # The client went away: stop the work, wherever it runs.
+                self._feed(Cancel(rid))
+                sink.cancel.set()
+                if sink.forward_scope is not None:
+                    sink.forward_scope.cancel()
+                self._sinks.pop(rid, None)
+            submission.end()
+
+    def _notify_listeners(self, submission: Submission, local: bool) -> None:
+        for listener in self.request_listeners:
+            try:
+                listener(submission, local)
+            except Exception:  # metrics must never break a request
+                logger.exception("request listener failed")
+
+    def _note_route(self, eff: RunLocal | Forward) -> None:
+        """Remember where a request went and why (the dashboard shows the last ones)."""
+        sink = self._sinks.get(eff.request_id)
+        target = self.peer_id if isinstance(eff, RunLocal) else eff.peer
+        if sink is not None:
+            sink.serving_peer = target
+        decision = eff.decision
+        self.recent_decisions.append(
+            RoutingRecord(
+                at=self._now(),
+                request_id=str(eff.request_id),
+                peer=str(target),
+                local=isinstance(eff, RunLocal),
+                reason=decision.reason if decision is not None else "",
+            )
+        )
+
+    async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
+        engine = self.engine
+        assert engine is not None
+        # Routing needs the tokens: with a thread-safe tokenizer they are computed beside the
+        # running generation instead of queueing behind its current (possibly long) step.
+        run = trio.to_thread.run_sync if engine.thread_safe_tokenizer else self._in_engine
+        if req.forwarded or req.tokens:
+            tokens = list(req.tokens)
+        elif req.messages:
+            tokens = await run(engine.chat_tokens, list(req.messages))
+        elif req.prompt:
+            tokens = await run(engine.tokenize, req.prompt)
+        else:
+            raise InvalidRequestError("the request has no prompt, messages or tokens")
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty")
+        if len(tokens) >= min(engine.max_context_tokens, MAX_PROMPT_TOKENS):
+            raise InvalidRequestError(
+                f"the prompt has {len(tokens)} tokens; the model's context holds "
+                f"{engine.max_context_tokens} and at least one must be left to generate"
+            )
+        vocab = engine.vocab_size
+        if any(t < 0 or t >= vocab for t in tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})")
+        return tokens
+
+    def _finish_sink(self, sink: _Sink, final: Message) -> None:
+        if sink.done:
+            return
+        sink.done = True
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            sink.send.send_nowait(final)
+        for rid, s in list(self._sinks.items()):
+            if s is sink:
+                del self._sinks[rid]
+
+    def _relay_tokens(self, sink: _Sink, ids: Sequence[int], text: str) -> None:
+        if sink.done:
+            return
+        if sink.first_token_at is None and (ids or text):
+            sink.first_token_at = trio.current_time()
+        sink.completion_ids.extend(ids)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            sink.send.send_nowait(TokenChunk(sink.request_id, tuple(ids), text))

@@ -1,0 +1,107 @@
+"""How a node is configured (``NodeOptions``: the ``peerinfer node`` flags), its protocol
+names and its limits."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.engine.base import Engine
+from peerinfer.net.config import DEFAULT_PORT
+
+logger = logging.getLogger("peerinfer.node")
+GENERATE_PROTOCOL = "/peerinfer/generate/1.0.0"
+SYNC_PROTOCOL = "/peerinfer/sync/1.0.0"
+STATUS_PROTOCOL = "/peerinfer/status/1.0.0"
+PEERS_PROTOCOL = "/peerinfer/peers/1.0.0"
+PROTOCOL_GENERATION = 1
+#: How long a node waits for in-flight requests to finish on shutdown before failing them.
+SHUTDOWN_GRACE_S = 30.0
+#: Peers we tell a newcomer about, at most.
+MAX_EXCHANGED_PEERS = 64
+#: How often we ask a random connected peer whom it knows (peer exchange).
+PEER_EXCHANGE_INTERVAL_S = 10.0
+#: The client handler's wait for the next token of a request served here or relayed.
+TOKEN_GAP_TIMEOUT_S = 120.0
+#: Dials caused by peer exchange: at most this many per second (bursts of PEER_DIAL_BURST), and
+#: one peer at most once per PEER_REDIAL_S; learned peers beyond the rate are dropped, not queued.
+PEER_DIAL_RATE = 1.0
+PEER_DIAL_BURST = 8
+PEER_REDIAL_S = 10.0
+#: Bound of the per-peer tables kept here (peer exchange, dial history).
+MAX_PEER_TABLE = 4096
+#: Replica budget, by default a share of the local cache budget (in bytes), at about this many
+#: bytes per replica hash (measured: 1.69M hashes in 253 MB, issue 11); with no cache budget,
+#: DEFAULT_REPLICA_BUDGET_BLOCKS (about 40 MB).
+REPLICA_BUDGET_SHARE = 1 / 8
+REPLICA_BYTES_PER_BLOCK = 150
+DEFAULT_REPLICA_BUDGET_BLOCKS = 1 << 18
+MIN_REPLICA_BUDGET_BLOCKS = 1 << 16
+#: Epoch bases of two incarnations of one identity differ by at least this (epochs within one
+#: incarnation grow by one per announcement, four per second at most: 34 years of room).
+EPOCH_STRIDE = 1 << 32
+#: How many routing decisions a node remembers for its dashboard.
+RECENT_DECISIONS = 64
+
+
+def announce_topic(fingerprint: bytes, swarm_secret: bytes | None = None) -> str:
+    """The gossip topic of one model (and, for a private swarm, one swarm key)."""
+    tag = fingerprint.hex()[:16]
+    if swarm_secret is not None:
+        tag += "-" + hashlib.blake2b(swarm_secret, digest_size=6).hexdigest()
+    return f"peerinfer/{PROTOCOL_GENERATION}/{tag}/announce"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    """How to run a node (the ``peerinfer node`` flags)."""
+
+    engine: str = "hf"
+    model: str | None = None
+    device: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    listen: tuple[str, ...] = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}",)
+    bootstrap: tuple[str, ...] = ()
+    mdns: bool = True
+    identity: Path | None = None
+    persist_identity: bool = True
+    cache_bytes: int | None = None
+    cache_tokens: int | None = None
+    policy: str = "cost"
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
+    costs: CostModel = DEFAULT_COSTS
+    announce_interval_s: float = 1.0
+    first_token_timeout_s: float = 30.0
+    peer_timeout_s: float = 6.0
+    max_queue: int = 8
+    seed: int | None = None
+    expected_peers: int = 64
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    http: str | None = None
+    #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
+    api_keys: tuple[str, ...] = ()
+    #: hashes all peers' replicas may hold together; None: a share of the cache budget
+    replica_budget_blocks: int | None = None
+    #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
+    wall_clock: Callable[[], float] = time.time
+    #: trust: the share of forwarded greedy answers audited, and (if given) the only peers
+    #: requests are forwarded to
+    audit_rate: float = 0.05
+    trusted_peers: tuple[str, ...] | None = None
+
+
+def _load_engine(options: NodeOptions) -> Engine:
+    from peerinfer.engine.registry import load_engine
+
+    kwargs = dict(options.engine_options)
+    if options.model is not None:
+        kwargs.setdefault("model", options.model)
+    if options.device is not None:
+        kwargs.setdefault("device", options.device)
+    return load_engine(options.engine, **kwargs)

@@ -1,0 +1,182 @@
+"""Status and peers: the status protocol, peer exchange, peer events and liveness pings."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import trio
+
+from peerinfer.core.messages import (
+    CacheStatus,
+    PeerAddrs,
+    PeerExchange,
+    PeerStatus,
+    RequestCounters,
+    StatusRequest,
+    StatusResponse,
+    decode,
+    encode,
+)
+from peerinfer.core.node import (
+    PeerLost,
+    PeerSeen,
+)
+from peerinfer.errors import (
+    PeerInferError,
+    ProtocolError,
+)
+from peerinfer.net import FramedStream, PeerEvent
+from peerinfer.node.options import (
+    MAX_EXCHANGED_PEERS,
+    MAX_PEER_TABLE,
+    PEER_EXCHANGE_INTERVAL_S,
+    PEER_REDIAL_S,
+    PEERS_PROTOCOL,
+)
+from peerinfer.trust import reputation_line
+from peerinfer.types import PeerId
+
+
+class PeersMixin:
+    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+
+    def status(self) -> StatusResponse:
+        core, host, engine = self.core, self.host, self.engine
+        assert core is not None and host is not None and engine is not None
+        now = self._now()
+        peers = tuple(
+            PeerStatus(
+                peer_id=p.peer_id,
+                digest_age_s=min(p.digest_age_s, 1e11),
+                load=p.load,
+                cached_tokens=p.cached_tokens,
+                rtt_ms=(p.rtt_s or 0.0) * 1000.0,
+                reputation=reputation_line(core, p.peer_id, now),
+            )
+            for p in core.peers(now)
+        )
+        cache_tokens = len(core.local.digest) * core.hasher.block_size
+        stats = engine.statistics().cache
+        capacity = (stats.capacity_bytes or 0) if stats is not None else 0
+        counts = core.statistics()
+        cache_bytes = stats.bytes if stats is not None else 0
+        return StatusResponse(
+            peer_id=host.peer_id,
+            addrs=tuple(host.dialable_addrs())[:64],
+            model=engine.model_name[:512],
+            peers=peers[:4096],
+            cache=CacheStatus(tokens=cache_tokens, bytes=cache_bytes, capacity_bytes=capacity),
+            load=core.load(),
+            counters=RequestCounters(
+                requests=counts.requests,
+                served_locally=counts.served_locally,
+                forwarded=counts.forwarded,
+                failovers=counts.failovers,
+                rejected=counts.rejected,
+                rejected_over_limit=counts.rejected_over_limit,
+            ),
+        )
+
+    async def _serve_status(self, stream: FramedStream) -> None:
+        decode(await stream.receive(), expected=StatusRequest)
+        await stream.send(encode(self.status()))
+
+    def _known_peers(self) -> PeerExchange:
+        host = self.host
+        assert host is not None
+        peers = [PeerAddrs(host.peer_id, tuple(host.dialable_addrs())[:16])]
+        # Only nodes (peers that announced on our topic), never clients: a client is not a
+        # routing candidate and should not be dialed by every node it is told about.
+        others = [p for p in host.connected_peers() if p in self._exchanged]
+        random.shuffle(others)
+        for peer in others[:MAX_EXCHANGED_PEERS]:
+            addrs = tuple(host.known_addrs(peer))[:16]
+            if addrs:
+                peers.append(PeerAddrs(peer, addrs))
+        return PeerExchange(tuple(peers))
+
+    async def _learn_peers(self, source: str, exchange: PeerExchange) -> None:
+        """Dial the peers a member told us about: each at most once per PEER_REDIAL_S, all of
+        them at PEER_DIAL_RATE; what exceeds the rate is dropped (the next exchange retries)."""
+        host = self.host
+        assert host is not None
+        if not self._is_member(source):
+            return  # only members' word counts
+        now = trio.current_time()
+        seen: set[str] = set()
+        for entry in exchange.peers[:MAX_EXCHANGED_PEERS]:
+            peer = entry.peer_id
+            if peer == host.peer_id or peer in seen or host.is_connected(peer):
+                continue
+            seen.add(peer)
+            last = self._dialed_at.get(peer)
+            if last is not None and now - last < PEER_REDIAL_S:
+                continue
+            if not self._dial_bucket.take(now):
+                break
+            try:
+                host.add_known_peer(peer, tuple(dict.fromkeys(entry.addrs)))
+            except ProtocolError:
+                continue
+            self._dialed_at.pop(peer, None)
+            self._dialed_at[peer] = now
+            if len(self._dialed_at) > MAX_PEER_TABLE:
+                self._dialed_at.popitem(last=False)
+            self.exchange_dials += 1
+            assert self._nursery is not None
+            self._nursery.start_soon(self._dial_quietly, peer)
+
+    async def _dial_quietly(self, peer: str) -> None:
+        host = self.host
+        assert host is not None
+        with contextlib.suppress(PeerInferError):
+            await host.dial(peer, timeout=5.0)
+
+    async def _serve_peers(self, stream: FramedStream) -> None:
+        exchange = decode(await stream.receive(), expected=PeerExchange)
+        assert isinstance(exchange, PeerExchange)
+        await stream.send(encode(self._known_peers()))
+        await self._learn_peers(stream.remote_peer, exchange)
+
+    async def _exchange_peers(self, peer: str) -> None:
+        host = self.host
+        assert host is not None
+        try:
+            reply = await host.request(peer, PEERS_PROTOCOL, encode(self._known_peers()), timeout=5.0)
+            exchange = decode(reply, expected=PeerExchange)
+        except PeerInferError:
+            return
+        assert isinstance(exchange, PeerExchange)
+        await self._learn_peers(peer, exchange)
+
+    async def _peer_exchange_loop(self) -> None:
+        host = self.host
+        assert host is not None
+        while True:
+            await trio.sleep(PEER_EXCHANGE_INTERVAL_S * (0.5 + random.random()))
+            peers = [p for p in host.connected_peers() if p in self._exchanged and self._is_member(p)]
+            if peers:
+                await self._exchange_peers(random.choice(peers))
+
+    async def _peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
+        assert self._nursery is not None
+        async for ev in events:
+            if ev.kind == "connected":
+                self._feed(PeerSeen(PeerId(ev.peer_id)))
+            elif ev.kind in ("unresponsive", "misbehaved"):
+                self._feed(PeerLost(PeerId(ev.peer_id)))
+
+    async def _ping(self, peer: PeerId) -> None:
+        host, core = self.host, self.core
+        assert host is not None and core is not None
+        if not core.is_member(peer) and not host.is_admitted(peer):
+            # A would-be member is pinged over its own direct connection only: an identity
+            # heard of through gossip (forged, or just far away) is never dialed for it.
+            return
+        try:
+            rtt = await host.ping(peer, timeout=2.0)
+        except PeerInferError:
+            self._feed(PeerLost(peer))
+            return
+        self._feed(PeerSeen(peer, rtt_s=rtt))

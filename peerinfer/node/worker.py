@@ -1,0 +1,154 @@
+"""The engine worker: one task owns the ``BatchScheduler`` and is the only caller into the
+engine (one worker thread); it runs what the core starts and routes the events to each request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from peerinfer.core.messages import (
+    ErrorMessage,
+    GenerateDone,
+)
+from peerinfer.core.node import (
+    CacheChanged,
+    LocalFinished,
+    LocalStarted,
+    RunLocal,
+)
+from peerinfer.engine.base import Finished, Started, Tokens
+from peerinfer.engine.batch import BatchScheduler, StepResult
+from peerinfer.errors import (
+    EngineError,
+    InvalidRequestError,
+    PeerInferError,
+)
+from peerinfer.node.door import _Sink
+from peerinfer.node.options import logger
+
+
+@dataclass(eq=False, slots=True)
+class _LocalRun:
+    """A request the core runs here; the engine worker's key for it in the scheduler."""
+
+    effect: RunLocal
+    sink: _Sink
+
+
+class EngineWorkerMixin:
+    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+
+    async def _in_engine(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one engine call in the worker thread (engines are not thread-safe)."""
+        async with self._engine_lock:
+            return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    async def _run_local(self, eff: RunLocal) -> None:
+        sink = self._sinks.get(eff.request_id)
+        if sink is None:  # the client left while the request was queued
+            self._feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
+            return
+        if eff.decision is not None:
+            logger.info("request %s served here: %s", eff.request_id, eff.decision.reason)
+        # The engine worker submits it at its next step; the client's going away sets
+        # sink.cancel, which the scheduler sees at every step.
+        self._local_new.append(_LocalRun(eff, sink))
+        self._engine_wake.set()
+
+    async def _engine_worker(self, scheduler: BatchScheduler) -> None:
+        """The engine's one driver while requests run: submit what ``_run_local`` handed over,
+        step the scheduler in the worker thread while anything runs, route the events."""
+        try:
+            while True:
+                if not self._local_new and scheduler.idle:
+                    self._engine_wake = trio.Event()
+                    await self._engine_wake.wait()
+                    continue
+                new, self._local_new = self._local_new, []
+                self._local_runs.update(new)
+                try:
+                    async with self._engine_lock:
+                        results, changes = await trio.to_thread.run_sync(
+                            self._engine_step, scheduler, new
+                        )
+                except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
+                    logger.exception("the batch scheduler failed")
+                    changes = None
+                    try:
+                        async with self._engine_lock:
+                            await trio.to_thread.run_sync(scheduler.close)
+                            changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                    except Exception:
+                        logger.exception("the batch scheduler failed to close")
+                    failure = EngineError(f"engine failure: {type(exc).__name__}")
+                    results = [(run, failure) for run in list(self._local_runs)]
+                for run, item in results:
+                    assert isinstance(run, _LocalRun)
+                    self._route_local(run, item)
+                if changes is not None and (changes.added or changes.removed):
+                    # Left over by requests that failed: reported after every Finished of the
+                    # step, so the digest still applies the engine's reports in order.
+                    self._feed(CacheChanged(added=changes.added, removed=changes.removed))
+        finally:
+            with trio.CancelScope(shield=True):
+                async with self._engine_lock:
+                    await trio.to_thread.run_sync(scheduler.close)
+
+    def _engine_step(self, scheduler: BatchScheduler, new: list[_LocalRun]) -> tuple[StepResult, Any]:
+        """Worker thread: submit ``new``, run one scheduling step; the events, and the cache
+        changes left unreported when a request failed (None otherwise)."""
+        out: StepResult = []
+        for run in new:
+            try:
+                scheduler.submit(run, run.effect.tokens, run.effect.params, run.sink.cancel)
+            except PeerInferError as exc:
+                out.append((run, exc))
+        out.extend(scheduler.step())
+        changes = None
+        if any(isinstance(item, PeerInferError) for _, item in out):
+            assert self.engine is not None
+            changes = self.engine.take_cache_changes()
+        return out, changes
+
+    def _route_local(self, run: _LocalRun, item: object) -> None:
+        """One scheduler event of a local run: to the core and to the request's sink."""
+        eff, sink = run.effect, run.sink
+        if isinstance(item, Started):
+            self._feed(LocalStarted(eff.request_id, item.cached_tokens))
+        elif isinstance(item, Tokens):
+            self._relay_tokens(sink, item.token_ids, item.text)
+        elif isinstance(item, Finished):
+            self._local_runs.discard(run)
+            # Fed here, in the order the engine made them: the digest applies every report in
+            # the engine's order.
+            self._feed(
+                LocalFinished(
+                    eff.request_id, ok=True, cache_added=item.cache_added,
+                    cache_removed=item.cache_removed,
+                )
+            )
+            now = trio.current_time()
+            self._finish_sink(
+                sink,
+                GenerateDone(
+                    request_id=sink.request_id,
+                    prompt_tokens=sink.prompt_tokens,
+                    completion_tokens=len(eff.resume_after) + item.completion_tokens,
+                    cached_tokens=item.cached_tokens,
+                    served_by=self.peer_id,
+                    ttft_s=(sink.first_token_at or now) - sink.started,
+                    latency_s=now - sink.started,
+                    finish_reason=item.finish_reason,
+                ),
+            )
+        else:
+            assert isinstance(item, PeerInferError)
+            self._local_runs.discard(run)
+            code = "invalid" if isinstance(item, InvalidRequestError) else "internal"
+            if not isinstance(item, InvalidRequestError | EngineError):
+                logger.warning("request %s failed in the engine: %r", eff.request_id, item)
+            self._feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
+            self._finish_sink(sink, ErrorMessage(sink.request_id, code, str(item)))

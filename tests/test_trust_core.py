@@ -1,0 +1,386 @@
+"""Reputation (peerinfer.core.reputation) and its use by NodeCore: pure, no network, no clock.
+
+The score table is checked against a naive model (a plain list of outcomes replayed with the
+textbook formula) by Hypothesis, and the honest-peer property: random evictions (bounded),
+delays and audit noise never get an honest peer banned or excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_node_core import PARAMS, announcements, introduce, make, of, prompt, serve_locally
+
+from peerinfer.core.node import (
+    AnnounceReceived,
+    AuditFinished,
+    AuditForward,
+    BanPeer,
+    ClientRequest,
+    DropPeer,
+    Forward,
+    ForwardFailed,
+    ForwardFinished,
+    ForwardFirstToken,
+    NodeConfig,
+    PeerSeen,
+    RunLocal,
+    SendSyncRequest,
+    SyncResponseReceived,
+)
+from peerinfer.core.reputation import (
+    OUTCOMES,
+    Outcome,
+    Reputation,
+    ReputationConfig,
+    judge_finished,
+)
+from peerinfer.types import PeerId, RequestId
+
+CFG = ReputationConfig()
+P = PeerId("P")
+
+# --------------------------------------------------------------------------------------------
+# The score table against a naive model
+
+
+class NaiveReputation:
+    """Replays every outcome from the start, the slow obvious way."""
+
+    def __init__(self, cfg: ReputationConfig) -> None:
+        self.cfg = cfg
+        self.events: list[tuple[float, Outcome]] = []
+
+    def record(self, outcome: Outcome, now: float) -> None:
+        self.events.append((now, outcome))
+
+    def state(self, now: float) -> tuple[float, float]:
+        """(decayed score at now, banned until)."""
+        cfg = self.cfg
+        score, t, bans, banned_until = 0.0, None, 0, -math.inf
+        for when, outcome in self.events:
+            if t is not None and when > t:
+                score *= 0.5 ** ((when - t) / cfg.half_life_s)
+            t = when if t is None else max(t, when)
+            if outcome == "audit_failed":
+                banned_until = max(banned_until, when + min(cfg.max_ban_s, cfg.ban_s * 2**bans))
+                bans += 1
+                score = cfg.min_score
+            else:
+                score = min(cfg.max_score, max(cfg.min_score, score + cfg.weight(outcome)))
+        if t is not None and now > t:
+            score *= 0.5 ** ((now - t) / cfg.half_life_s)
+        return score, banned_until
+
+    def standing(self, now: float) -> str:
+        score, banned_until = self.state(now)
+        if banned_until > now:
+            return "banned"
+        if score < self.cfg.exclude_below:
+            return "excluded"
+        if score < self.cfg.demote_below:
+            return "demoted"
+        return "good"
+
+
+steps = st.lists(
+    st.tuples(st.floats(0.0, 900.0), st.sampled_from(OUTCOMES), st.floats(0.0, 2000.0)),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps)
+def test_scores_and_standings_match_the_naive_model(script: list[tuple[float, Outcome, float]]) -> None:
+    rep, naive = Reputation(CFG), NaiveReputation(CFG)
+    now = 0.0
+    for gap, outcome, probe in script:
+        now += gap
+        rep.record(P, outcome, now)
+        naive.record(outcome, now)
+        rep.check_invariants(now)
+        for t in (now, now + probe):
+            score, _ = naive.state(t)
+            assert math.isclose(rep.score(P, t), score, rel_tol=1e-9, abs_tol=1e-9)
+            want = naive.standing(t)
+            got = rep.standing(P, t)
+            # The blocked table is computed once per change: it must agree with the standing
+            # at any later time (within float rounding at the exact crossing).
+            if abs(score - CFG.exclude_below) > 1e-6:
+                assert got == want, (t, score)
+                assert rep.is_candidate(P, t) == (want in ("good", "demoted"))
+            if abs(score - CFG.demote_below) > 1e-6 and want != "banned":
+                assert rep.is_demoted(P, t) == (want in ("demoted", "excluded"))
+
+
+def test_a_failed_audit_bans_for_a_period_that_doubles() -> None:
+    rep = Reputation(CFG)
+    assert rep.record(P, "audit_failed", 0.0) == "banned"
+    first = rep.view(P, 0.0).banned_until
+    assert first == CFG.ban_s
+    assert not rep.is_candidate(P, first - 1)
+    rep.record(P, "audit_failed", first + 1)
+    assert rep.view(P, first + 1).banned_until == first + 1 + 2 * CFG.ban_s
+    assert "banned" in rep.explain(P, first + 1)
+
+
+def test_the_table_is_bounded_and_keeps_bans() -> None:
+    rep = Reputation(replace(CFG, max_peers=10))
+    rep.record(PeerId("liar"), "audit_failed", 0.0)
+    for i in range(100):
+        rep.record(PeerId(f"p{i}"), "served", float(i))
+    assert len(rep) == 10
+    assert rep.is_banned(PeerId("liar"), 100.0)
+    rep.check_invariants(100.0)
+
+
+def test_json_round_trip_keeps_standings_and_refuses_garbage() -> None:
+    rep = Reputation(CFG)
+    rep.record(PeerId("liar"), "audit_failed", 100.0)
+    for _ in range(3):
+        rep.record(PeerId("tarpit"), "timeout", 100.0)
+    rep.record(PeerId("good"), "served", 100.0)
+    data = json.loads(json.dumps(rep.to_json()))
+    back = Reputation.from_json(data, 200.0)
+    for peer in ("liar", "tarpit", "good"):
+        assert back.standing(PeerId(peer), 200.0) == rep.standing(PeerId(peer), 200.0)
+        assert back.is_candidate(PeerId(peer), 200.0) == rep.is_candidate(PeerId(peer), 200.0)
+    assert len(json.dumps(data)) < 1000
+    for garbage in (None, [], {"version": 99}, {"version": 1, "peers": {"x": [1, 2]}},
+                    {"version": 1, "peers": {"x": ["a", 0, 0, None, "", {}]}}):
+        assert len(Reputation.from_json(garbage, 0.0)) == 0
+
+
+def test_judging_a_finished_forward() -> None:
+    def judge(expected: int, cached: int | None, est: float | None, ttft: float | None) -> str:
+        return judge_finished(
+            CFG, expected_cached_tokens=expected, cached_tokens=cached, estimated_ttft_s=est, ttft_s=ttft
+        )
+
+    assert judge(640, 640, 0.1, 0.1) == "served"
+    assert judge(640, 600, 0.1, 0.1) == "served"  # one evicted block is not a lie
+    assert judge(640, 0, 0.1, 0.1) == "cache_short"
+    assert judge(32, 0, 0.1, 0.1) == "served"  # within the slack
+    assert judge(0, 0, 0.1, 5.0) == "slow"
+    assert judge(0, 0, 0.1, 1.2) == "served"  # within factor x estimate + slack
+    assert judge(640, None, None, None) == "served"
+
+
+# --------------------------------------------------------------------------------------------
+# An honest peer is never banned nor excluded
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.floats(0.0, 1 / 6),  # eviction probability
+    st.floats(0.0, 1.0),  # delay scale: first tokens up to 2x the estimate, plus noise
+)
+def test_an_honest_peer_with_evictions_delays_and_noise_is_never_banned(
+    seed: int, evict_p: float, delay: float
+) -> None:
+    """1,000 forwards to one honest peer: its cache is sometimes evicted (at most one forward in
+    six, never two in a row), its first token is late by up to 2x plus noise, its audited
+    answers differ from ours only within the tolerance (the audit passes), and once in a while
+    it is busy (it said so) or a stream breaks."""
+    rng = random.Random(seed)
+    rep = Reputation(CFG)
+    now, last_short = 0.0, -10
+    for i in range(1000):
+        now += rng.expovariate(1.0)
+        est = 0.05 + rng.random()
+        ttft = est * (1 + delay * rng.random()) + rng.gauss(0, 0.01)
+        short = rng.random() < evict_p and i - last_short >= 6
+        if short:
+            last_short = i
+        cached = rng.randrange(0, 64) if short else 640 - 16 * rng.randrange(0, 3)
+        outcome = judge_finished(
+            CFG, expected_cached_tokens=640, cached_tokens=cached, estimated_ttft_s=est, ttft_s=ttft
+        )
+        roll = rng.random()
+        if roll < 0.01:
+            outcome = "unavailable"
+        elif roll < 0.03:
+            outcome = "busy"
+        rep.record(P, outcome, now)
+        if rng.random() < 0.05:
+            rep.record(P, "audit_passed", now)
+        assert rep.standing(P, now) in ("good", "demoted"), (i, rep.explain(P, now))
+        assert rep.is_candidate(P, now)
+    assert not rep.is_banned(P, now)
+
+
+# --------------------------------------------------------------------------------------------
+# NodeCore: outcomes feed the table, the table shapes candidates
+
+
+def reintroduce(a, b, now: float) -> None:  # type: ignore[no-untyped-def]
+    """``a`` hears from ``b`` again, pulling its digest if it had forgotten it."""
+    a.handle(PeerSeen(b.peer_id, rtt_s=0.001), now)
+    pending = []
+    for ann in announcements(b, now):
+        pending += of(a.handle(AnnounceReceived(b.peer_id, ann), now), SendSyncRequest)
+    for _ in range(100):
+        if not pending:
+            return
+        req = pending.pop()
+        pending += of(
+            a.handle(SyncResponseReceived(b.peer_id, b.answer_sync(req.request)), now), SendSyncRequest
+        )
+    raise AssertionError("sync did not converge")
+
+
+def forward_to_b(a, rid: str, tokens: tuple[int, ...], now: float) -> Forward | None:  # type: ignore[no-untyped-def]
+    effects = a.handle(ClientRequest(RequestId(rid), tokens, PARAMS), now)
+    forwards = of(effects, Forward)
+    return forwards[0] if forwards else None
+
+
+def test_a_tarpit_stops_being_chosen_after_its_first_timeouts() -> None:
+    a, b = make("A", first_token_timeout_s=2.0), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    forwards = 0
+    now = 1.0
+    for i in range(6):
+        reintroduce(a, b, now)  # the tarpit keeps announcing and answering pings
+        fwd = forward_to_b(a, f"r{i}", shared + prompt(10 + i, 16), now)
+        if fwd is not None:
+            forwards += 1
+            effects = a.tick(now + 2.01)  # no first token before the deadline
+            assert of(effects, RunLocal)
+        now += 3.0
+    # One timeout demotes it (its cache claims stop counting), two would exclude it.
+    assert 1 <= forwards <= 2
+    assert a.reputation.standing(PeerId("B"), now) in ("demoted", "excluded")
+
+
+def test_a_contract_breach_and_an_invalid_fail_over_and_cost_the_peer() -> None:
+    a, b = make("A"), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    introduce(a, b, 1.0)
+    fwd = forward_to_b(a, "r1", shared + prompt(3, 16), 1.0)
+    assert fwd is not None
+    effects = a.handle(ForwardFailed(RequestId("r1"), PeerId("B"), "invalid"), 1.1)
+    assert of(effects, RunLocal)  # not refused to the client: served here instead
+    assert a.reputation.score(PeerId("B"), 1.1) == CFG.contract
+
+
+def test_a_failure_after_the_whole_budget_was_relayed_does_not_resume() -> None:
+    a, b = make("A"), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    introduce(a, b, 1.0)
+    forward_to_b(a, "r1", shared + prompt(3, 16), 1.0)
+    a.handle(ForwardFirstToken(RequestId("r1"), PeerId("B")), 1.05)
+    generated = tuple(range(10, 10 + PARAMS.max_tokens))
+    effects = a.handle(ForwardFailed(RequestId("r1"), PeerId("B"), "contract", generated), 1.1)
+    assert not of(effects, RunLocal)
+    assert a.pending_requests() == []
+
+
+def test_cache_shortfalls_demote_then_exclude_a_digest_liar() -> None:
+    a, b = make("A"), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    introduce(a, b, 1.0)
+    forwards = []
+    for i in range(20):
+        now = 1.0 + i * 0.1
+        fwd = forward_to_b(a, f"r{i}", shared + prompt(10 + i, 16), now)
+        if fwd is None:
+            continue
+        # Judged against what its digest claimed, even when demoted routing discounted it.
+        forwards.append(fwd.decision.expected_cached_tokens)
+        a.handle(ForwardFinished(RequestId(f"r{i}"), PeerId("B"), cached_tokens=0, ttft_s=0.01), now)
+        if len(forwards) == 2:
+            assert a.reputation.standing(PeerId("B"), now) == "demoted"
+            assert a.route(shared + prompt(99, 16), PARAMS, now).expected_cached_tokens == 0
+    assert forwards[:2] == [256, 256]
+    assert 2 <= len(forwards) <= 4
+    assert a.reputation.standing(PeerId("B"), 3.0) in ("demoted", "excluded")
+
+
+def test_a_failed_audit_bans_drops_and_stops_routing() -> None:
+    a, b = make("A", audit_rate=1.0), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    introduce(a, b, 1.0)
+    tokens = shared + prompt(3, 16)
+    forward_to_b(a, "r1", tokens, 1.0)
+    effects = a.handle(
+        ForwardFinished(RequestId("r1"), PeerId("B"), cached_tokens=256, ttft_s=0.01, completion=(5, 6)), 1.1
+    )
+    (audit,) = of(effects, AuditForward)
+    assert audit.tokens == tokens and audit.completion == (5, 6) and audit.peer == "B"
+    effects = a.handle(AuditFinished(PeerId("B"), ok=False, detail="token 0"), 1.2)
+    (ban,) = of(effects, BanPeer)
+    assert ban.until == 1.2 + CFG.ban_s
+    assert of(effects, DropPeer)
+    reintroduce(a, b, 2.0)  # even if it announces again
+    assert forward_to_b(a, "r2", shared + prompt(4, 16), 2.0) is None
+
+
+def test_sampled_answers_are_not_audited_and_the_rate_is_respected() -> None:
+    a, b = make("A", audit_rate=0.05), make("B")
+    shared = prompt(1, 256)
+    serve_locally(b, "warm", shared, 0.0)
+    audits = 0
+    for i in range(400):
+        reintroduce(a, b, 1.0 + i)
+        rid = RequestId(f"r{i}")
+        fwd = forward_to_b(a, rid, shared + prompt(100 + i, 16), 1.0 + i)
+        assert fwd is not None
+        effects = a.handle(ForwardFinished(rid, PeerId("B"), 256, 0.01, (5,)), 1.0 + i)
+        if of(effects, AuditForward):
+            audits += 1
+            a.handle(AuditFinished(PeerId("B"), ok=True), 1.0 + i)
+    # The first answer (probation), then 5% of the other 399 (about 20).
+    assert 9 <= audits <= 36
+    c, b = make("C", audit_rate=1.0), make("B")
+    serve_locally(b, "warm", shared, 0.0)
+    introduce(c, b, 1.0)
+    hot = replace(PARAMS, temperature=0.7)
+    effects = c.handle(ClientRequest(RequestId("s"), shared + prompt(3, 16), hot), 1.0)
+    assert of(effects, Forward)
+    assert not of(c.handle(ForwardFinished(RequestId("s"), PeerId("B"), 256, 0.01, (5,)), 1.1), AuditForward)
+
+
+def test_trusted_peers_only() -> None:
+    shared = prompt(1, 256)
+    for trusted, expect in ((frozenset({PeerId("Z")}), None), (frozenset({PeerId("B")}), "B"), (None, "B")):
+        a, b = make("A", trusted_peers=trusted), make("B")
+        serve_locally(b, "warm", shared, 0.0)
+        introduce(a, b, 1.0)
+        fwd = forward_to_b(a, "r1", shared + prompt(3, 16), 1.0)
+        assert (fwd.peer if fwd else None) == expect
+
+
+def test_node_config_refuses_a_bad_audit_rate() -> None:
+    import pytest
+
+    from peerinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        NodeConfig(peer_id=PeerId("A"), audit_rate=1.5)
+
+
+def test_a_peer_is_held_to_its_own_digest_not_to_our_speculation() -> None:
+    """Routing marks a peer as holding what it was just sent (speculation); the next request
+    for that prefix may go there before the peer has cached it. That is our guess, not its
+    claim: an honest peer that falls short of it is not penalised."""
+    a, b = make("A"), make("B")
+    serve_locally(b, "warm", prompt(9, 64), 0.0)  # B is known, but holds nothing we ask for
+    introduce(a, b, 1.0)
+    shared = prompt(1, 256)
+    a.index.add_speculative(PeerId("B"), tuple(a.hasher.chain(shared)), 1.0)
+    fwd = forward_to_b(a, "r1", shared + prompt(3, 16), 1.0)
+    assert fwd is not None and fwd.decision.expected_cached_tokens == 256
+    a.handle(ForwardFinished(RequestId("r1"), PeerId("B"), cached_tokens=0, ttft_s=0.01), 1.1)
+    assert a.reputation.score(PeerId("B"), 1.1) == CFG.served
