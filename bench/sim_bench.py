@@ -21,6 +21,9 @@ Where the time goes: every announcement is applied by every other node to its re
 sender (``Replica.apply_announce``: the replica's flat set and root summary, and ``PeerIndex``
 upkeep), so the work per simulated request grows with the number of nodes;
 ``us_per_request_per_node`` shows that constant (docs/evaluation.md, "Simulator speed").
+Announcements that change nothing wait until the recipient next reads its index
+(``NodeConfig.lazy_announcements``, the default); ``--eager`` takes every one in at once, for a
+comparison (the decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
 ``--profile`` prints the top functions of the largest run.
 """
 
@@ -28,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import pstats
+import resource
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -43,8 +48,10 @@ from peerinfer.sim.run import simulate  # noqa: E402
 BASE = SimConfig(requests=0, cache_tokens=8192, delay_ms="5", skew="zipf:1.1", policy="cost", seed=1)
 
 
-def bench_one(nodes: int, requests: int, profile: bool = False) -> tuple[dict, str]:
-    config = replace(BASE, nodes=nodes, requests=requests)
+def bench_one(
+    nodes: int, requests: int, profile: bool = False, **overrides: object
+) -> tuple[dict, str]:
+    config = replace(BASE, nodes=nodes, requests=requests, **overrides)  # type: ignore[arg-type]
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
@@ -69,6 +76,8 @@ def bench_one(nodes: int, requests: int, profile: bool = False) -> tuple[dict, s
         "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
         "ttft_mean_s": s["ttft_mean_s"],
         "hit_ratio": s["hit_ratio"],
+        # The process's peak so far (Linux reports KiB): an upper bound for this run's.
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     return row, text
 
@@ -82,15 +91,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-node", type=int, default=60)
     parser.add_argument("--full", action="store_true", help="also 64 nodes x 100,000 requests")
     parser.add_argument("--profile", action="store_true", help="profile the largest run")
+    parser.add_argument(
+        "--requests", type=int, default=0,
+        help="requests per run (default: nodes x --requests-per-node)",
+    )
+    parser.add_argument("--skew", default=BASE.skew, help=f"workload skew (default {BASE.skew})")
+    parser.add_argument(
+        "--eager", action="store_true",
+        help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
+    )
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.nodes.split(",")]
-    plan = [(n, n * args.requests_per_node) for n in sizes]
+    plan = [(n, args.requests or n * args.requests_per_node) for n in sizes]
+    if args.eager:
+        from peerinfer.core.node import NodeConfig
+        from peerinfer.sim import simulator
+
+        simulator.NodeConfig = functools.partial(  # type: ignore[misc]
+            NodeConfig, lazy_announcements=False
+        )
     if args.full:
         plan.append((64, 100_000))
     rows = []
     profile_text = ""
     for i, (n, r) in enumerate(plan):
-        row, text = bench_one(n, r, profile=args.profile and i == len(plan) - 1)
+        row, text = bench_one(n, r, profile=args.profile and i == len(plan) - 1, skew=args.skew)
         rows.append(row)
         profile_text = text or profile_text
         if not args.json:
@@ -100,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['us_per_request_per_node']:>7.1f} us/request/node",
                 flush=True,
             )
-    out: dict = {"runs": rows, "params": {**BASE.to_dict(), "requests": "nodes x per-node"}}
+    out: dict = {
+        "runs": rows,
+        "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
+                   "requests": args.requests or "nodes x per-node"},
+    }
     r64 = [r for r in rows if r["nodes"] == 64]
     if r64:
         best = max(r64, key=lambda r: r["requests"])

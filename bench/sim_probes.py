@@ -88,28 +88,33 @@ def announce_cost(announcements: int = 2000, recipients: int = 64) -> None:
     print(f"  11-change announcement:  {changes:6.2f} us per recipient")
 
 
-def split(nodes: int = 64, requests: int = 3840) -> None:
+def split(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.1", cpu: bool = False) -> None:
+    """With ``cpu``, times are CPU seconds of this process (fairer on a shared machine)."""
+    clock = time.process_time if cpu else time.perf_counter
     totals = {"empty": [0.0, 0], "changes": [0.0, 0]}
     original = simulator.Simulation._gossip
 
     def timed(self: simulator.Simulation, item: tuple, now: float) -> None:
-        started = time.perf_counter()
+        started = clock()
         original(self, item, now)
         a = item[4].announce
         entry = totals["changes" if a.added or a.removed else "empty"]
-        entry[0] += time.perf_counter() - started
+        entry[0] += clock() - started
         entry[1] += 1
 
     simulator.Simulation._gossip = timed  # type: ignore[method-assign]
     try:
         config = SimConfig(nodes=nodes, requests=requests, cache_tokens=8192, delay_ms="5",
-                           skew="zipf:1.1", policy="cost", seed=1)
+                           skew=skew, policy="cost", seed=1)
+        started = clock()
         _, s = simulate(config)
+        whole = clock() - started
     finally:
         simulator.Simulation._gossip = original  # type: ignore[method-assign]
-    loop = s["loop_s"]
+    loop = whole if cpu else s["loop_s"]
     gossip = sum(t for t, _ in totals.values())
-    print(f"{nodes} nodes, {requests} requests: event loop {loop:.2f} s")
+    what = "whole run, CPU" if cpu else "event loop"
+    print(f"{nodes} nodes, {requests} requests, {skew}: {what} {loop:.2f} s")
     for kind, (t, n) in totals.items():
         per = t / n / (nodes - 1) * 1e6 if n else 0.0
         print(f"  {kind:8} announcements: {n:6} delivered in {t:5.2f} s ({per:.1f} us per recipient)")
@@ -158,11 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "probe", choices=("announce-cost", "split", "tail", "service-estimate")
     )
+    parser.add_argument("--skew", default="zipf:1.1", help="split: the workload skew")
+    parser.add_argument("--cpu", action="store_true", help="split: CPU time, not wall time")
+    parser.add_argument(
+        "--eager", action="store_true",
+        help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
+    )
     args = parser.parse_args(argv)
+    if args.eager:
+        import functools
+
+        simulator.NodeConfig = functools.partial(  # type: ignore[misc]
+            NodeConfig, lazy_announcements=False
+        )
+        core_node_config = functools.partial(NodeConfig, lazy_announcements=False)
+        globals()["NodeConfig"] = core_node_config  # announce-cost builds its cores with it
     if args.probe == "announce-cost":
         announce_cost()
     elif args.probe == "split":
-        split()
+        split(skew=args.skew, cpu=args.cpu)
     elif args.probe == "tail":
         for policy in ("cost", "longest_prefix"):
             tail(policy)

@@ -306,6 +306,22 @@ class Replica:
             return False
         return True
 
+    def take_unchanged(self, times: int, epoch: int, root: int, count: int) -> None:
+        """Exactly what ``apply_announce`` does for ``times`` announcements in a row, the last at
+        ``epoch``, each chaining from this replica's epoch with no change and announcing this
+        replica's own ``root`` and ``count`` (the caller checked: a node keeps such
+        announcements and takes them in when the peer's state is next read,
+        ``NodeCore._defer_unchanged``)."""
+        rate = self._rate
+        per_epoch = 0.0  # no change in any of them
+        for _ in range(times if self._announced is not None else times - 1):
+            rate = per_epoch if rate == 0.0 else 0.7 * rate + 0.3 * per_epoch
+        self._rate = rate
+        # Their epochs ascend, so the last one is the newest heard if any of them is.
+        if self._announced is None or epoch >= self._announced[0]:
+            self._announced = (epoch, root, count)
+        self.epoch = epoch
+
     def start_pull(
         self,
         session: int,

@@ -364,6 +364,13 @@ class MerkleDigest:
         """Whether the trie is not built (a lazy digest between subtree queries)."""
         return self._flat is not None
 
+    def flat_summary(self) -> tuple[int, int] | None:
+        """``(pair, count)`` of a flat digest, which determine its root; None while the trie is
+        built. Two equal summaries of one digest: nothing changed its root in between (the
+        cheap check a node makes before letting an unchanged announcement wait)."""
+        flat = self._flat
+        return None if flat is None else (self._flat_pair, len(flat))
+
     def flatten(self) -> None:
         """Drop the trie of a lazy digest (it is rebuilt by the next subtree query); an eager
         digest keeps its trie."""

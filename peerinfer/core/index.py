@@ -85,7 +85,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
 from peerinfer.core.digest import CacheObserver
@@ -428,6 +428,21 @@ class PeerIndex:
         if fresh:
             self._mark_fresh(state, now)
 
+    def announced_fresh(self, announced: Iterable[tuple[PeerId, Load, float]]) -> None:
+        """``announced(peer, load, at, fresh=True)`` for each ``(peer, load, at)``, in one call
+        (a node takes in the announcements it kept for later this way)."""
+        states = self._states
+        for peer, load, at in announced:
+            state = states.get(peer)
+            if state is None:
+                continue
+            state.load = load
+            state.load_at = at
+            if at > state.fresh_at:
+                state.fresh_at = at
+            if state.spec_entries:
+                self._confirm(state, at)
+
     def mark_fresh(self, peer: PeerId, now: float) -> None:
         """``peer``'s replica was confirmed current at ``now``; implies ``confirm(peer, now)``."""
         state = self._states.get(peer)
@@ -597,6 +612,11 @@ class PeerIndex:
         queue = self._spec_queue
         while queue and (not queue[0].alive or queue[0].time <= cutoff):
             self._drop_entry(queue.popleft())
+
+    def has_speculative(self, peer: PeerId) -> bool:
+        """Whether ``peer`` has speculative entries queued (some may be dead already)."""
+        state = self._states.get(peer)
+        return state is not None and bool(state.spec_entries)
 
     def speculative_blocks(self) -> int:
         """How many speculative block references are held (at most the budget)."""

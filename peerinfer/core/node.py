@@ -33,6 +33,10 @@ What it decides
   applies the carried delta; if its root still differs, a pull runs the Merkle reconciliation
   state machine (one session per peer at a time, with a deadline). Each refusal is reported once
   per (peer, reason) through ``take_refusals()``, for the shell to log.
+  An announcement that changes nothing and chains from an in-step replica (most of them) waits:
+  the node keeps the newest per peer and takes them in when anything next reads the peer index
+  (the ``index`` property), with the state eager application would have left
+  (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
   ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
@@ -98,7 +102,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from peerinfer.core.antientropy import Reconciliation
+from peerinfer.core.antientropy import Reconciliation, Replica
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.digest import LocalDigest
 from peerinfer.core.index import PeerIndex
@@ -216,6 +220,9 @@ class NodeConfig:
     #: a peer's first answers are all audited (probation), before sampling at ``audit_rate``
     audit_first: int = 1
     trusted_peers: frozenset[PeerId] | None = None
+    #: take in announcements that change nothing but a peer's epoch, load and freshness only
+    #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
+    lazy_announcements: bool = True
 
     def __post_init__(self) -> None:
         if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
@@ -549,6 +556,28 @@ class _PeerState:
     announced_root: int = 0
 
 
+@dataclass(slots=True)
+class _Kept:
+    """One peer's announcements that change nothing, kept for later (``_defer_unchanged``).
+
+    ``times`` of them are not taken in yet (0: none), the newest at ``epoch`` with ``load``,
+    heard at ``at``. The check that let them wait stays true while the peer's replica is the
+    same object at the same epoch with the same flat summary (``replica_epoch``, ``summary``)
+    and the announcements keep announcing ``root`` and ``count``: then the next one may wait
+    without checking the digest again.
+    """
+
+    replica: Replica
+    summary: tuple[int, int]
+    replica_epoch: int
+    root: int
+    count: int
+    epoch: int
+    load: Load
+    at: float
+    times: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PeerSnapshot:
     peer_id: PeerId
@@ -606,9 +635,13 @@ class NodeCore:
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
         self.local = LocalDigest(epoch_base=epoch_base)
-        self.index = PeerIndex(
+        self._index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
         )
+        #: per peer, the last check that its unchanged announcements may wait, and those of
+        #: them not taken in yet (only with ``config.lazy_announcements``)
+        self._kept: dict[PeerId, _Kept] = {}
+        self._unapplied: dict[PeerId, _Kept] = {}
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -660,6 +693,19 @@ class NodeCore:
     def peer_id(self) -> PeerId:
         return self.config.peer_id
 
+    @property
+    def index(self) -> PeerIndex:
+        """The peer index, every announcement received taken in (``_take_unapplied``)."""
+        if self._unapplied:
+            pending, self._unapplied = self._unapplied, {}
+            for kept in pending.values():
+                kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
+                kept.replica_epoch = kept.epoch
+                kept.times = 0
+            # Peers' states are disjoint: their replicas first, then their index entries.
+            self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
+        return self._index
+
     def load(self) -> Load:
         return Load(queued=self._queued, running=self._running, slots=self.config.costs.slots)
 
@@ -678,7 +724,13 @@ class NodeCore:
         self._check_sync_deadlines(now, effects)
         self._check_liveness(now, effects)
         self._maybe_announce(now, effects)
-        self.index.expire(now)
+        # Expiry only drops speculative entries, which only their own peer's announcements
+        # also drop: the other peers' announcements may wait.
+        index = self._index
+        if self._unapplied and index.speculative_blocks():
+            for peer in [p for p in self._unapplied if index.has_speculative(p)]:
+                self._take_unapplied(peer)
+        index.expire(now)
         if now >= self._next_rebalance:
             self._next_rebalance = now + self.config.rebalance_interval_s
             for peer in self.index.rebalance():
@@ -1339,7 +1391,33 @@ class NodeCore:
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
-        index = self.index
+        if self.config.lazy_announcements:
+            kept = self._kept.get(ev.sender)
+            if kept is None or not (
+                a.prev_epoch == kept.epoch < a.epoch
+                and a.root == kept.root
+                and a.count == kept.count
+                and not (a.added or a.removed or a.truncated)
+                and st.sync is None
+                and not st.pull_wanted
+                and a.count <= kept.replica.max_elements  # the allowance (rebalanced or not)
+                and kept.replica.epoch == kept.replica_epoch
+                and kept.replica.digest.flat_summary() == kept.summary
+                and self._index.replica(ev.sender) is kept.replica
+            ):
+                kept = self._defer_unchanged(ev.sender, a, st)
+            if kept is not None:
+                kept.epoch, kept.load, kept.at = a.epoch, a.load, now
+                kept.times += 1
+                self._unapplied[ev.sender] = kept
+                return []
+            if ev.sender in self._index:
+                self._take_unapplied(ev.sender)
+                index = self._index
+            else:
+                index = self.index  # adding a peer may evict the least recently fresh one
+        else:
+            index = self._index
         replica = index.add_peer(ev.sender)
         refused = replica.refused
         needs_pull = replica.apply_announce(
@@ -1351,7 +1429,9 @@ class NodeCore:
                 ev.sender, "over its replica allowance",
                 f"claims {a.count} blocks, allowance {replica.max_elements}",
             )
-        if self.index.enforce_allowance(ev.sender):
+        if len(replica.digest) > index.allowance(ev.sender):
+            index = self.index  # emptying it may rebalance every peer's allowance
+        if index.enforce_allowance(ev.sender):
             self._replica_emptied(ev.sender)
             return []
         # The load, and if the replica now matches, its freshness (which also confirms the
@@ -1364,6 +1444,56 @@ class NodeCore:
         if st.sync is None:
             self._start_pull(ev.sender, st, now, effects)
         return effects
+
+    def _defer_unchanged(self, peer: PeerId, a: Announce, st: _PeerState) -> _Kept | None:
+        """A record to keep ``a`` for later, if taking it in now could do nothing but move the
+        replica to its epoch and record its load and freshness: no change, it chains from the
+        replica's epoch, announces the replica's own root and count within its allowance, no
+        pull is running or wanted (then it starts no pull, is not refused, empties nothing).
+        Taking it in later (``_take_unapplied``) before anything reads this peer's state gives
+        the same state: every read goes through ``index``, which takes everything in first,
+        and so does any other announcement of the peer.
+
+        Why: a node hears every peer about once a second, almost always with no change, and
+        reads the index when it routes or rebalances, every few seconds; the announcements
+        in between then cost a few attribute updates instead of a replica and index update."""
+        if a.added or a.removed or a.truncated or st.sync is not None or st.pull_wanted:
+            return None
+        pending = self._unapplied.get(peer)
+        if pending is not None:
+            return None  # a kept one that this one does not follow: take both in now
+        index = self._index
+        replica = index.replica(peer)
+        if replica is None:
+            return None
+        digest = replica.digest
+        summary = digest.flat_summary()
+        epoch = replica.epoch
+        if (
+            summary is None
+            or a.prev_epoch != epoch
+            or a.epoch <= epoch
+            or a.count != summary[1]
+            or a.count > replica.max_elements
+            or a.count > index.allowance(peer)
+            or a.root != digest.root
+        ):
+            return None
+        kept = _Kept(replica, summary, epoch, a.root, a.count, epoch, a.load, 0.0)
+        self._kept[peer] = kept
+        return kept
+
+    def _take_unapplied(self, peer: PeerId) -> None:
+        """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
+        kept = self._unapplied.pop(peer, None)
+        if kept is None:
+            return
+        kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
+        kept.replica_epoch = kept.epoch
+        kept.times = 0
+        # Loads and times only ever replace the older ones; confirming at the newest time drops
+        # what confirming at each would have.
+        self._index.announced(peer, kept.load, kept.at, fresh=True)
 
     def _start_pull(self, peer: PeerId, st: _PeerState, now: float, effects: list[Effect]) -> None:
         replica = self.index.replica(peer)
@@ -1482,6 +1612,7 @@ class NodeCore:
         del self._peers[peer]
         self._rtt.pop(peer, None)
         self.index.remove_peer(peer)
+        self._kept.pop(peer, None)
         effects.append(DropPeer(peer))
         # Requests in flight to it fail over now rather than at their deadline.
         for req in list(self._requests.values()):
