@@ -83,19 +83,24 @@ class Relay:
         roles = RelayRole.STOP | RelayRole.CLIENT
         if settings.service:
             roles |= RelayRole.HOP
-        self._protocol = CircuitV2Protocol(lh, limits=self._limits, allow_hop=settings.service)
+        # allow_hop=False: circuit v2 would register its hop handler ungated; enable_service()
+        # registers it behind admission instead (and only once we are found reachable).
+        self._protocol = CircuitV2Protocol(lh, limits=self._limits, allow_hop=False)
+        self._serving = False
         self._transport = CircuitV2Transport(lh, self._protocol, RelayConfig(roles=roles, limits=self._limits))
         #: relay peer id -> our relayed address through it
         self.reservations: dict[str, str] = {}
 
     @property
-    def offers_service(self) -> bool:
-        return self._settings.service
+    def serving(self) -> bool:
+        """Whether we serve the hop protocol now (others may reserve slots here)."""
+        return self._serving
 
-    def _gate_hop(self) -> None:
-        """Re-register the hop handler behind swarm admission (circuit v2 registers its own)."""
-        if not self._settings.service:
+    def enable_service(self) -> None:
+        """Serve circuit v2 hop, behind swarm admission (no-op unless the settings allow it)."""
+        if not self._settings.service or self._serving:
             return
+        self._serving = True
         inner = self._protocol._handle_hop_stream
         host = self._host
 
@@ -120,10 +125,14 @@ class Relay:
     async def reserve(self, relay_id: str, relay_addr: str, *, timeout: float = 10.0) -> str:
         """Reserve a slot on ``relay_id`` (connected, or dialed at ``relay_addr``); our relayed
         address. PeerUnavailableError when the relay refuses or does not answer in time."""
+        ok = False
         with trio.move_on_after(timeout) as scope:
             if not self._host.is_connected(relay_id):
                 await self._host.connect(f"{relay_addr}/p2p/{relay_id}", timeout=timeout)
-            stream = await self._host._h.new_stream(ID.from_base58(relay_id), [TProtocol(HOP_PROTOCOL)])
+            try:
+                stream = await self._host._h.new_stream(ID.from_base58(relay_id), [TProtocol(HOP_PROTOCOL)])
+            except Exception as exc:  # StreamFailure: no relay service there, or it reset us
+                raise PeerUnavailableError(f"relay {relay_id}: no relay service ({exc})") from exc
             try:
                 ok = await self._transport._make_reservation(stream, ID.from_base58(relay_id))
             finally:
@@ -140,18 +149,29 @@ class Relay:
     async def dial(self, circuit_addr: str, *, timeout: float = 10.0) -> str:
         """Connect through a relay (``.../p2p/<relay>/p2p-circuit/p2p/<peer>``); the peer id."""
         maddr = multiaddr.Multiaddr(circuit_addr)
+        conn = None
         with trio.move_on_after(timeout) as scope:
-            conn = await self._transport.dial(maddr)
-        if scope.cancelled_caught:
+            try:
+                conn = await self._transport.dial(maddr)
+            except Exception as exc:  # ConnectionError and libp2p's own: refused, no reservation
+                raise PeerUnavailableError(f"relayed dial {circuit_addr}: {exc}") from exc
+        if scope.cancelled_caught or conn is None:
             raise PeerUnavailableError(f"relayed dial {circuit_addr}: no connection within {timeout:.1f} s")
         return conn.muxed_conn.peer_id.to_base58()  # type: ignore[attr-defined,no-any-return]
 
 
 @contextlib.asynccontextmanager
-async def open_relay(host: Host, settings: RelaySettings) -> AsyncIterator[Relay]:
-    """Run circuit v2 on ``host`` for the duration of the block."""
+async def open_relay(host: Host, settings: RelaySettings, *, serve_now: bool = True) -> AsyncIterator[Relay]:
+    """Run circuit v2 on ``host`` for the duration of the block (the stop role: relayed
+    connections to us are accepted); with ``serve_now`` and ``settings.service`` also the hop
+    role at once (else on ``enable_service()``)."""
     relay = Relay(host, settings)
     async with background_trio_service(relay._protocol):
         await relay._protocol.event_started.wait()
-        relay._gate_hop()
-        yield relay
+        if serve_now:
+            relay.enable_service()
+        try:
+            yield relay
+        finally:
+            if relay.serving:
+                host._h.remove_stream_handler(HOP_PROTOCOL)
