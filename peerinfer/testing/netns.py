@@ -230,6 +230,9 @@ class Internet:
         if s.router is None:
             raise ValueError("pub has no single uplink; cut a home's instead")
         self.exec(s.router, "ip", "link", "set", "wan", "up" if up else "down")
+        if up:  # a link going down takes its routes along; the router's default one comes back
+            gateway = s.uplink.rsplit(".", 1)[0] + ".1" if s.uplink else ""
+            self.exec(s.router, "ip", "route", "replace", "default", "via", gateway)
 
     # ---------------------------------------------------------------- nodes
 
