@@ -9,6 +9,7 @@ bench/net_bench.py --reach and docs/reach.md). Prints one JSON line per event.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -18,6 +19,13 @@ import trio
 
 from peerinfer.net import FramedStream, HostConfig, open_host
 from peerinfer.net.relay import RelaySettings, open_relay
+
+try:  # hole punching (DCUtR), measured when asked for (--dcutr)
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+    from libp2p.tools.anyio_service import background_trio_service
+except ImportError:  # pragma: no cover
+    DCUtRProtocol = None
 
 ECHO = "/peerinfer-probe/echo/1.0.0"
 
@@ -36,7 +44,12 @@ async def main(args: argparse.Namespace) -> None:
                      liveness_interval_s=0.0, swarm_key=None if args.swarm_key is None else args.swarm_key.encode())
     async with open_host(cfg) as host:
         host.set_handler(ECHO, echo)
-        async with open_relay(host, RelaySettings(service=args.role == "relay")) as relay:
+        dcutr = DCUtRProtocol(host._h) if args.dcutr and args.role != "relay" else None
+        async with open_relay(host, RelaySettings(service=args.role == "relay")) as relay, \
+                contextlib.AsyncExitStack() as stack:
+            if dcutr is not None:
+                await stack.enter_async_context(background_trio_service(dcutr))
+                await dcutr.event_started.wait()
             say(event="up", peer_id=host.peer_id, addrs=host.listen_addrs())
             if args.role == "relay":
                 await trio.sleep(args.lifetime)
@@ -66,6 +79,16 @@ async def main(args: argparse.Namespace) -> None:
                 say(event="relay_dial_failed", error=f"{type(exc).__name__}: {exc}"[:300])
                 return
             say(event="relay_dial_ok", peer=peer, s=round(time.monotonic() - t0, 4))
+            if dcutr is not None:
+                t0 = time.monotonic()
+                ok = False
+                with trio.move_on_after(30):
+                    try:
+                        ok = await dcutr.initiate_hole_punch(ID.from_base58(target_id))
+                    except Exception as exc:
+                        say(event="dcutr_error", error=f"{type(exc).__name__}: {exc}"[:300])
+                conns = [c.muxed_conn.get_remote_address() for c in host._live_connections(ID.from_base58(target_id))]
+                say(event="dcutr", ok=ok, s=round(time.monotonic() - t0, 3), remote_addrs=[str(c) for c in conns])
             rtts = []
             for _ in range(args.n):
                 t1 = time.monotonic()
@@ -93,5 +116,6 @@ if __name__ == "__main__":
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--lifetime", type=float, default=60.0)
     p.add_argument("--swarm-key")
+    p.add_argument("--dcutr", action="store_true", help="run DCUtR on dest and source; source tries a hole punch")
     trio.run(main, p.parse_args())
     sys.exit(0)

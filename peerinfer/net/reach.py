@@ -20,7 +20,9 @@ Algorithm (one task per node, :func:`run_reach`)
    within its TTL).
 
 Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
-circuit address (see ``Host.relay_dialer``).
+circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
+one by hole punching (py-libp2p's DCUtR, TCP with SO_REUSEPORT from the listen port) where
+both NATs allow; else it stays relayed.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import multiaddr
 import trio
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.tools.anyio_service import background_trio_service
 
 from peerinfer.errors import PeerInferError
 from peerinfer.net.framing import FramedStream
@@ -59,6 +65,9 @@ WATCH_S = 1.0
 class ReachSettings:
     #: Offer relay service when we turn out reachable (``peerinfer node --no-relay-service``).
     relay_service: bool = True
+    #: Upgrade relayed connections to direct ones by TCP hole punching (DCUtR) where the NATs
+    #: allow (cone NATs that drop unsolicited packets; never a symmetric NAT).
+    hole_punching: bool = True
     relay: RelaySettings = field(default_factory=RelaySettings)
 
 
@@ -211,6 +220,34 @@ class _Reach:
             await trio.sleep(WATCH_S)
 
 
+@contextlib.asynccontextmanager
+async def _running_dcutr(host: Host) -> AsyncIterator[None]:
+    """py-libp2p's DCUtR service: every 2 s it tries a hole punch to each peer it has only a
+    relayed connection to (at most a few attempts per peer); its stream handler is re-registered
+    behind swarm admission. The punched connection is an ordinary swarm connection (admitted
+    as any other); DCUtR then closes the relayed one after a grace period."""
+    dcutr = DCUtRProtocol(host._h)
+    async with background_trio_service(dcutr):
+        await dcutr.event_started.wait()
+        inner = dcutr._handle_dcutr_stream
+
+        async def gated(stream: INetStream) -> None:
+            peer = stream.muxed_conn.peer_id.to_base58()
+            if not host.is_admitted(peer):
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+                return
+            try:
+                await inner(stream)
+            except Exception:
+                logger.exception("hole punch with %s failed", peer)
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+
+        host._h.set_stream_handler(DCUTR_PROTOCOL, gated)
+        yield
+
+
 def _is_circuit(addr: str) -> bool:
     return "p2p-circuit" in addr
 
@@ -232,7 +269,9 @@ async def run_reach(
         circuit_bytes=settings.relay.circuit_bytes,
         circuit_s=settings.relay.circuit_s,
     )
-    async with open_relay(host, relay_settings, serve_now=False) as relay:
+    async with open_relay(host, relay_settings, serve_now=False) as relay, contextlib.AsyncExitStack() as stack:
+        if settings.hole_punching:
+            await stack.enter_async_context(_running_dcutr(host))
         reach = _Reach(host, relay, settings, on_addrs_changed)
         host.set_handler(DIALBACK_PROTOCOL, reach.serve_dialback)
         host.relay_dialer = lambda circuit, timeout: relay.dial(circuit, timeout=timeout)

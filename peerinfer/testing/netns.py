@@ -217,6 +217,11 @@ class Internet:
                 "  chain forward { type filter hook forward priority filter; policy accept;\n"
                 '    iifname "wan" ct state established,related accept\n'
                 '    iifname "wan" drop\n  }\n'
+                # Like a home router: an unsolicited inbound connection is dropped, not refused
+                # (a refusal would also kill a hole punch whose first SYN arrives early).
+                "  chain input { type filter hook input priority filter; policy accept;\n"
+                '    iifname "wan" ct state established,related accept\n'
+                '    iifname "wan" drop\n  }\n'
                 "}\n"
             )
             _sh("ip", "netns", "exec", router, "nft", "-f", "-", input_text=ruleset)
