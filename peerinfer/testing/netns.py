@@ -239,6 +239,23 @@ class Internet:
             gateway = s.uplink.rsplit(".", 1)[0] + ".1" if s.uplink else ""
             self.exec(s.router, "ip", "route", "replace", "default", "via", gateway)
 
+    def established_tcp_peers(self, site: str) -> set[str]:
+        """The remote IPs of established TCP flows through ``site``'s router (its conntrack
+        table): which uplinks a home talks to directly (a hole-punched flow goes to the other
+        home's router, a relayed one only to pub)."""
+        router = self.sites[site].router
+        if router is None:
+            raise ValueError("pub has no router")
+        text = self.exec(router, "cat", "/proc/net/nf_conntrack", check=False).stdout
+        peers = set()
+        for line in text.splitlines():
+            fields = line.split()
+            if "tcp" in fields and "ESTABLISHED" in fields:
+                dst = next((f[4:] for f in fields if f.startswith("dst=")), None)
+                if dst is not None:
+                    peers.add(dst)
+        return peers
+
     # ---------------------------------------------------------------- nodes
 
     def spawn_node(
