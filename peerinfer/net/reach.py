@@ -44,7 +44,7 @@ from peerinfer.errors import PeerInferError
 from peerinfer.net.framing import FramedStream
 from peerinfer.net.host import Host, parse_peer_id
 from peerinfer.net.pacing import TokenBucket
-from peerinfer.net.relay import Relay, RelaySettings, open_relay
+from peerinfer.net.relay import HOP_PROTOCOL, Relay, RelaySettings, open_relay
 
 __all__ = ["DIALBACK_PROTOCOL", "ReachSettings", "ReachState", "run_reach"]
 
@@ -149,9 +149,25 @@ class _Reach:
                     ok = True
         await stream.send(b"1" if ok else b"0")
 
+    def _speaking(self, protocol: str) -> list[str]:
+        """Admitted connected peers whose identify lists ``protocol`` (clients, and nodes
+        without reachability support, are never asked)."""
+        ps = self.host._h.get_peerstore()
+        out = []
+        for peer in self.host.connected_peers():
+            if not self.host.is_admitted(peer):
+                continue
+            try:
+                protocols = ps.get_protocols(parse_peer_id(peer))
+            except Exception:
+                continue
+            if protocol in protocols:
+                out.append(peer)
+        return out
+
     async def test_reachable(self) -> bool | None:
         port = _listen_port(self.host)
-        peers = [p for p in self.host.connected_peers() if self.host.is_admitted(p)]
+        peers = self._speaking(DIALBACK_PROTOCOL)
         if port is None or not peers:
             return None
         random.shuffle(peers)
@@ -178,8 +194,13 @@ class _Reach:
                 logger.info("relay %s lost; its address withdrawn", relay_id)
 
     async def reserve_somewhere(self) -> None:
-        peers = [p for p in self.host.connected_peers() if self.host.is_admitted(p)]
-        random.shuffle(peers)
+        # Peers that announced relay service first; then other peerinfer nodes (identify may
+        # predate a relay's switching its service on).
+        relays = self._speaking(HOP_PROTOCOL)
+        others = [p for p in self._speaking(DIALBACK_PROTOCOL) if p not in relays]
+        random.shuffle(relays)
+        random.shuffle(others)
+        peers = relays + others
         for peer in peers[:RELAY_CANDIDATES]:
             relay_addr = _relay_addr(self.host, peer)
             if relay_addr is None or _is_circuit(relay_addr):

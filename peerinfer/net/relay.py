@@ -44,7 +44,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from peerinfer.errors import PeerUnavailableError
 from peerinfer.net.host import Host
 
-__all__ = ["Relay", "RelaySettings", "open_relay", "relayed_addr"]
+__all__ = ["HOP_PROTOCOL", "Relay", "RelaySettings", "open_relay", "relayed_addr"]
 
 logger = logging.getLogger(__name__)
 
