@@ -37,13 +37,16 @@ HOMES = ("home1", "home2", "home3")
 
 
 @pytest.fixture
-def internet() -> Iterator[tuple[Internet, dict[str, NodeHandle]]]:
-    """The emulated internet with one node per site, all started and printing their address."""
+def internet(request: pytest.FixtureRequest) -> Iterator[tuple[Internet, dict[str, NodeHandle]]]:
+    """The emulated internet with one node per site, all started and printing their address
+    (``@pytest.mark.pub_args(...)``: extra flags for the public node)."""
+    marker = request.node.get_closest_marker("pub_args")
+    pub_args = list(marker.args) if marker is not None else []
     with emulated_internet() as net:
         costs = net.workdir / "costs.json"
         costs.write_text(json.dumps(FAST.to_dict()))
         args = ["--costs", str(costs)]
-        pub = net.spawn_node("pub", extra_args=args)
+        pub = net.spawn_node("pub", extra_args=args + pub_args)
         net.wait_ready([pub])
         homes = {h: net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in HOMES}
         net.wait_ready(list(homes.values()))
@@ -147,3 +150,21 @@ def test_a_cut_relay_link_loses_no_request_and_heals(
     wait_for(lambda: status(net, "home1", asker), holds(holder.peer_id, 600), 60,
              "home1 sees home2's digest again")
     assert generate(net, "home1", asker, fresh + " after").served_by == holder.peer_id
+
+
+@pytest.mark.pub_args("--relay-circuit-bytes", "64K")
+def test_a_relay_closing_a_circuit_at_its_byte_limit_loses_no_request(
+    internet: tuple[Internet, dict[str, NodeHandle]],
+) -> None:
+    """pub lets one relayed connection carry 64 KiB: requests (and digests) between home3
+    (symmetric NAT: relayed for good) and home2 run into it; every request is still answered
+    (failover, then a fresh circuit), none is lost."""
+    net, nodes = internet
+    holder, asker = nodes["home2"], nodes["home3"]
+    generate(net, "home2", holder, SHARED + " warm up")
+    wait_for(lambda: status(net, "home3", asker), holds(holder.peer_id), 60, "home3 sees home2's digest")
+    served = [generate(net, "home3", asker, SHARED + f" q{i}").served_by for i in range(12)]
+    assert set(served) <= {holder.peer_id, asker.peer_id}
+    assert holder.peer_id in served
+    pub_log = nodes["pub"].stderr_path.read_text(errors="replace")
+    assert "limit exceeded" in pub_log, "the relay never reached its circuit byte limit"

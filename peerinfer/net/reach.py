@@ -70,6 +70,11 @@ class ReachSettings:
     hole_punching: bool = True
     relay: RelaySettings = field(default_factory=RelaySettings)
 
+    @classmethod
+    def of(cls, relay_service: bool, circuit_bytes: int | None = None) -> ReachSettings:
+        relay = RelaySettings() if circuit_bytes is None else RelaySettings(circuit_bytes=circuit_bytes)
+        return cls(relay_service=relay_service, relay=relay)
+
 
 @dataclass
 class ReachState:
