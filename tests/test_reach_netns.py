@@ -168,3 +168,16 @@ def test_a_relay_closing_a_circuit_at_its_byte_limit_loses_no_request(
     assert holder.peer_id in served
     pub_log = nodes["pub"].stderr_path.read_text(errors="replace")
     assert "limit exceeded" in pub_log, "the relay never reached its circuit byte limit"
+
+
+def test_the_emulated_internet_removes_everything_also_when_the_body_fails() -> None:
+    from peerinfer.testing.netns import _namespaces
+
+    with pytest.raises(RuntimeError, match="the body failed"), emulated_internet() as net:
+        node = net.spawn_node("home1")
+        net.wait_ready([node])
+        prefix = net.prefix
+        assert len([n for n in _namespaces() if n.startswith(prefix)]) == 7
+        raise RuntimeError("the body failed")
+    assert not [n for n in _namespaces() if n.startswith(prefix)]
+    assert not node.alive
