@@ -7,6 +7,12 @@ DCUtR hole punch and times 30 more; and 30 straight to the relay for comparison.
 Prints one JSON object. Needs root and nft. Usage::
 
     python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
+    python bench/reach_bench.py --join --runs 3
+
+``--join``: real ``peerinfer node`` processes instead (pub, home1, home2); home2 caches a
+prefix as soon as it is up; the time from starting the home nodes until home1's status lists
+home2 as a routing candidate holding it (digest and a ping round trip), and whether home1's
+next request for that prefix is then served by home2.
 """
 
 from __future__ import annotations
@@ -85,12 +91,59 @@ def one_run(dest: str, key: str | None) -> dict[str, object]:
                     p.kill()
 
 
+SHARED = " ".join(f"shared{i}" for i in range(300))
+
+
+def join_run() -> dict[str, object]:
+    from peerinfer.client import Client
+    from peerinfer.core.costmodel import CostModel
+    from peerinfer.testing.netns import run_in_netns
+
+    costs = CostModel(prefill_s_per_token=0.002, cached_s_per_token=0.00001,
+                      decode_s_per_token=0.002, overhead_s=0.002, slots=1)
+    with emulated_internet() as net:
+        path = net.workdir / "costs.json"
+        path.write_text(json.dumps(costs.to_dict()))
+        args = ["--costs", str(path)]
+        pub = net.spawn_node("pub", extra_args=args)
+        net.wait_ready([pub])
+        t0 = time.monotonic()
+        h1, h2 = (net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in ("home1", "home2"))
+        net.wait_ready([h1, h2])
+        ready = time.monotonic() - t0
+
+        def call(site: str, node, fn):  # noqa: ANN001
+            async def go():  # noqa: ANN202
+                async with Client.connect(node.addr, timeout_s=30) as client:
+                    return await fn(client)
+            return run_in_netns(net.sites[site].namespace, go)
+
+        call("home2", h2, lambda c: c.generate(SHARED + " warm", max_tokens=3))
+        known = None
+        for _ in range(600):
+            st = call("home1", h1, lambda c: c.status())
+            view = next((p for p in st["peers"] if p["peer_id"] == h2.peer_id), None)
+            if view is not None and view["cached_tokens"] >= 256 and view["rtt_ms"] is not None:
+                known = time.monotonic() - t0
+                break
+            time.sleep(0.1)
+        served = call("home1", h1, lambda c: c.generate(SHARED + " q", max_tokens=3)).served_by
+        return {"processes_ready_s": round(ready, 2),
+                "candidate_s": None if known is None else round(known, 2),
+                "served_by_holder": served == h2.peer_id}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dest", default="home2", choices=("home2", "home3"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--swarm-key")
+    p.add_argument("--join", action="store_true")
     args = p.parse_args()
+    if args.join:
+        joins = [join_run() for _ in range(args.runs)]
+        print(json.dumps({"join": joins, "load": os.getloadavg()[0]}))
+        return
     runs = [one_run(args.dest, args.swarm_key) for _ in range(args.runs)]
     ok = [r for r in runs if isinstance(r.get("relay_dial"), dict) and r["relay_dial"]["event"] == "relay_dial_ok"]
     punched = [r for r in ok if r["dcutr"]["ok"]]
