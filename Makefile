@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP) system-packages
 
-# System packages the tests need: Debian's chromium renders the dashboard in a headless test.
+# System packages the tests need: Debian's chromium renders the dashboard in a headless test;
+# nftables masquerades in the emulated internet's routers (tests/test_reach_netns.py).
 # Skipped when present; installing needs root (apt-get), as on the CI machines.
 system-packages:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update && apt-get install -y chromium; }
+	@command -v nft >/dev/null 2>&1 || { apt-get update && apt-get install -y nftables; }
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml

@@ -81,6 +81,8 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
     p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
     _add_swarm_options(p, join=True)
+    p.add_argument("--no-relay-service", action="store_true", help="never relay for peers behind NATs (default: relay, bounded, once found publicly reachable)")
+    p.add_argument("--relay-circuit-bytes", type=_bytes_amount, help="bytes one relayed connection through this node may carry, e.g. 64M (default: 64M)")
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
@@ -150,6 +152,8 @@ def _run_node(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         trusted_peers=tuple(args.trust) if args.trust else None,
         audit_rate=args.audit_rate,
+        relay_service=not args.no_relay_service,
+        relay_circuit_bytes=args.relay_circuit_bytes,
     )
     node = Node(options, engine=_load_engine_verbosely(options))
 

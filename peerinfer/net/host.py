@@ -145,6 +145,10 @@ OUTBOUND_DRAIN_WAIT_S = 0.25
 #: On shutdown, how long connections may take to close politely before their sockets are
 #: closed under them.
 SHUTDOWN_GRACE_S = 1.0
+#: Peers we remember relayed (circuit) addresses for; the oldest are forgotten beyond this.
+MAX_CIRCUIT_PEERS = 1024
+#: The direct dial tried before the relayed one, for a peer with a relayed address.
+RELAYED_DIRECT_TRY_S = 2.0
 #: Peers whose admission refusal was logged (once each); the oldest are forgotten beyond this.
 MAX_REFUSALS_LOGGED = 4096
 
@@ -298,6 +302,13 @@ class Host:
         self._buckets: dict[str, TokenBucket] = {}
         self._publish_rate = own_publish_rate(config.effective_gossip_rate_limit())
         self._admission_key = None if config.swarm_key is None else admission_key(config.swarm_key)
+        # Reachability (peerinfer.net.reach): our relayed addresses, advertised with the others;
+        # peers' circuit addresses (kept out of libp2p's peerstore: its TCP transport would dial
+        # the relay's part of one and fail the handshake); the relayed dial, once set up.
+        self._advertised: list[str] = []
+        self._circuit_addrs: OrderedDict[str, list[str]] = OrderedDict()
+        self.relay_dialer: Callable[[str, float], Awaitable[str]] | None = None
+        self.reach_state: object | None = None
         self._admissions: dict[str, _Admission] = {}
         #: the last admission refusal of each peer (bounded), logged once per peer
         self._refusals_logged: OrderedDict[str, str] = OrderedDict()
@@ -330,17 +341,32 @@ class Host:
 
     def dialable_addrs(self) -> list[str]:
         """Addresses others can dial: unspecified binds expanded to 127.0.0.1 (same machine)
-        and this machine's primary LAN address, each with ``/p2p/<our id>``."""
-        return [str(a) for a in self._h.get_addrs()]
+        and this machine's primary LAN address, each with ``/p2p/<our id>``; then our relayed
+        addresses (circuit addresses through a relay), if a relay reservation holds one."""
+        return [str(a) for a in self._h.get_addrs()] + list(self._advertised)
+
+    def add_advertised_addr(self, addr: str) -> None:
+        """Advertise ``addr`` (a relayed address of ours) in ``dialable_addrs``."""
+        if addr not in self._advertised:
+            self._advertised.append(addr)
+
+    def remove_advertised_addr(self, addr: str) -> None:
+        if addr in self._advertised:
+            self._advertised.remove(addr)
+
+    def circuit_addrs(self, peer_id: str) -> list[str]:
+        """The relayed addresses we know for ``peer_id`` (with ``/p2p/<peer id>``)."""
+        return list(self._circuit_addrs.get(peer_id, ()))
 
     def known_addrs(self, peer_id: str) -> list[str]:
         """What the peerstore knows about how to reach ``peer_id`` (without /p2p), for peer
         exchange. Empty if nothing is known."""
         pid = parse_peer_id(peer_id)
         try:
-            return [str(a) for a in self._h.get_peerstore().addrs(pid)]
+            direct = [str(a) for a in self._h.get_peerstore().addrs(pid)]
         except Exception:  # PeerStoreError: unknown peer
-            return []
+            direct = []
+        return direct + self.circuit_addrs(peer_id)
 
     # -- connections --------------------------------------------------------------------------
 
@@ -363,6 +389,17 @@ class Host:
         if peer_id == self._peer_id:
             return
         parsed = [_parse_multiaddr(a, ProtocolError) for a in addrs]
+        circuits = [str(a) for a in parsed if "/p2p-circuit" in str(a)]
+        parsed = [a for a in parsed if "/p2p-circuit" not in str(a)]
+        if circuits:
+            suffix = f"/p2p/{peer_id}"
+            full = [c if c.endswith("/p2p-circuit" + suffix) else c + suffix for c in circuits
+                    if c.endswith("/p2p-circuit") or c.endswith("/p2p-circuit" + suffix)]
+            if full:
+                self._circuit_addrs[peer_id] = list(dict.fromkeys(full))[:MAX_KNOWN_ADDRS_PER_PEER]
+                self._circuit_addrs.move_to_end(peer_id)
+                while len(self._circuit_addrs) > MAX_CIRCUIT_PEERS:
+                    self._circuit_addrs.popitem(last=False)
         cleaned: list[multiaddr.Multiaddr] = []
         for addr in parsed:
             try:
@@ -402,7 +439,7 @@ class Host:
                 del self._network.connections[info.peer_id]
         started = trio.current_time()
         try:
-            await self._within("connect", peer, deadline, lambda: self._h.connect(info))
+            await self._connect_direct_or_relayed(info, deadline)
             if not self.is_connected(peer):
                 if self._admission_key is not None:
                     reason = self._refusals_logged.get(peer) or "closed by the peer"
@@ -418,6 +455,36 @@ class Host:
             self._counters.dial_failures += 1
             raise
         return peer
+
+    async def _connect_direct_or_relayed(self, info: PeerInfo, deadline: float) -> None:
+        """Dial ``info`` directly; a peer we know relayed addresses for gets a short direct
+        try (a third of the deadline, at most RELAYED_DIRECT_TRY_S) and then each circuit."""
+        peer = info.peer_id.to_base58()
+        circuits = self.circuit_addrs(peer) if self.relay_dialer is not None else []
+        if not circuits:
+            await self._within("connect", peer, deadline, lambda: self._h.connect(info))
+            return
+        started = trio.current_time()
+        direct_s = min(RELAYED_DIRECT_TRY_S, deadline / 3)
+        try:
+            await self._within("connect", peer, direct_s, lambda: self._h.connect(info))
+            if self.is_connected(peer):
+                return
+        except RemoteError:
+            pass
+        last: Exception | None = None
+        dialer = self.relay_dialer
+        assert dialer is not None
+        for circuit in circuits:
+            left = deadline - (trio.current_time() - started)
+            if left <= 0:
+                break
+            try:
+                await dialer(circuit, left)
+                return
+            except Exception as exc:  # the relay refused, has no reservation, or is gone
+                last = exc
+        raise PeerUnavailableError(f"connect: cannot reach {peer} directly or through a relay ({last})")
 
     # -- admission ----------------------------------------------------------------------------
 

@@ -34,6 +34,8 @@ TOKEN_GAP_TIMEOUT_S = 120.0
 PEER_DIAL_RATE = 1.0
 PEER_DIAL_BURST = 8
 PEER_REDIAL_S = 10.0
+#: Members told at once when a relayed address appears or goes (peerinfer.net.reach).
+SPREAD_ADDRS_PEERS = 8
 #: Bound of the per-peer tables kept here (peer exchange, dial history).
 MAX_PEER_TABLE = 4096
 #: Replica budget, by default a share of the local cache budget (in bytes), at about this many
@@ -88,6 +90,10 @@ class NodeOptions:
     api_keys: tuple[str, ...] = ()
     #: hashes all peers' replicas may hold together; None: a share of the cache budget
     replica_budget_blocks: int | None = None
+    #: relay circuits for NATed peers once we prove reachable (peerinfer.net.reach)
+    relay_service: bool = True
+    #: bytes one relayed circuit through us may carry before we close it (None: the default)
+    relay_circuit_bytes: int | None = None
     #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
     wall_clock: Callable[[], float] = time.time
     #: trust: the share of forwarded greedy answers audited, and (if given) the only peers

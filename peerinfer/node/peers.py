@@ -33,6 +33,7 @@ from peerinfer.node.options import (
     PEER_EXCHANGE_INTERVAL_S,
     PEER_REDIAL_S,
     PEERS_PROTOCOL,
+    SPREAD_ADDRS_PEERS,
 )
 from peerinfer.trust import reputation_line
 from peerinfer.types import PeerId
@@ -107,6 +108,14 @@ class PeersMixin:
         seen: set[str] = set()
         for entry in exchange.peers[:MAX_EXCHANGED_PEERS]:
             peer = entry.peer_id
+            if peer == source and entry.addrs:
+                # The sender's own addresses, relayed ones included, for the peers we tell; a
+                # new relayed one is passed on at once (a peer behind a NAT is reachable only so).
+                before = host.circuit_addrs(peer)
+                with contextlib.suppress(ProtocolError):
+                    host.add_known_peer(peer, tuple(dict.fromkeys(entry.addrs)))
+                if host.circuit_addrs(peer) != before:
+                    self._spread_addrs(exclude=peer)
             if peer == host.peer_id or peer in seen or host.is_connected(peer):
                 continue
             seen.add(peer)
@@ -126,6 +135,18 @@ class PeersMixin:
             self.exchange_dials += 1
             assert self._nursery is not None
             self._nursery.start_soon(self._dial_quietly, peer)
+
+    def _spread_addrs(self, exclude: str | None = None) -> None:
+        """Swap peer lists now with (a bounded number of) connected members: our own or a
+        peer's relayed address changed, and waiting for the periodic exchange would leave it
+        unreachable meanwhile."""
+        host = self.host
+        if host is None or self._nursery is None:
+            return
+        members = [p for p in host.connected_peers() if p in self._exchanged and p != exclude and self._is_member(p)]
+        random.shuffle(members)
+        for peer in members[:SPREAD_ADDRS_PEERS]:
+            self._nursery.start_soon(self._exchange_peers, peer)
 
     async def _dial_quietly(self, peer: str) -> None:
         host = self.host

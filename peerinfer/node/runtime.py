@@ -4,6 +4,7 @@ the effects it returns, and its timer."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import random
 import time
@@ -40,6 +41,7 @@ from peerinfer.engine.batch import BatchScheduler
 from peerinfer.net import Host, HostConfig, open_host
 from peerinfer.net.config import default_identity_path
 from peerinfer.net.pacing import TokenBucket
+from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.node.antientropy import AntiEntropyMixin
 from peerinfer.node.door import DoorMixin, RoutingRecord, Submission, _Sink
 from peerinfer.node.forwarding import ForwardingMixin
@@ -218,6 +220,10 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
                 self._trust.load(host_config)
                 nursery.start_soon(self._trust.run)
                 nursery.start_soon(self._engine_worker, scheduler)
+                await nursery.start(
+                    functools.partial(run_reach, on_addrs_changed=self._spread_addrs),
+                    host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes),
+                )
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
                 if http_address is not None:

@@ -1,0 +1,167 @@
+"""Circuit relay and hole punching on the emulated internet (peerinfer.testing.netns).
+
+Per run: a relay in ``pub``, a destination behind a NAT (``--dest home2``: cone NAT, or
+``home3``: symmetric NAT) that reserves a slot, a source in ``home1`` (cone NAT) that dials the
+destination through the relay, times 30 echo requests (each on a new stream), then tries a
+DCUtR hole punch and times 30 more; and 30 straight to the relay for comparison.
+Prints one JSON object. Needs root and nft. Usage::
+
+    python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
+    python bench/reach_bench.py --join --runs 3
+
+``--join``: real ``peerinfer node`` processes instead (pub, home1, home2); home2 caches a
+prefix as soon as it is up; the time from starting the home nodes until home1's status lists
+home2 as a routing candidate holding it (digest and a ping round trip), and whether home1's
+next request for that prefix is then served by home2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from peerinfer.testing.cluster import child_environment
+from peerinfer.testing.netns import Internet, emulated_internet
+
+PROBE = str(Path(__file__).with_name("reach_probe.py"))
+
+
+def start(net: Internet, site: str, role: str, *extra: str) -> subprocess.Popen[bytes]:
+    s = net.sites[site]
+    with (net.workdir / f"{role}.out").open("wb") as out, (net.workdir / f"{role}.err").open("wb") as err:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", s.namespace, sys.executable, PROBE, role,
+             "--listen", f"/ip4/{s.addr}/tcp/4800", *extra],
+            stdout=out, stderr=err, env=child_environment("simulated"),
+        )
+
+
+def events(net: Internet, role: str) -> list[dict[str, object]]:
+    try:
+        text = (net.workdir / f"{role}.out").read_text()
+    except OSError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def wait_event(net: Internet, role: str, names: set[str], timeout_s: float) -> dict[str, object]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for e in events(net, role):
+            if e["event"] in names:
+                return e
+        time.sleep(0.1)
+    raise RuntimeError(f"{role}: none of {sorted(names)} within {timeout_s} s:\n"
+                       + (net.workdir / f"{role}.err").read_text()[-2000:])
+
+
+def one_run(dest: str, key: str | None) -> dict[str, object]:
+    extra = ("--swarm-key", key) if key else ()
+    with emulated_internet() as net:
+        procs = []
+        try:
+            procs.append(start(net, "pub", "relay", "--lifetime", "90", *extra))
+            up = wait_event(net, "relay", {"up"}, 60)
+            relay = f"/ip4/{net.sites['pub'].addr}/tcp/4800/p2p/{up['peer_id']}"
+            procs.append(start(net, dest, "dest", "--relay", relay, "--lifetime", "90", "--dcutr", *extra))
+            reserved = wait_event(net, "dest", {"reserved", "reserve_failed"}, 60)
+            if reserved["event"] != "reserved":
+                return {"reserved": False}
+            procs.append(start(net, "home1", "source", "--relay", relay, "--target", str(reserved["addr"]),
+                               "--n", "30", "--dcutr", *extra))
+            dial = wait_event(net, "source", {"relay_dial_ok", "relay_dial_failed"}, 60)
+            result: dict[str, object] = {"reserve_s": reserved["s"], "relay_dial": dial}
+            if dial["event"] == "relay_dial_ok":
+                result["dcutr"] = wait_event(net, "source", {"dcutr"}, 90)
+                result["rtt"] = wait_event(net, "source", {"rtt"}, 90)
+            return result
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+SHARED = " ".join(f"shared{i}" for i in range(300))
+
+
+def join_run() -> dict[str, object]:
+    from peerinfer.client import Client
+    from peerinfer.core.costmodel import CostModel
+    from peerinfer.testing.netns import run_in_netns
+
+    costs = CostModel(prefill_s_per_token=0.002, cached_s_per_token=0.00001,
+                      decode_s_per_token=0.002, overhead_s=0.002, slots=1)
+    with emulated_internet() as net:
+        path = net.workdir / "costs.json"
+        path.write_text(json.dumps(costs.to_dict()))
+        args = ["--costs", str(path)]
+        pub = net.spawn_node("pub", extra_args=args)
+        net.wait_ready([pub])
+        t0 = time.monotonic()
+        h1, h2 = (net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in ("home1", "home2"))
+        net.wait_ready([h1, h2])
+        ready = time.monotonic() - t0
+
+        def call(site: str, node, fn):  # noqa: ANN001
+            async def go():  # noqa: ANN202
+                async with Client.connect(node.addr, timeout_s=30) as client:
+                    return await fn(client)
+            return run_in_netns(net.sites[site].namespace, go)
+
+        call("home2", h2, lambda c: c.generate(SHARED + " warm", max_tokens=3))
+        known = None
+        for _ in range(600):
+            st = call("home1", h1, lambda c: c.status())
+            view = next((p for p in st["peers"] if p["peer_id"] == h2.peer_id), None)
+            if view is not None and view["cached_tokens"] >= 256 and view["rtt_ms"] is not None:
+                known = time.monotonic() - t0
+                break
+            time.sleep(0.1)
+        served = call("home1", h1, lambda c: c.generate(SHARED + " q", max_tokens=3)).served_by
+        return {"processes_ready_s": round(ready, 2),
+                "candidate_s": None if known is None else round(known, 2),
+                "served_by_holder": served == h2.peer_id}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dest", default="home2", choices=("home2", "home3"))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--swarm-key")
+    p.add_argument("--join", action="store_true")
+    args = p.parse_args()
+    if args.join:
+        joins = [join_run() for _ in range(args.runs)]
+        print(json.dumps({"join": joins, "load": os.getloadavg()[0]}))
+        return
+    runs = [one_run(args.dest, args.swarm_key) for _ in range(args.runs)]
+    ok = [r for r in runs if isinstance(r.get("relay_dial"), dict) and r["relay_dial"]["event"] == "relay_dial_ok"]
+    punched = [r for r in ok if r["dcutr"]["ok"]]
+    relayed_p50 = [r["rtt"]["relayed_before_punch_p50_ms"] for r in ok]
+    after_p50 = [r["rtt"]["after_punch_p50_ms"] for r in ok]
+    direct_p50 = [r["rtt"]["direct_to_relay_p50_ms"] for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
+    print(json.dumps({
+        "dest": args.dest, "nat": "cone" if args.dest == "home2" else "symmetric",
+        "runs": args.runs, "relayed_ok": len(ok), "hole_punched": len(punched),
+        "reserve_s_median": statistics.median(r["reserve_s"] for r in ok) if ok else None,
+        "relayed_dial_s_median": statistics.median(r["relay_dial"]["s"] for r in ok) if ok else None,
+        "punch_s_median": statistics.median(r["dcutr"]["s"] for r in punched) if punched else None,
+        "request_relayed_p50_ms_median": statistics.median(relayed_p50) if relayed_p50 else None,
+        "request_after_punch_p50_ms_median": statistics.median(after_p50) if after_p50 else None,
+        "request_direct_to_relay_p50_ms_median": statistics.median(direct_p50) if direct_p50 else None,
+        "load": os.getloadavg()[0],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Reachability: is this node dialable from the internet, and if not, a relay slot.
+
+Algorithm (one task per node, :func:`run_reach`)
+------------------------------------------------
+1. **Dial-back test** (AutoNAT's rule, our own small protocol ``/peerinfer/dialback/1.0.0``):
+   we ask up to ``DIALBACK_ASKED`` connected peers to open a plain TCP connection back to *the
+   address they see our connection coming from*, at our listen port. A peer never dials any
+   other address (it cannot be used to make a node connect to a third party), and serves at
+   most ``DIALBACK_RATE`` tests per second in all. Any success: we are reachable. Behind a
+   NAT the observed address is the router's, which has no mapping for our port: refused.
+2. **Reachable** and ``relay_service`` on (the default): we serve circuit relay v2 hop
+   (bounded: ``RelaySettings``), behind swarm admission.
+3. **Not reachable**: we keep one reservation on a relay: a connected peer that accepts one
+   (peers are tried in random order, at most ``RELAY_CANDIDATES`` per round). Our relayed
+   address ``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<us>`` is then one of
+   ``Host.dialable_addrs()``, so it reaches others through peer exchange and status. When the
+   relay's connection goes, the address is withdrawn and the next round reserves again
+   (on the same relay once the bootstrap loop reconnects it, or on another).
+4. Every ``RECHECK_S`` the test and reservation are redone (a reservation is refreshed well
+   within its TTL).
+
+Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
+circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
+one by hole punching (py-libp2p's DCUtR, TCP with SO_REUSEPORT from the listen port) where
+both NATs allow; else it stays relayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import multiaddr
+import trio
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.tools.anyio_service import background_trio_service
+
+from peerinfer.errors import PeerInferError
+from peerinfer.net.framing import FramedStream
+from peerinfer.net.host import Host, parse_peer_id
+from peerinfer.net.pacing import TokenBucket
+from peerinfer.net.relay import HOP_PROTOCOL, Relay, RelaySettings, open_relay
+
+__all__ = ["DIALBACK_PROTOCOL", "ReachSettings", "ReachState", "run_reach"]
+
+logger = logging.getLogger(__name__)
+
+DIALBACK_PROTOCOL = "/peerinfer/dialback/1.0.0"
+DIALBACK_ASKED = 3
+DIALBACK_TIMEOUT_S = 3.0
+DIALBACK_RATE = 2.0
+DIALBACK_BURST = 8
+RELAY_CANDIDATES = 8
+RECHECK_S = 60.0
+#: How often the reservation's relay is checked to be still connected.
+WATCH_S = 1.0
+
+
+@dataclass(frozen=True)
+class ReachSettings:
+    #: Offer relay service when we turn out reachable (``peerinfer node --no-relay-service``).
+    relay_service: bool = True
+    #: Upgrade relayed connections to direct ones by TCP hole punching (DCUtR) where the NATs
+    #: allow (cone NATs that drop unsolicited packets; never a symmetric NAT).
+    hole_punching: bool = True
+    relay: RelaySettings = field(default_factory=RelaySettings)
+
+    @classmethod
+    def of(cls, relay_service: bool, circuit_bytes: int | None = None) -> ReachSettings:
+        relay = RelaySettings() if circuit_bytes is None else RelaySettings(circuit_bytes=circuit_bytes)
+        return cls(relay_service=relay_service, relay=relay)
+
+
+@dataclass
+class ReachState:
+    """What the node knows about its reachability (read by status and tests)."""
+
+    #: None: not tested yet; True: a peer dialed us back; False: every test failed
+    reachable: bool | None = None
+    relaying_for_others: bool = False
+    #: relay peer id -> our address through it
+    reservations: dict[str, str] = field(default_factory=dict)
+
+
+def _listen_port(host: Host) -> int | None:
+    for addr in host.listen_addrs():
+        try:
+            return int(multiaddr.Multiaddr(addr).value_for_protocol("tcp"))
+        except Exception:
+            continue
+    return None
+
+
+def _observed_ip(stream: FramedStream) -> str | None:
+    try:
+        remote = stream._stream.get_remote_address()
+    except Exception:
+        return None
+    return None if remote is None else str(remote[0])
+
+
+def _remote_ip(host: Host, peer: str) -> str | None:
+    for conn in host._live_connections(parse_peer_id(peer)):
+        try:
+            remote = conn.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
+        except Exception:
+            continue
+        if remote:
+            return str(remote[0])
+    return None
+
+
+def _relay_addr(host: Host, relay: str) -> str | None:
+    """The relay's own dialable address: a known address on the IP we reach it at."""
+    ip = _remote_ip(host, relay)
+    if ip is None:
+        return None
+    for addr in host.known_addrs(relay):
+        if "p2p-circuit" in addr:
+            continue
+        addr = addr.removesuffix(f"/p2p/{relay}")
+        with contextlib.suppress(Exception):
+            if multiaddr.Multiaddr(addr).value_for_protocol("ip4") == ip:
+                return addr
+    return None
+
+
+class _Reach:
+    def __init__(
+        self, host: Host, relay: Relay, settings: ReachSettings, on_addrs_changed: Callable[[], None]
+    ) -> None:
+        self.on_addrs_changed = on_addrs_changed
+        self.host = host
+        self.relay = relay
+        self.settings = settings
+        self.state = ReachState()
+        self._bucket = TokenBucket(DIALBACK_RATE, DIALBACK_BURST)
+
+    async def serve_dialback(self, stream: FramedStream) -> None:
+        """Dial the asker back at its observed IP and the port it names; reply b"1" or b"0"."""
+        request = await stream.receive()
+        ok = False
+        ip = _observed_ip(stream)
+        if ip is not None and request.isdigit() and 0 < int(request) < 65536:
+            if self._bucket.take(trio.current_time()):
+                with trio.move_on_after(DIALBACK_TIMEOUT_S), contextlib.suppress(OSError):
+                    sock = await trio.open_tcp_stream(ip, int(request))
+                    await sock.aclose()
+                    ok = True
+        await stream.send(b"1" if ok else b"0")
+
+    def _speaking(self, protocol: str) -> list[str]:
+        """Admitted connected peers whose identify lists ``protocol`` (clients, and nodes
+        without reachability support, are never asked)."""
+        ps = self.host._h.get_peerstore()
+        out = []
+        for peer in self.host.connected_peers():
+            if not self.host.is_admitted(peer):
+                continue
+            try:
+                protocols = ps.get_protocols(parse_peer_id(peer))
+            except Exception:
+                continue
+            if protocol in protocols:
+                out.append(peer)
+        return out
+
+    async def test_reachable(self) -> bool | None:
+        port = _listen_port(self.host)
+        peers = self._speaking(DIALBACK_PROTOCOL)
+        if port is None or not peers:
+            return None
+        random.shuffle(peers)
+        answered = False
+        for peer in peers[:DIALBACK_ASKED]:
+            try:
+                reply = await self.host.request(
+                    peer, DIALBACK_PROTOCOL, str(port).encode(), timeout=DIALBACK_TIMEOUT_S + 2
+                )
+            except PeerInferError:
+                continue
+            answered = True
+            if reply == b"1":
+                return True
+        return False if answered else None
+
+    def _withdraw_lost(self) -> None:
+        for relay_id in list(self.state.reservations):
+            if not self.host.is_connected(relay_id):
+                addr = self.state.reservations.pop(relay_id)
+                self.relay.reservations.pop(relay_id, None)
+                self.host.remove_advertised_addr(addr)
+                self.on_addrs_changed()
+                logger.info("relay %s lost; its address withdrawn", relay_id)
+
+    async def reserve_somewhere(self) -> None:
+        # Peers that announced relay service first; then other peerinfer nodes (identify may
+        # predate a relay's switching its service on).
+        relays = self._speaking(HOP_PROTOCOL)
+        others = [p for p in self._speaking(DIALBACK_PROTOCOL) if p not in relays]
+        random.shuffle(relays)
+        random.shuffle(others)
+        peers = relays + others
+        for peer in peers[:RELAY_CANDIDATES]:
+            relay_addr = _relay_addr(self.host, peer)
+            if relay_addr is None or _is_circuit(relay_addr):
+                continue
+            try:
+                addr = await self.relay.reserve(peer, relay_addr, timeout=5.0)
+            except Exception as exc:  # a refusal, a reset, a peer without relay service
+                logger.debug("no reservation on %s: %s", peer, exc)
+                continue
+            self.state.reservations[peer] = addr
+            self.host.add_advertised_addr(addr)
+            self.on_addrs_changed()
+            logger.info("reachable through relay %s as %s", peer, addr)
+            return
+
+    async def run(self) -> None:
+        next_check = 0.0
+        while True:
+            now = trio.current_time()
+            self._withdraw_lost()
+            if now >= next_check or self.state.reachable is None:
+                verdict = await self.test_reachable()
+                if verdict is not None:
+                    if verdict != self.state.reachable:
+                        logger.info("dial-back test: %s", "reachable" if verdict else "not reachable (behind a NAT?)")
+                    self.state.reachable = verdict
+                    next_check = trio.current_time() + RECHECK_S
+                    if verdict and self.settings.relay_service and not self.state.relaying_for_others:
+                        self.relay.enable_service()
+                        self.state.relaying_for_others = True
+                    if not verdict and self.state.reservations:
+                        # refresh: reserve again on the same relays (well within the TTL)
+                        for relay_id in list(self.state.reservations):
+                            with contextlib.suppress(Exception):
+                                await self.relay.reserve(relay_id, _relay_addr(self.host, relay_id) or "", timeout=5.0)
+            if self.state.reachable is False and not self.state.reservations:
+                await self.reserve_somewhere()
+            await trio.sleep(WATCH_S)
+
+
+@contextlib.asynccontextmanager
+async def _running_dcutr(host: Host) -> AsyncIterator[None]:
+    """py-libp2p's DCUtR service: every 2 s it tries a hole punch to each peer it has only a
+    relayed connection to (at most a few attempts per peer); its stream handler is re-registered
+    behind swarm admission. The punched connection is an ordinary swarm connection (admitted
+    as any other); DCUtR then closes the relayed one after a grace period."""
+    dcutr = DCUtRProtocol(host._h)
+    async with background_trio_service(dcutr):
+        await dcutr.event_started.wait()
+        inner = dcutr._handle_dcutr_stream
+
+        async def gated(stream: INetStream) -> None:
+            peer = stream.muxed_conn.peer_id.to_base58()
+            if not host.is_admitted(peer):
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+                return
+            try:
+                await inner(stream)
+            except Exception:
+                logger.exception("hole punch with %s failed", peer)
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+
+        host._h.set_stream_handler(DCUTR_PROTOCOL, gated)
+        yield
+
+
+def _is_circuit(addr: str) -> bool:
+    return "p2p-circuit" in addr
+
+
+async def run_reach(
+    host: Host,
+    settings: ReachSettings,
+    *,
+    on_addrs_changed: Callable[[], None] = lambda: None,
+    task_status: trio.TaskStatus[ReachState] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run reachability, relay service and relay reservations on ``host`` until cancelled.
+    ``on_addrs_changed`` is called (it must not block) when our relayed address comes or goes,
+    so the node can tell its peers at once rather than at the next periodic peer exchange."""
+    relay_settings = RelaySettings(
+        service=settings.relay_service,
+        max_reservations=settings.relay.max_reservations,
+        max_circuits=settings.relay.max_circuits,
+        circuit_bytes=settings.relay.circuit_bytes,
+        circuit_s=settings.relay.circuit_s,
+    )
+    async with open_relay(host, relay_settings, serve_now=False) as relay, contextlib.AsyncExitStack() as stack:
+        if settings.hole_punching:
+            await stack.enter_async_context(_running_dcutr(host))
+        reach = _Reach(host, relay, settings, on_addrs_changed)
+        host.set_handler(DIALBACK_PROTOCOL, reach.serve_dialback)
+        host.relay_dialer = lambda circuit, timeout: relay.dial(circuit, timeout=timeout)
+        host.reach_state = reach.state
+        task_status.started(reach.state)
+        try:
+            await reach.run()
+        finally:
+            host.relay_dialer = None
+            host.remove_handler(DIALBACK_PROTOCOL)

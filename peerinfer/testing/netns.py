@@ -1,0 +1,350 @@
+"""An emulated internet of Linux network namespaces, for the reachability (NAT) tests.
+
+Needs root (``ip netns``) and ``nft`` (nftables); :func:`netns_unavailable` says why not when
+either is missing, so tests can skip with a clear reason.
+
+Topology (every name carries the prefix ``pin<pid>-``, so runs never collide)::
+
+    home1 10.1.0.2 --- router1 (cone NAT)      10.201.1.2 ---+
+    home2 10.2.0.2 --- router2 (cone NAT)      10.201.2.2 ---+--- pub (10.200.0.1: bootstrap/relay)
+    home3 10.3.0.2 --- router3 (symmetric NAT) 10.201.3.2 ---+
+
+* ``pub`` is "the internet": it routes between the routers' uplinks and holds the public node's
+  address 10.200.0.1 on its loopback. No namespace has a route to any home network, so a home
+  node can only be reached over a connection it opened itself (or one its router maps).
+* A router masquerades what leaves its uplink (nftables ``masquerade``: Linux keeps the source
+  port where it can, an endpoint-independent "cone" mapping) and drops new inbound flows from
+  the uplink. The symmetric router masquerades ``fully-random``: every new flow gets a random
+  source port, so the port a peer saw cannot be reused by anyone else (hole punching fails).
+* All addresses exist only inside these namespaces; nothing is routed to the host's networks.
+
+Processes inside a namespace are started with ``ip netns exec`` (node processes: see
+:meth:`Internet.spawn_node`). The test process itself talks to a namespace through
+:func:`run_in_netns`, which runs a trio function in a helper thread that entered the
+namespace (``setns`` is per thread), so sockets it opens live there.
+
+Clean-up: :func:`emulated_internet` (a context manager) stops every process it started
+(SIGTERM, then SIGKILL by pid) and deletes every namespace it created (links go with them),
+also when the body raises. On entry it sweeps leftovers of earlier runs whose creating process
+is gone (names ``pin<pid>-*`` with a dead pid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from peerinfer.testing.cluster import NodeHandle, _die_with_parent, _new_identity, child_environment
+
+__all__ = [
+    "Internet",
+    "NetnsError",
+    "emulated_internet",
+    "netns_unavailable",
+    "run_in_netns",
+    "sweep_leftovers",
+]
+
+T = TypeVar("T")
+PREFIX = "pin"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-\S+")
+_CLONE_NEWNET = 0x40000000
+PUBLIC_ADDR = "10.200.0.1"
+NODE_PORT = 4737
+
+
+class NetnsError(RuntimeError):
+    """A namespace command failed (its stderr is in the message)."""
+
+
+def netns_unavailable() -> str | None:
+    """Why the emulated internet cannot be built here, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed (make system-packages installs nftables)"
+    return None
+
+
+def _sh(*argv: str, check: bool = True, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, input=input_text)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def _namespaces() -> list[str]:
+    out = _sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _delete_namespace(name: str) -> None:
+    """Kill what still runs in ``name`` (by pid: only our own leftovers live there), delete it."""
+    pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.kill(int(pid), signal.SIGKILL)
+    _sh("ip", "netns", "del", name, check=False)
+
+
+def sweep_leftovers() -> list[str]:
+    """Delete namespaces of earlier runs whose creating process is gone; the names deleted."""
+    swept = []
+    for name in _namespaces():
+        m = _NAME.match(name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            _delete_namespace(name)
+            swept.append(name)
+    return swept
+
+
+def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """Run ``fn`` to completion in a fresh trio loop on a thread inside ``namespace``."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise NetnsError(f"setns({namespace}): {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+
+            async def body() -> None:
+                result.append(await fn())
+
+            trio.run(body)
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=main, name=f"netns-{namespace}", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+@dataclass
+class Site:
+    """One place a node can run: its namespace and address (a home, or the public node)."""
+
+    name: str
+    namespace: str
+    addr: str
+    router: str | None = None  # the router namespace in front of it (None: public)
+    uplink: str | None = None  # the router's uplink address (what peers see)
+
+
+@dataclass
+class Internet:
+    """The namespaces of one emulated internet, and the node processes started in them."""
+
+    prefix: str
+    workdir: Path
+    sites: dict[str, Site] = field(default_factory=dict)
+    namespaces: list[str] = field(default_factory=list)
+    nodes: list[NodeHandle] = field(default_factory=list)
+    python: str = sys.executable
+
+    def ns(self, role: str) -> str:
+        return f"{self.prefix}{role}"
+
+    def exec(self, namespace: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return _sh("ip", "netns", "exec", namespace, *argv, check=check)
+
+    # ---------------------------------------------------------------- building
+
+    def _add_namespace(self, role: str) -> str:
+        name = self.ns(role)
+        _sh("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        self.exec(name, "ip", "link", "set", "lo", "up")
+        return name
+
+    def _link(self, a: str, a_if: str, a_addr: str, b: str, b_if: str, b_addr: str) -> None:
+        _sh("ip", "link", "add", a_if, "netns", a, "type", "veth", "peer", "name", b_if, "netns", b)
+        for ns, ifname, addr in ((a, a_if, a_addr), (b, b_if, b_addr)):
+            self.exec(ns, "ip", "addr", "add", addr, "dev", ifname)
+            self.exec(ns, "ip", "link", "set", ifname, "up")
+
+    def build(self, homes: Sequence[tuple[str, bool]]) -> None:
+        """Create ``pub`` and, per ``(name, symmetric)``, a router and a home behind it."""
+        pub = self._add_namespace("pub")
+        self.exec(pub, "ip", "addr", "add", f"{PUBLIC_ADDR}/32", "dev", "lo")
+        self.exec(pub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.sites["pub"] = Site("pub", pub, PUBLIC_ADDR)
+        for i, (name, symmetric) in enumerate(homes, start=1):
+            router = self._add_namespace(f"r{i}")
+            home = self._add_namespace(f"h{i}")
+            uplink = f"10.201.{i}.2"
+            self._link(router, "wan", f"{uplink}/24", pub, f"r{i}", f"10.201.{i}.1/24")
+            self._link(home, "eth0", f"10.{i}.0.2/24", router, "lan", f"10.{i}.0.1/24")
+            self.exec(router, "ip", "route", "add", "default", "via", f"10.201.{i}.1")
+            self.exec(home, "ip", "route", "add", "default", "via", f"10.{i}.0.1")
+            self.exec(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            mode = "masquerade fully-random" if symmetric else "masquerade"
+            ruleset = (
+                "table ip nat {\n"
+                "  chain post { type nat hook postrouting priority srcnat; policy accept;\n"
+                f'    oifname "wan" {mode}\n  }}\n'
+                "}\n"
+                "table ip filter {\n"
+                "  chain forward { type filter hook forward priority filter; policy accept;\n"
+                '    iifname "wan" ct state established,related accept\n'
+                '    iifname "wan" drop\n  }\n'
+                # Like a home router: an unsolicited inbound connection is dropped, not refused
+                # (a refusal would also kill a hole punch whose first SYN arrives early).
+                "  chain input { type filter hook input priority filter; policy accept;\n"
+                '    iifname "wan" ct state established,related accept\n'
+                '    iifname "wan" drop\n  }\n'
+                "}\n"
+            )
+            _sh("ip", "netns", "exec", router, "nft", "-f", "-", input_text=ruleset)
+            self.sites[name] = Site(name, home, f"10.{i}.0.2", router=router, uplink=uplink)
+
+    # ---------------------------------------------------------------- links
+
+    def set_uplink(self, site: str, up: bool) -> None:
+        """Cut (``up=False``) or restore the uplink of a home's router, or pub's side of it."""
+        s = self.sites[site]
+        if s.router is None:
+            raise ValueError("pub has no single uplink; cut a home's instead")
+        self.exec(s.router, "ip", "link", "set", "wan", "up" if up else "down")
+        if up:  # a link going down takes its routes along; the router's default one comes back
+            gateway = s.uplink.rsplit(".", 1)[0] + ".1" if s.uplink else ""
+            self.exec(s.router, "ip", "route", "replace", "default", "via", gateway)
+
+    def established_tcp_peers(self, site: str) -> set[str]:
+        """The remote IPs of established TCP flows through ``site``'s router (its conntrack
+        table): which uplinks a home talks to directly (a hole-punched flow goes to the other
+        home's router, a relayed one only to pub)."""
+        router = self.sites[site].router
+        if router is None:
+            raise ValueError("pub has no router")
+        text = self.exec(router, "cat", "/proc/net/nf_conntrack", check=False).stdout
+        peers = set()
+        for line in text.splitlines():
+            fields = line.split()
+            if "tcp" in fields and "ESTABLISHED" in fields:
+                dst = next((f[4:] for f in fields if f.startswith("dst=")), None)
+                if dst is not None:
+                    peers.add(dst)
+        return peers
+
+    # ---------------------------------------------------------------- nodes
+
+    def spawn_node(
+        self,
+        site: str,
+        *,
+        bootstrap: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> NodeHandle:
+        """Start ``peerinfer node --engine simulated --http none`` in ``site``'s namespace."""
+        s = self.sites[site]
+        index = len(self.nodes)
+        identity = self.workdir / f"{site}.key"
+        peer_id = _new_identity(identity)
+        listen = f"/ip4/{s.addr}/tcp/{NODE_PORT}"
+        argv = [
+            "ip", "netns", "exec", s.namespace,
+            self.python, "-m", "peerinfer", "node",
+            "--engine", "simulated", "--http", "none", "--no-mdns",
+            "--listen", listen, "--identity", str(identity),
+        ]
+        for addr in bootstrap:
+            argv += ["--bootstrap", addr]
+        argv += list(extra_args)
+        out_path = self.workdir / f"{site}.out"
+        err_path = self.workdir / f"{site}.err"
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                env=child_environment("simulated", env), cwd=self.workdir,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        handle = NodeHandle(
+            index=index, peer_id=peer_id, addr=f"{listen}/p2p/{peer_id}", process=process,
+            identity=identity, stdout_path=out_path, stderr_path=err_path, argv=tuple(argv),
+        )
+        self.nodes.append(handle)
+        return handle
+
+    def wait_ready(self, handles: Sequence[NodeHandle], timeout_s: float = 60.0) -> None:
+        end = time.monotonic() + timeout_s
+        while not all(h._poll_ready() for h in handles):
+            if time.monotonic() > end:
+                late = [h for h in handles if not h.ready]
+                raise NetnsError("node(s) not ready:\n" + "\n".join(h.log_tail() for h in late))
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        return "\n".join(h.log_tail(60) for h in self.nodes)
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        for h in self.nodes:
+            h.terminate()
+        for h in self.nodes:
+            if h.wait_exit_blocking(5.0) is None:
+                h.kill()
+        for name in reversed(self.namespaces):
+            _delete_namespace(name)
+        self.namespaces.clear()
+
+
+@contextlib.contextmanager
+def emulated_internet(
+    homes: Sequence[tuple[str, bool]] = (("home1", False), ("home2", False), ("home3", True)),
+    *,
+    workdir: str | os.PathLike[str] | None = None,
+) -> Iterator[Internet]:
+    """Build the emulated internet (``homes``: ``(name, symmetric_nat)``); tear it all down on
+    exit, also on error. Node logs are printed to stderr when the body raises."""
+    reason = netns_unavailable()
+    if reason is not None:
+        raise NetnsError(reason)
+    sweep_leftovers()
+    tmp = None if workdir is not None else tempfile.mkdtemp(prefix="peerinfer-netns-")
+    net = Internet(prefix=f"{PREFIX}{os.getpid()}-", workdir=Path(workdir or tmp or "."))
+    # A previous Internet of this same process that was not closed (should not happen).
+    for name in _namespaces():
+        if name.startswith(net.prefix):
+            _delete_namespace(name)
+    try:
+        net.build(homes)
+        yield net
+    except BaseException:
+        sys.stderr.write(net.logs() + "\n")
+        raise
+    finally:
+        net.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

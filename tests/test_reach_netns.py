@@ -1,0 +1,183 @@
+"""Nodes behind emulated home NATs (peerinfer.testing.netns): they join through a public node,
+reserve relay slots on it, and serve each other's requests through it.
+
+Topology: ``pub`` (bootstrap and relay, 10.200.0.1), ``home1`` and ``home2`` each behind its own
+cone NAT router, ``home3`` behind a symmetric (random-port) NAT. No home is reachable from
+outside; every namespace, link and process is removed by the fixture, also on failure. Skipped
+where network namespaces cannot be made (not root, no ``nft``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from peerinfer.client import Client, GenerationResult
+from peerinfer.core.costmodel import CostModel
+from peerinfer.testing.cluster import NodeHandle
+from peerinfer.testing.netns import Internet, emulated_internet, netns_unavailable, run_in_netns
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable())),
+]
+
+#: Prefill dominates so strongly (~1.2 s for the shared prefix) that a holder behind a relay
+#: (a round trip of 100-200 ms on this emulated net under load) always beats recomputing.
+FAST = CostModel(
+    prefill_s_per_token=0.002, cached_s_per_token=0.00001, decode_s_per_token=0.002,
+    overhead_s=0.002, slots=1,
+)
+SHARED = " ".join(f"shared{i}" for i in range(300))
+HOMES = ("home1", "home2", "home3")
+
+
+@pytest.fixture
+def internet(request: pytest.FixtureRequest) -> Iterator[tuple[Internet, dict[str, NodeHandle]]]:
+    """The emulated internet with one node per site, all started and printing their address
+    (``@pytest.mark.pub_args(...)``: extra flags for the public node)."""
+    marker = request.node.get_closest_marker("pub_args")
+    pub_args = list(marker.args) if marker is not None else []
+    with emulated_internet() as net:
+        costs = net.workdir / "costs.json"
+        costs.write_text(json.dumps(FAST.to_dict()))
+        args = ["--costs", str(costs)]
+        pub = net.spawn_node("pub", extra_args=args + pub_args)
+        net.wait_ready([pub])
+        homes = {h: net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in HOMES}
+        net.wait_ready(list(homes.values()))
+        yield net, {"pub": pub, **homes}
+    # Leaving the block removed every namespace of this run.
+    from peerinfer.testing.netns import _namespaces
+
+    assert not [n for n in _namespaces() if n.startswith(net.prefix)]
+    assert all(not h.alive for h in net.nodes)
+
+
+def generate(net: Internet, site: str, node: NodeHandle, prompt: str) -> GenerationResult:
+    async def go() -> GenerationResult:
+        async with Client.connect(node.addr, timeout_s=30) as client:
+            return await client.generate(prompt, max_tokens=3)
+
+    return run_in_netns(net.sites[site].namespace, go)
+
+
+def status(net: Internet, site: str, node: NodeHandle) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
+        async with Client.connect(node.addr, timeout_s=10) as client:
+            return await client.status()
+
+    return run_in_netns(net.sites[site].namespace, go)
+
+
+def wait_for(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str) -> Any:
+    last: Any = None
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        last = probe()
+        if ok(last):
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"not within {timeout_s} s: {what}; last seen: {last!r}")
+
+
+def holds(peer_id: str, min_tokens: int = 256) -> Callable[[dict[str, Any]], bool]:
+    def ok(s: dict[str, Any]) -> bool:
+        view = next((p for p in s["peers"] if p["peer_id"] == peer_id), None)
+        # rtt_ms: it answered a ping over a connection of ours (direct or relayed), so it is a
+        # routing candidate, not only a digest heard of through gossip.
+        return view is not None and view["cached_tokens"] >= min_tokens and view["rtt_ms"] is not None
+
+    return ok
+
+
+def test_home_nodes_behind_nats_serve_each_other_through_the_relay(
+    internet: tuple[Internet, dict[str, NodeHandle]],
+) -> None:
+    net, nodes = internet
+    holder = nodes["home2"]
+    # Without a relay nothing could reach home2: it is behind its router, not routable.
+    warm = generate(net, "home2", holder, SHARED + " warm up")
+    assert warm.served_by == holder.peer_id
+    for asker in ("home1", "home3"):  # a cone-NAT peer and a symmetric-NAT peer
+        wait_for(lambda a=asker: status(net, a, nodes[a]), holds(holder.peer_id), 60,
+                 f"{asker} sees home2's digest")
+    # home2 advertises a relayed address through pub; pub, publicly reachable, none.
+    addrs = status(net, "home2", holder)["addrs"]
+    assert any(f"/p2p/{nodes['pub'].peer_id}/p2p-circuit/p2p/{holder.peer_id}" in a for a in addrs)
+    assert not any("p2p-circuit" in a for a in status(net, "pub", nodes["pub"])["addrs"])
+    for i, asker in enumerate(("home1", "home3", "home1", "home3")):
+        result = generate(net, asker, nodes[asker], SHARED + f" question {i}")
+        assert result.served_by == holder.peer_id, f"{asker}'s request was not served by home2"
+        assert result.cached_tokens >= 256
+    # Hole punching: home1 and home2 (cone NATs) end up with a direct flow between their
+    # routers; home3 (symmetric NAT) talks to pub only, its traffic stays relayed.
+    home2_uplink = net.sites["home2"].uplink
+    wait_for(lambda: net.established_tcp_peers("home1"), lambda peers: home2_uplink in peers, 60,
+             "a direct (hole-punched) flow from home1 to home2's router")
+    assert net.established_tcp_peers("home3") <= {net.sites["pub"].addr}
+    # And the other way round: home3 (symmetric NAT) holds a prefix, home2 asks.
+    other = " ".join(f"other{i}" for i in range(300))
+    assert generate(net, "home3", nodes["home3"], other + " warm").served_by == nodes["home3"].peer_id
+    wait_for(lambda: status(net, "home2", holder), holds(nodes["home3"].peer_id), 60,
+             "home2 sees home3's digest")
+    assert generate(net, "home2", holder, other + " q").served_by == nodes["home3"].peer_id
+
+
+def test_a_cut_relay_link_loses_no_request_and_heals(
+    internet: tuple[Internet, dict[str, NodeHandle]],
+) -> None:
+    net, nodes = internet
+    holder, asker = nodes["home2"], nodes["home1"]
+    generate(net, "home2", holder, SHARED + " warm up")
+    wait_for(lambda: status(net, "home1", asker), holds(holder.peer_id), 60, "home1 sees home2's digest")
+    assert generate(net, "home1", asker, SHARED + " before").served_by == holder.peer_id
+    net.set_uplink("home2", up=False)
+    try:
+        # Every request is answered while home2 is cut off (by home1 itself, after failover).
+        served = [generate(net, "home1", asker, SHARED + f" cut {i}").served_by for i in range(4)]
+        assert set(served) <= {holder.peer_id, asker.peer_id}
+    finally:
+        net.set_uplink("home2", up=True)
+    # Healing: home2 reconnects (bootstrap redial) and reserves again; a prefix only home2
+    # holds (home1 now holds SHARED itself: it served the requests above) is served there.
+    fresh = " ".join(f"fresh{i}" for i in range(300))
+    assert generate(net, "home2", holder, fresh + " warm").served_by == holder.peer_id
+    wait_for(lambda: status(net, "home1", asker), holds(holder.peer_id, 600), 60,
+             "home1 sees home2's digest again")
+    assert generate(net, "home1", asker, fresh + " after").served_by == holder.peer_id
+
+
+@pytest.mark.pub_args("--relay-circuit-bytes", "64K")
+def test_a_relay_closing_a_circuit_at_its_byte_limit_loses_no_request(
+    internet: tuple[Internet, dict[str, NodeHandle]],
+) -> None:
+    """pub lets one relayed connection carry 64 KiB: requests (and digests) between home3
+    (symmetric NAT: relayed for good) and home2 run into it; every request is still answered
+    (failover, then a fresh circuit), none is lost."""
+    net, nodes = internet
+    holder, asker = nodes["home2"], nodes["home3"]
+    generate(net, "home2", holder, SHARED + " warm up")
+    wait_for(lambda: status(net, "home3", asker), holds(holder.peer_id), 60, "home3 sees home2's digest")
+    served = [generate(net, "home3", asker, SHARED + f" q{i}").served_by for i in range(12)]
+    assert set(served) <= {holder.peer_id, asker.peer_id}
+    assert holder.peer_id in served
+    pub_log = nodes["pub"].stderr_path.read_text(errors="replace")
+    assert "limit exceeded" in pub_log, "the relay never reached its circuit byte limit"
+
+
+def test_the_emulated_internet_removes_everything_also_when_the_body_fails() -> None:
+    from peerinfer.testing.netns import _namespaces
+
+    with pytest.raises(RuntimeError, match="the body failed"), emulated_internet() as net:
+        node = net.spawn_node("home1")
+        net.wait_ready([node])
+        prefix = net.prefix
+        assert len([n for n in _namespaces() if n.startswith(prefix)]) == 7
+        raise RuntimeError("the body failed")
+    assert not [n for n in _namespaces() if n.startswith(prefix)]
+    assert not node.alive

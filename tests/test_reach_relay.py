@@ -1,0 +1,91 @@
+"""Circuit relay v2 between peerinfer hosts on loopback (peerinfer.net.relay, net.reach).
+
+Loopback has no NAT, so these check the relay mechanics and its admission rule; the NAT
+behaviour itself is in tests/test_reach_netns.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import trio
+from net_helpers import config, echo, wait_until
+
+from peerinfer.errors import PeerUnavailableError
+from peerinfer.net import open_host
+from peerinfer.net.reach import ReachSettings, run_reach
+from peerinfer.net.relay import RelaySettings, open_relay
+
+KEY = b"the members' key"
+ECHO = "/test/echo/1"
+
+
+def base(addr: str) -> str:
+    return addr.rsplit("/p2p/", 1)[0]
+
+
+async def test_a_member_reserves_and_another_reaches_it_through_the_relay() -> None:
+    cfg = config(swarm_key=KEY)
+    async with open_host(cfg) as r, open_host(cfg) as dest, open_host(cfg) as src:
+        async with open_relay(r, RelaySettings(service=True)), open_relay(dest, RelaySettings()) as d, \
+                open_relay(src, RelaySettings()) as s:
+            dest.set_handler(ECHO, echo)
+            relay_addr = base(r.listen_addrs()[0])
+            circuit = await d.reserve(r.peer_id, relay_addr)
+            assert circuit == f"{relay_addr}/p2p/{r.peer_id}/p2p-circuit/p2p/{dest.peer_id}"
+            assert await s.dial(circuit) == dest.peer_id
+            await wait_until(lambda: src.is_admitted(dest.peer_id))
+            assert await src.request(dest.peer_id, ECHO, b"through the relay") == b"through the relay"
+
+
+async def test_a_relay_refuses_a_reservation_from_an_outsider() -> None:
+    async with open_host(config(swarm_key=KEY)) as r, open_host(config(swarm_key=b"another key")) as out:
+        async with open_relay(r, RelaySettings(service=True)), open_relay(out, RelaySettings()) as o:
+            with pytest.raises(PeerUnavailableError):
+                await o.reserve(r.peer_id, base(r.listen_addrs()[0]), timeout=5)
+            assert r.statistics().admissions_refused >= 1
+
+
+async def test_a_host_without_relay_service_refuses_reservations() -> None:
+    async with open_host(config()) as r, open_host(config()) as dest:
+        async with open_relay(r, RelaySettings(service=False)), open_relay(dest, RelaySettings()) as d:
+            with pytest.raises(PeerUnavailableError):
+                await d.reserve(r.peer_id, base(r.listen_addrs()[0]), timeout=5)
+
+
+async def test_a_peer_known_only_by_its_relayed_address_is_dialed_through_the_relay() -> None:
+    """Host.dial of a peer whose only known address is a circuit one goes through the relay
+    (the direct try has nothing to dial), and admission still runs end to end."""
+    cfg = config(swarm_key=KEY)
+    async with open_host(cfg) as r, open_host(cfg) as dest, open_host(cfg) as src:
+        async with trio.open_nursery() as nursery:
+            state = await nursery.start(run_reach, src, ReachSettings(relay_service=False))
+            async with open_relay(r, RelaySettings(service=True)), open_relay(dest, RelaySettings()) as d:
+                dest.set_handler(ECHO, echo)
+                circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
+                src.add_known_peer(dest.peer_id, [circuit])
+                assert src.known_addrs(dest.peer_id) == [circuit]
+                await src.dial(dest.peer_id, timeout=10)
+                assert src.is_admitted(dest.peer_id)
+                assert await src.request(dest.peer_id, ECHO, b"hi") == b"hi"
+                # Nobody here answers dial-back tests: src does not know it is reachable, and
+                # does not take a reservation on a guess.
+                assert state.reachable is None and state.reservations == {}
+            nursery.cancel_scope.cancel()
+
+
+async def test_dial_back_proves_reachability_and_a_dead_port_does_not() -> None:
+    async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+        state_a = await nursery.start(run_reach, a, ReachSettings())
+        await nursery.start(run_reach, b, ReachSettings())
+        await b.connect(a.listen_addrs()[0])
+        await wait_until(lambda: state_a.reachable is True, timeout=15)
+        # A port nobody listens on is not reachable (the peer dials it back and is refused).
+        from peerinfer.net.reach import DIALBACK_PROTOCOL
+
+        with contextlib.closing(__import__("socket").socket()) as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead_port = sock.getsockname()[1]
+        assert await a.request(b.peer_id, DIALBACK_PROTOCOL, str(dead_port).encode(), timeout=10) == b"0"
+        nursery.cancel_scope.cancel()
