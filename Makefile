@@ -32,7 +32,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict peerinfer/core
 
 pytest: $(STAMP) system-packages
-	PEERINFER_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q -p no:cacheprovider
+	PEERINFER_REQUIRE_BROWSER=1 PEERINFER_REQUIRE_NETNS=1 $(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck pytest
 

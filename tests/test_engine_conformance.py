@@ -313,12 +313,28 @@ def test_an_error_in_one_request_does_not_fail_its_neighbours(engine):
 
 def test_running_requests_and_the_cache_stay_within_the_kv_budget(engine):
     kv = engine.kv_bytes_per_token
-    if not engine.supports_prefix_cache or kv <= 0:
-        pytest.skip("the engine does not account its KV memory")
     base = _prompt(engine)[:19]
     prompts = [base + [(7 * i + 3) % engine.vocab_size] for i in range(5)]  # equal lengths
     params = SamplingParams(max_tokens=6)
     alone = [_alone(engine, p, params) for p in prompts]
+    if not engine.supports_prefix_cache or kv <= 0:
+        # No KV accounting (the contract's kv_bytes_per_token = 0): the scheduler reserves
+        # nothing and admits up to max_running at once.
+        scheduler = BatchScheduler(engine, max_running=5)
+        for i, p in enumerate(prompts):
+            scheduler.submit(i, p, params)
+        runs_free: dict[int, _Run] = {}
+        seen = [0]
+
+        def nothing_reserved() -> None:
+            assert scheduler.statistics().kv_reserved_bytes == 0
+            seen[0] = max(seen[0], scheduler.running)
+
+        _drive(engine, scheduler, runs_free, each_step=nothing_reserved)
+        assert seen[0] == 5
+        for i, expected in enumerate(alone):
+            assert (runs_free[i].ids, runs_free[i].text, runs_free[i].finished.finish_reason) == expected
+        return
     need = (len(prompts[0]) + 6) * kv
     budget = 2 * need + need // 2  # two requests at a time, never three
     engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=budget)
