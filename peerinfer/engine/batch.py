@@ -23,6 +23,11 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    left (ties: the oldest) runs **one** chunk of at most ``prefill_chunk_tokens``
    (``Decoder.prefill``), so a long prompt never stalls the requests already decoding (it
    costs each of their steps one chunk at most) nor a short prompt that joins after it.
+   When the chunk completes a prompt, its first token is taken at once (through
+   ``decode_batch`` of that one request, which only samples the logits its prefill kept) and
+   the step ends there: the decode below runs at the next step, and is never put off twice in
+   a row, so a newcomer's first token does not wait for the others' decode step, and a stream
+   of newcomers cannot stall the requests already decoding.
 4. **Decode.** One ``engine.decode_batch`` over every ready request gives each its next token;
    a request that reaches its end (eos, stop sequence, ``max_tokens``, context, cancelled in
    the meantime) leaves in this same step, and its place is offered at the next one.
