@@ -385,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(s) for s in args.step_sizes.split(",")]
     engine = TransformersEngine(device="cpu", threads=args.threads, max_batch_size=8)
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()]
-    per_subject = max(8, -(-max(sizes + [args.exact_requests]) // len(subjects)))
+    # The TTFT figures take prompts from offset 15 on (past the throughput runs' prompts).
+    needed = max(sizes + [args.exact_requests, 15 + args.ttft_repeats])
+    per_subject = max(8, -(-needed // len(subjects)))
     work = Workload(engine, args.data, subjects, per_subject)
     result: dict[str, Any] = {
         "model": engine.model_name, "threads": args.threads, "clock": args.clock,
