@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from peerinfer.errors import ConfigError
 from peerinfer.types import PeerId
@@ -72,18 +72,7 @@ Outcome = Literal[
     "contract",
     "audit_failed",
 ]
-OUTCOMES: tuple[Outcome, ...] = (
-    "served",
-    "audit_passed",
-    "busy",
-    "busy_lie",
-    "unavailable",
-    "slow",
-    "cache_short",
-    "timeout",
-    "contract",
-    "audit_failed",
-)
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)  # every outcome, in the order above
 Standing = Literal["good", "demoted", "excluded", "banned"]
 
 #: ForwardFailed reasons (peerinfer.core.node) as outcomes; "busy" is refined by the caller.
