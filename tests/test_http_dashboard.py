@@ -1,10 +1,10 @@
 """The dashboard in a real headless browser (Debian's ``chromium``, installed by ``make``).
 
 Two in-process nodes; the browser loads node a's page with ``?chat=...`` (the page sends that
-message on load) and ``--dump-dom`` prints the DOM once the virtual-time budget is spent (the
-browser does not advance virtual time while a fetch is pending, so the streamed answer
-completes). The test checks what only a live page can show: the node's peer id, its peer, a
-request counter and the routing decision of the chat request, and the streamed answer.
+message on load) and tests/browser.py waits, in real time and bounded, until the page shows the
+finished answer and its counters, then returns the DOM. The test checks what only a live page
+can show: the node's peer id, its peer, a request counter and the routing decision of the chat
+request, and the streamed answer.
 
 ``PEERINFER_DASHBOARD_SCREENSHOT=PATH`` also saves a screenshot of the page there (how
 docs/figures/dashboard.png was made).
@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 
 import pytest
 import trio
 
+from tests.browser import render
 from tests.test_http import nodes, wait_until
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,19 +37,18 @@ def _need_browser() -> str:
     return BROWSER
 
 
-async def dump_dom(url: str, *extra: str) -> str:
+# What the test asserts, as the page shows it: the answer finished (or failed: then the
+# assertions below say so) and the status poll after it counted the request.
+PAGE_SETTLED = ("['done', 'error'].includes(document.getElementById('chat-log').dataset.state)"
+                " && Number(document.getElementById('count-received').textContent) >= 1"
+                " && /cost:|longest_prefix:/.test(document.body.textContent)")
+
+
+async def rendered(url: str, **options: object) -> str:
     browser = _need_browser()
-    with tempfile.TemporaryDirectory(prefix="peerinfer-browser-") as profile:
-        argv = [
-            browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--no-first-run", "--disable-extensions", f"--user-data-dir={profile}",
-            "--virtual-time-budget=30000", *extra, url,
-        ]
-        with trio.fail_after(BROWSER_TIMEOUT_S):
-            result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True,
-                                            check=False)
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
-    return result.stdout.decode()
+    return await trio.to_thread.run_sync(
+        lambda: render(browser, url, until=PAGE_SETTLED, timeout_s=BROWSER_TIMEOUT_S,
+                       **options))  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -57,7 +56,7 @@ async def test_the_dashboard_renders_live_data_and_streams_a_chat() -> None:
     _need_browser()
     async with nodes(2) as (a, b):
         await wait_until(lambda: len(a.core.peers(a._now())) == 1)  # type: ignore[union-attr]
-        dom = await dump_dom(a.http_url + "/?chat=hello+from+the+browser", "--dump-dom")
+        dom = await rendered(a.http_url + "/?chat=hello+from+the+browser")
         assert f'id="peer-id">{a.peer_id}<' in dom
         assert f"{b.peer_id[:6]}…{b.peer_id[-8:]}" in dom  # the peers table
         assert re.search(r'id="count-received">1<', dom), "the chat request was not counted"
@@ -73,6 +72,5 @@ async def test_the_dashboard_renders_live_data_and_streams_a_chat() -> None:
         assert "cost:" in dom or "longest_prefix:" in dom
         shot = os.environ.get("PEERINFER_DASHBOARD_SCREENSHOT")
         if shot:
-            await dump_dom(a.http_url + "/?chat=What+is+a+prefix+cache%3F",
-                           "--hide-scrollbars", "--window-size=1280,1150",
-                           f"--screenshot={os.path.abspath(shot)}")
+            await rendered(a.http_url + "/?chat=What+is+a+prefix+cache%3F",
+                           window=(1280, 1150), screenshot=os.path.abspath(shot))
