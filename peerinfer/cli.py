@@ -96,7 +96,7 @@ def _add_node(sub: Any) -> None:
     # Trust (docs/security.md): forwarded prompts reach the serving peer in full.
     trust = p.add_argument_group("trust")
     trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer)")
-    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded greedy answers re-scored by the local model (default: 0.05)")
+    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded answers re-scored by the local model (default: 0.05)")
     p.set_defaults(run=_run_node)
 
 

@@ -335,7 +335,7 @@ def test_a_failed_audit_bans_drops_and_stops_routing() -> None:
     assert forward_to_b(a, "r2", shared + prompt(4, 16), 2.0) is None
 
 
-def test_sampled_answers_are_not_audited_and_the_rate_is_respected() -> None:
+def test_sampled_answers_are_audited_too_and_the_rate_is_respected() -> None:
     a, b = make("A", audit_rate=0.05), make("B")
     shared = prompt(1, 256)
     serve_locally(b, "warm", shared, 0.0)
@@ -354,10 +354,12 @@ def test_sampled_answers_are_not_audited_and_the_rate_is_respected() -> None:
     c, b = make("C", audit_rate=1.0), make("B")
     serve_locally(b, "warm", shared, 0.0)
     introduce(c, b, 1.0)
-    hot = replace(PARAMS, temperature=0.7)
+    hot = replace(PARAMS, temperature=0.7, top_p=0.9)
     effects = c.handle(ClientRequest(RequestId("s"), shared + prompt(3, 16), hot), 1.0)
     assert of(effects, Forward)
-    assert not of(c.handle(ForwardFinished(RequestId("s"), PeerId("B"), 256, 0.01, (5,)), 1.1), AuditForward)
+    # The audit gets the request's sampling parameters: it checks the top-p nucleus.
+    (audit,) = of(c.handle(ForwardFinished(RequestId("s"), PeerId("B"), 256, 0.01, (5,)), 1.1), AuditForward)
+    assert audit.params == hot and audit.completion == (5,)
 
 
 def test_trusted_peers_only() -> None:

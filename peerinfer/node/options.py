@@ -96,7 +96,7 @@ class NodeOptions:
     relay_circuit_bytes: int | None = None
     #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
     wall_clock: Callable[[], float] = time.time
-    #: trust: the share of forwarded greedy answers audited, and (if given) the only peers
+    #: trust: the share of forwarded answers audited, and (if given) the only peers
     #: requests are forwarded to
     audit_rate: float = 0.05
     trusted_peers: tuple[str, ...] | None = None
