@@ -24,7 +24,8 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     the peer that was chosen for its cache) versus one audit pass. Compute on audits over compute
     serving is ``audit_rate * audit_s / serve_s``; the target is <= ``audit_rate * 1.2``. Then
     ``--noise-prompts`` honest float32 answers are re-scored with the model in bfloat16 (another
-    precision, as on another device): how many would fail the audit.
+    precision, as on another device): how many would fail the audit; and the same prompts
+    sampled (temperature 0.8, top-p 0.9, one seed each), re-scored against the nucleus.
 
 ``--only digest`` / ``--only tarpit`` run the network scenarios on 8 real in-process nodes over
 libp2p instead of NodeCores in memory (slow; on a loaded 2-core machine it did not settle).
@@ -70,14 +71,16 @@ def _prompt(prefix: int, k: int) -> str:
     return f"context {prefix}: " + " ".join(f"p{prefix}w{i}" for i in range(120)) + f" question {k}?"
 
 
-async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s: float) -> dict[str, Any]:
+async def _network(
+    kind: str, requests: int, prefixes: int, seed: int, settle_s: float, n_nodes: int = 8
+) -> dict[str, Any]:
     from peerinfer.engine.simulated import SimulatedEngine
 
     rng = random.Random(seed)
     liar_log: list[str] = []  # origins of the requests the liar received
     async with trio.open_nursery() as nursery:
         nodes: list[Node] = []
-        for i in range(8):
+        for i in range(n_nodes):
             options = NodeOptions(
                 engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False,
                 persist_identity=False, policy="local" if i == 0 else "cost", costs=COSTS,
@@ -140,6 +143,7 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
         served_by: Counter[str] = Counter()
         forwarded = 0
         failures_until_demoted: dict[str, int | None] = {n.peer_id: None for n in honest}
+        failures_until_excluded: dict[str, int | None] = {n.peer_id: None for n in honest}
         started = time.perf_counter()
         clients = [await nursery.start(_open_client, n) for n in honest]
         for i in range(requests):
@@ -152,15 +156,17 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             result = await clients[o].generate(_prompt(p, i), max_tokens=8)
             served_by[result.served_by] += 1
             forwarded += core.statistics().forwarded - before
-            if failures_until_demoted[origin.peer_id] is None and core.reputation.standing(
-                lid, trio.current_time()
-            ) != "good":
+            now_s = trio.current_time()
+            if failures_until_demoted[origin.peer_id] is None and core.reputation.standing(lid, now_s) != "good":
                 failures_until_demoted[origin.peer_id] = liar_log.count(origin.peer_id)
+            if failures_until_excluded[origin.peer_id] is None and not core.reputation.is_candidate(lid, now_s):
+                failures_until_excluded[origin.peer_id] = liar_log.count(origin.peer_id)
         elapsed = time.perf_counter() - started
         per_origin = Counter(liar_log)
         standings = Counter(n.core.reputation.standing(lid, trio.current_time()) for n in honest)  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
     return {
+        "nodes": n_nodes,
         "requests": requests,
         "prefixes": prefixes,
         "origins_routing_to_liar_at_start": at_start,
@@ -174,6 +180,9 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             v for v in failures_until_demoted.values() if v is not None
         ),
         "origins_still_preferring_liar": sum(v is None for v in failures_until_demoted.values()),
+        "failures_until_excluded_per_origin": sorted(
+            v for v in failures_until_excluded.values() if v is not None
+        ),
         "liar_standing_at_origins": dict(standings),
         "wall_s": round(elapsed, 2),
     }
@@ -254,6 +263,7 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
     gossip()
     liar_forwards: Counter[int] = Counter()
     failures_until_demoted: dict[int, int | None] = dict.fromkeys(range(1, 8))
+    failures_until_excluded: dict[int, int | None] = dict.fromkeys(range(1, 8))
     forwarded = 0
     served_by: Counter[int] = Counter()
     for i in range(requests):
@@ -297,6 +307,8 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
                 break
         if failures_until_demoted[o] is None and core.reputation.standing(ids[0], now) != "good":
             failures_until_demoted[o] = liar_forwards[o]
+        if failures_until_excluded[o] is None and not core.reputation.is_candidate(ids[0], now):
+            failures_until_excluded[o] = liar_forwards[o]
     standings = Counter(c.reputation.standing(ids[0], now) for c in cores[1:])
     return {
         "requests": requests,
@@ -310,6 +322,9 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
             v for v in failures_until_demoted.values() if v is not None
         ),
         "origins_still_preferring_liar": sum(v is None for v in failures_until_demoted.values()),
+        "failures_until_excluded_per_origin": sorted(
+            v for v in failures_until_excluded.values() if v is not None
+        ),
         "liar_standing_at_origins": dict(standings),
     }
 
@@ -464,7 +479,7 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
 
     from peerinfer.core.messages import SamplingParams
     from peerinfer.core.prefix import PrefixHasher
-    from peerinfer.engine.audit import audit_greedy
+    from peerinfer.engine.audit import audit_answer, audit_greedy
     from peerinfer.engine.base import Tokens
     from peerinfer.engine.hf import TransformersEngine
 
@@ -491,16 +506,25 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
     # Honest numeric noise: the same float32 answers re-scored with bfloat16 weights (another
     # precision, as on another device): how many would fail the audit (a false ban)?
     answers = []
+    sampled = []  # the same prompts sampled (temperature 0.8, top-p 0.9, a seed each)
     for k in range(prompts, prompts + noise_prompts):
         prompt = engine.tokenize(f"Question {k}: explain, in a few sentences, topic number {k} of " + " ".join(f"item{k}.{i}" for i in range(30)))
         ids = [t for ev in engine.generate(prompt, params) if isinstance(ev, Tokens) for t in ev.token_ids]
         answers.append((prompt, ids))
+        hot = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=k)
+        ids = [t for ev in engine.generate(prompt, hot) if isinstance(ev, Tokens) for t in ev.token_ids]
+        sampled.append((prompt, hot, ids))
     engine.model = engine.model.to(torch.bfloat16)
     false_failures = 0
     for prompt, ids in answers:
         verdict = audit_greedy(engine, prompt, ids)
         assert verdict is not None
         false_failures += not verdict.ok
+    sampled_false_failures = 0
+    for prompt, hot, ids in sampled:
+        verdict = audit_answer(engine, prompt, hot, ids)
+        assert verdict is not None
+        sampled_false_failures += not verdict.ok
     return {
         "model": engine.model_name,
         "prompts": prompts,
@@ -513,6 +537,8 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
         "target_share": round(rate * 1.2, 5),
         "bf16_rescored_honest_answers": len(answers),
         "bf16_rescored_false_failures": false_failures,
+        "bf16_rescored_sampled_answers": len(sampled),
+        "bf16_rescored_sampled_false_failures": sampled_false_failures,
     }
 
 
@@ -525,6 +551,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--audit-rate", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=8, help="nodes in the real-node scenarios (--only digest/tarpit), the liar included")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long the network may take to learn the liar's digest")
     ap.add_argument("--hf", action="store_true", help="also measure the audit cost on the real model")
     ap.add_argument("--cost-prompts", type=int, default=5)
@@ -538,9 +565,9 @@ def main() -> None:
     if "core_tarpit" in only:
         out["core_tarpit"] = _core_network("tarpit", args.requests, args.prefixes, args.seed)
     if "digest" in only:
-        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s)
+        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s, args.nodes)
     if "tarpit" in only:
-        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s)
+        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s, args.nodes)
     if "audit" in only:
         out["audit"] = _audit_scenario(args.runs, args.audit_rate, args.seed)
     if "audit_cost" in only and args.hf:
