@@ -12,6 +12,12 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     honest nodes, one at a time. Reported: the liar's share of the forwarded requests (served_by
     is the authenticated peer), the forwards it received per origin, and its failures at each
     origin before that origin stopped preferring it (standing demoted/excluded).
+``core_digest_loaded``
+    ``core_digest`` with every honest core holding ``--backlog`` requests of its own that never
+    finish: their announced load is high, so the liar (zero load) is chosen on load even once
+    demoted, and each choice is another shortfall; reported: its failures at each origin until
+    it is no longer a candidate (target <= 20). Few forwards happen between loaded honest cores,
+    so the liar's share of *requests* is the figure to read here, not its share of forwards.
 ``audit``
     The core alone (NodeCore origin, a liar core answering every forward wrongly), ``--runs``
     runs at ``--audit-rate``: forwarded requests until the ban, p50/p95/max. And 1,000 forwards
@@ -27,8 +33,11 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     precision, as on another device): how many would fail the audit; and the same prompts
     sampled (temperature 0.8, top-p 0.9, one seed each), re-scored against the nucleus.
 
-``--only digest`` / ``--only tarpit`` run the network scenarios on 8 real in-process nodes over
-libp2p instead of NodeCores in memory (slow; on a loaded 2-core machine it did not settle).
+``--only digest`` / ``--only tarpit`` run the network scenarios on ``--nodes`` (default 8) real
+in-process nodes over libp2p instead of NodeCores in memory. With 8 nodes in one process on a
+loaded 2-core machine the network did not settle (pings and syncs timed out, no origin learned
+the liar's digest); ``--nodes 4`` does. The decisions are the same ``NodeCore``'s either way:
+the node's shell executes its ``Forward`` effects and reports what came back.
 """
 
 from __future__ import annotations
@@ -200,7 +209,7 @@ async def _open_client(node: Node, task_status: trio.TaskStatus[Client] = trio.T
         await trio.sleep_forever()
 
 
-def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[str, Any]:
+def _core_network(kind: str, requests: int, prefixes: int, seed: int, backlog: int = 0) -> dict[str, Any]:
     """The same scenario on 8 NodeCores wired in memory, one request at a time (virtual time).
 
     Every decision is the real core's (routing with policy ``cost``, reputation, failover);
@@ -260,6 +269,12 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
         for eff in cores[0].handle(ClientRequest(rid, tuple(engines[0].tokenize(texts[p])), params), now):
             if isinstance(eff, RunLocal):
                 serve_local(0, eff)
+    for n in range(1, 8):
+        # ``backlog``: every honest core has that many requests of its own that never finish,
+        # so its announced load is high and a liar announcing zero load wins on load alone
+        # (once demoted, that is the only way it is chosen).
+        for b in range(backlog):
+            cores[n].handle(ClientRequest(RequestId(f"backlog{n}.{b}"), tuple(range(10 + b, 74 + b)), params), now)
     gossip()
     liar_forwards: Counter[int] = Counter()
     failures_until_demoted: dict[int, int | None] = dict.fromkeys(range(1, 8))
@@ -313,6 +328,7 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
     return {
         "requests": requests,
         "prefixes": prefixes,
+        "backlog_per_honest_core": backlog,
         "forwards": forwarded,
         "liar_forwards": sum(liar_forwards.values()),
         "liar_share_of_forwards": round(sum(liar_forwards.values()) / max(1, forwarded), 4),
@@ -556,12 +572,15 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also measure the audit cost on the real model")
     ap.add_argument("--cost-prompts", type=int, default=5)
     ap.add_argument("--noise-prompts", type=int, default=10, help="honest answers re-scored in bfloat16 (with --hf)")
-    ap.add_argument("--only", choices=("core_digest", "core_tarpit", "digest", "tarpit", "audit", "audit_cost"), action="append")
+    ap.add_argument("--backlog", type=int, default=4, help="never-finishing requests each honest core holds in core_digest_loaded")
+    ap.add_argument("--only", choices=("core_digest", "core_digest_loaded", "core_tarpit", "digest", "tarpit", "audit", "audit_cost"), action="append")
     args = ap.parse_args()
-    only = set(args.only or ("core_digest", "core_tarpit", "audit", "audit_cost"))
+    only = set(args.only or ("core_digest", "core_digest_loaded", "core_tarpit", "audit", "audit_cost"))
     out: dict[str, Any] = {}
     if "core_digest" in only:
         out["core_digest"] = _core_network("digest", args.requests, args.prefixes, args.seed)
+    if "core_digest_loaded" in only:
+        out["core_digest_loaded"] = _core_network("digest", args.requests, args.prefixes, args.seed, args.backlog)
     if "core_tarpit" in only:
         out["core_tarpit"] = _core_network("tarpit", args.requests, args.prefixes, args.seed)
     if "digest" in only:

@@ -159,6 +159,11 @@ def test_json_round_trip_keeps_standings_and_refuses_garbage() -> None:
         assert back.standing(PeerId(peer), 200.0) == rep.standing(PeerId(peer), 200.0)
         assert back.is_candidate(PeerId(peer), 200.0) == rep.is_candidate(PeerId(peer), 200.0)
     assert len(json.dumps(data)) < 1000
+    assert "3 offences in a row" in back.explain(PeerId("tarpit"), 200.0)  # the run is kept
+    # A table saved before runs were kept (six fields) still loads, with no run.
+    old = {"version": 1, "peers": {"x": [-5.0, 100.0, 0, None, "timeout", {"timeout": 1}]}}
+    assert Reputation.from_json(old, 200.0).standing(PeerId("x"), 100.0) == "good"
+    assert len(Reputation.from_json(old, 200.0)) == 1
     for garbage in (None, [], {"version": 99}, {"version": 1, "peers": {"x": [1, 2]}},
                     {"version": 1, "peers": {"x": ["a", 0, 0, None, "", {}]}}):
         assert len(Reputation.from_json(garbage, 0.0)) == 0
