@@ -3,13 +3,13 @@
 Run ``python bench/trust_bench.py --json``. Scenarios:
 
 ``digest`` and ``tarpit``
-    An 8-node network in one process (real nodes: libp2p on 127.0.0.1, the simulated engine,
+    A network of ``--nodes`` nodes (default 8) in one process (real nodes: libp2p on 127.0.0.1, the simulated engine,
     policy ``cost``), 7 honest nodes and one liar, every node bootstrapped from the first. The
     liar is first warmed with every prefix of the workload (so its digest claims them all), then
     lies: ``digest`` serves the right tokens but with no cache (``cached_tokens=0``) and announces
     zero load; ``tarpit`` accepts each request and never answers. Clients send ``--requests``
-    requests (``--prefixes`` shared prefixes, a distinct suffix each), round-robin over the 7
-    honest nodes, one at a time. Reported: the liar's share of the forwarded requests (served_by
+    requests (``--prefixes`` shared prefixes, a distinct suffix each), round-robin over the
+    honest nodes (7 of 8), one at a time. Reported: the liar's share of the forwarded requests (served_by
     is the authenticated peer), the forwards it received per origin, and its failures at each
     origin before that origin stopped preferring it (standing demoted/excluded).
 ``core_digest_loaded``
@@ -31,7 +31,8 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     serving is ``audit_rate * audit_s / serve_s``; the target is <= ``audit_rate * 1.2``. Then
     ``--noise-prompts`` honest float32 answers are re-scored with the model in bfloat16 (another
     precision, as on another device): how many would fail the audit; and the same prompts
-    sampled (temperature 0.8, top-p 0.9, one seed each), re-scored against the nucleus.
+    sampled (temperature 0.8, top-p 0.9, one seed each), re-scored against the nucleus, and as
+    many answers of random ids with those parameters (a liar): how many the audit catches.
 
 ``--only digest`` / ``--only tarpit`` run the network scenarios on ``--nodes`` (default 8) real
 in-process nodes over libp2p instead of NodeCores in memory. With 8 nodes in one process on a
@@ -537,10 +538,16 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
         assert verdict is not None
         false_failures += not verdict.ok
     sampled_false_failures = 0
+    random_caught = 0  # a liar's answer: random ids, same params (bfloat16 model, as above)
+    vocab_rng = random.Random(0)
     for prompt, hot, ids in sampled:
         verdict = audit_answer(engine, prompt, hot, ids)
         assert verdict is not None
         sampled_false_failures += not verdict.ok
+        fake = [vocab_rng.randrange(engine.vocab_size) for _ in ids]
+        verdict = audit_answer(engine, prompt, hot, fake)
+        assert verdict is not None
+        random_caught += not verdict.ok
     return {
         "model": engine.model_name,
         "prompts": prompts,
@@ -555,6 +562,7 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
         "bf16_rescored_false_failures": false_failures,
         "bf16_rescored_sampled_answers": len(sampled),
         "bf16_rescored_sampled_false_failures": sampled_false_failures,
+        "random_sampled_answers_caught": random_caught,
     }
 
 
