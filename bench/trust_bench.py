@@ -3,15 +3,21 @@
 Run ``python bench/trust_bench.py --json``. Scenarios:
 
 ``digest`` and ``tarpit``
-    An 8-node network in one process (real nodes: libp2p on 127.0.0.1, the simulated engine,
+    A network of ``--nodes`` nodes (default 8) in one process (real nodes: libp2p on 127.0.0.1, the simulated engine,
     policy ``cost``), 7 honest nodes and one liar, every node bootstrapped from the first. The
     liar is first warmed with every prefix of the workload (so its digest claims them all), then
     lies: ``digest`` serves the right tokens but with no cache (``cached_tokens=0``) and announces
     zero load; ``tarpit`` accepts each request and never answers. Clients send ``--requests``
-    requests (``--prefixes`` shared prefixes, a distinct suffix each), round-robin over the 7
-    honest nodes, one at a time. Reported: the liar's share of the forwarded requests (served_by
+    requests (``--prefixes`` shared prefixes, a distinct suffix each), round-robin over the
+    honest nodes (7 of 8), one at a time. Reported: the liar's share of the forwarded requests (served_by
     is the authenticated peer), the forwards it received per origin, and its failures at each
     origin before that origin stopped preferring it (standing demoted/excluded).
+``core_digest_loaded``
+    ``core_digest`` with every honest core holding ``--backlog`` requests of its own that never
+    finish: their announced load is high, so the liar (zero load) is chosen on load even once
+    demoted, and each choice is another shortfall; reported: its failures at each origin until
+    it is no longer a candidate (target <= 20). Few forwards happen between loaded honest cores,
+    so the liar's share of *requests* is the figure to read here, not its share of forwards.
 ``audit``
     The core alone (NodeCore origin, a liar core answering every forward wrongly), ``--runs``
     runs at ``--audit-rate``: forwarded requests until the ban, p50/p95/max. And 1,000 forwards
@@ -24,10 +30,15 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     the peer that was chosen for its cache) versus one audit pass. Compute on audits over compute
     serving is ``audit_rate * audit_s / serve_s``; the target is <= ``audit_rate * 1.2``. Then
     ``--noise-prompts`` honest float32 answers are re-scored with the model in bfloat16 (another
-    precision, as on another device): how many would fail the audit.
+    precision, as on another device): how many would fail the audit; and the same prompts
+    sampled (temperature 0.8, top-p 0.9, one seed each), re-scored against the nucleus, and as
+    many answers of random ids with those parameters (a liar): how many the audit catches.
 
-``--only digest`` / ``--only tarpit`` run the network scenarios on 8 real in-process nodes over
-libp2p instead of NodeCores in memory (slow; on a loaded 2-core machine it did not settle).
+``--only digest`` / ``--only tarpit`` run the network scenarios on ``--nodes`` (default 8) real
+in-process nodes over libp2p instead of NodeCores in memory. With 8 nodes in one process on a
+loaded 2-core machine the network did not settle (pings and syncs timed out, no origin learned
+the liar's digest); ``--nodes 4`` does. The decisions are the same ``NodeCore``'s either way:
+the node's shell executes its ``Forward`` effects and reports what came back.
 """
 
 from __future__ import annotations
@@ -70,14 +81,16 @@ def _prompt(prefix: int, k: int) -> str:
     return f"context {prefix}: " + " ".join(f"p{prefix}w{i}" for i in range(120)) + f" question {k}?"
 
 
-async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s: float) -> dict[str, Any]:
+async def _network(
+    kind: str, requests: int, prefixes: int, seed: int, settle_s: float, n_nodes: int = 8
+) -> dict[str, Any]:
     from peerinfer.engine.simulated import SimulatedEngine
 
     rng = random.Random(seed)
     liar_log: list[str] = []  # origins of the requests the liar received
     async with trio.open_nursery() as nursery:
         nodes: list[Node] = []
-        for i in range(8):
+        for i in range(n_nodes):
             options = NodeOptions(
                 engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False,
                 persist_identity=False, policy="local" if i == 0 else "cost", costs=COSTS,
@@ -140,6 +153,7 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
         served_by: Counter[str] = Counter()
         forwarded = 0
         failures_until_demoted: dict[str, int | None] = {n.peer_id: None for n in honest}
+        failures_until_excluded: dict[str, int | None] = {n.peer_id: None for n in honest}
         started = time.perf_counter()
         clients = [await nursery.start(_open_client, n) for n in honest]
         for i in range(requests):
@@ -152,15 +166,17 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             result = await clients[o].generate(_prompt(p, i), max_tokens=8)
             served_by[result.served_by] += 1
             forwarded += core.statistics().forwarded - before
-            if failures_until_demoted[origin.peer_id] is None and core.reputation.standing(
-                lid, trio.current_time()
-            ) != "good":
+            now_s = trio.current_time()
+            if failures_until_demoted[origin.peer_id] is None and core.reputation.standing(lid, now_s) != "good":
                 failures_until_demoted[origin.peer_id] = liar_log.count(origin.peer_id)
+            if failures_until_excluded[origin.peer_id] is None and not core.reputation.is_candidate(lid, now_s):
+                failures_until_excluded[origin.peer_id] = liar_log.count(origin.peer_id)
         elapsed = time.perf_counter() - started
         per_origin = Counter(liar_log)
         standings = Counter(n.core.reputation.standing(lid, trio.current_time()) for n in honest)  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
     return {
+        "nodes": n_nodes,
         "requests": requests,
         "prefixes": prefixes,
         "origins_routing_to_liar_at_start": at_start,
@@ -174,6 +190,9 @@ async def _network(kind: str, requests: int, prefixes: int, seed: int, settle_s:
             v for v in failures_until_demoted.values() if v is not None
         ),
         "origins_still_preferring_liar": sum(v is None for v in failures_until_demoted.values()),
+        "failures_until_excluded_per_origin": sorted(
+            v for v in failures_until_excluded.values() if v is not None
+        ),
         "liar_standing_at_origins": dict(standings),
         "wall_s": round(elapsed, 2),
     }
@@ -191,7 +210,7 @@ async def _open_client(node: Node, task_status: trio.TaskStatus[Client] = trio.T
         await trio.sleep_forever()
 
 
-def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[str, Any]:
+def _core_network(kind: str, requests: int, prefixes: int, seed: int, backlog: int = 0) -> dict[str, Any]:
     """The same scenario on 8 NodeCores wired in memory, one request at a time (virtual time).
 
     Every decision is the real core's (routing with policy ``cost``, reputation, failover);
@@ -251,9 +270,16 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
         for eff in cores[0].handle(ClientRequest(rid, tuple(engines[0].tokenize(texts[p])), params), now):
             if isinstance(eff, RunLocal):
                 serve_local(0, eff)
+    for n in range(1, 8):
+        # ``backlog``: every honest core has that many requests of its own that never finish,
+        # so its announced load is high and a liar announcing zero load wins on load alone
+        # (once demoted, that is the only way it is chosen).
+        for b in range(backlog):
+            cores[n].handle(ClientRequest(RequestId(f"backlog{n}.{b}"), tuple(range(10 + b, 74 + b)), params), now)
     gossip()
     liar_forwards: Counter[int] = Counter()
     failures_until_demoted: dict[int, int | None] = dict.fromkeys(range(1, 8))
+    failures_until_excluded: dict[int, int | None] = dict.fromkeys(range(1, 8))
     forwarded = 0
     served_by: Counter[int] = Counter()
     for i in range(requests):
@@ -297,10 +323,13 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
                 break
         if failures_until_demoted[o] is None and core.reputation.standing(ids[0], now) != "good":
             failures_until_demoted[o] = liar_forwards[o]
+        if failures_until_excluded[o] is None and not core.reputation.is_candidate(ids[0], now):
+            failures_until_excluded[o] = liar_forwards[o]
     standings = Counter(c.reputation.standing(ids[0], now) for c in cores[1:])
     return {
         "requests": requests,
         "prefixes": prefixes,
+        "backlog_per_honest_core": backlog,
         "forwards": forwarded,
         "liar_forwards": sum(liar_forwards.values()),
         "liar_share_of_forwards": round(sum(liar_forwards.values()) / max(1, forwarded), 4),
@@ -310,6 +339,9 @@ def _core_network(kind: str, requests: int, prefixes: int, seed: int) -> dict[st
             v for v in failures_until_demoted.values() if v is not None
         ),
         "origins_still_preferring_liar": sum(v is None for v in failures_until_demoted.values()),
+        "failures_until_excluded_per_origin": sorted(
+            v for v in failures_until_excluded.values() if v is not None
+        ),
         "liar_standing_at_origins": dict(standings),
     }
 
@@ -464,7 +496,7 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
 
     from peerinfer.core.messages import SamplingParams
     from peerinfer.core.prefix import PrefixHasher
-    from peerinfer.engine.audit import audit_greedy
+    from peerinfer.engine.audit import audit_answer, audit_greedy
     from peerinfer.engine.base import Tokens
     from peerinfer.engine.hf import TransformersEngine
 
@@ -491,16 +523,31 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
     # Honest numeric noise: the same float32 answers re-scored with bfloat16 weights (another
     # precision, as on another device): how many would fail the audit (a false ban)?
     answers = []
+    sampled = []  # the same prompts sampled (temperature 0.8, top-p 0.9, a seed each)
     for k in range(prompts, prompts + noise_prompts):
         prompt = engine.tokenize(f"Question {k}: explain, in a few sentences, topic number {k} of " + " ".join(f"item{k}.{i}" for i in range(30)))
         ids = [t for ev in engine.generate(prompt, params) if isinstance(ev, Tokens) for t in ev.token_ids]
         answers.append((prompt, ids))
+        hot = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=k)
+        ids = [t for ev in engine.generate(prompt, hot) if isinstance(ev, Tokens) for t in ev.token_ids]
+        sampled.append((prompt, hot, ids))
     engine.model = engine.model.to(torch.bfloat16)
     false_failures = 0
     for prompt, ids in answers:
         verdict = audit_greedy(engine, prompt, ids)
         assert verdict is not None
         false_failures += not verdict.ok
+    sampled_false_failures = 0
+    random_caught = 0  # a liar's answer: random ids, same params (bfloat16 model, as above)
+    vocab_rng = random.Random(0)
+    for prompt, hot, ids in sampled:
+        verdict = audit_answer(engine, prompt, hot, ids)
+        assert verdict is not None
+        sampled_false_failures += not verdict.ok
+        fake = [vocab_rng.randrange(engine.vocab_size) for _ in ids]
+        verdict = audit_answer(engine, prompt, hot, fake)
+        assert verdict is not None
+        random_caught += not verdict.ok
     return {
         "model": engine.model_name,
         "prompts": prompts,
@@ -513,6 +560,9 @@ def _audit_cost(prompts: int, rate: float, noise_prompts: int) -> dict[str, Any]
         "target_share": round(rate * 1.2, 5),
         "bf16_rescored_honest_answers": len(answers),
         "bf16_rescored_false_failures": false_failures,
+        "bf16_rescored_sampled_answers": len(sampled),
+        "bf16_rescored_sampled_false_failures": sampled_false_failures,
+        "random_sampled_answers_caught": random_caught,
     }
 
 
@@ -525,22 +575,26 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--audit-rate", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=8, help="nodes in the real-node scenarios (--only digest/tarpit), the liar included")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long the network may take to learn the liar's digest")
     ap.add_argument("--hf", action="store_true", help="also measure the audit cost on the real model")
     ap.add_argument("--cost-prompts", type=int, default=5)
     ap.add_argument("--noise-prompts", type=int, default=10, help="honest answers re-scored in bfloat16 (with --hf)")
-    ap.add_argument("--only", choices=("core_digest", "core_tarpit", "digest", "tarpit", "audit", "audit_cost"), action="append")
+    ap.add_argument("--backlog", type=int, default=4, help="never-finishing requests each honest core holds in core_digest_loaded")
+    ap.add_argument("--only", choices=("core_digest", "core_digest_loaded", "core_tarpit", "digest", "tarpit", "audit", "audit_cost"), action="append")
     args = ap.parse_args()
-    only = set(args.only or ("core_digest", "core_tarpit", "audit", "audit_cost"))
+    only = set(args.only or ("core_digest", "core_digest_loaded", "core_tarpit", "audit", "audit_cost"))
     out: dict[str, Any] = {}
     if "core_digest" in only:
         out["core_digest"] = _core_network("digest", args.requests, args.prefixes, args.seed)
+    if "core_digest_loaded" in only:
+        out["core_digest_loaded"] = _core_network("digest", args.requests, args.prefixes, args.seed, args.backlog)
     if "core_tarpit" in only:
         out["core_tarpit"] = _core_network("tarpit", args.requests, args.prefixes, args.seed)
     if "digest" in only:
-        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s)
+        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s, args.nodes)
     if "tarpit" in only:
-        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s)
+        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s, args.nodes)
     if "audit" in only:
         out["audit"] = _audit_scenario(args.runs, args.audit_rate, args.seed)
     if "audit_cost" in only and args.hf:

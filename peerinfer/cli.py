@@ -95,8 +95,8 @@ def _add_node(sub: Any) -> None:
     p.add_argument("-v", "--verbose", action="count", default=0, help="log routing decisions (-v) and more (-vv)")
     # Trust (docs/security.md): forwarded prompts reach the serving peer in full.
     trust = p.add_argument_group("trust")
-    trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer)")
-    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded greedy answers re-scored by the local model (default: 0.05)")
+    trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer); 'swarm': only to members of this private swarm (needs a swarm key)")
+    trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded answers re-scored by the local model (default: 0.05)")
     p.set_defaults(run=_run_node)
 
 
@@ -128,6 +128,7 @@ def _run_node(args: argparse.Namespace) -> int:
     if http_address is not None:
         check_exposure(http_address[0], api_keys)
     swarm_key, joined = _swarm_options(args)
+    trusted_ids = tuple(t for t in args.trust or () if t != "swarm")  # "swarm": trust_swarm
     engine_options: dict[str, Any] = {}
     if args.engine == "simulated":
         engine_options["costs"] = costs
@@ -150,7 +151,8 @@ def _run_node(args: argparse.Namespace) -> int:
         seed=args.seed,
         http=None if http_address is None else f"{http_address[0]}:{http_address[1]}",
         api_keys=api_keys,
-        trusted_peers=tuple(args.trust) if args.trust else None,
+        trusted_peers=trusted_ids or None,
+        trust_swarm="swarm" in (args.trust or ()),
         audit_rate=args.audit_rate,
         relay_service=not args.no_relay_service,
         relay_circuit_bytes=args.relay_circuit_bytes,

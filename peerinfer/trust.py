@@ -33,7 +33,7 @@ import trio
 
 from peerinfer.core.node import AuditFinished, AuditForward, BanPeer, NodeCore
 from peerinfer.core.reputation import Reputation
-from peerinfer.engine.audit import AuditVerdict, audit_greedy
+from peerinfer.engine.audit import AuditVerdict, audit_answer
 from peerinfer.types import PeerId
 
 if TYPE_CHECKING:
@@ -60,10 +60,11 @@ class TrustKeeper:
         self.audits_run = 0
         self.audits_failed = 0
         self.audits_dropped = 0
+        self.audits_unchecked = 0
         #: tokens the audits scored, and the engine time they took (for the cost ratio)
         self.audit_tokens = 0
         self.audit_engine_s = 0.0
-        #: the engine has no way to re-score (``audit_greedy`` answered None): audits are off
+        #: the engine has no way to re-score (``audit_answer`` answered None): audits are off
         self.cannot_audit = False
 
     # ------------------------------------------------------------------ effects
@@ -154,7 +155,7 @@ class TrustKeeper:
         started = time.perf_counter()
         try:
             verdict: AuditVerdict | None = await node._in_engine(
-                audit_greedy, engine, eff.tokens, eff.completion
+                audit_answer, engine, eff.tokens, eff.params, eff.completion
             )
         except Exception:  # an audit must never take serving down
             logger.exception("audit of %s failed to run", eff.peer)
@@ -164,6 +165,11 @@ class TrustKeeper:
             self.cannot_audit = True
             self._pending.clear()
             logger.info("engine %s cannot audit; forwarded answers go unchecked", type(engine).__name__)
+            return
+        if not verdict.checked:
+            # This answer cannot be re-computed (a sampled one from a seed we do not know):
+            # it counts neither way, and the peer's probation audit is still owed.
+            self.audits_unchecked += 1
             return
         self.audits_run += 1
         self.audit_tokens += verdict.scored_tokens

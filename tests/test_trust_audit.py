@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from peerinfer.core.messages import SamplingParams
-from peerinfer.engine.audit import audit_greedy
+from peerinfer.engine.audit import audit_answer, audit_greedy
 from peerinfer.engine.base import Tokens
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.node import Node
@@ -20,8 +20,12 @@ from peerinfer.types import PeerId
 
 
 def _greedy(engine: object, prompt: Sequence[int], n: int) -> list[int]:
+    return _generate(engine, prompt, SamplingParams(max_tokens=n))
+
+
+def _generate(engine: object, prompt: Sequence[int], params: SamplingParams) -> list[int]:
     ids: list[int] = []
-    for ev in engine.generate(prompt, SamplingParams(max_tokens=n)):  # type: ignore[attr-defined]
+    for ev in engine.generate(prompt, params):  # type: ignore[attr-defined]
         if isinstance(ev, Tokens):
             ids.extend(ev.token_ids)
     return ids
@@ -41,11 +45,35 @@ def test_the_simulated_engine_audits_exactly() -> None:
     assert audit_greedy(engine, prompt, [])
 
 
+def test_the_simulated_engine_audits_seeded_sampled_answers_exactly() -> None:
+    engine = SimulatedEngine(time_scale=0.0)
+    prompt = engine.tokenize("a sampled question " * 20)
+    for seed in range(50):
+        params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=seed)
+        answer = _generate(engine, prompt, params)
+        verdict = audit_answer(engine, prompt, params, answer)
+        assert verdict is not None and verdict.ok and verdict.checked and verdict.sampled, (seed, verdict)
+        wrong = list(answer)
+        wrong[seed % 10] = (wrong[seed % 10] + 1) % engine.vocab_size
+        verdict = audit_answer(engine, prompt, params, wrong)
+        assert verdict is not None and not verdict.ok and verdict.position == seed % 10
+        assert "nucleus" in verdict.describe()
+        # Another seed's answer is not this seed's.
+        other = _generate(engine, prompt, SamplingParams(10, 0.8, 0.9, seed + 1000))
+        assert not audit_answer(engine, prompt, params, other).ok  # type: ignore[union-attr]
+    # Unseeded: the peer drew its own seed, which the origin cannot know: not checked.
+    unseeded = SamplingParams(max_tokens=10, temperature=0.8)
+    verdict = audit_answer(engine, prompt, unseeded, _generate(engine, prompt, unseeded))
+    assert verdict is not None and not verdict.checked
+
+
 def test_an_engine_that_cannot_audit_says_so() -> None:
     class Opaque:
         """Neither simulated nor transformers: no way to re-score."""
 
     assert audit_greedy(Opaque(), [5, 6], [7]) is None  # type: ignore[arg-type]
+    hot = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    assert audit_answer(Opaque(), [5, 6], hot, [7]) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -84,6 +112,49 @@ def test_a_transformers_engine_audits_by_one_teacher_forced_pass(tmp_path: Path)
     for prompt, answer in answers:
         verdict = audit_greedy(engine, prompt, answer)
         assert verdict is not None and verdict.ok, verdict
+
+
+@pytest.mark.slow
+def test_a_transformers_engine_audits_sampled_answers_against_the_top_p_nucleus(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_engine_hf import _make_tiny_model
+
+    from peerinfer.engine.hf import TransformersEngine
+
+    torch.set_num_threads(1)
+    _make_tiny_model(tmp_path)
+    engine = TransformersEngine(tmp_path, device="cpu")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 256) for _ in range(16 + k)] for k in range(4)]
+    settings = [(0.7, 0.5), (1.0, 0.9), (1.5, 0.3)]
+    honest = []
+    # Honest sampled answers, many seeds: every one passes (they are drawn from the nucleus).
+    for prompt in prompts:
+        for temperature, top_p in settings:
+            for seed in range(8):
+                params = SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, seed=seed)
+                answer = _generate(engine, prompt, params)
+                verdict = audit_answer(engine, prompt, params, answer)
+                assert verdict is not None and verdict.ok and verdict.sampled, (params, verdict)
+                honest.append((prompt, params, answer))
+    # A token outside the nucleus: the least likely one after the honest prefix, at two
+    # positions (one alone would be within the noise allowance of one position in ten).
+    for prompt, params, answer in honest[::7]:
+        wrong = list(answer)
+        for i in (2, 6):
+            ids = torch.tensor([list(prompt) + wrong[:i]])
+            with torch.inference_mode():
+                logits = engine.model(input_ids=ids, use_cache=False).logits[0, -1]
+            wrong[i] = int(torch.argmin(logits))
+        verdict = audit_answer(engine, prompt, params, wrong)
+        assert verdict is not None and not verdict.ok and verdict.position == 2, (params, verdict)
+        assert "nucleus" in verdict.describe()
+    # Honest numeric noise: the same answers re-scored with bfloat16 weights still pass.
+    engine.model = engine.model.to(torch.bfloat16)
+    for prompt, params, answer in honest:
+        verdict = audit_answer(engine, prompt, params, answer)
+        assert verdict is not None and verdict.ok, (params, verdict)
 
 
 @pytest.mark.slow

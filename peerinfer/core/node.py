@@ -69,7 +69,7 @@ What it decides
   token, or short, slow, timed out, busy while announcing idle, a broken contract) feeds the
   per-peer ``Reputation`` (peerinfer.core.reputation); demoted peers' cache claims count for
   nothing in routing, excluded and banned peers (and, with ``trusted_peers``, every unlisted
-  peer) are not candidates. A peer's first greedy answer, then ``audit_rate`` of them, is sent
+  peer) are not candidates. A peer's first answer, then ``audit_rate`` of them, is sent
   for an audit (``AuditForward``); a failed audit bans the peer (``BanPeer``).
 * **Liveness.** Peers are pinged when quiet; a peer silent for ``peer_timeout_s`` leaves the
   index (and the candidate set); when it announces again it rejoins with an empty replica.
@@ -213,7 +213,7 @@ class NodeConfig:
     #: a peer whose digest is older than this is not a routing candidate
     max_digest_age_s: float = 60.0
     max_peers: int = 4096
-    #: trust (peerinfer.core.reputation): how peers are scored, the share of forwarded greedy
+    #: trust (peerinfer.core.reputation): how peers are scored, the share of forwarded
     #: answers re-scored by the local model, and the only peers forwarded to (None: any peer)
     reputation: ReputationConfig = field(default_factory=ReputationConfig)
     audit_rate: float = 0.05
@@ -469,8 +469,9 @@ class DropPeer:
 
 @dataclass(frozen=True, slots=True)
 class AuditForward:
-    """Re-score ``peer``'s greedy answer ``completion`` to ``tokens`` with the local model, at
-    low priority (never before a client's work), and feed back ``AuditFinished``."""
+    """Re-score ``peer``'s answer ``completion`` to ``tokens`` (greedy or sampled, as ``params``
+    say) with the local model, at low priority (never before a client's work), and feed back
+    ``AuditFinished``."""
 
     peer: PeerId
     tokens: tuple[int, ...]
@@ -1215,14 +1216,14 @@ class NodeCore:
             rate = self.config.audit_rate
             if (
                 ev.completion
-                and req.params.temperature == 0
                 and rate > 0
                 and (
                     self._audit_rng.random() < rate
                     or self.reputation.audits(ev.peer) < self.config.audit_first
                 )
             ):
-                # Only greedy answers: the local model's argmax is the one right answer.
+                # Greedy answers must be the argmax, sampled ones inside the top-p nucleus
+                # (peerinfer.engine.audit); the params say which.
                 effects.append(
                     AuditForward(ev.peer, req.tokens + req.resume_after, req.params, ev.completion)
                 )

@@ -29,6 +29,16 @@ Outcomes and their weights (``ReputationConfig``; points, one outcome per forwar
 ``audit_failed``  ban     the answer is not what the model gives (see below)
 ================  ======  ====================================================================
 
+Repeat offences escalate: an outcome in ``escalating`` (``cache_short``, ``timeout``,
+``contract``: a claim that did not hold) right after others of them, with no ``served`` or
+``audit_passed`` between, weighs ``escalation ** streak`` times its weight (``streak`` = the
+offences before it in the run, at most ``max_streak``). Decay alone would let a liar that fails
+rarely sit at a fixed point above the exclusion line (failing every 10 minutes at -4, a score
+settles at -8: demoted for ever, never excluded); doubling makes its 3rd consecutive shortfall
+exclude it (-4 - 8 - 16 = -28) however far apart they come, and every offence after that exclude
+it again. An honest peer whose cache is evicted now and then (never twice in a row, served in
+between) never builds a streak.
+
 Scores are clamped to ``[min_score, max_score]`` (a long honest record cannot bank unlimited
 credit for one big lie) and decay toward 0 with ``half_life_s``: old offences are forgiven, so
 a peer excluded for honest trouble (a crash that looked like a tarpit) comes back on probation,
@@ -113,6 +123,9 @@ class ReputationConfig:
     ttft_factor: float = 3.0
     ttft_slack_s: float = 1.0
     max_peers: int = 4096
+    escalating: tuple[Outcome, ...] = ("cache_short", "timeout", "contract")
+    escalation: float = 2.0
+    max_streak: int = 8
 
     def __post_init__(self) -> None:
         if not self.min_score < self.exclude_below < self.demote_below <= 0 < self.max_score:
@@ -121,6 +134,8 @@ class ReputationConfig:
             raise ConfigError("reputation half-life and ban periods must be positive")
         if self.max_peers < 1:
             raise ConfigError("reputation max_peers must be >= 1")
+        if self.escalation < 1 or self.max_streak < 0:
+            raise ConfigError("reputation escalation must be >= 1 and max_streak >= 0")
 
     def weight(self, outcome: Outcome) -> float:
         if outcome == "busy":
@@ -129,6 +144,21 @@ class ReputationConfig:
             return -math.inf
         w: float = getattr(self, outcome)
         return w
+
+    def weight_after(self, outcome: Outcome, streak: int) -> float:
+        """``outcome``'s weight after ``streak`` consecutive escalating offences."""
+        w = self.weight(outcome)
+        if outcome in self.escalating:
+            w *= self.escalation ** min(streak, self.max_streak)
+        return w
+
+    def streak_after(self, outcome: Outcome, streak: int) -> int:
+        """The run of consecutive escalating offences once ``outcome`` is recorded."""
+        if outcome in self.escalating:
+            return streak + 1
+        if outcome in ("served", "audit_passed"):
+            return 0
+        return streak  # neutral, or a lesser failure: the run goes on
 
 
 def judge_finished(
@@ -162,6 +192,8 @@ class _Record:
     banned_until: float = -math.inf
     last: str = ""
     counts: dict[str, int] = field(default_factory=dict)
+    #: consecutive escalating offences (``ReputationConfig.escalating``) with no success between
+    streak: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +287,8 @@ class Reputation:
             return "good: no record yet"
         standing = self.standing(peer, now)
         counts = ", ".join(f"{n} {k}" for k, n in sorted(rec.counts.items(), key=lambda kv: -kv[1]))
-        line = f"{standing}: {counts}; last {rec.last}"
+        in_a_row = f"; {rec.streak} offences in a row" if rec.streak > 1 else ""
+        line = f"{standing}: {counts}{in_a_row}; last {rec.last}"
         if standing == "banned":
             line += f"; banned {rec.banned_until - now:.0f}s more (ban #{rec.bans})"
         return line
@@ -283,7 +316,9 @@ class Reputation:
             rec.banned_until = max(rec.banned_until, now + period)
             rec.score = cfg.min_score
         else:
-            rec.score = min(cfg.max_score, max(cfg.min_score, rec.score + cfg.weight(outcome)))
+            weight = cfg.weight_after(outcome, rec.streak)
+            rec.score = min(cfg.max_score, max(cfg.min_score, rec.score + weight))
+        rec.streak = cfg.streak_after(outcome, rec.streak)
         self._refresh(peer, rec, now)
         self._bound()
         return self.standing(peer, now)
@@ -312,6 +347,7 @@ class Reputation:
                     rec.banned_until + time_offset if math.isfinite(rec.banned_until) else None,
                     rec.last,
                     dict(rec.counts),
+                    rec.streak,
                 ]
                 for peer, rec in self._records.items()
             },
@@ -334,7 +370,11 @@ class Reputation:
         cfg = rep.config
         for peer, entry in list(peers.items())[-cfg.max_peers :]:
             try:
-                score, updated, bans, banned_until, last, counts = entry
+                # Six fields before streaks were kept (the same version: a streak of 0).
+                score, updated, bans, banned_until, last, counts, *rest = entry
+                if len(rest) > 1:
+                    raise ValueError("too many fields")
+                streak = max(0, min(int(rest[0]), 64)) if rest else 0
                 rec = _Record(
                     score=min(cfg.max_score, max(cfg.min_score, float(score))),
                     updated=min(float(updated) - time_offset, now),
@@ -346,6 +386,7 @@ class Reputation:
                     counts={
                         str(k): int(v) for k, v in dict(counts).items() if k in OUTCOMES
                     },
+                    streak=streak,
                 )
             except (TypeError, ValueError):
                 continue

@@ -1,32 +1,46 @@
-"""Audits by re-scoring: is a peer's greedy answer what this node's own model gives?
+"""Audits by re-scoring: is a peer's answer one this node's own model could have given?
 
-A greedy completion ``c`` of a prompt ``p`` is right when every ``c[i]`` is the model's argmax
-after ``p + c[:i]``. One teacher-forced forward pass over ``p + c`` gives the logits at every
-position at once (about the cost of prefilling the answer, since the prompt's positions are
-cheap next to generating), so an audit costs far less than serving did. Honest peers differ
-numerically (bf16 vs fp32, another device, another batch), so a returned token passes when its
-logit is within ``tolerance + rel_tolerance * |best logit|`` of the best logit at that position
-(a near tie may go either way; rounding error grows with the logits' magnitude: a tiny random
-model in bfloat16 was measured 0.81 off at logits near 100), and an answer passes when at most
-``max_off_fraction`` of its positions (rounded down) are off. A wrong answer is far from the
-argmax almost everywhere; a liar that alters one token in ten stays under this bar, the price
-of never banning an honest peer for its float arithmetic.
+**Greedy** (temperature 0). A completion ``c`` of a prompt ``p`` is right when every ``c[i]``
+is the model's argmax after ``p + c[:i]``. One teacher-forced forward pass over ``p + c`` gives
+the logits at every position at once (about the cost of prefilling the answer, since the
+prompt's positions are cheap next to generating), so an audit costs far less than serving did.
+Honest peers differ numerically (bf16 vs fp32, another device, another batch), so a returned
+token passes when its logit is within ``tolerance + rel_tolerance * |best logit|`` of the best
+logit at that position (a near tie may go either way; rounding error grows with the logits'
+magnitude: a tiny random model in bfloat16 was measured 0.81 off at logits near 100), and an
+answer passes when at most ``max_off_fraction`` of its positions (rounded down) are off. A
+wrong answer is far from the argmax almost everywhere; a liar that alters one token in ten
+stays under this bar, the price of never banning an honest peer for its float arithmetic.
 
-:func:`audit_greedy` dispatches on the engine:
+**Sampled** (temperature ``T`` > 0, top-p ``p``). Every returned token must lie inside the
+nucleus the sampler draws from: at ``softmax(logits / T)``, sorted by probability, a token is in
+the nucleus when the mass of the tokens ranked above it is below ``p`` (the engines' rule,
+``peerinfer.engine.hf.sample_token``). Temperature never reorders tokens, so the nucleus is the
+``k`` most likely tokens for some ``k``; honest noise moves its edge, so the audit computes it
+with ``p + NUCLEUS_P_SLACK`` (capped at 1) and lets a token through whose logit is within the
+greedy tolerance of the edge token's. The same share of positions may be off. With ``p = 1`` the
+nucleus is the whole vocabulary and every token passes: sampling without top-p cannot be told
+from lying token by token.
 
-* ``SimulatedEngine``: exact, the output is a pure function of the prompt.
+:func:`audit_answer` dispatches on the engine and the request:
+
+* ``SimulatedEngine``: exact. Its output is a pure function of the prompt (and, when sampling,
+  the seed: a seeded sampled answer is recomputed; an unseeded one cannot be, the peer drew its
+  own seed, so it is *not checked*: ``AuditVerdict.checked`` is False).
 * ``TransformersEngine``: the teacher-forced pass above, on ``engine.model`` directly (in the
   engine's thread, like every engine call; it does not touch the engine's prefix cache).
 * any other engine: ``None`` (cannot audit; the node then does not count it either way).
 
 The end of sequence: a completion that ends in an end-of-sequence id is checked like any other
-token (the argmax must be EOS there); one cut short by ``max_tokens`` needs nothing more.
+token (the argmax, or inside the nucleus, there); one cut short by ``max_tokens`` needs nothing
+more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from peerinfer.core.messages import SamplingParams
 from peerinfer.engine.base import Engine
@@ -36,22 +50,59 @@ from peerinfer.engine.base import Engine
 DEFAULT_TOLERANCE = 0.5
 DEFAULT_REL_TOLERANCE = 0.01
 MAX_OFF_FRACTION = 0.1
+#: How much the top-p mass is enlarged when the audit recomputes a sampled answer's nucleus.
+NUCLEUS_P_SLACK = 0.05
 
 
 @dataclass(frozen=True, slots=True)
 class AuditVerdict:
-    """``ok``, or the first position where the answer is not the model's (and by how much)."""
+    """``ok``, or the first position where the answer is not the model's (and by how much).
+    ``checked`` False: this answer could not be checked (it counts neither way)."""
 
     ok: bool
     position: int = -1
     gap: float = 0.0
     #: tokens the audit's forward pass ran over (its compute, for the cost ratio)
     scored_tokens: int = 0
+    sampled: bool = False
+    checked: bool = True
 
     def describe(self) -> str:
+        if not self.checked:
+            return "not checked: a sampled answer from a seed this node does not know"
+        where = "inside the model's top-p nucleus" if self.sampled else "the model's argmax"
         if self.ok:
-            return "the answer is the model's argmax everywhere"
-        return f"token {self.position} is not the model's argmax (logit gap {self.gap:.2f})"
+            return f"every token is {where}" if self.sampled else f"the answer is {where} everywhere"
+        return f"token {self.position} is not {where} (logit gap {self.gap:.2f})"
+
+
+def audit_answer(
+    engine: Engine,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    completion: Sequence[int],
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> AuditVerdict | None:
+    """Check ``completion`` of ``prompt``, generated with ``params`` (greedy or sampled),
+    against ``engine``'s model; None if this engine cannot audit. Call it in the engine's
+    thread."""
+    if params.temperature == 0:
+        return audit_greedy(engine, prompt, completion, tolerance)
+    if not completion:
+        return AuditVerdict(True, sampled=True)
+    from peerinfer.engine.simulated import SimulatedEngine
+
+    if isinstance(engine, SimulatedEngine):
+        if params.seed is None:
+            return AuditVerdict(True, sampled=True, checked=False)
+        expected = engine.completion_ids(tuple(prompt), params, len(completion))
+        for i, (got, want) in enumerate(zip(completion, expected, strict=True)):
+            if got != want:
+                return AuditVerdict(False, i, float("inf"), len(completion), sampled=True)
+        return AuditVerdict(True, scored_tokens=len(completion), sampled=True)
+    if type(engine).__name__ == "TransformersEngine" and hasattr(engine, "model"):
+        return _audit_transformers(engine, prompt, completion, tolerance, params)
+    return None
 
 
 def audit_greedy(
@@ -87,7 +138,11 @@ def _audit_simulated(
 
 
 def _audit_transformers(
-    engine: Engine, prompt: Sequence[int], completion: Sequence[int], tolerance: float
+    engine: Engine,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    tolerance: float,
+    params: SamplingParams | None = None,
 ) -> AuditVerdict:
     import torch
 
@@ -103,12 +158,40 @@ def _audit_transformers(
         chosen = torch.tensor(list(completion), dtype=torch.long, device=scored.device)
         best = scored.max(dim=-1).values  # [C]
         got = scored.gather(1, chosen[:, None])[:, 0]  # [C]
-        gaps = best - got
+        sampled = params is not None and params.temperature > 0
+        if sampled:
+            assert params is not None
+            edge = _nucleus_edge(torch, scored, params)  # [C] the nucleus's lowest logit
+        else:
+            edge = best
+        gaps = edge - got
         off = torch.nonzero(gaps > tolerance + DEFAULT_REL_TOLERANCE * best.abs())[:, 0].tolist()
     if len(off) > int(MAX_OFF_FRACTION * len(completion)):
         i = int(off[0])
-        return AuditVerdict(False, i, float(gaps[i]), len(seq))
-    return AuditVerdict(True, scored_tokens=len(seq))
+        return AuditVerdict(False, i, float(gaps[i]), len(seq), sampled=sampled)
+    return AuditVerdict(True, scored_tokens=len(seq), sampled=sampled)
 
 
-__all__ = ["DEFAULT_REL_TOLERANCE", "DEFAULT_TOLERANCE", "MAX_OFF_FRACTION", "AuditVerdict", "audit_greedy"]
+def _nucleus_edge(torch: Any, logits: Any, params: SamplingParams) -> Any:
+    """Per position, the logit of the least likely token in the top-p nucleus at the request's
+    temperature, with ``p`` enlarged by ``NUCLEUS_P_SLACK`` (``logits``: [C, vocab] float)."""
+    top_p = min(1.0, params.top_p + NUCLEUS_P_SLACK)
+    sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)  # [C, vocab]
+    if top_p >= 1.0:
+        return sorted_logits[:, -1]  # the whole vocabulary
+    probs = torch.softmax(sorted_logits / params.temperature, dim=-1)
+    # In the nucleus: the mass ranked above the token is below top_p (at least the first).
+    inside = (torch.cumsum(probs, dim=-1) - probs) < top_p  # [C, vocab], a prefix of Trues
+    last = inside.sum(dim=-1).clamp(min=1) - 1  # [C]
+    return sorted_logits.gather(1, last[:, None])[:, 0]
+
+
+__all__ = [
+    "DEFAULT_REL_TOLERANCE",
+    "DEFAULT_TOLERANCE",
+    "MAX_OFF_FRACTION",
+    "NUCLEUS_P_SLACK",
+    "AuditVerdict",
+    "audit_answer",
+    "audit_greedy",
+]

@@ -13,6 +13,7 @@ from typing import Any
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.engine.base import Engine
+from peerinfer.errors import ConfigError
 from peerinfer.net.config import DEFAULT_PORT
 
 logger = logging.getLogger("peerinfer.node")
@@ -96,10 +97,19 @@ class NodeOptions:
     relay_circuit_bytes: int | None = None
     #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer
     wall_clock: Callable[[], float] = time.time
-    #: trust: the share of forwarded greedy answers audited, and (if given) the only peers
+    #: trust: the share of forwarded answers audited, and (if given) the only peers
     #: requests are forwarded to
     audit_rate: float = 0.05
     trusted_peers: tuple[str, ...] | None = None
+    #: forward only to members of this private swarm (peers that proved ``swarm_key``); with
+    #: ``trusted_peers`` too, only to listed members. Needs ``swarm_key`` (``--trust swarm``).
+    trust_swarm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trust_swarm and self.swarm_key is None:
+            raise ConfigError(
+                "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"
+            )
 
 
 def _load_engine(options: NodeOptions) -> Engine:
