@@ -338,6 +338,12 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{churn['joins']} joins; {churn['lost']} lost, {churn['orphaned']} orphaned; "
             f"newcomers first routed to after {routed} s on average"
         )
+    for name, row in (summary.get("mix") or {}).items():
+        lines.append(
+            f"  machines {name:<14}{row['nodes']} nodes served {row['served_share']:.3f} of "
+            f"requests ({row['served_per_node']} each), utilization {row['utilization_mean']}, "
+            f"TTFT {row['ttft_mean_s']} s"
+        )
     spec = summary.get("specialization") or {}
     if spec.get("subject"):
         lines.append(

@@ -126,6 +126,10 @@ class SimConfig:
             raise ConfigError(f"crash_mode must be 'reset' or 'silent', got {self.crash_mode!r}")
         if self.churn and self.clients:
             raise ConfigError("churn needs open-loop arrivals (--rate), not --clients")
+        if self.mix:
+            from peerinfer.sim.mix import parse_mix
+
+            parse_mix(self.mix, self.cache_tokens)  # a bad mix fails here, not mid-run
         if self.gossip not in ("broadcast", "mesh"):
             raise ConfigError(f"gossip must be 'broadcast' or 'mesh', got {self.gossip!r}")
         if self.mesh_degree < 1:

@@ -189,6 +189,10 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     }
     if sim.churn is not None:
         out["churn"] = sim.churn.summary()
+    if cfg.mix:
+        from peerinfer.sim.mix import traffic_by_class
+
+        out["mix"] = traffic_by_class(sim, list(ever), makespan)
     out["route_estimates"] = estimate_accuracy(sim, done)
     labels = [sim.workload[i % len(sim.workload)].label for i in range(sim.total)] if sim.total else []
     freq = Counter(labels)

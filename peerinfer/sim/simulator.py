@@ -109,6 +109,7 @@ from peerinfer.errors import PeerInferError, error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
 from peerinfer.sim.churn import Churn, GoneCore, join_capacity
 from peerinfer.sim.config import SimConfig
+from peerinfer.sim.mix import node_costs
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 _NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN = range(8)
@@ -202,7 +203,6 @@ class Simulation:
         n = self.slots = config.nodes + (join_capacity(config, joins) if churning else 0)
         self.peer_ids = [peer_name(i) for i in range(n)]
         self._index_of = {p: i for i, p in enumerate(self.peer_ids)}
-        costs = config.costs
         self.cores: list[NodeCore] = [
             self._make_core(i, 0.0) if i < config.nodes else GoneCore()  # type: ignore[misc]
             for i in range(n)
@@ -252,7 +252,7 @@ class Simulation:
         self._seq = itertools.count()
         self._tick_at = [_INF] * n
         self._runs: list[dict[RequestId, int]] = [{} for _ in range(n)]
-        self.batches = [BatchNode(costs) for _ in range(n)]
+        self.batches = [BatchNode(node_costs(config, i)) for i in range(n)]
         self._enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
         self._touched: list[set[BlockHash]] = [set() for _ in range(n)]
         self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
@@ -309,7 +309,7 @@ class Simulation:
         node_config = NodeConfig(
             peer_id=self.peer_ids[i],
             policy=config.policy,
-            costs=config.costs,
+            costs=node_costs(config, i),
             announce_interval_s=config.announce_interval_s,
             min_announce_gap_s=config.min_announce_gap_s,
             sync_timeout_s=config.sync_timeout_s,
