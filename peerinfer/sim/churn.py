@@ -252,6 +252,8 @@ class Churn:
                 rtt = 2 * sim.delay[k][j]
                 sim._push(now + rtt, sim.NODE, k, PeerSeen(sim.peer_ids[j], rtt_s=rtt))
                 sim._push(now + rtt, sim.NODE, j, PeerSeen(sim.peer_ids[k], rtt_s=rtt))
+        if sim.mesh is not None:
+            sim.mesh.joined(k, now)
         sim._execute(k, sim.cores[k].tick(now), now)
         sim._rearm(k, now)
 

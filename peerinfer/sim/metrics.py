@@ -189,6 +189,8 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     }
     if sim.churn is not None:
         out["churn"] = sim.churn.summary()
+    if sim.mesh is not None:
+        out["mesh"] = sim.mesh.summary(makespan)
     if cfg.mix:
         from peerinfer.sim.mix import traffic_by_class
 

@@ -109,10 +109,11 @@ from peerinfer.errors import PeerInferError, error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
 from peerinfer.sim.churn import Churn, GoneCore, join_capacity
 from peerinfer.sim.config import SimConfig
+from peerinfer.sim.gossip import Mesh
 from peerinfer.sim.mix import node_costs
 from peerinfer.types import BlockHash, PeerId, RequestId
 
-_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN = range(8)
+_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN, _MESH, _MESH_BEAT = range(10)
 _INF = math.inf
 
 
@@ -300,8 +301,10 @@ class Simulation:
                     self.residency[label] = []
         schedule = list(churn_schedule) if churn_schedule is not None else None
         self.churn = Churn(self, schedule) if churning else None
+        #: gossipsub's mesh instead of the direct broadcast (peerinfer.sim.gossip)
+        self.mesh = Mesh(self) if config.gossip == "mesh" else None
 
-    NODE, CHURN = _NODE, _CHURN
+    NODE, CHURN, MESH, MESH_BEAT = _NODE, _CHURN, _MESH, _MESH_BEAT
 
     def _make_core(self, i: int, now: float) -> NodeCore:
         """Node ``i``'s core, started at ``now``."""
@@ -355,6 +358,8 @@ class Simulation:
         self._start_arrivals()
         if self.churn is not None:
             self.churn.start()
+        if self.mesh is not None:
+            self.mesh.start()
 
         heap = self._heap
         pop = heapq.heappop
@@ -391,6 +396,9 @@ class Simulation:
             if kind == _CHURN:
                 self.churn.fire(item[3], item[4], now)  # type: ignore[union-attr]
                 continue
+            if kind == _MESH_BEAT:
+                self.mesh.heartbeat(item[3], now)  # type: ignore[union-attr]
+                continue
             self._live_events -= 1
             idle_since = -1.0
             self.now = now
@@ -406,6 +414,8 @@ class Simulation:
                 self._sync(item[3], item[4], item[5], now)
             elif kind == _RELAY:
                 self._relay(item, now)
+            elif kind == _MESH:
+                self.mesh.fire(item[3], item[4], item[5], item[6], now)  # type: ignore[union-attr]
         self.events = events
         self.wall_s = time.perf_counter() - started
         if self.check:
@@ -553,6 +563,9 @@ class Simulation:
             self._rearm(n, now)
 
     def _publish(self, n: int, eff: Publish, now: float) -> None:
+        if self.mesh is not None:
+            self.mesh.publish(n, eff.announce, now)
+            return
         size = len(encode(eff.announce))
         recipients = self.config.nodes - 1
         self.announces += 1
