@@ -31,6 +31,10 @@ The event heap
                     (``peerinfer.sim.batch``); stale when the batch's epoch has moved on
     ``_RELAY``      ``(origin, event, server, cached, prompt)``: a forwarded request's first
                     token or end reaches its origin (which relays it to the client)
+    ``_CHURN``      ``(action, node)``: a node joins, leaves or crashes (``peerinfer.sim.churn``)
+    ``_MESH``       ``(kind, src, dst, payload)``: a gossipsub transmission arrives (message,
+                    IHAVE, IWANT: ``peerinfer.sim.gossip``); ``_MESH_BEAT`` ``(node,)``: its
+                    heartbeat
     ==============  ===========================================================================
 
 How effects are executed
@@ -60,9 +64,12 @@ The client's view
 What is simplified
     A forwarded request costs its link delay plus ``forward_overhead_ms`` (a real node opens a
     libp2p stream per forward). Gossip is a direct broadcast with the pair's link delay
-    (gossipsub's mesh adds hops and duplicates); bytes count one copy per recipient. Each
+    (``gossip="mesh"``: gossipsub's mesh, with hops, duplicates and IHAVE/IWANT repair,
+    ``peerinfer.sim.gossip``); bytes count one copy per recipient. Each
     delivery of an announcement may be lost with probability ``gossip_loss`` (the pulls then
-    repair the replicas); every other message is reliable and in order. Nodes do not fail. The
+    repair the replicas); every other message is reliable and in order. Nodes do not fail,
+    join or leave unless churn is asked for (``peerinfer.sim.churn``), and are all the same
+    machine unless a mix is (``peerinfer.sim.mix``). The
     batch is the cost model's: every request of a node's batch holds the same decode step
     time, whatever its context length, and KV memory never limits admission (``slots`` does).
 """
@@ -347,6 +354,8 @@ class Simulation:
         n = cfg.nodes
         cores = self.cores
         delay = self.delay
+        if self.mesh is not None:  # before the first announcements: they go along it
+            self.mesh.start()
         # Everyone knows everyone from the start (the bootstrap and peer exchange are not
         # simulated); the round trips are measured by a first ping.
         for i in range(n):
@@ -358,8 +367,6 @@ class Simulation:
         self._start_arrivals()
         if self.churn is not None:
             self.churn.start()
-        if self.mesh is not None:
-            self.mesh.start()
 
         heap = self._heap
         pop = heapq.heappop
