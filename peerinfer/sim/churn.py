@@ -36,7 +36,9 @@ a machine going away or coming up changes, done as the real shell (``peerinfer.n
   ping to it fails after a round trip (``PeerLost``). ``silent`` (the machine vanished): nothing
   answers; origins find out from the first-token deadline or from a ping failing after the
   shell's ping timeout (``PeerLost``), and the core's own liveness drops it. Either way the
-  failover is the core's: ``ForwardFailed``/``PeerLost`` are its existing inputs.
+  failover is the core's: ``ForwardFailed``/``PeerLost`` are its existing inputs. A pull sent
+  to a machine that is off gets no answer: the requester's pull deadline ends it (simplified:
+  in ``reset`` mode the real shell's request would fail sooner).
 
 Requests lost with their entry node (its own users' requests in flight when it crashes: the
 user's client was on the machine that died) are *orphaned*: ended, counted apart and left out of
@@ -52,7 +54,6 @@ import random
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from peerinfer.core.messages import SyncRequest
 from peerinfer.core.node import (
     Cancel,
     ClientRequest,
@@ -347,9 +348,6 @@ class Churn:
         sim = self.sim
         wait = 2 * sim.delay[n][p] if self._mode == "reset" else PING_TIMEOUT_S
         sim._push(now + wait, sim.NODE, n, PeerLost(sim.peer_ids[p]))
-
-    def sync_to_gone(self, request: SyncRequest) -> None:
-        """A pull reached a machine that is off: no answer; the requester's deadline ends it."""
 
     # ------------------------------------------------------------ figures
 
