@@ -54,6 +54,12 @@ The policies
       chunk at a time, oldest first: ``prefill_backlog_s``), and its own prefill is the cost
       model's next to ``d`` decoders (the busy rate, one decode step of theirs per chunk).
       With one slot both extras are 0: the single-slot estimate.
+    * Speed: every term is the candidate's own machine's: a node announces its cost model's
+      figures in its load (``Load.speed``, ``CostModel.speed()``), and a candidate that
+      announced other figures than this node's is estimated with this node's model at its
+      figures (``costs_for``, ``CostModel.at_speed``); one that announced none, as this node.
+      So a GPU next to CPUs gets the work its speed earns, and a slow peer is not promised
+      (and then held to) a fast node's first token.
     * Staleness: a remote's ``matched_tokens`` come from a digest that is ``digest_age_s`` old;
       the peer may have evicted them since. The match is trusted with confidence
       ``p = 0.5 ** (age / staleness_half_life_s)`` (1 for the local node, whose radix cache is
