@@ -76,6 +76,8 @@ def bench_one(
         "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
         "ttft_mean_s": s["ttft_mean_s"],
         "hit_ratio": s["hit_ratio"],
+        # with churn (--crash-rate, --join-rate): requests lost must be 0
+        **({"churn": s["churn"]} if "churn" in s else {}),
         # The process's peak so far (Linux reports KiB): an upper bound for this run's.
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
@@ -100,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         "--eager", action="store_true",
         help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
     )
+    parser.add_argument("--crash-rate", type=float, default=0.0,
+                        help="churn: crashes per node-hour (peerinfer.sim.churn)")
+    parser.add_argument("--join-rate", type=float, default=0.0,
+                        help="churn: joins per node-hour")
     args = parser.parse_args(argv)
+    churn = {"crash_rate": args.crash_rate, "join_rate": args.join_rate}
     sizes = [int(x) for x in args.nodes.split(",")]
     plan = [(n, args.requests or n * args.requests_per_node) for n in sizes]
     if args.eager:
@@ -115,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     profile_text = ""
     for i, (n, r) in enumerate(plan):
-        row, text = bench_one(n, r, profile=args.profile and i == len(plan) - 1, skew=args.skew)
+        row, text = bench_one(
+            n, r, profile=args.profile and i == len(plan) - 1, skew=args.skew, **churn
+        )
         rows.append(row)
         profile_text = text or profile_text
         if not args.json:
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {
         "runs": rows,
         "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
+                   **churn,
                    "requests": args.requests or "nodes x per-node"},
     }
     r64 = [r for r in rows if r["nodes"] == 64]

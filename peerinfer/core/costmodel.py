@@ -216,6 +216,43 @@ class CostModel:
     def with_slots(self, slots: int) -> CostModel:
         return replace(self, slots=slots)
 
+    # ------------------------------------------------------------ announced speed
+
+    def speed(self) -> tuple[int, int, int, int]:
+        """What a node announces of its speed (``Load.speed``): nanoseconds per uncached
+        prompt token, per cached prompt token, per generated token (decoding alone) and per
+        request."""
+        return (
+            round(self.prefill_s_per_token * 1e9),
+            round(self.cached_s_per_token * 1e9),
+            round(self.decode_s_per_token * 1e9),
+            round(self.overhead_s * 1e9),
+        )
+
+    def at_speed(self, speed: tuple[int, ...]) -> CostModel:
+        """This model for a machine that announced ``speed`` (four figures, as ``speed()``):
+        those four figures, and the batch's shape scaled from this model's (each decode step
+        time by the ratio of the per-token decode costs, the busy prefill rate by that of
+        the prefill costs), for want of the peer's own measurements."""
+        if len(speed) != 4:
+            raise ConfigError(f"cost model: a speed has 4 figures, got {len(speed)}")
+        prefill, cached, decode, overhead = (x / 1e9 for x in speed)
+        own_decode, own_prefill = self.decode_s_per_token, self.prefill_s_per_token
+        decode_ratio = decode / own_decode if own_decode > 0 else 1.0
+        prefill_ratio = prefill / own_prefill if own_prefill > 0 else 1.0
+        busy = self.prefill_busy_s_per_token
+        return replace(
+            self,
+            prefill_s_per_token=prefill,
+            cached_s_per_token=cached,
+            decode_s_per_token=decode,
+            overhead_s=overhead,
+            decode_step_s_by_batch=tuple(
+                (n, t * decode_ratio) for n, t in self.decode_step_s_by_batch
+            ),
+            prefill_busy_s_per_token=None if busy is None else busy * prefill_ratio,
+        )
+
     # ------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, object]:

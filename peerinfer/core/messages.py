@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 import cbor2
@@ -295,12 +295,27 @@ HASH = UInt(U64)
 
 @dataclass(frozen=True, slots=True)
 class Load(Record):
-    """A node's announced load: requests waiting, running, and how many it runs at once."""
+    """A node's announced load: requests waiting, running, and how many it runs at once.
+
+    ``speed`` is how fast the node serves, its own cost model's ``CostModel.speed()`` (four
+    figures in nanoseconds: per uncached prompt token, per cached one, per generated token, per
+    request), so a peer's ``cost`` policy estimates it at its own speed; empty: not announced
+    (an older node; the receiver then assumes its own figures). Loads compare equal when
+    they count the same requests, whatever the speed.
+    """
 
     queued: int = 0
     running: int = 0
     slots: int = 1
-    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U32), UInt(U32), UInt(U32, minimum=1))
+    speed: tuple[int, ...] = field(default=(), compare=False)
+    OPTIONAL_TAIL: ClassVar[int] = 1
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(U32),
+        UInt(U32),
+        UInt(U32, minimum=1),
+        # below 10**15 ns (a million seconds): what a CostModel accepts
+        UIntList(10**15 - 1, 4),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -635,6 +635,8 @@ class NodeCore:
         self.hasher = hasher
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
+        #: announced in every load, so that peers estimate this node at its own speed
+        self._speed: tuple[int, ...] = config.costs.speed()
         self.local = LocalDigest(epoch_base=epoch_base)
         self._index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
@@ -708,7 +710,10 @@ class NodeCore:
         return self._index
 
     def load(self) -> Load:
-        return Load(queued=self._queued, running=self._running, slots=self.config.costs.slots)
+        return Load(
+            queued=self._queued, running=self._running, slots=self.config.costs.slots,
+            speed=self._speed,
+        )
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         """Process one event; return the effects to execute, in order."""

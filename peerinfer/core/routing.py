@@ -54,6 +54,12 @@ The policies
       chunk at a time, oldest first: ``prefill_backlog_s``), and its own prefill is the cost
       model's next to ``d`` decoders (the busy rate, one decode step of theirs per chunk).
       With one slot both extras are 0: the single-slot estimate.
+    * Speed: every term is the candidate's own machine's: a node announces its cost model's
+      figures in its load (``Load.speed``, ``CostModel.speed()``), and a candidate that
+      announced other figures than this node's is estimated with this node's model at its
+      figures (``costs_for``, ``CostModel.at_speed``); one that announced none, as this node.
+      So a GPU next to CPUs gets the work its speed earns, and a slow peer is not promised
+      (and then held to) a fast node's first token.
     * Staleness: a remote's ``matched_tokens`` come from a digest that is ``digest_age_s`` old;
       the peer may have evicted them since. The match is trusted with confidence
       ``p = 0.5 ** (age / staleness_half_life_s)`` (1 for the local node, whose radix cache is
@@ -401,6 +407,23 @@ class CostPolicy:
         self.min_gain_fraction = min_gain_fraction
         self.mean_service_s = mean_service_s
         self._decay = math.log(2.0) / staleness_half_life_s  # per second
+        self._speed: tuple[int, ...] = costs.speed()
+        #: the cost models of peers that announced another speed (bounded: cleared when full)
+        self._peer_costs: dict[tuple[int, ...], CostModel] = {}
+
+    def costs_for(self, load: Load) -> CostModel:
+        """The cost model a candidate announcing ``load`` is estimated with: this node's own
+        when the candidate announced the same speed or none (an older node), else this model
+        at the candidate's speed (``CostModel.at_speed``)."""
+        speed = load.speed
+        if not speed or speed == self._speed or len(speed) != 4:
+            return self.costs
+        model = self._peer_costs.get(speed)
+        if model is None:
+            if len(self._peer_costs) >= _PEER_COSTS_MAX:
+                self._peer_costs.clear()
+            model = self._peer_costs[speed] = self.costs.at_speed(speed)
+        return model
 
     def confidence(self, c: Candidate) -> float:
         """How far ``c.matched_tokens`` is trusted: 1 for local, halving per half-life of age."""
@@ -415,39 +438,52 @@ class CostPolicy:
         """``(ttft_s, expected_cached_tokens, wait_s)`` for serving ``request`` on ``c``."""
         return self._estimate(c, request, {})
 
-    def _service(self, request: RouteRequest, slots: int, memo: dict[int, float]) -> float:
+    def _service(
+        self, request: RouteRequest, slots: int, memo: _Memo, costs: CostModel | None = None
+    ) -> float:
         """The mean service time ``T`` of the queue estimate on a node of ``slots``: a request
-        shaped like this one, half its prompt cached, in a full batch (memoized per call)."""
-        service = memo.get(slots)
+        shaped like this one, half its prompt cached, in a full batch (memoized per call;
+        ``costs``: another node's model, default this one's)."""
+        key: int | tuple[int, CostModel] = slots if costs is None else (slots, costs)
+        service = memo.get(key)
         if service is None:
             if self.mean_service_s is not None:
                 service = self.mean_service_s
             else:
                 prompt = request.prompt_tokens
-                service = self.costs.service_s(prompt, prompt // 2, request.max_tokens, slots)
-            memo[slots] = service
+                service = (costs or self.costs).service_s(
+                    prompt, prompt // 2, request.max_tokens, slots
+                )
+            memo[key] = service
         return service
 
-    def _backlog(self, request: RouteRequest, ahead: int, memo: dict[int, float]) -> float:
+    def _backlog(
+        self, request: RouteRequest, ahead: int, memo: _Memo, costs: CostModel | None = None
+    ) -> float:
         """The prefill backlog ahead of a joiner next to ``ahead`` running requests shaped
         like this one, half their prompt cached (memoized per call under ``-ahead``)."""
         if ahead <= 0:
             return 0.0
-        backlog = memo.get(-ahead)
+        key: int | tuple[int, CostModel] = -ahead if costs is None else (-ahead, costs)
+        backlog = memo.get(key)
         if backlog is None:
             prompt = request.prompt_tokens
-            backlog = self.costs.prefill_backlog_s(ahead, prompt, prompt // 2, request.max_tokens)
-            memo[-ahead] = backlog
+            backlog = (costs or self.costs).prefill_backlog_s(
+                ahead, prompt, prompt // 2, request.max_tokens
+            )
+            memo[key] = backlog
         return backlog
 
     def _estimate(
-        self, c: Candidate, request: RouteRequest, memo: dict[int, float], outstanding: int = -1
+        self, c: Candidate, request: RouteRequest, memo: _Memo, outstanding: int = -1
     ) -> tuple[float, float, float]:
         """The reference form of the estimate (``choose`` inlines the same arithmetic); with
-        ``outstanding`` >= 0, as if ``c`` had that many requests queued or running."""
-        costs = self.costs
-        prompt = request.prompt_tokens
+        ``outstanding`` >= 0, as if ``c`` had that many requests queued or running. ``c`` is
+        estimated at its announced speed (``costs_for``)."""
         load = c.load
+        costs = self.costs_for(load)
+        other = None if costs is self.costs else costs
+        prompt = request.prompt_tokens
         slots = load.slots if load.slots > 0 else 1
         if outstanding >= 0:
             n = outstanding
@@ -455,13 +491,13 @@ class CostPolicy:
             queued = load.queued + load.running
             n = queued if queued > c.inflight else c.inflight
         if n >= slots:
-            wait = (n - slots + 0.5) * self._service(request, slots, memo) / slots
+            wait = (n - slots + 0.5) * self._service(request, slots, memo, other) / slots
             decoders = slots - 1
         else:
             wait = 0.0
             decoders = n
         if decoders > 0:
-            wait += self._backlog(request, decoders, memo)
+            wait += self._backlog(request, decoders, memo, other)
         matched = c.matched_tokens if c.matched_tokens < prompt else prompt
         if c.is_local:
             p = 1.0
@@ -482,7 +518,7 @@ class CostPolicy:
     ) -> RouteDecision:
         local_i = _local_index(candidates)
         prompt = request.prompt_tokens
-        memo: dict[int, float] = {}
+        memo: _Memo = {}
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
         saving = costs.prefill_s_per_token - costs.cached_s_per_token
@@ -500,10 +536,16 @@ class CostPolicy:
         # per request). A node with nothing running or with one slot takes the first branch:
         # no batch, the single-slot estimate.
         service_one = service(request, 1, memo)
+        own_speed = self._speed
         ttfts: list[float] = []
         append = ttfts.append
         for c in candidates:
             load = c.load
+            speed = load.speed
+            if speed and speed != own_speed:
+                # Another machine's speed: the reference form, with its cost model.
+                append(self._estimate(c, request, memo)[0])
+                continue
             slots = load.slots
             n = load.queued + load.running
             if c.inflight > n:
@@ -599,7 +641,7 @@ class CostPolicy:
 
 
     def _outstanding_within(
-        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: dict[int, float]
+        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: _Memo
     ) -> int:
         """The most requests ``c`` may have queued or running when this one arrives for the
         forward to still beat the runner-up: served there, the first token comes at ``rtt +
@@ -607,7 +649,8 @@ class CostPolicy:
         in the outstanding count: past a full batch it grows by ``T / slots`` per request;
         below, by the prefill backlog of one more running request."""
         slots = c.load.slots if c.load.slots > 0 else 1
-        service = self._service(request, slots, memo)
+        costs = self.costs_for(c.load)
+        service = self._service(request, slots, memo, None if costs is self.costs else costs)
         if not service > 0.0 or not runner_up_s < math.inf:  # also NaN: no limit, as before
             return 1 << 30
         full = self._estimate(c, request, memo, slots)
@@ -621,6 +664,13 @@ class CostPolicy:
             if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
                 return k
         return 0
+
+
+#: The most distinct peer speeds a ``cost`` policy keeps a cost model for (then it starts over).
+_PEER_COSTS_MAX = 256
+#: A decision's memo of service and backlog times, by slots (this node's model) or by
+#: (slots, another node's model).
+_Memo = dict[int | tuple[int, CostModel], float]
 
 
 _COST_OPTIONS = frozenset(

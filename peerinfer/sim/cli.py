@@ -127,6 +127,46 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "an epoch then pull (default %(default)s)",
     )
 
+    g = parser.add_argument_group("churn, mixed machines, gossip mesh")
+    for name, what in (
+        ("crash", "crashes per node-hour (in-flight requests fail over at their origins)"),
+        ("leave", "graceful leaves per node-hour (the node drains, then goes)"),
+        ("join", "new nodes joining per node-hour (they bootstrap and pull every digest)"),
+    ):
+        g.add_argument(
+            f"--{name}-rate",
+            type=float,
+            default=getattr(_D, f"{name}_rate"),
+            metavar="R",
+            help=f"{what} (default %(default)s)",
+        )
+    g.add_argument(
+        "--crash-mode",
+        choices=("reset", "silent"),
+        default=_D.crash_mode,
+        help="'reset': a crashed node's connections are reset, streams to it fail at once; "
+        "'silent': it vanishes, timeouts and pings tell (default %(default)s)",
+    )
+    g.add_argument(
+        "--mix",
+        default=_D.mix,
+        metavar="SPEC|FILE",
+        help="mixed machines: CLASS:SHARE,... of cost presets (e.g. gpu:0.25,default:0.75) or "
+        "a JSON file of classes (name, share, costs, cache_tokens); see peerinfer.sim.mix",
+    )
+    g.add_argument(
+        "--gossip",
+        choices=("broadcast", "mesh"),
+        default=_D.gossip,
+        help="how announcements spread: 'broadcast' (direct to every node, what the real node "
+        "measures) or 'mesh' (gossipsub's mesh: degree, heartbeats, hops, IHAVE/IWANT) "
+        "(default %(default)s)",
+    )
+    g.add_argument("--mesh-degree", type=int, default=_D.mesh_degree, metavar="D",
+                   help="the mesh's degree D (default %(default)s)")
+    g.add_argument("--mesh-heartbeat", type=float, default=_D.mesh_heartbeat_s, metavar="S",
+                   help="the mesh's heartbeat interval (default %(default)s)")
+
     g = parser.add_argument_group("workload")
     g.add_argument(
         "--requests", type=int, default=_D.requests, help="requests to simulate (default %(default)s)"
@@ -251,6 +291,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_queue=args.max_queue,
         first_token_timeout_s=args.first_token_timeout,
         gossip_loss=args.gossip_loss,
+        crash_rate=args.crash_rate,
+        leave_rate=args.leave_rate,
+        join_rate=args.join_rate,
+        crash_mode=args.crash_mode,
+        mix=args.mix,
+        gossip=args.gossip,
+        mesh_degree=args.mesh_degree,
+        mesh_heartbeat_s=args.mesh_heartbeat,
         seed=args.seed,
         share_window=args.share_window,
         share_stride=args.share_stride,
@@ -282,6 +330,20 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{ae['announces']} announcements, {ae['pulls_started']} pulls / "
         f"{ae['pull_round_trips']} round trips",
     ]
+    churn = summary.get("churn")
+    if churn:
+        routed = churn["newcomer_first_routed_s_mean"]
+        lines.append(
+            f"  churn                  {churn['crashes']} crashes, {churn['leaves']} leaves, "
+            f"{churn['joins']} joins; {churn['lost']} lost, {churn['orphaned']} orphaned; "
+            f"newcomers first routed to after {routed} s on average"
+        )
+    for name, row in (summary.get("mix") or {}).items():
+        lines.append(
+            f"  machines {name:<14}{row['nodes']} nodes served {row['served_share']:.3f} of "
+            f"requests ({row['served_per_node']} each), utilization {row['utilization_mean']}, "
+            f"TTFT {row['ttft_mean_s']} s"
+        )
     spec = summary.get("specialization") or {}
     if spec.get("subject"):
         lines.append(

@@ -62,6 +62,23 @@ class SimConfig:
     first_token_timeout_s: float = _node_default("first_token_timeout_s")
     #: probability that one delivery of an announcement is lost (gossipsub may drop)
     gossip_loss: float = 0.0
+    #: churn (peerinfer.sim.churn), per node-hour: crashes, graceful leaves, and joins of new
+    #: nodes (each live node "brings" newcomers at ``join_rate``); all 0: a fixed swarm
+    crash_rate: float = 0.0
+    leave_rate: float = 0.0
+    join_rate: float = 0.0
+    #: how a crash shows: "reset" (the process died, its machine resets the connections, so
+    #: streams to it fail at once) or "silent" (the machine vanished: timeouts and pings tell)
+    crash_mode: str = "reset"
+    #: mixed machines (peerinfer.sim.mix): "" (every node ``costs`` and ``cache_tokens``), a
+    #: spec ``gpu:0.25,default:0.75`` or a JSON file of classes
+    mix: str = ""
+    #: how announcements spread: "broadcast" (direct to every node, what the real node's
+    #: measurements match) or "mesh" (gossipsub's mesh, peerinfer.sim.gossip)
+    gossip: str = "broadcast"
+    #: the mesh's degree D and heartbeat interval (gossipsub's defaults: 6 and 1 s)
+    mesh_degree: int = 6
+    mesh_heartbeat_s: float = 1.0
     seed: int = 0
     #: moving window (requests) and stride for the per-node subject share series
     share_window: int = 300
@@ -101,6 +118,29 @@ class SimConfig:
             raise ConfigError(f"gossip_loss must be in [0, 1), got {self.gossip_loss!r}")
         if self.max_queue < 0:
             raise ConfigError("max_queue must be >= 0")
+        for name in ("crash_rate", "leave_rate", "join_rate"):
+            v = getattr(self, name)
+            if not (0.0 <= v < math.inf):
+                raise ConfigError(f"{name} must be a non-negative number (per node-hour), got {v!r}")
+        if self.crash_mode not in ("reset", "silent"):
+            raise ConfigError(f"crash_mode must be 'reset' or 'silent', got {self.crash_mode!r}")
+        if self.churn and self.clients:
+            raise ConfigError("churn needs open-loop arrivals (--rate), not --clients")
+        if self.mix:
+            from peerinfer.sim.mix import parse_mix
+
+            parse_mix(self.mix, self.cache_tokens)  # a bad mix fails here, not mid-run
+        if self.gossip not in ("broadcast", "mesh"):
+            raise ConfigError(f"gossip must be 'broadcast' or 'mesh', got {self.gossip!r}")
+        if self.mesh_degree < 1:
+            raise ConfigError(f"mesh_degree must be >= 1, got {self.mesh_degree}")
+        if not (self.mesh_heartbeat_s > 0 and math.isfinite(self.mesh_heartbeat_s)):
+            raise ConfigError(f"mesh_heartbeat_s must be a positive number, got {self.mesh_heartbeat_s!r}")
+
+    @property
+    def churn(self) -> bool:
+        """Whether nodes join, leave or crash during the run."""
+        return bool(self.crash_rate or self.leave_rate or self.join_rate)
 
     @property
     def delay(self) -> DelayModel:

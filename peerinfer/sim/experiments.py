@@ -19,6 +19,8 @@ Experiments
     ``batch``    batched nodes (the ``batched`` cost model, 8 slots) against the same model on
                  one slot: the hot-subject tail, the delay sweep, and the arrival rate that
                  a node carries before its mean TTFT passes 5x the idle one
+    ``churn``, ``mix``, ``mesh``  churn, mixed machines, gossipsub's mesh against broadcast
+                 (``peerinfer.sim.scenarios``; not part of ``all``)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from peerinfer.sim.config import COST_PRESETS, SimConfig
+from peerinfer.sim.scenarios import churn_experiment, mesh_experiment, mix_experiment
 
 POLICIES = ("local", "longest_prefix", "cost")
 PROFILE_RATE_DEFAULT = 0.25
@@ -78,6 +81,9 @@ _KEEP = (
     "wall_s",
     "requests_per_wall_s",
     "load",
+    "churn",
+    "mix",
+    "mesh",
     "anti_entropy",
     "specialization",
     "route_estimates",
@@ -104,6 +110,13 @@ def command_line(config: SimConfig) -> str:
         ("costs_source", "--costs"),
         ("slots", "--slots"),
         ("gossip_loss", "--gossip-loss"),
+        ("crash_rate", "--crash-rate"),
+        ("leave_rate", "--leave-rate"),
+        ("join_rate", "--join-rate"),
+        ("crash_mode", "--crash-mode"),
+        ("mix", "--mix"),
+        ("gossip", "--gossip"),
+        ("mesh_degree", "--mesh-degree"),
         ("seed", "--seed"),
     )
     for attr, flag in flags:
@@ -887,6 +900,12 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "scale": scale_experiment,
     "batch": batch_experiment,
 }
+#: Issue 14's experiments, run by name only (``all`` stays the paper's and the batching ones).
+EXTRA_EXPERIMENTS: dict[str, Callable[..., dict]] = {
+    "churn": churn_experiment,
+    "mix": mix_experiment,
+    "mesh": mesh_experiment,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -895,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run the simulator experiments of docs/evaluation.md.",
     )
     parser.add_argument(
-        "name", choices=[*EXPERIMENTS, "all", "tables"],
+        "name", choices=[*EXPERIMENTS, *EXTRA_EXPERIMENTS, "all", "tables"],
         help="an experiment, all of them, or 'tables' (print the markdown tables of --out)",
     )
     parser.add_argument("--out", default="docs/figures", help="output directory (PNG + JSON)")
@@ -932,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         log(f"experiment {name}:")
         kw = {"requests_per_node": args.requests_per_node} if name == "scale" else {}
-        data = EXPERIMENTS[name](out, base, args.jobs, log, **kw)
+        data = {**EXPERIMENTS, **EXTRA_EXPERIMENTS}[name](out, base, args.jobs, log, **kw)
         data["experiment"] = name
         data["argv"] = sys.argv
         (out / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -940,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
             print_delay_table(data, log)
         elif name == "batch":
             print_batch_tables(data, log)
+        elif name in EXTRA_EXPERIMENTS:
+            pass  # their tables were printed as they finished
         else:
             for r in data["runs"]:
                 p = r["params"]

@@ -120,7 +120,9 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
 
     entered = Counter(sim.origin)
     nodes = []
-    for k in range(cfg.nodes):
+    # With churn: the newcomers that joined too (not the slots left for joins that never came).
+    ever = range(cfg.nodes) if sim.churn is None else sorted({*range(cfg.nodes), *sim.churn.joined_at})
+    for k in ever:
         waits = sorted(sim.waits[k])
         st = stats[k]
         nodes.append(
@@ -185,6 +187,14 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
         },
         "nodes": nodes,
     }
+    if sim.churn is not None:
+        out["churn"] = sim.churn.summary()
+    if sim.mesh is not None:
+        out["mesh"] = sim.mesh.summary(makespan)
+    if cfg.mix:
+        from peerinfer.sim.mix import traffic_by_class
+
+        out["mix"] = traffic_by_class(sim, list(ever), makespan)
     out["route_estimates"] = estimate_accuracy(sim, done)
     labels = [sim.workload[i % len(sim.workload)].label for i in range(sim.total)] if sim.total else []
     freq = Counter(labels)
@@ -192,7 +202,7 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for label in top[:1]:
         _, shares = subject_shares(
-            labels, sim.server, cfg.nodes, label, cfg.share_window, cfg.share_stride
+            labels, sim.server, len(sim.cores), label, cfg.share_window, cfg.share_stride
         )
         spec = {"subject": label, **specialization(shares)}
     out["specialization"] = spec
@@ -200,7 +210,7 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
         out["share_series"] = {}
         for label in top[:series]:
             ends, shares = subject_shares(
-                labels, sim.server, cfg.nodes, label, cfg.share_window, cfg.share_stride
+                labels, sim.server, len(sim.cores), label, cfg.share_window, cfg.share_stride
             )
             out["share_series"][label] = {
                 "window_end": ends,

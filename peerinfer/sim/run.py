@@ -12,6 +12,7 @@ from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
 from peerinfer.sim.metrics import summarize
+from peerinfer.sim.mix import node_cache_tokens, node_costs
 from peerinfer.sim.simulator import EngineLike, PlanLike, SimRequest, Simulation
 from peerinfer.types import BlockHash
 from peerinfer.workload import (
@@ -139,8 +140,9 @@ def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], Eng
     hasher = PrefixHasher(probe.fingerprint)
 
     def make(index: int) -> EngineLike:
-        engine = SimulatedEngine(costs=config.costs, max_context_tokens=1 << 20)
-        engine.configure_cache(hasher, capacity_tokens=config.cache_tokens)
+        # A mix (peerinfer.sim.mix) gives each node its machine's costs and cache size.
+        engine = SimulatedEngine(costs=node_costs(config, index), max_context_tokens=1 << 20)
+        engine.configure_cache(hasher, capacity_tokens=node_cache_tokens(config, index))
         return _EngineAdapter(engine)
 
     return hasher, make

@@ -31,6 +31,10 @@ The event heap
                     (``peerinfer.sim.batch``); stale when the batch's epoch has moved on
     ``_RELAY``      ``(origin, event, server, cached, prompt)``: a forwarded request's first
                     token or end reaches its origin (which relays it to the client)
+    ``_CHURN``      ``(action, node)``: a node joins, leaves or crashes (``peerinfer.sim.churn``)
+    ``_MESH``       ``(kind, src, dst, payload)``: a gossipsub transmission arrives (message,
+                    IHAVE, IWANT: ``peerinfer.sim.gossip``); ``_MESH_BEAT`` ``(node,)``: its
+                    heartbeat
     ==============  ===========================================================================
 
 How effects are executed
@@ -60,9 +64,12 @@ The client's view
 What is simplified
     A forwarded request costs its link delay plus ``forward_overhead_ms`` (a real node opens a
     libp2p stream per forward). Gossip is a direct broadcast with the pair's link delay
-    (gossipsub's mesh adds hops and duplicates); bytes count one copy per recipient. Each
+    (``gossip="mesh"``: gossipsub's mesh, with hops, duplicates and IHAVE/IWANT repair,
+    ``peerinfer.sim.gossip``); bytes count one copy per recipient. Each
     delivery of an announcement may be lost with probability ``gossip_loss`` (the pulls then
-    repair the replicas); every other message is reliable and in order. Nodes do not fail. The
+    repair the replicas); every other message is reliable and in order. Nodes do not fail,
+    join or leave unless churn is asked for (``peerinfer.sim.churn``), and are all the same
+    machine unless a mix is (``peerinfer.sim.mix``). The
     batch is the cost model's: every request of a node's batch holds the same decode step
     time, whatever its context length, and KV memory never limits admission (``slots`` does).
 """
@@ -107,10 +114,13 @@ from peerinfer.core.node import (
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import PeerInferError, error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
+from peerinfer.sim.churn import Churn, GoneCore, join_capacity
 from peerinfer.sim.config import SimConfig
+from peerinfer.sim.gossip import Mesh
+from peerinfer.sim.mix import node_costs
 from peerinfer.types import BlockHash, PeerId, RequestId
 
-_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY = range(7)
+_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN, _MESH, _MESH_BEAT = range(10)
 _INF = math.inf
 
 
@@ -163,6 +173,9 @@ class Simulation:
     ``(time, entry node)`` instead of the Poisson or closed-loop arrivals; ``check`` verifies
     ``check_invariants`` at the end; ``probe_top`` samples, every ``share_stride`` arrivals,
     which nodes cache the shared prefix of the ``probe_top`` most frequent labels.
+    ``churn_schedule`` (tests) fixes the churn events, ``(time, "crash" | "leave" | "join",
+    slot)``, instead of the config's rates (``peerinfer.sim.churn``: the slots from
+    ``config.nodes`` on are the newcomers, in join order; a join's slot is not read).
 
     The figures are attributes, indexed by request: ``arrival``, ``first`` (first token at the
     client), ``finish``, ``origin`` (entry node), ``server``, ``cached`` and ``prompt`` (tokens
@@ -180,6 +193,7 @@ class Simulation:
         arrivals: Sequence[tuple[float, int]] | None = None,
         check: bool = False,
         probe_top: int = 0,
+        churn_schedule: Sequence[tuple[float, str, int]] | None = None,
     ) -> None:
         if config.requests and not requests:
             raise SimulationError("the workload is empty")
@@ -190,29 +204,24 @@ class Simulation:
         self.workload = requests
         self.hasher = hasher
         self.check = check
-        n = config.nodes
         seed = config.seed
+        churning = config.churn or churn_schedule is not None
+        joins = sum(1 for _, kind, _ in churn_schedule or () if kind == "join")
+        # One slot per node ever in the run: the starting ones, then room for newcomers.
+        n = self.slots = config.nodes + (join_capacity(config, joins) if churning else 0)
         self.peer_ids = [peer_name(i) for i in range(n)]
         self._index_of = {p: i for i, p in enumerate(self.peer_ids)}
-        costs = config.costs
-        self.cores: list[NodeCore] = []
-        for i in range(n):
-            node_config = NodeConfig(
-                peer_id=self.peer_ids[i],
-                policy=config.policy,
-                costs=costs,
-                announce_interval_s=config.announce_interval_s,
-                min_announce_gap_s=config.min_announce_gap_s,
-                sync_timeout_s=config.sync_timeout_s,
-                first_token_timeout_s=config.first_token_timeout_s,
-                max_queue=config.max_queue,
-                max_peers=max(4096, n),
-            )
-            self.cores.append(
-                NodeCore(node_config, hasher, rng=random.Random(f"{seed}:node:{i}"), now=0.0)
-            )
+        self.cores: list[NodeCore] = [
+            self._make_core(i, 0.0) if i < config.nodes else GoneCore()  # type: ignore[misc]
+            for i in range(n)
+        ]
         self.engines = [make_engine(i) for i in range(n)]
-        self.delay = config.delay.matrix_s(n, random.Random(f"{seed}:network"))
+        self.delay = config.delay.matrix_s(config.nodes, random.Random(f"{seed}:network"))
+        if n > config.nodes:  # newcomers' links: drawn apart, so the others' stay the same
+            extra = config.delay.matrix_s(n, random.Random(f"{seed}:network:newcomers"))
+            for i in range(config.nodes):
+                self.delay[i].extend(extra[i][config.nodes:])
+            self.delay.extend(extra[config.nodes:])
         self._forward_overhead_s = config.forward_overhead_ms / 1000.0
         self._arrival_rng = random.Random(f"{seed}:arrivals")
         self._loss_rng = random.Random(f"{seed}:loss")
@@ -251,7 +260,7 @@ class Simulation:
         self._seq = itertools.count()
         self._tick_at = [_INF] * n
         self._runs: list[dict[RequestId, int]] = [{} for _ in range(n)]
-        self.batches = [BatchNode(costs) for _ in range(n)]
+        self.batches = [BatchNode(node_costs(config, i)) for i in range(n)]
         self._enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
         self._touched: list[set[BlockHash]] = [set() for _ in range(n)]
         self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
@@ -297,6 +306,29 @@ class Simulation:
                     chain = hasher.chain(item.tokens[: item.prefix_blocks * bs])
                     self.probe_hashes[label] = chain[-1]
                     self.residency[label] = []
+        schedule = list(churn_schedule) if churn_schedule is not None else None
+        self.churn = Churn(self, schedule) if churning else None
+        #: gossipsub's mesh instead of the direct broadcast (peerinfer.sim.gossip)
+        self.mesh = Mesh(self) if config.gossip == "mesh" else None
+
+    NODE, CHURN, MESH, MESH_BEAT = _NODE, _CHURN, _MESH, _MESH_BEAT
+
+    def _make_core(self, i: int, now: float) -> NodeCore:
+        """Node ``i``'s core, started at ``now``."""
+        config = self.config
+        node_config = NodeConfig(
+            peer_id=self.peer_ids[i],
+            policy=config.policy,
+            costs=node_costs(config, i),
+            announce_interval_s=config.announce_interval_s,
+            min_announce_gap_s=config.min_announce_gap_s,
+            sync_timeout_s=config.sync_timeout_s,
+            first_token_timeout_s=config.first_token_timeout_s,
+            max_queue=config.max_queue,
+            max_peers=max(4096, self.slots),
+        )
+        rng = random.Random(f"{config.seed}:node:{i}")
+        return NodeCore(node_config, self.hasher, rng=rng, now=now)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -322,6 +354,8 @@ class Simulation:
         n = cfg.nodes
         cores = self.cores
         delay = self.delay
+        if self.mesh is not None:  # before the first announcements: they go along it
+            self.mesh.start()
         # Everyone knows everyone from the start (the bootstrap and peer exchange are not
         # simulated); the round trips are measured by a first ping.
         for i in range(n):
@@ -331,6 +365,8 @@ class Simulation:
             self._execute(i, cores[i].tick(0.0), 0.0)
             self._rearm(i, 0.0)
         self._start_arrivals()
+        if self.churn is not None:
+            self.churn.start()
 
         heap = self._heap
         pop = heapq.heappop
@@ -339,7 +375,9 @@ class Simulation:
         patience = cfg.first_token_timeout_s + cfg.sync_timeout_s + 3 * cfg.announce_interval_s
         total = self.total
         events = 0
-        while self.completed < total:
+        # With churn, orphaned requests may end while peers still serve them (a cancel on its
+        # way): run on until no node holds anything.
+        while self.completed < total or self.churn is not None and self.churn.held():
             if not heap:
                 raise SimulationError("the event heap ran dry with requests outstanding")
             item = pop(heap)
@@ -362,6 +400,12 @@ class Simulation:
                     elif now - idle_since > patience:
                         self._lost(now)
                 continue
+            if kind == _CHURN:
+                self.churn.fire(item[3], item[4], now)  # type: ignore[union-attr]
+                continue
+            if kind == _MESH_BEAT:
+                self.mesh.heartbeat(item[3], now)  # type: ignore[union-attr]
+                continue
             self._live_events -= 1
             idle_since = -1.0
             self.now = now
@@ -377,6 +421,8 @@ class Simulation:
                 self._sync(item[3], item[4], item[5], now)
             elif kind == _RELAY:
                 self._relay(item, now)
+            elif kind == _MESH:
+                self.mesh.fire(item[3], item[4], item[5], item[6], now)  # type: ignore[union-attr]
         self.events = events
         self.wall_s = time.perf_counter() - started
         if self.check:
@@ -392,6 +438,12 @@ class Simulation:
 
     def _deliver(self, n: int, event: Any, now: float) -> None:
         t = type(event)
+        churn = self.churn
+        if churn is not None and t is ClientRequest and event.forwarded:
+            if not churn.live(n):  # a machine off or shutting down refuses it
+                churn.deliver_to_gone(n, event, now)
+                return
+            churn.note_delivery(n, event, now)
         if t is ClientRequest or t is ForwardFailed:
             # The request may join this node's queue now (queueing delay is measured from here).
             self._enqueued[n][event.request_id] = now
@@ -437,7 +489,10 @@ class Simulation:
             self.origin[i] = client % n
         else:
             home = self.workload[i % len(self.workload)].home
-            self.origin[i] = home % n if home is not None else self._arrival_rng.randrange(n)
+            if self.churn is not None:  # a live node, drawn among those live now
+                self.origin[i] = self.churn.entry_node(home % n if home is not None else -1, self._arrival_rng)
+            else:
+                self.origin[i] = home % n if home is not None else self._arrival_rng.randrange(n)
         self._client_of[i] = client
         self.arrival[i] = t
         self._push(t, _ARRIVAL, i)
@@ -454,6 +509,8 @@ class Simulation:
         item = self.workload[i % len(self.workload)]
         rid = RequestId(f"r{i}")
         self._rid_index[rid] = i
+        if self.churn is not None:  # its node may have gone since it was drawn: the user moves
+            self.origin[i] = self.churn.entry_node(self.origin[i], self._arrival_rng)
         n = self.origin[i]
         self._deliver(n, ClientRequest(rid, item.tokens, item.params), now)
 
@@ -498,7 +555,10 @@ class Simulation:
                 self._cancel_local(n, eff.request_id, now)
             elif t is PingPeer:
                 p = self._index_of.get(eff.peer)
-                if p is not None:
+                if p is not None and self.churn is not None and not self.churn.up(p):
+                    self.pings += 1
+                    self.churn.ping_unanswered(n, p, now)
+                elif p is not None:
                     self.pings += 1
                     rtt = 2 * self.delay[n][p]
                     self._push(now + rtt, _NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
@@ -510,6 +570,9 @@ class Simulation:
             self._rearm(n, now)
 
     def _publish(self, n: int, eff: Publish, now: float) -> None:
+        if self.mesh is not None:
+            self.mesh.publish(n, eff.announce, now)
+            return
         size = len(encode(eff.announce))
         recipients = self.config.nodes - 1
         self.announces += 1
@@ -537,6 +600,8 @@ class Simulation:
             self._push(sent + groups[g][0], _GOSSIP, s, ev, g, sent)
 
     def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
+        if self.churn is not None and not self.churn.up(responder):
+            return  # no answer: the requester's deadline ends the pull
         response = self.cores[responder].answer_sync(request)
         self.pull_response_bytes += len(encode(response))
         self._push(
