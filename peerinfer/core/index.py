@@ -214,6 +214,9 @@ class PeerIndex:
             raise ConfigError("peer index: replica_budget_blocks must be >= 0")
         self.replica_budget_blocks = replica_budget_blocks
         self._allocated = 0  # the sum of all allowances
+        #: grows whenever an allowance or a peer's replica object may have changed (a peer
+        #: added or removed, a rebalance): a node that relies on either rechecks it then
+        self.allowance_changes = 0
         self.max_peers = max_peers
         self.max_speculative_blocks = max_speculative_blocks
         self.speculative_ttl_s = speculative_ttl_s
@@ -257,6 +260,7 @@ class PeerIndex:
             slot = self._next_slot
             self._next_slot += 1
         self._added_seq += 1
+        self.allowance_changes += 1
         state = _PeerState(peer, slot, self._added_seq)
         observer = _PeerObserver(self, state)
         self._states[peer] = state
@@ -301,6 +305,7 @@ class PeerIndex:
         return True
 
     def _set_allowance(self, state: _PeerState, allowance: int) -> None:
+        self.allowance_changes += 1
         self._allocated += allowance - state.allowance
         state.allowance = allowance
         assert state.replica is not None
@@ -332,15 +337,22 @@ class PeerIndex:
                 given[st.slot] += extra
                 spare -= extra
         emptied = []
+        changed = False
         for st in states:
             if decay:
                 st.hits *= 0.5
-            st.allowance = given[st.slot]
+            allowance = given[st.slot]
             assert st.replica is not None
-            st.replica.max_elements = st.allowance
+            if allowance != st.allowance or allowance != st.replica.max_elements:
+                changed = True
+                st.allowance = allowance
+                st.replica.max_elements = allowance
+        if changed:
+            self.allowance_changes += 1
         self._allocated = budget - spare
         for st in states:
-            if self.enforce_allowance(st.peer):
+            assert st.replica is not None
+            if len(st.replica.digest) > st.allowance and self.enforce_allowance(st.peer):
                 emptied.append(st.peer)
         return emptied
 
@@ -354,6 +366,7 @@ class PeerIndex:
         state = self._states.pop(peer, None)
         if state is None:
             return
+        self.allowance_changes += 1
         self._observers.pop(peer).armed = False
         bit = state.bit
         masks = self._masks

@@ -97,6 +97,7 @@ forgotten at once. A request that arrived forwarded goes ``ROUTING -> QUEUED`` o
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +265,9 @@ class ClientRequest:
 class AnnounceReceived:
     sender: PeerId
     announce: Announce
+    #: the run of announcements this one is the newest of, when the shell hands the same
+    #: announcements to several recipients at once (the simulator; see ``AnnounceRun``)
+    run: AnnounceRun | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,6 +560,55 @@ class _PeerState:
     announced_root: int = 0
 
 
+class AnnounceRun:
+    """One sender's announcements that change nothing, as a shell hands them to a group of
+    recipients at one time (the simulator: all recipients at one link delay), shared by them.
+
+    A run starts with one announcement (``length`` 1); ``push`` appends one that ``extends``
+    it: no change, chaining from the run's newest epoch, announcing the same root and count.
+    Each recipient still decides for itself: one that kept the run's newest announcement for
+    later (``NodeCore._defer_unchanged``) *follows* the run (it joins ``followers``), and the
+    shell then stops handing it the run's announcements. It takes in those pushed since it
+    last looked (their number, the newest ``epoch``, ``load`` and arrival time ``at``) when it
+    next reads the sender's state, exactly as if it had been handed each; it leaves the run
+    as soon as taking the next one in at once could do more than that (a pull, a rebalance,
+    a replica emptied or replaced, the sender forgotten). Every recipient outside
+    ``followers`` is handed every announcement, with the run, as usual.
+
+    Why: with N nodes, each announcement otherwise costs N - 1 calls, although nearly all of
+    them change nothing; a shared run costs one ``push`` plus the recipients that do not follow.
+    """
+
+    __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers")
+
+    def __init__(self, announce: Announce, at: float) -> None:
+        self.sender = announce.sender
+        self.root = announce.root
+        self.count = announce.count
+        self.epoch = announce.epoch
+        self.load = announce.load
+        self.at = at
+        self.length = 1
+        self.followers: set[PeerId] = set()
+
+    def extends(self, a: Announce) -> bool:
+        """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
+        return (
+            a.prev_epoch == self.epoch < a.epoch
+            and a.root == self.root
+            and a.count == self.count
+            and a.sender == self.sender
+            and not (a.added or a.removed or a.truncated)
+        )
+
+    def push(self, a: Announce, at: float) -> None:
+        """Append ``a`` (which ``extends`` the run), delivered to the group at ``at``."""
+        self.epoch = a.epoch
+        self.load = a.load
+        self.at = at
+        self.length += 1
+
+
 @dataclass(slots=True)
 class _Kept:
     """One peer's announcements that change nothing, kept for later (``_defer_unchanged``).
@@ -564,7 +617,8 @@ class _Kept:
     heard at ``at``. The check that let them wait stays true while the peer's replica is the
     same object at the same epoch with the same flat summary (``replica_epoch``, ``summary``)
     and the announcements keep announcing ``root`` and ``count``: then the next one may wait
-    without checking the digest again.
+    without checking the digest again. While the node follows a shared ``run`` of the peer's
+    announcements, ``cursor`` is the run's length when it last took the run's newest ones.
     """
 
     replica: Replica
@@ -576,6 +630,8 @@ class _Kept:
     load: Load
     at: float
     times: int = 0
+    run: AnnounceRun | None = None
+    cursor: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -642,6 +698,12 @@ class NodeCore:
         #: them not taken in yet (only with ``config.lazy_announcements``)
         self._kept: dict[PeerId, _Kept] = {}
         self._unapplied: dict[PeerId, _Kept] = {}
+        #: per peer, the kept record of the shared run this node follows (``AnnounceRun``)
+        self._following: dict[PeerId, _Kept] = {}
+        #: no peer can be due for a ping or be forgotten before this time (``_check_liveness``
+        #: skips its loop until then), and whether some peer may have a pull running
+        self._liveness_due = -math.inf
+        self._pulls_may_run = False
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -696,6 +758,10 @@ class NodeCore:
     @property
     def index(self) -> PeerIndex:
         """The peer index, every announcement received taken in (``_take_unapplied``)."""
+        if self._following:
+            for peer, kept in self._following.items():
+                if kept.run is not None and kept.run.length != kept.cursor:
+                    self._catch_up(peer, kept)
         if self._unapplied:
             pending, self._unapplied = self._unapplied, {}
             for kept in pending.values():
@@ -714,12 +780,16 @@ class NodeCore:
         handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
+        changes = self._index.allowance_changes
         effects: list[Effect] = handler(self, event, now)
+        if self._following and self._index.allowance_changes != changes:
+            self._recheck_following()
         return effects
 
     def tick(self, now: float) -> list[Effect]:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
+        changes = self._index.allowance_changes
         self._check_forward_deadlines(now, effects)
         self._check_sync_deadlines(now, effects)
         self._check_liveness(now, effects)
@@ -735,6 +805,8 @@ class NodeCore:
             self._next_rebalance = now + self.config.rebalance_interval_s
             for peer in self.index.rebalance():
                 self._replica_emptied(peer)
+        if self._following and self._index.allowance_changes != changes:
+            self._recheck_following()
         return effects
 
     def take_refusals(self) -> list[tuple[PeerId, str, str]]:
@@ -755,9 +827,10 @@ class NodeCore:
         for req in self._requests.values():
             if req.deadline is not None:
                 candidates.append(req.deadline)
-        for st in self._peers.values():
-            if st.sync is not None:
-                candidates.append(st.sync_deadline)
+        if self._pulls_may_run:
+            for st in self._peers.values():
+                if st.sync is not None:
+                    candidates.append(st.sync_deadline)
         return min(candidates)
 
     def answer_sync(self, request: SyncRequest) -> SyncResponse:
@@ -1261,7 +1334,9 @@ class NodeCore:
         self.reputation.record(ev.peer, outcome, now)
         if ev.reason in ("unavailable", "timeout") and ev.peer in self._peers:
             # It may be gone: stop routing to it until it is heard from again.
+            self._catch_up_peer(ev.peer)
             self._peers[ev.peer].last_seen = -1e18
+            self._liveness_due = -math.inf
         if len(req.resume_after) + len(ev.generated) >= req.params.max_tokens:
             # The whole budget reached the client before the peer failed: the shell ends the
             # answer there, nothing is left to resume.
@@ -1342,6 +1417,7 @@ class NodeCore:
         if st is None:
             st = _PeerState(last_seen=now)
             self._peers[peer] = st
+            self._liveness_due = -math.inf
         return st
 
     def _refuse_announce(self, peer: PeerId, reason: str, detail: str) -> None:
@@ -1383,6 +1459,9 @@ class NodeCore:
             asked: list[Effect] = []
             self._ask_ping(ev.sender, now, asked)
             return asked
+        if ev.sender in self._following:
+            # A new run (a follower is not handed its own run's announcements).
+            self._unfollow(ev.sender)
         last_epoch = self._last_epochs.get(ev.sender, 0)
         if a.epoch <= last_epoch:
             self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
@@ -1410,6 +1489,12 @@ class NodeCore:
                 kept.epoch, kept.load, kept.at = a.epoch, a.load, now
                 kept.times += 1
                 self._unapplied[ev.sender] = kept
+                run = ev.run
+                if run is not None and run.epoch == a.epoch and run.sender == ev.sender:
+                    # Its next announcements that change nothing wait in the run.
+                    kept.run, kept.cursor = run, run.length
+                    run.followers.add(self.peer_id)
+                    self._following[ev.sender] = kept
                 return []
             if ev.sender in self._index:
                 self._take_unapplied(ev.sender)
@@ -1483,8 +1568,61 @@ class NodeCore:
         self._kept[peer] = kept
         return kept
 
+    def _catch_up(self, peer: PeerId, kept: _Kept) -> None:
+        """Move the announcements ``peer``'s followed run got since ``kept`` last looked into
+        ``kept`` (to be taken in with the others kept), and record what receiving each does
+        at once: the epoch remembered, the peer's announced epoch and root, when it was heard."""
+        run = kept.run
+        if run is None or run.length == kept.cursor:
+            return
+        kept.times += run.length - kept.cursor
+        kept.cursor = run.length
+        kept.epoch, kept.load, kept.at = run.epoch, run.load, run.at
+        self._unapplied[peer] = kept
+        st = self._peers[peer]
+        st.last_announce_epoch = run.epoch
+        st.announced_root = run.root
+        st.last_seen = run.at
+        self._remember_epoch(peer, run.epoch)
+
+    def _catch_up_peer(self, peer: PeerId) -> None:
+        kept = self._following.get(peer)
+        if kept is not None:
+            self._catch_up(peer, kept)
+
+    def _unfollow(self, peer: PeerId) -> None:
+        """Stop following ``peer``'s run (what it got so far is kept, to be taken in)."""
+        kept = self._following.pop(peer, None)
+        if kept is None or kept.run is None:
+            return
+        self._catch_up(peer, kept)
+        kept.run.followers.discard(self.peer_id)
+        kept.run = None
+
+    def _recheck_following(self) -> None:
+        """After an allowance or a replica object changed: leave every run whose next
+        announcement would no longer wait (the check of ``_on_announce``, for the run)."""
+        index = self._index
+        for peer, kept in list(self._following.items()):
+            st = self._peers.get(peer)
+            run = kept.run
+            replica = kept.replica
+            if not (
+                st is not None
+                and run is not None
+                and st.sync is None
+                and not st.pull_wanted
+                and run.count <= replica.max_elements
+                and run.count <= index.allowance(peer)
+                and replica.epoch == kept.replica_epoch
+                and replica.digest.flat_summary() == kept.summary
+                and index.replica(peer) is replica
+            ):
+                self._unfollow(peer)
+
     def _take_unapplied(self, peer: PeerId) -> None:
         """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
+        self._catch_up_peer(peer)
         kept = self._unapplied.pop(peer, None)
         if kept is None:
             return
@@ -1499,6 +1637,7 @@ class NodeCore:
         replica = self.index.replica(peer)
         if replica is None:
             return
+        self._unfollow(peer)  # a pull running: its announcements no longer wait
         session = self._next_session
         self._next_session += 1
         st.pull_wanted = False
@@ -1508,6 +1647,7 @@ class NodeCore:
         st.sync = replica.start_pull(
             session, st.last_announce_epoch, st.announced_root, attempt=st.sync_attempt
         )
+        self._pulls_may_run = True
         self._stats["syncs_started"] += 1
         effects.append(SendSyncRequest(peer, st.sync.first_request(), self.config.sync_timeout_s))
 
@@ -1576,10 +1716,15 @@ class NodeCore:
         return effects
 
     def _check_sync_deadlines(self, now: float, effects: list[Effect]) -> None:
+        if not self._pulls_may_run:
+            return
+        running = False
         for peer, st in list(self._peers.items()):
             if st.sync is not None and st.sync_deadline <= now:
                 st.pull_wanted = False
                 self._finish_sync(peer, st, now, ok=False, effects=effects)
+            running = running or st.sync is not None
+        self._pulls_may_run = running
 
     # ------------------------------------------------------------------ liveness
 
@@ -1591,6 +1736,7 @@ class NodeCore:
             effects: list[Effect] = []
             self._ask_ping(ev.peer, now, effects)
             return effects
+        self._catch_up_peer(ev.peer)  # before it is heard from now
         self._ping_asked.pop(ev.peer, None)
         st = self._peer(ev.peer, now)
         st.last_seen = now
@@ -1609,6 +1755,7 @@ class NodeCore:
         return effects
 
     def _forget_peer(self, peer: PeerId, now: float, effects: list[Effect]) -> None:
+        self._unfollow(peer)
         del self._peers[peer]
         self._rtt.pop(peer, None)
         self.index.remove_peer(peer)
@@ -1623,14 +1770,35 @@ class NodeCore:
                 )
 
     def _check_liveness(self, now: float, effects: list[Effect]) -> None:
+        if now < self._liveness_due:
+            return
         cfg = self.config
+        following = self._following
+        # The earliest time any peer can be due again (peers are only heard later; a -1e18
+        # "gone" mark or a new peer resets it to -inf meanwhile): the loop is skipped until then.
+        self._liveness_due = due = math.inf
+        ping_after, timeout = cfg.ping_after_s, cfg.peer_timeout_s
         for peer, st in list(self._peers.items()):
-            silent = now - st.last_seen
-            if silent >= cfg.peer_timeout_s:
+            last_seen = st.last_seen
+            if following:
+                # Heard since through a followed run (read, not taken in: no state moves).
+                kept = following.get(peer)
+                if kept is not None and kept.run is not None and kept.run.length != kept.cursor:
+                    last_seen = kept.run.at
+            silent = now - last_seen
+            if silent >= timeout:
                 self._forget_peer(peer, now, effects)
-            elif silent >= cfg.ping_after_s and now - st.last_ping >= cfg.ping_after_s:
+                continue
+            if silent >= ping_after and now - st.last_ping >= ping_after:
                 st.last_ping = now
                 effects.append(PingPeer(peer))
+            nxt = min(last_seen + timeout, max(last_seen, st.last_ping) + ping_after)
+            if nxt < due:
+                due = nxt
+        # A margin: ``now - last_seen >= limit`` may hold a rounding error before the sum.
+        if due < math.inf:
+            due -= 1e-6 * (1.0 + abs(due))
+        self._liveness_due = min(self._liveness_due, due)
 
 
 _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {

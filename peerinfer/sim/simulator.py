@@ -82,6 +82,7 @@ from typing import Any, Protocol
 from peerinfer.core.messages import SamplingParams, encode
 from peerinfer.core.node import (
     AnnounceReceived,
+    AnnounceRun,
     CacheChanged,
     Cancel,
     CancelForward,
@@ -170,6 +171,10 @@ class Simulation:
     ``busy_s``, ``waits``; anti-entropy counters; ``cores`` and ``engines`` themselves.
     """
 
+    #: hand a group's unchanged announcements to the nodes that follow them as one shared run
+    #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
+    share_runs = True
+
     def __init__(
         self,
         config: SimConfig,
@@ -225,6 +230,8 @@ class Simulation:
                 if r != s:
                     by_delay.setdefault(self.delay[s][r], []).append(r)
             self._groups.append(sorted(by_delay.items()))
+        # Per sender and group, the run of unchanged announcements the group shares (below).
+        self._runs_of: list[list[AnnounceRun | None]] = [[None] * len(g) for g in self._groups]
 
         total = config.requests
         self.total = total
@@ -525,7 +532,10 @@ class Simulation:
         groups = self._groups[s]
         cores = self.cores
         loss = self._loss
-        for r in groups[g][1]:
+        recipients = groups[g][1]
+        if not loss and self.share_runs:
+            ev, recipients = self._shared_run(s, g, ev, recipients, now)
+        for r in recipients:
             if loss and self._loss_rng.random() < loss:
                 self.announces_lost += 1
                 continue
@@ -535,6 +545,25 @@ class Simulation:
         g += 1
         if g < len(groups):
             self._push(sent + groups[g][0], _GOSSIP, s, ev, g, sent)
+
+    def _shared_run(
+        self, s: int, g: int, ev: AnnounceReceived, recipients: list[int], now: float
+    ) -> tuple[AnnounceReceived, list[int]]:
+        """The group's shared run with ``ev`` in it, and the recipients that do not follow it
+        (the followers take it from the run when they next read; ``AnnounceRun``). Lossless
+        gossip only: a loss is drawn per recipient."""
+        a = ev.announce
+        runs = self._runs_of[s]
+        run = runs[g]
+        if run is not None and run.extends(a):
+            run.push(a, now)
+            followers = run.followers
+            if followers:
+                ids = self.peer_ids
+                recipients = [r for r in recipients if ids[r] not in followers]
+        else:
+            run = runs[g] = AnnounceRun(a, now)
+        return AnnounceReceived(ev.sender, a, run), recipients
 
     def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
         response = self.cores[responder].answer_sync(request)
