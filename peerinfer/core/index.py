@@ -525,6 +525,7 @@ class PeerIndex:
         exclude: Container[PeerId] = (),
         max_digest_age_s: float = math.inf,
         max_matched_tokens: int | None = None,
+        heard: Mapping[PeerId, tuple[Load, float]] | None = None,
     ) -> list[Candidate]:
         """The local candidate (first) and one per known peer, for a prompt with ``chain``.
 
@@ -533,7 +534,10 @@ class PeerIndex:
         ``max_matched_tokens`` when given (e.g. prompt length - 1: the engine must run the last
         token). ``inflight`` counts requests this node sent to a peer that have not finished.
         Peers in ``exclude`` (already tried) and peers whose digest is older than
-        ``max_digest_age_s`` are left out; the local candidate never is.
+        ``max_digest_age_s`` are left out; the local candidate never is. ``heard`` gives, for
+        some peers, a load and a time from announcements the caller received but has not fed
+        in yet (each confirming the peer's replica current): the candidate is as if they had
+        been (``announced(peer, load, at, fresh=True)``), the index itself is left as it is.
         """
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
         matched = [0] * self._next_slot
@@ -562,8 +566,16 @@ class PeerIndex:
         append = out.append
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s  # fresh_at below this: too old
+        heard_get = heard.get if heard else None
         for peer, state in self._states.items():
             fresh_at = state.fresh_at
+            load = state.load
+            if heard_get is not None:
+                news = heard_get(peer)
+                if news is not None:
+                    load = news[0]
+                    if news[1] > fresh_at:
+                        fresh_at = news[1]
             if fresh_at < oldest or peer == local_peer or (exclude and peer in exclude):
                 continue
             age = now - fresh_at
@@ -572,7 +584,7 @@ class PeerIndex:
                     peer,
                     False,
                     matched[state.slot],
-                    state.load,
+                    load,
                     get_rtt(peer, default_rtt_s),
                     age if age > 0.0 else 0.0,  # inf when never fresh (fresh_at == -inf)
                     get_inflight(peer, 0) if inflight else 0,

@@ -763,6 +763,12 @@ class NodeCore:
                 if kept.run is not None and kept.run.length != kept.cursor:
                     self._catch_up(peer, kept)
         if self._unapplied:
+            self._take_all_unapplied()
+        return self._index
+
+    def _take_all_unapplied(self) -> None:
+        """Take in every kept announcement (``_take_unapplied`` for every peer, in one call)."""
+        if self._unapplied:
             pending, self._unapplied = self._unapplied, {}
             for kept in pending.values():
                 kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
@@ -770,7 +776,6 @@ class NodeCore:
                 kept.times = 0
             # Peers' states are disjoint: their replicas first, then their index entries.
             self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
-        return self._index
 
     def load(self) -> Load:
         return Load(queued=self._queued, running=self._running, slots=self.config.costs.slots)
@@ -1006,7 +1011,8 @@ class NodeCore:
     ) -> RouteDecision:
         bs = self.hasher.block_size
         cfg = self.config
-        candidates = self.index.candidates(
+        index, heard = self._routing_index()
+        candidates = index.candidates(
             chain,
             block_size=bs,
             local_peer=self.peer_id,
@@ -1020,6 +1026,7 @@ class NodeCore:
             max_digest_age_s=cfg.max_digest_age_s,
             # Never count the last prompt token as cached: the engine must run it for logits.
             max_matched_tokens=max(0, prompt_tokens - 1),
+            heard=heard,
         )
         demoted = self.reputation.demoted()
         if demoted:
@@ -1048,7 +1055,9 @@ class NodeCore:
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
         req.claimed_tokens = self._digest_claim(peer, req.chain, len(req.tokens))
-        self.index.add_speculative(peer, req.chain, now)
+        # Right after _decide's _routing_index: the peers with speculative entries are taken
+        # in, and a new entry is younger than whatever the others' followed runs confirm.
+        self._index.add_speculative(peer, req.chain, now)
         self._stats["forwarded"] += 1
         effects.append(
             Forward(
@@ -1065,7 +1074,7 @@ class NodeCore:
     def _digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
         """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
         (not this node's speculative entries, nor routing's discounts)."""
-        replica = self.index.replica(peer)
+        replica = self._index.replica(peer)  # unchanged announcements leave the digest alone
         if replica is None:
             return 0
         digest = replica.digest
@@ -1568,6 +1577,31 @@ class NodeCore:
         self._kept[peer] = kept
         return kept
 
+    def _routing_index(self) -> tuple[PeerIndex, dict[PeerId, tuple[Load, float]] | None]:
+        """The index for a routing decision, and the newer loads and freshness of the peers
+        whose followed runs got announcements since this node last looked (``heard`` of
+        ``PeerIndex.candidates``): what routing reads of them, without taking the rest in.
+        Peers with speculative entries are taken in first (their confirmation drops entries
+        the walk would see); the kept announcements of the others wait."""
+        index = self._index
+        heard: dict[PeerId, tuple[Load, float]] | None = None
+        following = self._following
+        if following:
+            spec = index.speculative_blocks() > 0
+            for peer, kept in following.items():
+                run = kept.run
+                if run is None or run.length == kept.cursor:
+                    continue
+                if spec and index.has_speculative(peer):
+                    self._catch_up(peer, kept)
+                else:
+                    if heard is None:
+                        heard = {}
+                    heard[peer] = (run.load, run.at)
+        if self._unapplied:
+            self._take_all_unapplied()
+        return index, heard
+
     def _catch_up(self, peer: PeerId, kept: _Kept) -> None:
         """Move the announcements ``peer``'s followed run got since ``kept`` last looked into
         ``kept`` (to be taken in with the others kept), and record what receiving each does
@@ -1792,7 +1826,11 @@ class NodeCore:
             if silent >= ping_after and now - st.last_ping >= ping_after:
                 st.last_ping = now
                 effects.append(PingPeer(peer))
-            nxt = min(last_seen + timeout, max(last_seen, st.last_ping) + ping_after)
+            # Due again at the first of: forgotten, or pinged (silent, and not pinged lately).
+            last_ping = st.last_ping
+            nxt = (last_seen if last_seen > last_ping else last_ping) + ping_after
+            if last_seen + timeout < nxt:
+                nxt = last_seen + timeout
             if nxt < due:
                 due = nxt
         # A margin: ``now - last_seen >= limit`` may hold a rounding error before the sum.
