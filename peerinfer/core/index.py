@@ -329,7 +329,9 @@ class PeerIndex:
             wants[st.slot] = want
             given[st.slot] = min(share, want)
         spare = budget - sum(given.values())
-        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)):
+        # The spare goes to peers wanting more than their share; none: nothing to order.
+        hungry = spare > 0 and any(wants[slot] > g for slot, g in given.items())
+        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)) if hungry else ():
             if spare <= 0 or st.hits <= 0.0:
                 break
             extra = min(spare, wants[st.slot] - given[st.slot])

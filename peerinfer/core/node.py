@@ -37,6 +37,11 @@ What it decides
   the node keeps the newest per peer and takes them in when anything next reads the peer index
   (the ``index`` property), with the state eager application would have left
   (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
+  A shell that hands the same announcements to many recipients at once (the simulator) may
+  share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
+  handed the next ones; it reads them from the run when it next reads that peer (routing reads
+  only their loads and freshness; everything else takes them in), and leaves the run when a
+  pull, a rebalance or an emptied replica would make taking one in do more.
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
   ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An

@@ -35,7 +35,9 @@ The event heap
 
 How effects are executed
     ``Publish``: the announcement is encoded once (its length is the bytes per recipient) and
-    gossiped to every other node. ``SendSyncRequest``: delivered to the responder after the
+    gossiped to every other node. Without gossip loss, each group's announcements that change
+    nothing form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not
+    handed them, and read them from the run instead (``share_runs``; the same decisions). ``SendSyncRequest``: delivered to the responder after the
     link delay; the response is ``answer_sync`` there, back after another delay; both are
     encoded to count bytes, one round trip each. ``Forward``: the request arrives at the peer
     as a ``ClientRequest(forwarded=True)``; the peer's own core admits it or rejects it as busy
