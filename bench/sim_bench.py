@@ -22,8 +22,10 @@ sender (``Replica.apply_announce``: the replica's flat set and root summary, and
 upkeep), so the work per simulated request grows with the number of nodes;
 ``us_per_request_per_node`` shows that constant (docs/evaluation.md, "Simulator speed").
 Announcements that change nothing wait until the recipient next reads its index
-(``NodeConfig.lazy_announcements``, the default); ``--eager`` takes every one in at once, for a
-comparison (the decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
+(``NodeConfig.lazy_announcements``, the default), and a delay group's run of them is shared
+(``AnnounceRun``: a node following it is not handed them one by one); ``--eager`` takes every
+one in at once and ``--no-share`` hands every one to every node, for comparisons (the
+decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
 ``--profile`` prints the top functions of the largest run.
 """
 
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="churn: crashes per node-hour (peerinfer.sim.churn)")
     parser.add_argument("--join-rate", type=float, default=0.0,
                         help="churn: joins per node-hour")
+    parser.add_argument(
+        "--no-share", action="store_true",
+        help="hand every announcement to every node (Simulation.share_runs=False)",
+    )
     args = parser.parse_args(argv)
     churn = {"crash_rate": args.crash_rate, "join_rate": args.join_rate}
     sizes = [int(x) for x in args.nodes.split(",")]
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         simulator.NodeConfig = functools.partial(  # type: ignore[misc]
             NodeConfig, lazy_announcements=False
         )
+    if args.no_share:
+        from peerinfer.sim import simulator as sim_module
+
+        sim_module.Simulation.share_runs = False
     if args.full:
         plan.append((64, 100_000))
     rows = []
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": rows,
         "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
                    **churn,
+                   "share_runs": not args.no_share,
                    "requests": args.requests or "nodes x per-node"},
     }
     r64 = [r for r in rows if r["nodes"] == 64]

@@ -3,7 +3,10 @@
 A node keeps announcements that change nothing but a peer's epoch, load and freshness and takes
 them in when that peer's state is next read (``NodeCore._defer_unchanged``). These tests run
 the same simulations twice, once with ``lazy_announcements=False`` (every announcement taken in
-at once), and require the same per-request decisions and outcomes, to the bit.
+at once), and require the same per-request decisions and outcomes, to the bit. The lazy runs
+go both ways too: with every announcement handed to every node (one ``handle`` call each), and
+with a delay group's unchanged announcements shared as one ``AnnounceRun`` that the nodes which
+kept its newest one follow without being handed the rest (``Simulation.share_runs``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ import pytest
 
 import peerinfer
 from peerinfer.core import antientropy, node
+from peerinfer.core.digest import LocalDigest
+from peerinfer.core.messages import Announce, Load
+from peerinfer.core.node import AnnounceReceived
+from peerinfer.core.prefix import PrefixHasher
 from peerinfer.sim import SimConfig, simulate
 from peerinfer.sim import simulator as sim_module
+from peerinfer.types import BlockHash, PeerId
 
 
 def _random_config(seed: int) -> SimConfig:
@@ -34,6 +42,12 @@ def _random_config(seed: int) -> SimConfig:
         announce_interval_s=rng.choice([0.5, 1.0]),
         seed=seed,
     )
+
+
+def _replica_budget(seed: int) -> int:
+    """The nodes' replica budget: mostly ample; tight ones make rebalances shrink allowances
+    below what peers announce (refusals, emptied replicas, runs left)."""
+    return random.Random(f"lazy-budget:{seed}").choice([1 << 20, 1 << 20, 1500, 700])
 
 
 def _decisions(sim: sim_module.Simulation) -> dict[str, object]:
@@ -63,10 +77,13 @@ def _replica_state(core: node.NodeCore, peer: object) -> tuple[object, ...]:
     return (r.epoch, r.root, r.count, r.refused, r._rate, r._announced)
 
 
-def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch,
+         share: bool = True) -> dict[str, object]:
     with monkeypatch.context() as m:
-        m.setattr(sim_module, "NodeConfig",
-                  functools.partial(node.NodeConfig, lazy_announcements=lazy))
+        m.setattr(sim_module, "NodeConfig", functools.partial(
+            node.NodeConfig, lazy_announcements=lazy,
+            replica_budget_blocks=_replica_budget(config.seed)))
+        m.setattr(sim_module.Simulation, "share_runs", share)
         sim, _ = simulate(config, check=True)
     return _decisions(sim)
 
@@ -81,14 +98,28 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
         original(self, times, *args)
 
     monkeypatch.setattr(antientropy.Replica, "take_unchanged", counting)
+    # Deliveries a shared run spared (its followers when it was pushed).
+    spared = 0
+    push = node.AnnounceRun.push
+
+    def counting_push(self: node.AnnounceRun, a: object, at: float) -> None:
+        nonlocal spared
+        spared += len(self.followers)
+        push(self, a, at)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node.AnnounceRun, "push", counting_push)
     for seed in range(20):
         config = _random_config(seed)
         eager = _run(config, False, monkeypatch)
-        lazy = _run(config, True, monkeypatch)
+        lazy = _run(config, True, monkeypatch, share=False)
+        shared = _run(config, True, monkeypatch, share=True)
         for key in eager:
             assert lazy[key] == eager[key], f"seed {seed} ({config}): {key} differs"
-    # Not vacuous: most announcements change nothing, and those were kept for later.
+            assert shared[key] == eager[key], f"seed {seed} ({config}), shared runs: {key} differs"
+    # Not vacuous: most announcements change nothing, and those were kept for later; most of
+    # those of the lossless runs were never handed to their followers one by one.
     assert deferred > 1000
+    assert spared > 1000
 
 
 def test_lazy_nodes_keep_most_announcements_for_later(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,3 +141,78 @@ def test_lazy_nodes_keep_most_announcements_for_later(monkeypatch: pytest.Monkey
     kept = sum(taken_in) + waiting
     assert kept > 0.6 * sim.announce_deliveries
     assert kept > 2 * len(taken_in)  # several announcements per take-in, on average
+
+
+def _announcer(name: str) -> tuple[PeerId, LocalDigest, list[int]]:
+    return PeerId(f"12D3KooW{name:0>44}"), LocalDigest(), []
+
+
+def _announce(sender: PeerId, local: LocalDigest, at: float) -> Announce:
+    d = local.seal_epoch()
+    return Announce(sender=sender, epoch=d.epoch, prev_epoch=d.prev_epoch, root=d.root,
+                    count=d.count, load=Load(queued=int(at) % 3), added=tuple(d.added),
+                    removed=tuple(d.removed), truncated=d.truncated, time_ms=int(at * 1000))
+
+
+def _core_state(core: node.NodeCore, now: float) -> tuple[object, ...]:
+    index = core.index
+    return (
+        core.statistics(),
+        [(p, index.load(p), index.digest_age(p, now), index.allowance(p), _replica_state(core, p))
+         for p in index.peers()],
+    )
+
+
+def test_a_follower_leaves_its_run_when_a_rebalance_empties_the_replica() -> None:
+    """A node following a peer's run, whose replica of that peer is then emptied (newcomers
+    shrink its allowance of a tight replica budget), is handed that peer's next announcements
+    again: it refuses them as eager application does (over the allowance, not fresh)."""
+    hasher = PrefixHasher(b"follow")
+    cores = [
+        node.NodeCore(node.NodeConfig(peer_id=PeerId(f"12D3KooW{i:044d}"),
+                                      lazy_announcements=lazy, replica_budget_blocks=1000),
+                      hasher, rng=random.Random(i), now=0.0)
+        for i, lazy in ((0, False), (1, True))
+    ]
+    big, big_local, _ = _announcer("big")
+    rng = random.Random(7)
+    for _ in range(400):
+        big_local.block_added(BlockHash(rng.getrandbits(64)))
+    small = [_announcer(f"small{k}") for k in range(3)]
+    for core in cores:
+        for peer in [big] + [p for p, _, _ in small]:
+            core.handle(node.PeerSeen(peer, rtt_s=0.01), 0.0)
+    run: node.AnnounceRun | None = None
+    handed = [0, 0]
+
+    def deliver(a: Announce, at: float) -> None:
+        nonlocal run
+        if run is not None and run.extends(a):
+            run.push(a, at)
+        else:
+            run = node.AnnounceRun(a, at)
+        for k, core in enumerate(cores):
+            if core.peer_id not in run.followers:
+                handed[k] += 1
+                core.handle(AnnounceReceived(big, a, run), at)
+
+    t = 0.1
+    for _ in range(4):  # the 400 blocks, then unchanged: the lazy node follows the run
+        deliver(_announce(big, big_local, t), t)
+        t += 1.0
+    assert cores[1].peer_id in run.followers  # type: ignore[union-attr]
+    assert _core_state(cores[0], t) == _core_state(cores[1], t)
+    for peer, local, _ in small:  # newcomers: 1000 // 4 = 250 < 400, the replica is emptied
+        a = _announce(peer, local, t)
+        for core in cores:
+            core.handle(AnnounceReceived(peer, a), t)
+    for core in cores:
+        replica = core.index.replica(big)
+        assert replica is not None and replica.count == 0 and replica.epoch == 0
+    assert cores[1].peer_id not in run.followers  # type: ignore[union-attr]
+    for _ in range(3):
+        deliver(_announce(big, big_local, t), t)
+        t += 1.0
+        assert _core_state(cores[0], t) == _core_state(cores[1], t)
+    assert handed == [7, 4 + 3 - 2]  # the lazy node was not handed 2 of the first 4
+    assert cores[1].statistics().announces_refused == 3

@@ -214,6 +214,9 @@ class PeerIndex:
             raise ConfigError("peer index: replica_budget_blocks must be >= 0")
         self.replica_budget_blocks = replica_budget_blocks
         self._allocated = 0  # the sum of all allowances
+        #: grows whenever an allowance or a peer's replica object may have changed (a peer
+        #: added or removed, a rebalance): a node that relies on either rechecks it then
+        self.allowance_changes = 0
         self.max_peers = max_peers
         self.max_speculative_blocks = max_speculative_blocks
         self.speculative_ttl_s = speculative_ttl_s
@@ -257,6 +260,7 @@ class PeerIndex:
             slot = self._next_slot
             self._next_slot += 1
         self._added_seq += 1
+        self.allowance_changes += 1
         state = _PeerState(peer, slot, self._added_seq)
         observer = _PeerObserver(self, state)
         self._states[peer] = state
@@ -301,6 +305,7 @@ class PeerIndex:
         return True
 
     def _set_allowance(self, state: _PeerState, allowance: int) -> None:
+        self.allowance_changes += 1
         self._allocated += allowance - state.allowance
         state.allowance = allowance
         assert state.replica is not None
@@ -324,7 +329,9 @@ class PeerIndex:
             wants[st.slot] = want
             given[st.slot] = min(share, want)
         spare = budget - sum(given.values())
-        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)):
+        # The spare goes to peers wanting more than their share; none: nothing to order.
+        hungry = spare > 0 and any(wants[slot] > g for slot, g in given.items())
+        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)) if hungry else ():
             if spare <= 0 or st.hits <= 0.0:
                 break
             extra = min(spare, wants[st.slot] - given[st.slot])
@@ -332,15 +339,22 @@ class PeerIndex:
                 given[st.slot] += extra
                 spare -= extra
         emptied = []
+        changed = False
         for st in states:
             if decay:
                 st.hits *= 0.5
-            st.allowance = given[st.slot]
+            allowance = given[st.slot]
             assert st.replica is not None
-            st.replica.max_elements = st.allowance
+            if allowance != st.allowance or allowance != st.replica.max_elements:
+                changed = True
+                st.allowance = allowance
+                st.replica.max_elements = allowance
+        if changed:
+            self.allowance_changes += 1
         self._allocated = budget - spare
         for st in states:
-            if self.enforce_allowance(st.peer):
+            assert st.replica is not None
+            if len(st.replica.digest) > st.allowance and self.enforce_allowance(st.peer):
                 emptied.append(st.peer)
         return emptied
 
@@ -354,6 +368,7 @@ class PeerIndex:
         state = self._states.pop(peer, None)
         if state is None:
             return
+        self.allowance_changes += 1
         self._observers.pop(peer).armed = False
         bit = state.bit
         masks = self._masks
@@ -512,6 +527,7 @@ class PeerIndex:
         exclude: Container[PeerId] = (),
         max_digest_age_s: float = math.inf,
         max_matched_tokens: int | None = None,
+        heard: Mapping[PeerId, tuple[Load, float]] | None = None,
     ) -> list[Candidate]:
         """The local candidate (first) and one per known peer, for a prompt with ``chain``.
 
@@ -520,7 +536,10 @@ class PeerIndex:
         ``max_matched_tokens`` when given (e.g. prompt length - 1: the engine must run the last
         token). ``inflight`` counts requests this node sent to a peer that have not finished.
         Peers in ``exclude`` (already tried) and peers whose digest is older than
-        ``max_digest_age_s`` are left out; the local candidate never is.
+        ``max_digest_age_s`` are left out; the local candidate never is. ``heard`` gives, for
+        some peers, a load and a time from announcements the caller received but has not fed
+        in yet (each confirming the peer's replica current): the candidate is as if they had
+        been (``announced(peer, load, at, fresh=True)``), the index itself is left as it is.
         """
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
         matched = [0] * self._next_slot
@@ -549,8 +568,16 @@ class PeerIndex:
         append = out.append
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s  # fresh_at below this: too old
+        heard_get = heard.get if heard else None
         for peer, state in self._states.items():
             fresh_at = state.fresh_at
+            load = state.load
+            if heard_get is not None:
+                news = heard_get(peer)
+                if news is not None:
+                    load = news[0]
+                    if news[1] > fresh_at:
+                        fresh_at = news[1]
             if fresh_at < oldest or peer == local_peer or (exclude and peer in exclude):
                 continue
             age = now - fresh_at
@@ -559,7 +586,7 @@ class PeerIndex:
                     peer,
                     False,
                     matched[state.slot],
-                    state.load,
+                    load,
                     get_rtt(peer, default_rtt_s),
                     age if age > 0.0 else 0.0,  # inf when never fresh (fresh_at == -inf)
                     get_inflight(peer, 0) if inflight else 0,

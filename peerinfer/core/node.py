@@ -37,6 +37,11 @@ What it decides
   the node keeps the newest per peer and takes them in when anything next reads the peer index
   (the ``index`` property), with the state eager application would have left
   (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
+  A shell that hands the same announcements to many recipients at once (the simulator) may
+  share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
+  handed the next ones; it reads them from the run when it next reads that peer (routing reads
+  only their loads and freshness; everything else takes them in), and leaves the run when a
+  pull, a rebalance or an emptied replica would make taking one in do more.
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
   ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
@@ -97,6 +102,7 @@ forgotten at once. A request that arrived forwarded goes ``ROUTING -> QUEUED`` o
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +270,9 @@ class ClientRequest:
 class AnnounceReceived:
     sender: PeerId
     announce: Announce
+    #: the run of announcements this one is the newest of, when the shell hands the same
+    #: announcements to several recipients at once (the simulator; see ``AnnounceRun``)
+    run: AnnounceRun | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,6 +566,55 @@ class _PeerState:
     announced_root: int = 0
 
 
+class AnnounceRun:
+    """One sender's announcements that change nothing, as a shell hands them to a group of
+    recipients at one time (the simulator: all recipients at one link delay), shared by them.
+
+    A run starts with one announcement (``length`` 1); ``push`` appends one that ``extends``
+    it: no change, chaining from the run's newest epoch, announcing the same root and count.
+    Each recipient still decides for itself: one that kept the run's newest announcement for
+    later (``NodeCore._defer_unchanged``) *follows* the run (it joins ``followers``), and the
+    shell then stops handing it the run's announcements. It takes in those pushed since it
+    last looked (their number, the newest ``epoch``, ``load`` and arrival time ``at``) when it
+    next reads the sender's state, exactly as if it had been handed each; it leaves the run
+    as soon as taking the next one in at once could do more than that (a pull, a rebalance,
+    a replica emptied or replaced, the sender forgotten). Every recipient outside
+    ``followers`` is handed every announcement, with the run, as usual.
+
+    Why: with N nodes, each announcement otherwise costs N - 1 calls, although nearly all of
+    them change nothing; a shared run costs one ``push`` plus the recipients that do not follow.
+    """
+
+    __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers")
+
+    def __init__(self, announce: Announce, at: float) -> None:
+        self.sender = announce.sender
+        self.root = announce.root
+        self.count = announce.count
+        self.epoch = announce.epoch
+        self.load = announce.load
+        self.at = at
+        self.length = 1
+        self.followers: set[PeerId] = set()
+
+    def extends(self, a: Announce) -> bool:
+        """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
+        return (
+            a.prev_epoch == self.epoch < a.epoch
+            and a.root == self.root
+            and a.count == self.count
+            and a.sender == self.sender
+            and not (a.added or a.removed or a.truncated)
+        )
+
+    def push(self, a: Announce, at: float) -> None:
+        """Append ``a`` (which ``extends`` the run), delivered to the group at ``at``."""
+        self.epoch = a.epoch
+        self.load = a.load
+        self.at = at
+        self.length += 1
+
+
 @dataclass(slots=True)
 class _Kept:
     """One peer's announcements that change nothing, kept for later (``_defer_unchanged``).
@@ -565,7 +623,8 @@ class _Kept:
     heard at ``at``. The check that let them wait stays true while the peer's replica is the
     same object at the same epoch with the same flat summary (``replica_epoch``, ``summary``)
     and the announcements keep announcing ``root`` and ``count``: then the next one may wait
-    without checking the digest again.
+    without checking the digest again. While the node follows a shared ``run`` of the peer's
+    announcements, ``cursor`` is the run's length when it last took the run's newest ones.
     """
 
     replica: Replica
@@ -577,6 +636,8 @@ class _Kept:
     load: Load
     at: float
     times: int = 0
+    run: AnnounceRun | None = None
+    cursor: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -645,6 +706,12 @@ class NodeCore:
         #: them not taken in yet (only with ``config.lazy_announcements``)
         self._kept: dict[PeerId, _Kept] = {}
         self._unapplied: dict[PeerId, _Kept] = {}
+        #: per peer, the kept record of the shared run this node follows (``AnnounceRun``)
+        self._following: dict[PeerId, _Kept] = {}
+        #: no peer can be due for a ping or be forgotten before this time (``_check_liveness``
+        #: skips its loop until then), and whether some peer may have a pull running
+        self._liveness_due = -math.inf
+        self._pulls_may_run = False
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
         #: requesters with requests queued or running here, and the totals over them
@@ -699,6 +766,16 @@ class NodeCore:
     @property
     def index(self) -> PeerIndex:
         """The peer index, every announcement received taken in (``_take_unapplied``)."""
+        if self._following:
+            for peer, kept in self._following.items():
+                if kept.run is not None and kept.run.length != kept.cursor:
+                    self._catch_up(peer, kept)
+        if self._unapplied:
+            self._take_all_unapplied()
+        return self._index
+
+    def _take_all_unapplied(self) -> None:
+        """Take in every kept announcement (``_take_unapplied`` for every peer, in one call)."""
         if self._unapplied:
             pending, self._unapplied = self._unapplied, {}
             for kept in pending.values():
@@ -707,7 +784,6 @@ class NodeCore:
                 kept.times = 0
             # Peers' states are disjoint: their replicas first, then their index entries.
             self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
-        return self._index
 
     def load(self) -> Load:
         return Load(
@@ -720,12 +796,16 @@ class NodeCore:
         handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
+        changes = self._index.allowance_changes
         effects: list[Effect] = handler(self, event, now)
+        if self._following and self._index.allowance_changes != changes:
+            self._recheck_following()
         return effects
 
     def tick(self, now: float) -> list[Effect]:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
+        changes = self._index.allowance_changes
         self._check_forward_deadlines(now, effects)
         self._check_sync_deadlines(now, effects)
         self._check_liveness(now, effects)
@@ -741,6 +821,8 @@ class NodeCore:
             self._next_rebalance = now + self.config.rebalance_interval_s
             for peer in self.index.rebalance():
                 self._replica_emptied(peer)
+        if self._following and self._index.allowance_changes != changes:
+            self._recheck_following()
         return effects
 
     def take_refusals(self) -> list[tuple[PeerId, str, str]]:
@@ -761,9 +843,10 @@ class NodeCore:
         for req in self._requests.values():
             if req.deadline is not None:
                 candidates.append(req.deadline)
-        for st in self._peers.values():
-            if st.sync is not None:
-                candidates.append(st.sync_deadline)
+        if self._pulls_may_run:
+            for st in self._peers.values():
+                if st.sync is not None:
+                    candidates.append(st.sync_deadline)
         return min(candidates)
 
     def answer_sync(self, request: SyncRequest) -> SyncResponse:
@@ -939,7 +1022,8 @@ class NodeCore:
     ) -> RouteDecision:
         bs = self.hasher.block_size
         cfg = self.config
-        candidates = self.index.candidates(
+        index, heard = self._routing_index()
+        candidates = index.candidates(
             chain,
             block_size=bs,
             local_peer=self.peer_id,
@@ -953,6 +1037,7 @@ class NodeCore:
             max_digest_age_s=cfg.max_digest_age_s,
             # Never count the last prompt token as cached: the engine must run it for logits.
             max_matched_tokens=max(0, prompt_tokens - 1),
+            heard=heard,
         )
         demoted = self.reputation.demoted()
         if demoted:
@@ -981,7 +1066,9 @@ class NodeCore:
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
         req.claimed_tokens = self._digest_claim(peer, req.chain, len(req.tokens))
-        self.index.add_speculative(peer, req.chain, now)
+        # Right after _decide's _routing_index: the peers with speculative entries are taken
+        # in, and a new entry is younger than whatever the others' followed runs confirm.
+        self._index.add_speculative(peer, req.chain, now)
         self._stats["forwarded"] += 1
         effects.append(
             Forward(
@@ -998,7 +1085,7 @@ class NodeCore:
     def _digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
         """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
         (not this node's speculative entries, nor routing's discounts)."""
-        replica = self.index.replica(peer)
+        replica = self._index.replica(peer)  # unchanged announcements leave the digest alone
         if replica is None:
             return 0
         digest = replica.digest
@@ -1267,7 +1354,9 @@ class NodeCore:
         self.reputation.record(ev.peer, outcome, now)
         if ev.reason in ("unavailable", "timeout") and ev.peer in self._peers:
             # It may be gone: stop routing to it until it is heard from again.
+            self._catch_up_peer(ev.peer)
             self._peers[ev.peer].last_seen = -1e18
+            self._liveness_due = -math.inf
         if len(req.resume_after) + len(ev.generated) >= req.params.max_tokens:
             # The whole budget reached the client before the peer failed: the shell ends the
             # answer there, nothing is left to resume.
@@ -1348,6 +1437,7 @@ class NodeCore:
         if st is None:
             st = _PeerState(last_seen=now)
             self._peers[peer] = st
+            self._liveness_due = -math.inf
         return st
 
     def _refuse_announce(self, peer: PeerId, reason: str, detail: str) -> None:
@@ -1389,6 +1479,9 @@ class NodeCore:
             asked: list[Effect] = []
             self._ask_ping(ev.sender, now, asked)
             return asked
+        if ev.sender in self._following:
+            # A new run (a follower is not handed its own run's announcements).
+            self._unfollow(ev.sender)
         last_epoch = self._last_epochs.get(ev.sender, 0)
         if a.epoch <= last_epoch:
             self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
@@ -1416,6 +1509,12 @@ class NodeCore:
                 kept.epoch, kept.load, kept.at = a.epoch, a.load, now
                 kept.times += 1
                 self._unapplied[ev.sender] = kept
+                run = ev.run
+                if run is not None and run.epoch == a.epoch and run.sender == ev.sender:
+                    # Its next announcements that change nothing wait in the run.
+                    kept.run, kept.cursor = run, run.length
+                    run.followers.add(self.peer_id)
+                    self._following[ev.sender] = kept
                 return []
             if ev.sender in self._index:
                 self._take_unapplied(ev.sender)
@@ -1489,8 +1588,86 @@ class NodeCore:
         self._kept[peer] = kept
         return kept
 
+    def _routing_index(self) -> tuple[PeerIndex, dict[PeerId, tuple[Load, float]] | None]:
+        """The index for a routing decision, and the newer loads and freshness of the peers
+        whose followed runs got announcements since this node last looked (``heard`` of
+        ``PeerIndex.candidates``): what routing reads of them, without taking the rest in.
+        Peers with speculative entries are taken in first (their confirmation drops entries
+        the walk would see); the kept announcements of the others wait."""
+        index = self._index
+        heard: dict[PeerId, tuple[Load, float]] | None = None
+        following = self._following
+        if following:
+            spec = index.speculative_blocks() > 0
+            for peer, kept in following.items():
+                run = kept.run
+                if run is None or run.length == kept.cursor:
+                    continue
+                if spec and index.has_speculative(peer):
+                    self._catch_up(peer, kept)
+                else:
+                    if heard is None:
+                        heard = {}
+                    heard[peer] = (run.load, run.at)
+        if self._unapplied:
+            self._take_all_unapplied()
+        return index, heard
+
+    def _catch_up(self, peer: PeerId, kept: _Kept) -> None:
+        """Move the announcements ``peer``'s followed run got since ``kept`` last looked into
+        ``kept`` (to be taken in with the others kept), and record what receiving each does
+        at once: the epoch remembered, the peer's announced epoch and root, when it was heard."""
+        run = kept.run
+        if run is None or run.length == kept.cursor:
+            return
+        kept.times += run.length - kept.cursor
+        kept.cursor = run.length
+        kept.epoch, kept.load, kept.at = run.epoch, run.load, run.at
+        self._unapplied[peer] = kept
+        st = self._peers[peer]
+        st.last_announce_epoch = run.epoch
+        st.announced_root = run.root
+        st.last_seen = run.at
+        self._remember_epoch(peer, run.epoch)
+
+    def _catch_up_peer(self, peer: PeerId) -> None:
+        kept = self._following.get(peer)
+        if kept is not None:
+            self._catch_up(peer, kept)
+
+    def _unfollow(self, peer: PeerId) -> None:
+        """Stop following ``peer``'s run (what it got so far is kept, to be taken in)."""
+        kept = self._following.pop(peer, None)
+        if kept is None or kept.run is None:
+            return
+        self._catch_up(peer, kept)
+        kept.run.followers.discard(self.peer_id)
+        kept.run = None
+
+    def _recheck_following(self) -> None:
+        """After an allowance or a replica object changed: leave every run whose next
+        announcement would no longer wait (the check of ``_on_announce``, for the run)."""
+        index = self._index
+        for peer, kept in list(self._following.items()):
+            st = self._peers.get(peer)
+            run = kept.run
+            replica = kept.replica
+            if not (
+                st is not None
+                and run is not None
+                and st.sync is None
+                and not st.pull_wanted
+                and run.count <= replica.max_elements
+                and run.count <= index.allowance(peer)
+                and replica.epoch == kept.replica_epoch
+                and replica.digest.flat_summary() == kept.summary
+                and index.replica(peer) is replica
+            ):
+                self._unfollow(peer)
+
     def _take_unapplied(self, peer: PeerId) -> None:
         """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
+        self._catch_up_peer(peer)
         kept = self._unapplied.pop(peer, None)
         if kept is None:
             return
@@ -1505,6 +1682,7 @@ class NodeCore:
         replica = self.index.replica(peer)
         if replica is None:
             return
+        self._unfollow(peer)  # a pull running: its announcements no longer wait
         session = self._next_session
         self._next_session += 1
         st.pull_wanted = False
@@ -1514,6 +1692,7 @@ class NodeCore:
         st.sync = replica.start_pull(
             session, st.last_announce_epoch, st.announced_root, attempt=st.sync_attempt
         )
+        self._pulls_may_run = True
         self._stats["syncs_started"] += 1
         effects.append(SendSyncRequest(peer, st.sync.first_request(), self.config.sync_timeout_s))
 
@@ -1582,10 +1761,15 @@ class NodeCore:
         return effects
 
     def _check_sync_deadlines(self, now: float, effects: list[Effect]) -> None:
+        if not self._pulls_may_run:
+            return
+        running = False
         for peer, st in list(self._peers.items()):
             if st.sync is not None and st.sync_deadline <= now:
                 st.pull_wanted = False
                 self._finish_sync(peer, st, now, ok=False, effects=effects)
+            running = running or st.sync is not None
+        self._pulls_may_run = running
 
     # ------------------------------------------------------------------ liveness
 
@@ -1597,6 +1781,7 @@ class NodeCore:
             effects: list[Effect] = []
             self._ask_ping(ev.peer, now, effects)
             return effects
+        self._catch_up_peer(ev.peer)  # before it is heard from now
         self._ping_asked.pop(ev.peer, None)
         st = self._peer(ev.peer, now)
         st.last_seen = now
@@ -1615,6 +1800,7 @@ class NodeCore:
         return effects
 
     def _forget_peer(self, peer: PeerId, now: float, effects: list[Effect]) -> None:
+        self._unfollow(peer)
         del self._peers[peer]
         self._rtt.pop(peer, None)
         self.index.remove_peer(peer)
@@ -1629,14 +1815,39 @@ class NodeCore:
                 )
 
     def _check_liveness(self, now: float, effects: list[Effect]) -> None:
+        if now < self._liveness_due:
+            return
         cfg = self.config
+        following = self._following
+        # The earliest time any peer can be due again (peers are only heard later; a -1e18
+        # "gone" mark or a new peer resets it to -inf meanwhile): the loop is skipped until then.
+        self._liveness_due = due = math.inf
+        ping_after, timeout = cfg.ping_after_s, cfg.peer_timeout_s
         for peer, st in list(self._peers.items()):
-            silent = now - st.last_seen
-            if silent >= cfg.peer_timeout_s:
+            last_seen = st.last_seen
+            if following:
+                # Heard since through a followed run (read, not taken in: no state moves).
+                kept = following.get(peer)
+                if kept is not None and kept.run is not None and kept.run.length != kept.cursor:
+                    last_seen = kept.run.at
+            silent = now - last_seen
+            if silent >= timeout:
                 self._forget_peer(peer, now, effects)
-            elif silent >= cfg.ping_after_s and now - st.last_ping >= cfg.ping_after_s:
+                continue
+            if silent >= ping_after and now - st.last_ping >= ping_after:
                 st.last_ping = now
                 effects.append(PingPeer(peer))
+            # Due again at the first of: forgotten, or pinged (silent, and not pinged lately).
+            last_ping = st.last_ping
+            nxt = (last_seen if last_seen > last_ping else last_ping) + ping_after
+            if last_seen + timeout < nxt:
+                nxt = last_seen + timeout
+            if nxt < due:
+                due = nxt
+        # A margin: ``now - last_seen >= limit`` may hold a rounding error before the sum.
+        if due < math.inf:
+            due -= 1e-6 * (1.0 + abs(due))
+        self._liveness_due = min(self._liveness_due, due)
 
 
 _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {

@@ -39,7 +39,9 @@ The event heap
 
 How effects are executed
     ``Publish``: the announcement is encoded once (its length is the bytes per recipient) and
-    gossiped to every other node. ``SendSyncRequest``: delivered to the responder after the
+    gossiped to every other node. Without gossip loss, each group's announcements that change
+    nothing form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not
+    handed them, and read them from the run instead (``share_runs``; the same decisions). ``SendSyncRequest``: delivered to the responder after the
     link delay; the response is ``answer_sync`` there, back after another delay; both are
     encoded to count bytes, one round trip each. ``Forward``: the request arrives at the peer
     as a ``ClientRequest(forwarded=True)``; the peer's own core admits it or rejects it as busy
@@ -89,6 +91,7 @@ from typing import Any, Protocol
 from peerinfer.core.messages import SamplingParams, encode
 from peerinfer.core.node import (
     AnnounceReceived,
+    AnnounceRun,
     CacheChanged,
     Cancel,
     CancelForward,
@@ -183,6 +186,10 @@ class Simulation:
     ``busy_s``, ``waits``; anti-entropy counters; ``cores`` and ``engines`` themselves.
     """
 
+    #: hand a group's unchanged announcements to the nodes that follow them as one shared run
+    #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
+    share_runs = True
+
     def __init__(
         self,
         config: SimConfig,
@@ -234,6 +241,8 @@ class Simulation:
                 if r != s:
                     by_delay.setdefault(self.delay[s][r], []).append(r)
             self._groups.append(sorted(by_delay.items()))
+        # Per sender and group, the run of unchanged announcements the group shares (below).
+        self._runs_of: list[list[AnnounceRun | None]] = [[None] * len(g) for g in self._groups]
 
         total = config.requests
         self.total = total
@@ -588,7 +597,10 @@ class Simulation:
         groups = self._groups[s]
         cores = self.cores
         loss = self._loss
-        for r in groups[g][1]:
+        recipients = groups[g][1]
+        if not loss and self.share_runs:
+            ev, recipients = self._shared_run(s, g, ev, recipients, now)
+        for r in recipients:
             if loss and self._loss_rng.random() < loss:
                 self.announces_lost += 1
                 continue
@@ -598,6 +610,25 @@ class Simulation:
         g += 1
         if g < len(groups):
             self._push(sent + groups[g][0], _GOSSIP, s, ev, g, sent)
+
+    def _shared_run(
+        self, s: int, g: int, ev: AnnounceReceived, recipients: list[int], now: float
+    ) -> tuple[AnnounceReceived, list[int]]:
+        """The group's shared run with ``ev`` in it, and the recipients that do not follow it
+        (the followers take it from the run when they next read; ``AnnounceRun``). Lossless
+        gossip only: a loss is drawn per recipient."""
+        a = ev.announce
+        runs = self._runs_of[s]
+        run = runs[g]
+        if run is not None and run.extends(a):
+            run.push(a, now)
+            followers = run.followers
+            if followers:
+                ids = self.peer_ids
+                recipients = [r for r in recipients if ids[r] not in followers]
+        else:
+            run = runs[g] = AnnounceRun(a, now)
+        return AnnounceReceived(ev.sender, a, run), recipients
 
     def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
         if self.churn is not None and not self.churn.up(responder):
