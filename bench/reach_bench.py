@@ -92,6 +92,8 @@ def one_run(dest: str, key: str | None) -> dict[str, object]:
 
 
 SHARED = " ".join(f"shared{i}" for i in range(300))
+#: extra flags for every node of --heal (diagnosis: PEERINFER_BENCH_NODE_ARGS="-vv")
+EXTRA_NODE_ARGS = os.environ.get("PEERINFER_BENCH_NODE_ARGS", "").split()
 
 
 def join_run() -> dict[str, object]:
@@ -133,13 +135,107 @@ def join_run() -> dict[str, object]:
                 "served_by_holder": served == h2.peer_id}
 
 
+def heal_run(kind: str, announce_s: float, keep: str | None = None) -> dict[str, object]:
+    """One cut (``kind="cut"``: home2's uplink) or partition ({pub, home1} | {pub2, home2,
+    home3}) and its healing, with real nodes announcing every ``announce_s``: requests sent
+    during and after (all must be answered), and the time from the heal until every node's view
+    of every digest is right again (status timelines, see netns.StatusWatch), in seconds and in
+    announce intervals, per node too."""
+    from peerinfer.client import Client
+    from peerinfer.core.costmodel import CostModel
+    from peerinfer.testing.netns import run_in_netns
+
+    costs = CostModel(prefill_s_per_token=0.002, cached_s_per_token=0.00001,
+                      decode_s_per_token=0.002, overhead_s=0.002, slots=1)
+    with emulated_internet(workdir=keep) as net:
+        path = net.workdir / "costs.json"
+        path.write_text(json.dumps(costs.to_dict()))
+        args = ["--costs", str(path), "--announce-interval", str(announce_s), *EXTRA_NODE_ARGS]
+        nodes = {"pub": net.spawn_node("pub", extra_args=args)}
+        net.wait_ready([nodes["pub"]])
+        if kind == "partition":
+            nodes["pub2"] = net.spawn_node("pub2", bootstrap=[nodes["pub"].addr], extra_args=args)
+            net.wait_ready([nodes["pub2"]])
+        boot = [n.addr for n in nodes.values()]
+        for h in ("home1", "home2", "home3"):
+            nodes[h] = net.spawn_node(h, bootstrap=boot, extra_args=args)
+        net.wait_ready(list(nodes.values()))
+        lost = 0
+        sent = 0
+
+        def ask(site: str, prompt: str) -> str | None:
+            nonlocal lost, sent
+
+            async def go() -> str:
+                async with Client.connect(nodes[site].addr, timeout_s=30) as client:
+                    return (await client.generate(prompt, max_tokens=3)).served_by
+            sent += 1
+            try:
+                return run_in_netns(net.sites[site].namespace, go)
+            except Exception as exc:
+                print(f"lost: {site}: {exc}", file=sys.stderr)
+                lost += 1
+                return None
+
+        words = lambda tag: " ".join(f"{tag}{i}" for i in range(300))  # noqa: E731
+        ask("home2", SHARED + " warm")
+        ask("home1", words("prea") + " warm")
+        with net.watch_statuses(nodes) as watch:
+            before_s = watch.wait_converged(time.monotonic(), 120)
+            t_split = time.monotonic()
+            if kind == "partition":
+                net.partition(("pub", "home1"), ("pub2", "home2", "home3"))
+            else:
+                net.set_uplink("home2", False)
+            try:
+                for i in range(3):
+                    ask("home1", SHARED + f" split {i}")
+                ask("home1", words("sidea") + " warm")
+                ask("home2", words("sideb") + " warm")
+                for i in range(2):
+                    ask("home3", words("prea") + f" q{i}")
+            finally:
+                if kind == "partition":
+                    net.heal()
+                else:
+                    net.set_uplink("home2", True)
+            healed = time.monotonic()
+            print(f"healed at monotonic {healed:.2f}", file=sys.stderr)
+            for i in range(2):
+                ask("home1", SHARED + f" healing {i}")
+            try:
+                heal_s: float | None = watch.wait_converged(healed, 120)
+            except Exception as exc:
+                print(f"not reconverged: {exc}", file=sys.stderr)
+                heal_s = None
+            each = watch.converged_each(healed)
+            if os.environ.get("PEERINFER_BENCH_TRACE"):
+                print("\n".join(watch.problems_timeline(healed)), file=sys.stderr)
+        served_after = ask("home1", words("sideb") + " after") == nodes["home2"].peer_id
+        return {
+            "kind": kind, "announce_s": announce_s, "split_s": round(healed - t_split, 1),
+            "converged_before_s": round(before_s, 2),
+            "reconverged_s": None if heal_s is None else round(heal_s, 2),
+            "reconverged_intervals": None if heal_s is None else round(heal_s / announce_s, 1),
+            "per_node_s": {k: None if v is None else round(v - healed, 2) for k, v in each.items()},
+            "requests": sent, "lost": lost, "home1_served_by_home2_after": served_after,
+        }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dest", default="home2", choices=("home2", "home3"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--swarm-key")
     p.add_argument("--join", action="store_true")
+    p.add_argument("--heal", choices=("cut", "partition"), help="a cut relay link or a partition, healed")
+    p.add_argument("--announce-interval", type=float, default=1.0)
+    p.add_argument("--keep", metavar="DIR", help="--heal: keep the node logs in DIR (one run)")
     args = p.parse_args()
+    if args.heal:
+        heals = [heal_run(args.heal, args.announce_interval, args.keep) for _ in range(args.runs)]
+        print(json.dumps({"heal": heals, "load": os.getloadavg()[0]}))
+        return
     if args.join:
         joins = [join_run() for _ in range(args.runs)]
         print(json.dumps({"join": joins, "load": os.getloadavg()[0]}))
