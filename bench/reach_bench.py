@@ -7,12 +7,16 @@ DCUtR hole punch and times 30 more; and 30 straight to the relay for comparison.
 Prints one JSON object. Needs root and nft. Usage::
 
     python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
-    python bench/reach_bench.py --join --runs 3
+    python bench/reach_bench.py --join [--dest home3] --runs 3
+    python bench/reach_bench.py --heal cut|partition --runs 3 [--announce-interval 1]
+    python bench/reach_bench.py --targets --runs 10 --heal-runs 3
 
-``--join``: real ``peerinfer node`` processes instead (pub, home1, home2); home2 caches a
-prefix as soon as it is up; the time from starting the home nodes until home1's status lists
-home2 as a routing candidate holding it (digest and a ping round trip), and whether home1's
-next request for that prefix is then served by home2.
+``--join``: real ``peerinfer node`` processes instead (pub, home1, and the holder ``--dest``);
+the holder caches a prefix as soon as it is up; the time from starting the home nodes until
+home1's status lists it as a routing candidate holding it (digest and a ping round trip),
+whether home1's next request for that prefix is then served by it, and the path (direct after
+hole punching, or relayed). ``--heal``: see :func:`heal_run`. ``--targets``: all of them, as
+the ratios of issue 13's targets.
 """
 
 from __future__ import annotations
@@ -96,21 +100,28 @@ SHARED = " ".join(f"shared{i}" for i in range(300))
 EXTRA_NODE_ARGS = os.environ.get("PEERINFER_BENCH_NODE_ARGS", "").split()
 
 
-def join_run() -> dict[str, object]:
+def join_run(dest: str = "home2", keep: str | None = None) -> dict[str, object]:
+    """pub, home1 and ``dest`` (home2: cone NAT, home3: symmetric) as real nodes: seconds from
+    starting the home processes until home1 has ``dest`` as a routing candidate holding the
+    prefix ``dest`` cached (digest and a ping round trip), whether home1's next request for it
+    is served by ``dest``, and then the path: for a cone NAT the seconds until home1's router
+    shows a direct (hole-punched) flow to ``dest``'s router (at most 30 s more), for the
+    symmetric NAT whether ``dest``'s router talks to pub only (relayed)."""
     from peerinfer.client import Client
     from peerinfer.core.costmodel import CostModel
     from peerinfer.testing.netns import run_in_netns
 
     costs = CostModel(prefill_s_per_token=0.002, cached_s_per_token=0.00001,
                       decode_s_per_token=0.002, overhead_s=0.002, slots=1)
-    with emulated_internet() as net:
+    with emulated_internet(workdir=keep) as net:
         path = net.workdir / "costs.json"
         path.write_text(json.dumps(costs.to_dict()))
-        args = ["--costs", str(path)]
+        args = ["--costs", str(path), *EXTRA_NODE_ARGS]
         pub = net.spawn_node("pub", extra_args=args)
         net.wait_ready([pub])
         t0 = time.monotonic()
-        h1, h2 = (net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in ("home1", "home2"))
+        print(f"home nodes started at {time.time():.2f}", file=sys.stderr)
+        h1, h2 = (net.spawn_node(h, bootstrap=[pub.addr], extra_args=args) for h in ("home1", dest))
         net.wait_ready([h1, h2])
         ready = time.monotonic() - t0
 
@@ -120,7 +131,7 @@ def join_run() -> dict[str, object]:
                     return await fn(client)
             return run_in_netns(net.sites[site].namespace, go)
 
-        call("home2", h2, lambda c: c.generate(SHARED + " warm", max_tokens=3))
+        call(dest, h2, lambda c: c.generate(SHARED + " warm", max_tokens=3))
         known = None
         for _ in range(600):
             st = call("home1", h1, lambda c: c.status())
@@ -130,9 +141,74 @@ def join_run() -> dict[str, object]:
                 break
             time.sleep(0.1)
         served = call("home1", h1, lambda c: c.generate(SHARED + " q", max_tokens=3)).served_by
-        return {"processes_ready_s": round(ready, 2),
-                "candidate_s": None if known is None else round(known, 2),
-                "served_by_holder": served == h2.peer_id}
+        served_s = time.monotonic() - t0
+        result: dict[str, object] = {
+            "dest": dest, "processes_ready_s": round(ready, 2),
+            "candidate_s": None if known is None else round(known, 2),
+            "served_by_holder": served == h2.peer_id, "served_s": round(served_s, 2),
+        }
+        if dest == "home2":
+            direct = None
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                if net.sites[dest].uplink in net.established_tcp_peers("home1"):
+                    direct = time.monotonic() - t0
+                    break
+                time.sleep(0.2)
+            result["direct_s"] = None if direct is None else round(direct, 2)
+        else:
+            result["relayed_only"] = net.established_tcp_peers(dest) <= {net.sites["pub"].addr}
+        return result
+
+
+def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]:
+    ok = [r for r in runs if isinstance(r.get("relay_dial"), dict) and r["relay_dial"]["event"] == "relay_dial_ok"]
+    punched = [r for r in ok if r["dcutr"]["ok"]]
+    relayed_p50 = [r["rtt"]["relayed_before_punch_p50_ms"] for r in ok]
+    after_p50 = [r["rtt"]["after_punch_p50_ms"] for r in ok]
+    direct_p50 = [r["rtt"]["direct_to_relay_p50_ms"] for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
+    overhead = [r["rtt"]["relayed_before_punch_p50_ms"] - r["rtt"]["direct_to_relay_p50_ms"]
+                for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
+    med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
+    return {
+        "dest": dest, "nat": "cone" if dest == "home2" else "symmetric",
+        "runs": len(runs), "relayed_ok": len(ok), "hole_punched": len(punched),
+        "reserve_s_median": med([r["reserve_s"] for r in ok]),
+        "relayed_dial_s_median": med([r["relay_dial"]["s"] for r in ok]),
+        "punch_s_median": med([r["dcutr"]["s"] for r in punched]),
+        "request_relayed_p50_ms_median": med(relayed_p50),
+        "request_after_punch_p50_ms_median": med(after_p50),
+        "request_direct_to_relay_p50_ms_median": med(direct_p50),
+        "relayed_overhead_p50_ms_median": med(overhead),
+    }
+
+
+def targets(runs: int, heal_runs: int) -> dict[str, object]:
+    """Every figure of issue 13's targets on the emulated net, ``runs`` runs each (the heal
+    scenarios ``heal_runs`` each, at the default 1 s announce interval)."""
+    started = time.monotonic()
+    cone = [join_run("home2") for _ in range(runs)]
+    sym = [join_run("home3") for _ in range(runs)]
+    probe = probe_summary([one_run("home3", None) for _ in range(runs)], "home3")
+    heals = {kind: [heal_run(kind, 1.0) for _ in range(heal_runs)] for kind in ("cut", "partition")}
+    within = lambda r: r["served_by_holder"] and r["served_s"] <= 10.0  # noqa: E731
+    return {
+        "runs": runs,
+        "cone_joined_and_serving_within_10s": sum(1 for r in cone if within(r)),
+        "cone_direct_after_hole_punching": sum(1 for r in cone if r.get("direct_s") is not None),
+        "cone_served_s_median": statistics.median(r["served_s"] for r in cone),
+        "symmetric_served_through_relay": sum(1 for r in sym if r["served_by_holder"] and r["relayed_only"]),
+        "symmetric_served_s_median": statistics.median(r["served_s"] for r in sym),
+        "relayed_overhead_over_direct_p50_ms_median": probe["relayed_overhead_p50_ms_median"],
+        "probe": probe,
+        "heal": {kind: {
+            "runs": len(rs), "lost_requests": sum(r["lost"] for r in rs),
+            "requests": sum(r["requests"] for r in rs),
+            "reconverged_intervals": [r["reconverged_intervals"] for r in rs],
+        } for kind, rs in heals.items()},
+        "cone": cone, "symmetric": sym, "heal_runs": heals,
+        "wall_s": round(time.monotonic() - started, 1), "load": os.getloadavg(),
+    }
 
 
 def heal_run(kind: str, announce_s: float, keep: str | None = None) -> dict[str, object]:
@@ -227,36 +303,26 @@ def main() -> None:
     p.add_argument("--dest", default="home2", choices=("home2", "home3"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--swarm-key")
-    p.add_argument("--join", action="store_true")
+    p.add_argument("--join", action="store_true", help="join runs (real nodes) with --dest as the holder")
     p.add_argument("--heal", choices=("cut", "partition"), help="a cut relay link or a partition, healed")
+    p.add_argument("--targets", action="store_true", help="every figure of the issue's targets (--runs each)")
+    p.add_argument("--heal-runs", type=int, default=3, help="--targets: runs of each heal scenario")
     p.add_argument("--announce-interval", type=float, default=1.0)
-    p.add_argument("--keep", metavar="DIR", help="--heal: keep the node logs in DIR (one run)")
+    p.add_argument("--keep", metavar="DIR", help="--heal, --join: keep the node logs in DIR (one run)")
     args = p.parse_args()
+    if args.targets:
+        print(json.dumps(targets(args.runs, args.heal_runs)))
+        return
     if args.heal:
         heals = [heal_run(args.heal, args.announce_interval, args.keep) for _ in range(args.runs)]
         print(json.dumps({"heal": heals, "load": os.getloadavg()[0]}))
         return
     if args.join:
-        joins = [join_run() for _ in range(args.runs)]
+        joins = [join_run(args.dest, args.keep) for _ in range(args.runs)]
         print(json.dumps({"join": joins, "load": os.getloadavg()[0]}))
         return
     runs = [one_run(args.dest, args.swarm_key) for _ in range(args.runs)]
-    ok = [r for r in runs if isinstance(r.get("relay_dial"), dict) and r["relay_dial"]["event"] == "relay_dial_ok"]
-    punched = [r for r in ok if r["dcutr"]["ok"]]
-    relayed_p50 = [r["rtt"]["relayed_before_punch_p50_ms"] for r in ok]
-    after_p50 = [r["rtt"]["after_punch_p50_ms"] for r in ok]
-    direct_p50 = [r["rtt"]["direct_to_relay_p50_ms"] for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
-    print(json.dumps({
-        "dest": args.dest, "nat": "cone" if args.dest == "home2" else "symmetric",
-        "runs": args.runs, "relayed_ok": len(ok), "hole_punched": len(punched),
-        "reserve_s_median": statistics.median(r["reserve_s"] for r in ok) if ok else None,
-        "relayed_dial_s_median": statistics.median(r["relay_dial"]["s"] for r in ok) if ok else None,
-        "punch_s_median": statistics.median(r["dcutr"]["s"] for r in punched) if punched else None,
-        "request_relayed_p50_ms_median": statistics.median(relayed_p50) if relayed_p50 else None,
-        "request_after_punch_p50_ms_median": statistics.median(after_p50) if after_p50 else None,
-        "request_direct_to_relay_p50_ms_median": statistics.median(direct_p50) if direct_p50 else None,
-        "load": os.getloadavg()[0],
-    }))
+    print(json.dumps({**probe_summary(runs, args.dest), "load": os.getloadavg()[0]}))
 
 
 if __name__ == "__main__":
