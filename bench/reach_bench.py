@@ -2,8 +2,9 @@
 
 Per run: a relay in ``pub``, a destination behind a NAT (``--dest home2``: cone NAT, or
 ``home3``: symmetric NAT) that reserves a slot, a source in ``home1`` (cone NAT) that dials the
-destination through the relay, times 30 echo requests (each on a new stream), then tries a
-DCUtR hole punch and times 30 more; and 30 straight to the relay for comparison.
+destination through the relay, times 30 echo requests (each on a new stream), 30 round trips
+on one open stream and 30 bare stream opens, then tries a DCUtR hole punch and times 30 more
+requests; and 30 straight to the relay (new streams, then one open stream) for comparison.
 Prints one JSON object. Needs root and nft. Usage::
 
     python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
@@ -84,6 +85,8 @@ def one_run(dest: str, key: str | None) -> dict[str, object]:
             if dial["event"] == "relay_dial_ok":
                 result["dcutr"] = wait_event(net, "source", {"dcutr"}, 90)
                 result["rtt"] = wait_event(net, "source", {"rtt"}, 90)
+                result["reuse"] = wait_event(net, "source", {"reuse"}, 5)
+                result["direct_reuse"] = wait_event(net, "source", {"direct_reuse"}, 5)
             return result
         finally:
             for p in procs:
@@ -180,6 +183,11 @@ def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]
         "request_after_punch_p50_ms_median": med(after_p50),
         "request_direct_to_relay_p50_ms_median": med(direct_p50),
         "relayed_overhead_p50_ms_median": med(overhead),
+        # Where the relayed time goes: opening a stream (yamux + multistream negotiation, ~3
+        # round trips through the relay) against one round trip on an open stream.
+        "relayed_stream_open_p50_ms_median": med([r["reuse"]["relayed_open_p50_ms"] for r in ok if "reuse" in r]),
+        "relayed_open_stream_rtt_p50_ms_median": med([r["reuse"]["relayed_reused_p50_ms"] for r in ok if "reuse" in r]),
+        "direct_open_stream_rtt_p50_ms_median": med([r["direct_reuse"]["direct_reused_p50_ms"] for r in ok if "direct_reuse" in r]),
     }
 
 
