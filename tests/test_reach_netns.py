@@ -2,9 +2,14 @@
 reserve relay slots on it, and serve each other's requests through it.
 
 Topology: ``pub`` (bootstrap and relay, 10.200.0.1), ``home1`` and ``home2`` each behind its own
-cone NAT router, ``home3`` behind a symmetric (random-port) NAT. No home is reachable from
-outside; every namespace, link and process is removed by the fixture, also on failure. Skipped
-where network namespaces cannot be made (not root, no ``nft``).
+cone NAT router, ``home3`` behind a symmetric (random-port) NAT (and, for the partition,
+``pub2``: a second public node). No home is reachable from outside; every namespace, link and
+process is removed by the fixture, also on failure. Skipped where network namespaces cannot be
+made (not root, no ``nft``).
+
+Healing (a cut link, a partition) is asserted as 0 lost requests and reconvergence within a
+generous bound (HEAL_BOUND_S); how many announce intervals it took is printed here and measured
+by bench/reach_bench.py (docs/reach.md, "Healing").
 """
 
 from __future__ import annotations
