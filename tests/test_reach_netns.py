@@ -51,7 +51,7 @@ ANNOUNCE_S = 0.5
 #: What the tests allow for reconvergence after a heal (the issue's target, 3 announce
 #: intervals, is measured by bench/reach_bench.py --heal and reported in docs/reach.md: a
 #: test asserting it would fail on a loaded machine without anything being wrong).
-HEAL_BOUND_S = 90.0
+HEAL_BOUND_S = 150.0
 
 
 @pytest.fixture
