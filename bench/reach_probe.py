@@ -1,5 +1,5 @@
 """One role of the circuit-relay probe (run inside an emulated-internet namespace; see
-bench/net_bench.py --reach and docs/reach.md). Prints one JSON line per event.
+bench/reach_bench.py and docs/reach.md). Prints one JSON line per event.
 
     reach_probe.py relay  --listen MADDR
     reach_probe.py dest   --listen MADDR --relay MADDR/p2p/ID
@@ -88,7 +88,32 @@ async def main(args: argparse.Namespace) -> None:
                     assert reply == b"x" * 64
                 return rtts
 
+            async def timed_reused() -> list[float]:
+                rtts = []
+                stream = await host.open_stream(target_id, ECHO, timeout=10)
+                async with stream:
+                    for _ in range(args.n):
+                        t1 = time.monotonic()
+                        await stream.send(b"x" * 64)
+                        reply = await stream.receive(timeout=10)
+                        rtts.append(time.monotonic() - t1)
+                        assert reply == b"x" * 64
+                return rtts
+
+            async def timed_open() -> list[float]:
+                rtts = []
+                for _ in range(args.n):
+                    t1 = time.monotonic()
+                    stream = await host.open_stream(target_id, ECHO, timeout=10)
+                    rtts.append(time.monotonic() - t1)
+                    await stream.aclose()
+                return rtts
+
             rtts = await timed()
+            reused = await timed_reused()
+            opens = await timed_open()
+            say(event="reuse", relayed_reused_p50_ms=round(statistics.median(reused) * 1000, 2),
+                relayed_open_p50_ms=round(statistics.median(opens) * 1000, 2))
             await start_dcutr()
             if dcutr is not None:
                 t0 = time.monotonic()
@@ -108,6 +133,15 @@ async def main(args: argparse.Namespace) -> None:
                     t1 = time.monotonic()
                     await host.request(relay_id, ECHO, b"x" * 64, timeout=10)
                     direct.append(time.monotonic() - t1)
+                dreused = []
+                stream = await host.open_stream(relay_id, ECHO, timeout=10)
+                async with stream:
+                    for _ in range(args.n):
+                        t1 = time.monotonic()
+                        await stream.send(b"x" * 64)
+                        await stream.receive(timeout=10)
+                        dreused.append(time.monotonic() - t1)
+                say(event="direct_reuse", direct_reused_p50_ms=round(statistics.median(dreused) * 1000, 2))
             say(event="rtt", relayed_before_punch_p50_ms=round(statistics.median(rtts) * 1000, 2),
                 after_punch_p50_ms=round(statistics.median(after) * 1000, 2) if after else None,
                 direct_to_relay_p50_ms=round(statistics.median(direct) * 1000, 2) if direct else None,

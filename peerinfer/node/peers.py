@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Sequence
 
 import trio
 
@@ -26,7 +27,7 @@ from peerinfer.errors import (
     PeerInferError,
     ProtocolError,
 )
-from peerinfer.net import FramedStream, PeerEvent
+from peerinfer.net import FramedStream, Host, PeerEvent
 from peerinfer.node.options import (
     MAX_EXCHANGED_PEERS,
     MAX_PEER_TABLE,
@@ -37,6 +38,12 @@ from peerinfer.node.options import (
 )
 from peerinfer.trust import reputation_line
 from peerinfer.types import PeerId
+
+
+def _new_circuit(host: Host, peer: str, addrs: Sequence[str]) -> bool:
+    """Whether ``addrs`` (told for ``peer``) hold a relayed address we do not know yet."""
+    known = {a.removesuffix(f"/p2p/{peer}") for a in host.circuit_addrs(peer)}
+    return any("/p2p-circuit" in a and a.removesuffix(f"/p2p/{peer}") not in known for a in addrs)
 
 
 class PeersMixin:
@@ -120,7 +127,9 @@ class PeersMixin:
                 continue
             seen.add(peer)
             last = self._dialed_at.get(peer)
-            if last is not None and now - last < PEER_REDIAL_S:
+            if last is not None and now - last < PEER_REDIAL_S and not _new_circuit(host, peer, entry.addrs):
+                # (A relay address we did not know is a new way in: a peer behind a NAT that
+                # we failed to dial directly a moment ago is reachable now, not in 10 s.)
                 continue
             if not self._dial_bucket.take(now):
                 break
@@ -183,6 +192,11 @@ class PeersMixin:
     async def _peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
         assert self._nursery is not None
         async for ev in events:
+            if ev.kind in ("disconnected", "unresponsive", "misbehaved"):
+                # Swap peer lists again as soon as it is back (its next announcement): after a
+                # partition or a cut link, waiting for the periodic exchange (up to 15 s) would
+                # leave the peers it knows (behind NATs: reachable only so) undialed meanwhile.
+                self._exchanged.pop(ev.peer_id, None)
             if ev.kind == "connected":
                 self._feed(PeerSeen(PeerId(ev.peer_id)))
             elif ev.kind in ("unresponsive", "misbehaved"):

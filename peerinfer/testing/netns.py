@@ -8,15 +8,20 @@ Topology (every name carries the prefix ``pin<pid>-``, so runs never collide)::
     home1 10.1.0.2 --- router1 (cone NAT)      10.201.1.2 ---+
     home2 10.2.0.2 --- router2 (cone NAT)      10.201.2.2 ---+--- pub (10.200.0.1: bootstrap/relay)
     home3 10.3.0.2 --- router3 (symmetric NAT) 10.201.3.2 ---+
+                                                  (pub2: 10.200.0.2, a second public node)
 
 * ``pub`` is "the internet": it routes between the routers' uplinks and holds the public node's
-  address 10.200.0.1 on its loopback. No namespace has a route to any home network, so a home
+  address 10.200.0.1 on its loopback (and the site ``pub2``'s 10.200.0.2, for a second public
+  node: a relay on each side of a partition). No namespace has a route to any home network, so a home
   node can only be reached over a connection it opened itself (or one its router maps).
 * A router masquerades what leaves its uplink (nftables ``masquerade``: Linux keeps the source
   port where it can, an endpoint-independent "cone" mapping) and drops new inbound flows from
   the uplink. The symmetric router masquerades ``fully-random``: every new flow gets a random
   source port, so the port a peer saw cannot be reused by anyone else (hole punching fails).
 * All addresses exist only inside these namespaces; nothing is routed to the host's networks.
+* :meth:`Internet.partition` splits the swarm in two: nftables rules in ``pub`` drop every
+  packet between the two groups of sites (existing flows stall, new ones never open, as when
+  a real link fails silently); :meth:`Internet.heal` removes them.
 
 Processes inside a namespace are started with ``ip netns exec`` (node processes: see
 :meth:`Internet.spawn_node`). The test process itself talks to a namespace through
@@ -45,15 +50,21 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-from peerinfer.testing.cluster import NodeHandle, _die_with_parent, _new_identity, child_environment
+from peerinfer.testing.cluster import (
+    NodeHandle,
+    _die_with_parent,
+    _new_identity,
+    child_environment,
+)
 
 __all__ = [
     "Internet",
     "NetnsError",
+    "StatusWatch",
     "emulated_internet",
     "netns_unavailable",
     "run_in_netns",
@@ -65,6 +76,8 @@ PREFIX = "pin"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-\S+")
 _CLONE_NEWNET = 0x40000000
 PUBLIC_ADDR = "10.200.0.1"
+SECOND_PUBLIC_ADDR = "10.200.0.2"
+PARTITION_TABLE = "partition"
 NODE_PORT = 4737
 
 
@@ -119,6 +132,17 @@ def sweep_leftovers() -> list[str]:
     return swept
 
 
+def _enter_netns(namespace: str) -> None:
+    """Move the calling thread into ``namespace`` (``setns`` is per thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise NetnsError(f"setns({namespace}): {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
 def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
     """Run ``fn`` to completion in a fresh trio loop on a thread inside ``namespace``."""
     result: list[T] = []
@@ -126,13 +150,7 @@ def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
 
     def main() -> None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
-            try:
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    raise NetnsError(f"setns({namespace}): {os.strerror(ctypes.get_errno())}")
-            finally:
-                os.close(fd)
+            _enter_netns(namespace)
 
             async def body() -> None:
                 result.append(await fn())
@@ -147,6 +165,138 @@ def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def view_problem(status: dict[str, Any], others: Sequence[dict[str, Any]]) -> str | None:
+    """What is wrong in one node's view (``status``) of the nodes whose own statuses are
+    ``others``: one missing, or its cached tokens not as that node reports them (None: right)."""
+    seen = {p["peer_id"]: p for p in status["peers"]}
+    for other in others:
+        if other["peer_id"] == status["peer_id"]:
+            continue
+        p = seen.get(other["peer_id"])
+        tokens = other["cache"]["tokens"]
+        if p is None:
+            return f"{status['peer_id']} does not know {other['peer_id']}"
+        if p["cached_tokens"] != tokens or p["digest_age_s"] >= 1e10:
+            return f"{status['peer_id']} sees {p['cached_tokens']} tokens at {other['peer_id']}, which holds {tokens}"
+    return None
+
+
+class StatusWatch:
+    """Every node's status, polled every ``period_s`` from a thread in its site's namespace
+    (one client connection each, reopened when it fails), timestamped on this machine's
+    monotonic clock: the timeline of what each node knew, for measuring reconvergence
+    without the polling of one node waiting on another's. Use as a context manager
+    (:meth:`Internet.watch_statuses`); the threads stop on exit."""
+
+    def __init__(self, net: Internet, nodes: dict[str, NodeHandle], period_s: float = 0.1) -> None:
+        self.nodes = dict(nodes)
+        self.period_s = period_s
+        #: site -> [(monotonic time the reply came, status), ...]
+        self.samples: dict[str, list[tuple[float, dict[str, Any]]]] = {site: [] for site in nodes}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._poll, args=(net.sites[site].namespace, site, handle),
+                             name=f"status-{site}", daemon=True)
+            for site, handle in nodes.items()
+        ]
+
+    def __enter__(self) -> StatusWatch:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def _poll(self, namespace: str, site: str, handle: NodeHandle) -> None:
+        from peerinfer.client import Client
+
+        _enter_netns(namespace)
+
+        async def main() -> None:
+            while not self._stop.is_set():
+                with contextlib.suppress(Exception):  # a node not answering: reconnect, retry
+                    async with Client.connect(handle.addr, timeout_s=10) as client:
+                        while not self._stop.is_set():
+                            with trio.fail_after(10):
+                                status = await client.status()
+                            with self._lock:
+                                self.samples[site].append((time.monotonic(), status))
+                            await trio.sleep(self.period_s)
+                await trio.sleep(self.period_s)
+
+        trio.run(main)
+
+    def latest(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {site: s[-1][1] for site, s in self.samples.items() if s}
+
+    def converged_each(self, since: float) -> dict[str, float | None]:
+        """Per site, when after ``since`` its view of every other node (their cached tokens, as
+        they report them last) became right and stayed so: its first sample from which on all
+        agree; None while its latest sample does not."""
+        with self._lock:
+            samples = {site: list(s) for site, s in self.samples.items()}
+        latest = [s[-1][1] for s in samples.values() if s]
+        out: dict[str, float | None] = {}
+        for site, timeline in samples.items():
+            first = None
+            for t, status in timeline:
+                if t < since:
+                    continue
+                if len(latest) == len(samples) and view_problem(status, latest) is None:
+                    first = t if first is None else first
+                else:
+                    first = None
+            out[site] = first
+        return out
+
+    def problems_timeline(self, since: float, step_s: float = 1.0) -> list[str]:
+        """For diagnosis: every ``step_s`` after ``since``, what was wrong in each node's view
+        (its sample then, against the others' latest statuses)."""
+        with self._lock:
+            samples = {site: list(s) for site, s in self.samples.items()}
+        latest = [s[-1][1] for s in samples.values() if s]
+        names = {s[-1][1]["peer_id"]: site for site, s in samples.items() if s}
+        lines = []
+        end = max((s[-1][0] for s in samples.values() if s), default=since)
+        t = since
+        while t <= end + step_s:
+            for site, timeline in samples.items():
+                before = [st for at, st in timeline if at <= t]
+                problem = view_problem(before[-1], latest) if before else "no sample"
+                if problem is not None:
+                    for peer, name in names.items():
+                        problem = problem.replace(peer, name)
+                    lines.append(f"+{t - since:.0f}s {site}: {problem}")
+            t += step_s
+        return lines
+
+    def converged_at(self, since: float) -> float | None:
+        """When, after ``since``, every node's view was right (the latest of
+        :meth:`converged_each`); None while some node's is not."""
+        each = self.converged_each(since)
+        if any(t is None for t in each.values()):
+            return None
+        return max([since, *[t for t in each.values() if t is not None]])
+
+    def wait_converged(self, since: float, timeout_s: float) -> float:
+        """Seconds from ``since`` until every view is right (see :meth:`converged_at`); raises
+        NetnsError with what still disagrees after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            at = self.converged_at(since)
+            if at is not None:
+                return at - since
+            time.sleep(self.period_s)
+        latest = list(self.latest().values())
+        problems = [p for p in (view_problem(s, latest) for s in latest) if p is not None]
+        raise NetnsError(f"views did not reconverge within {timeout_s} s: {problems or 'no status yet'}")
 
 
 @dataclass
@@ -197,7 +347,9 @@ class Internet:
         pub = self._add_namespace("pub")
         self.exec(pub, "ip", "addr", "add", f"{PUBLIC_ADDR}/32", "dev", "lo")
         self.exec(pub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self.exec(pub, "ip", "addr", "add", f"{SECOND_PUBLIC_ADDR}/32", "dev", "lo")
         self.sites["pub"] = Site("pub", pub, PUBLIC_ADDR)
+        self.sites["pub2"] = Site("pub2", pub, SECOND_PUBLIC_ADDR)
         for i, (name, symmetric) in enumerate(homes, start=1):
             router = self._add_namespace(f"r{i}")
             home = self._add_namespace(f"h{i}")
@@ -238,6 +390,33 @@ class Internet:
         if up:  # a link going down takes its routes along; the router's default one comes back
             gateway = s.uplink.rsplit(".", 1)[0] + ".1" if s.uplink else ""
             self.exec(s.router, "ip", "route", "replace", "default", "via", gateway)
+
+    def _wan_addr(self, site: str) -> str:
+        """The address other sites see ``site``'s traffic come from (its router's uplink)."""
+        s = self.sites[site]
+        return s.uplink if s.uplink is not None else s.addr
+
+    def partition(self, group_a: Sequence[str], group_b: Sequence[str]) -> None:
+        """Split the swarm: drop every packet between a site of ``group_a`` and one of
+        ``group_b`` (in ``pub``, which carries all traffic between sites), both ways. Flows
+        inside a group are untouched. Undone by :meth:`heal` (and by deleting the namespaces)."""
+        if set(group_a) & set(group_b):
+            raise ValueError("a site cannot be on both sides of a partition")
+        a = ", ".join(self._wan_addr(x) for x in group_a)
+        b = ", ".join(self._wan_addr(x) for x in group_b)
+        rules = f"ip saddr {{ {a} }} ip daddr {{ {b} }} drop; ip saddr {{ {b} }} ip daddr {{ {a} }} drop"
+        chains = "".join(
+            f"  chain {hook} {{ type filter hook {hook} priority -10; policy accept; {rules}; }}\n"
+            for hook in ("input", "forward", "output")
+        )
+        self.heal()
+        _sh("ip", "netns", "exec", self.sites["pub"].namespace, "nft", "-f", "-",
+            input_text=f"table ip {PARTITION_TABLE} {{\n{chains}}}\n")
+
+    def heal(self) -> None:
+        """Remove the partition's rules (no-op when there is none)."""
+        pub = self.sites["pub"].namespace
+        self.exec(pub, "nft", "delete", "table", "ip", PARTITION_TABLE, check=False)
 
     def established_tcp_peers(self, site: str) -> set[str]:
         """The remote IPs of established TCP flows through ``site``'s router (its conntrack
@@ -303,6 +482,10 @@ class Internet:
                 late = [h for h in handles if not h.ready]
                 raise NetnsError("node(s) not ready:\n" + "\n".join(h.log_tail() for h in late))
             time.sleep(0.05)
+
+    def watch_statuses(self, nodes: dict[str, NodeHandle], period_s: float = 0.1) -> StatusWatch:
+        """Poll these nodes' statuses (``{site: node}``) in the background: see StatusWatch."""
+        return StatusWatch(self, nodes, period_s)
 
     def logs(self) -> str:
         return "\n".join(h.log_tail(60) for h in self.nodes)
