@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import multiaddr
 import trio
 from libp2p.network.stream.net_stream import INetStream
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
 from peerinfer.errors import PeerInferError
@@ -59,6 +59,13 @@ RELAY_CANDIDATES = 8
 RECHECK_S = 60.0
 #: How often the reservation's relay is checked to be still connected.
 WATCH_S = 1.0
+#: After py-libp2p's DCUtR has spent its attempts on a peer (3, then never again while the
+#: relayed connection lasts), its budget is given back after this long, doubling per peer up
+#: to PUNCH_RETRY_MAX_S: a punch that lost a race on a busy machine or router is tried again
+#: (measured: 1 cone pair in 10 stayed relayed for good), a symmetric NAT costs a few
+#: attempts per PUNCH_RETRY_MAX_S at most.
+PUNCH_RETRY_S = 15.0
+PUNCH_RETRY_MAX_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -271,7 +278,39 @@ async def _running_dcutr(host: Host) -> AsyncIterator[None]:
                     await stream.reset()
 
         host._h.set_stream_handler(DCUTR_PROTOCOL, gated)
-        yield
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_give_back_punch_budgets, dcutr)
+            yield
+            nursery.cancel_scope.cancel()
+
+
+async def _give_back_punch_budgets(dcutr: DCUtRProtocol) -> None:
+    """Retry hole punching with a relayed peer after DCUtR gave up (``PUNCH_RETRY_S``).
+
+    Reads and edits DCUtR's private attempt table: 0.8.1 has no public way to retry."""
+    retry_in: dict[object, float] = {}  # peer -> current wait before its budget comes back
+    due: dict[object, float] = {}  # peer -> when it comes back
+    while True:
+        await trio.sleep(1.0)
+        now = trio.current_time()
+        attempts = dcutr._hole_punch_attempts
+        for peer in list(due):  # forget peers DCUtR forgot (disconnected) or punched
+            if peer not in attempts or peer in dcutr._direct_connections:
+                due.pop(peer)
+                retry_in.pop(peer, None)
+        for peer, spent in list(attempts.items()):
+            if spent < MAX_HOLE_PUNCH_ATTEMPTS or peer in dcutr._direct_connections:
+                continue
+            if peer not in due:
+                wait = retry_in.get(peer, PUNCH_RETRY_S)
+                due[peer] = now + wait
+                retry_in[peer] = min(2 * wait, PUNCH_RETRY_MAX_S)
+            elif now >= due[peer]:
+                del due[peer]
+                logger.info("hole punching with %s again", peer)
+                attempts.pop(peer, None)
+        if len(retry_in) > 64 + 4 * len(attempts):  # bounded: drop peers long gone
+            retry_in = {p: w for p, w in retry_in.items() if p in attempts or p in due}
 
 
 def _is_circuit(addr: str) -> bool:
