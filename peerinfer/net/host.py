@@ -294,6 +294,8 @@ class Host:
         self._connections: dict[str, set[INetConn]] = defaultdict(set)
         self._banned: set[str] = set()
         self._disconnect_events: dict[str, trio.Event] = {}
+        #: set when a connection to the peer opens (see ``_dial``)
+        self._connect_events: dict[str, trio.Event] = {}
         self._inflight: dict[str, int] = defaultdict(int)
         self._liveness_failures: dict[str, int] = defaultdict(int)
         self._rtts: dict[str, float] = {}
@@ -462,12 +464,12 @@ class Host:
         peer = info.peer_id.to_base58()
         circuits = self.circuit_addrs(peer) if self.relay_dialer is not None else []
         if not circuits:
-            await self._within("connect", peer, deadline, lambda: self._h.connect(info))
+            await self._dial(info, deadline)
             return
         started = trio.current_time()
         direct_s = min(RELAYED_DIRECT_TRY_S, deadline / 3)
         try:
-            await self._within("connect", peer, direct_s, lambda: self._h.connect(info))
+            await self._dial(info, direct_s)
             if self.is_connected(peer):
                 return
         except RemoteError:
@@ -485,6 +487,24 @@ class Host:
             except Exception as exc:  # the relay refused, has no reservation, or is gone
                 last = exc
         raise PeerUnavailableError(f"connect: cannot reach {peer} directly or through a relay ({last})")
+
+    async def _dial(self, info: PeerInfo, deadline: float) -> None:
+        """libp2p's ``connect``, returning as soon as a connection to the peer is open.
+
+        py-libp2p 0.8.1's ``dial_peer`` waits out its whole happy-eyeballs head start
+        (``_HAPPY_EYEBALLS_DELAY``, 250 ms) after starting the dial of its last address, even
+        when that dial succeeded at once: every connect took at least 250 ms, twice over on a
+        newcomer's path into the swarm (its bootstrap, then the peers it learns of). The dial
+        runs on in ``_within``'s helper task and ends by itself; we stop waiting for it once
+        the connection is registered (our notifee saw it open).
+        """
+        peer = info.peer_id.to_base58()
+        opened = self._connect_events.setdefault(peer, trio.Event())
+        try:
+            await self._within("connect", peer, deadline, lambda: self._h.connect(info), done_when=opened)
+        finally:
+            if not opened.is_set() and self._connect_events.get(peer) is opened:
+                del self._connect_events[peer]  # bounded: only dials under way keep one
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -604,6 +624,7 @@ class Host:
         deadline: float,
         call: Callable[[], Awaitable[T]],
         discard: Callable[[T], Awaitable[None]] | None = None,
+        done_when: trio.Event | None = None,
     ) -> T:
         """``await call()``, giving up at ``deadline`` even if libp2p's cleanup is shielded.
 
@@ -614,6 +635,9 @@ class Host:
         the deadline we stop waiting and leave it behind (it ends when the connection does, at
         the latest when ``disconnect`` or shutdown aborts the socket), and a result that comes
         too late is handed to ``discard``.
+
+        ``done_when``: an event that, once set, ends the wait as if ``call`` had returned None
+        (``call`` goes on in its task; what it returns or raises later is dropped).
         """
         send, receive = trio.open_memory_channel[tuple[bool, object]](1)
 
@@ -625,11 +649,23 @@ class Host:
                     result = (False, exc)
                 try:
                     send.send_nowait(result)
-                except trio.BrokenResourceError:
+                except (trio.BrokenResourceError, trio.WouldBlock):  # gave up, or ended early
                     if result[0] and discard is not None:
                         await discard(result[1])  # type: ignore[arg-type]
 
-        self._nursery_or_closed().start_soon(worker)
+        async def early(event: trio.Event, scope: trio.CancelScope) -> None:
+            with scope:
+                await event.wait()
+                try:
+                    send.send_nowait((True, None))
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+        nursery = self._nursery_or_closed()
+        nursery.start_soon(worker)
+        early_scope = trio.CancelScope()
+        if done_when is not None:
+            nursery.start_soon(early, done_when, early_scope)
         with translated(operation, peer, deadline):
             try:
                 with trio.fail_after(deadline):
@@ -645,6 +681,7 @@ class Host:
                     pass
                 raise
             finally:
+                early_scope.cancel()
                 receive.close()
             if not ok:
                 assert isinstance(value, BaseException)
@@ -727,6 +764,9 @@ class Host:
     def _connection_opened(self, peer_id: str, conn: INetConn) -> None:
         first = not any(not c.is_closed for c in self._connections.get(peer_id, ()))
         self._connections[peer_id].add(conn)
+        opened = self._connect_events.pop(peer_id, None)
+        if opened is not None:
+            opened.set()
         if peer_id in self._banned:
             if self._nursery is not None and not self._closed:
                 self._nursery.start_soon(self.disconnect, peer_id)
@@ -829,10 +869,18 @@ class Host:
             else:
                 await stream.aclose()
 
-    async def open_stream(self, peer_id: str, protocol: str, *, timeout: float | None = None) -> FramedStream:
+    async def open_stream(
+        self, peer_id: str, protocol: str, *, timeout: float | None = None, lazy: bool = False
+    ) -> FramedStream:
         """Open a stream to ``peer_id`` speaking ``protocol`` (dialing known addresses if not
         connected). Raises ``PeerUnavailableError`` (unreachable, or protocol refused) or
-        ``RequestTimeoutError`` after ``timeout`` (default ``stream_timeout_s``)."""
+        ``RequestTimeoutError`` after ``timeout`` (default ``stream_timeout_s``).
+
+        ``lazy``: return as soon as the muxer has the stream, and negotiate ``protocol`` along
+        with the first frame (``peerinfer.net.framing``): two round trips fewer, but a refused
+        protocol is then reported by the first ``receive``, after our first frame went out.
+        For protocols the peer is expected to speak (a node's own), where a refusal is as good
+        as any other failure of the exchange."""
         self._check_open()
         pid = parse_peer_id(peer_id)
         deadline = self._config.stream_timeout_s if timeout is None else timeout
@@ -848,13 +896,15 @@ class Host:
             "open_stream",
             peer_id,
             deadline,
-            lambda: self._h.new_stream(pid, [TProtocol(protocol)]),
+            (lambda: self._network.new_stream(pid)) if lazy
+            else (lambda: self._h.new_stream(pid, [TProtocol(protocol)])),
             discard=_reset_stream,
         )
         return FramedStream(
             net_stream,
             max_frame_bytes=self._config.max_frame_bytes,
             timeout_s=self._config.stream_timeout_s,
+            negotiate=protocol if lazy else None,
         )
 
     async def request(
@@ -862,15 +912,16 @@ class Host:
     ) -> bytes:
         """Open a stream, send one frame, half-close, return the one-frame reply, close.
 
-        ``timeout`` bounds the whole exchange. A reset, or an end of stream without a reply,
-        is a PeerUnavailableError.
+        ``timeout`` bounds the whole exchange. A reset, an end of stream without a reply, or
+        a refused protocol is a PeerUnavailableError. The stream is opened lazily (see
+        ``open_stream``): the request travels with the protocol negotiation.
         """
         deadline = trio.current_time() + (self._config.stream_timeout_s if timeout is None else timeout)
 
         def left() -> float:
             return max(0.0, deadline - trio.current_time())
 
-        stream = await self.open_stream(peer_id, protocol, timeout=left())
+        stream = await self.open_stream(peer_id, protocol, timeout=left(), lazy=True)
         async with stream:
             await stream.send(data, timeout=left())
             await stream.close_write()

@@ -157,7 +157,11 @@ class ForwardingMixin:
     ) -> tuple[Event, GenerateDone | None]:
         started = trio.current_time()
         deadline = started + eff.first_token_timeout_s
-        stream = await host.open_stream(eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s)
+        # Lazily negotiated: the request travels with the protocol negotiation (two round
+        # trips fewer); a peer refusing the protocol fails at the first receive instead.
+        stream = await host.open_stream(
+            eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
+        )
         generated = check.generated
         async with stream:
             if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
