@@ -64,10 +64,12 @@ async def probe(rounds: int) -> None:
                 node = Node(options, engine=SimulatedEngine(costs=COSTS))
                 await nursery.start(node.serve)
                 nodes.append(node)
-            a, b = nodes
+                if len(nodes) == 1:  # B, alone, caches the prefix itself
+                    async with Client.connect(node.addresses()[0]) as to_b:
+                        await to_b.generate(SHARED + " warm", max_tokens=2)
+            b, a = nodes
             async with Client.connect(b.addresses()[0]) as to_b, \
                     Client.connect(a.addresses()[0]) as to_a:
-                await to_b.generate(SHARED + " warm", max_tokens=2)
                 with trio.fail_after(30):  # until A's view of B holds the prefix
                     while not any(
                         p.cached_tokens >= 300 for p in a.core.peers(trio.current_time())  # type: ignore[union-attr]

@@ -11,8 +11,8 @@ What it measures
   exchange on an eagerly negotiated stream (``open_stream`` waits for multistream-select's two
   round trips); a round trip on an already open stream; ping; gossip one and two hops.
 * **Forwarding overhead** (``forward_overhead_p50_ms``; target < 5 ms): two nodes in one
-  process, the simulated engine with fast costs. B caches a 300-word prefix; A's view of B's
-  digest holds it; then ``--rounds`` times, a request for that prefix (distinct suffixes of
+  process, the simulated engine with fast costs. B, alone, caches a 300-word prefix; A joins;
+  once A's view of B's digest holds the prefix, ``--rounds`` times, a request for that prefix (distinct suffixes of
   equal length, 2 tokens) goes straight to B, then to A, which forwards it to B. The figure is
   the median of the paired differences of the client-side time to first token (through A minus
   straight to B); also A's time in ``Host.open_stream`` per forward.
@@ -165,13 +165,14 @@ async def forward_figures(rounds: int) -> dict[str, Any]:
         async with trio.open_nursery() as nursery:
             b = Node(node_options(policy="longest_prefix"), engine=SimulatedEngine(costs=COSTS))
             await nursery.start(b.serve)
+            async with Client.connect(b.addresses()[0]) as to_b:  # alone, B serves it itself
+                await to_b.generate(SHARED + " warm", max_tokens=2)
             a = Node(node_options((b.addresses()[0],), policy="longest_prefix"),
                      engine=SimulatedEngine(costs=COSTS))
             await nursery.start(a.serve)
             assert a.host is not None and a.core is not None
             forwarder.append(a.host)
             async with Client.connect(b.addresses()[0]) as to_b, Client.connect(a.addresses()[0]) as to_a:
-                await to_b.generate(SHARED + " warm", max_tokens=2)
                 with trio.fail_after(30):  # until A's view of B holds the prefix
                     while not any(p.cached_tokens >= 300 for p in a.core.peers(trio.current_time())):
                         await trio.sleep(0.05)

@@ -10,6 +10,9 @@ owns, everything the node needs from the network:
   plaintext dialer can claim any peer id. With Noise only, every connection proves possession of
   the private key behind the peer id, so ``FramedStream.remote_peer`` and ``GossipMessage.sender``
   are authenticated.
+* **Muxer.** Yamux streams return receive-window credit once half the window is consumed,
+  not after nearly every read (``peerinfer.net.muxer``: half of a request's frames were window
+  updates).
 * **Limits.** A resource manager bounds pending and established connections (total, per
   direction, per peer); its memory limit (which refuses every connection once the *machine* is
   above 90 % memory, i.e. whenever a model is loaded), circuit breaker (five refusals block all
@@ -101,6 +104,7 @@ from peerinfer.errors import (
     RemoteError,
     RequestTimeoutError,
 )
+from peerinfer.net import muxer
 from peerinfer.net._errors import translated
 from peerinfer.net.admission import (
     ADMIT_PROTOCOL,
@@ -1226,6 +1230,7 @@ class Host:
 
 
 def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multiaddr.Multiaddr]) -> IHost:
+    muxer.install()  # yamux window credit without a frame per read (peerinfer.net.muxer)
     per_peer = config.max_connections_per_peer
     connection_config = ConnectionConfig(
         max_connections=config.max_connections,
