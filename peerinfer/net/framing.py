@@ -268,6 +268,17 @@ class FramedStream:
         """Whether we closed or reset this stream (not whether the peer did)."""
         return self._done
 
+    @property
+    def reusable(self) -> bool:
+        """Whether the stream can carry another exchange as far as we can tell without I/O:
+        neither side closed or reset it, no frame is half read or unread, negotiation is done."""
+        if self._done or self._buffer or self._pending_length is not None or self._answers_due:
+            return False
+        muxed = getattr(self._stream, "muxed_stream", None)
+        return not any(
+            getattr(muxed, flag, False) for flag in ("closed", "send_closed", "recv_closed", "reset_received")
+        )
+
     async def __aenter__(self) -> FramedStream:
         return self
 

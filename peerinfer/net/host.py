@@ -33,6 +33,14 @@ owns, everything the node needs from the network:
   slots (full: dropped and counted in ``statistics()``), bypassing libp2p's 32-slot queue.
   Our own ``publish`` is paced by a token bucket per topic and waits (briefly) for libp2p's
   32-RPC per-peer outbound queues to drain, rather than letting libp2p drop silently.
+* **Streams that cost less.** ``open_stream(..., lazy=True)`` (and ``request``) negotiate the
+  protocol along with the first frame instead of two round trips before it
+  (``peerinfer.net.framing``). ``keep_idle_stream``/``take_idle_stream`` keep a stream whose
+  exchange ended cleanly for the next exchange with the same peer and protocol (the node's
+  forwards; at most ``MAX_IDLE_STREAMS_PER_PEER`` per peer and protocol, ``MAX_IDLE_STREAMS``
+  in all, for ``IDLE_STREAM_TTL_S``; only for a peer still connected, admitted and not banned;
+  dropped when it disconnects). ``connect`` returns once the connection is open rather than
+  after py-libp2p's 250 ms happy-eyeballs head start (``_dial``).
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
   consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
@@ -155,6 +163,11 @@ MAX_CIRCUIT_PEERS = 1024
 RELAYED_DIRECT_TRY_S = 2.0
 #: Peers whose admission refusal was logged (once each); the oldest are forgotten beyond this.
 MAX_REFUSALS_LOGGED = 4096
+#: Streams kept for reuse (``keep_idle_stream``): per peer and protocol, in all, and for how
+#: long (well below the idle timeout a serving node gives a stream waiting for its next request).
+MAX_IDLE_STREAMS_PER_PEER = 2
+MAX_IDLE_STREAMS = 64
+IDLE_STREAM_TTL_S = 5.0
 
 T = TypeVar("T")
 
@@ -300,6 +313,8 @@ class Host:
         self._disconnect_events: dict[str, trio.Event] = {}
         #: set when a connection to the peer opens (see ``_dial``)
         self._connect_events: dict[str, trio.Event] = {}
+        #: streams kept for reuse, per (peer, protocol), oldest first, with when they were kept
+        self._idle_streams: OrderedDict[tuple[str, str], list[tuple[float, FramedStream]]] = OrderedDict()
         self._inflight: dict[str, int] = defaultdict(int)
         self._liveness_failures: dict[str, int] = defaultdict(int)
         self._rtts: dict[str, float] = {}
@@ -755,6 +770,7 @@ class Host:
         pid = parse_peer_id(peer_id)
         self._banned.add(peer_id)
         self._pubsub.add_to_blacklist(pid)
+        self._drop_idle_streams(peer_id)
         if self.is_connected(peer_id):
             self._nursery_or_closed().start_soon(self.disconnect, peer_id)
 
@@ -797,6 +813,7 @@ class Host:
             self._liveness_failures.pop(peer_id, None)
             self._rtts.pop(peer_id, None)
             self._admissions.pop(peer_id, None)
+            self._drop_idle_streams(peer_id)
             event = self._disconnect_events.pop(peer_id, None)
             if event is not None:
                 event.set()
@@ -910,6 +927,62 @@ class Host:
             timeout_s=self._config.stream_timeout_s,
             negotiate=protocol if lazy else None,
         )
+
+    def take_idle_stream(self, peer_id: str, protocol: str) -> FramedStream | None:
+        """A stream to ``peer_id`` on ``protocol`` kept by ``keep_idle_stream`` and still
+        usable as far as can be told without I/O, or None. Only for a peer still connected,
+        admitted and not banned (the stream is bound to the connection it was opened on, so
+        its ``remote_peer`` stays the authenticated one). The protocol must allow another
+        exchange on the stream; the caller must be ready for the peer having let it go
+        meanwhile (a reset or end of stream before any answer: open a new stream and repeat)."""
+        key = (peer_id, protocol)
+        kept = self._idle_streams.get(key)
+        if not kept:
+            return None
+        if self._closed or peer_id in self._banned or not self.is_admitted(peer_id):
+            self._drop_idle_streams(peer_id)
+            return None
+        now = trio.current_time()
+        found: FramedStream | None = None
+        while kept and found is None:
+            kept_at, stream = kept.pop()  # the most recently kept first
+            if now - kept_at < IDLE_STREAM_TTL_S and stream.reusable:
+                found = stream
+            else:
+                self._close_idle(stream)
+        if not kept:
+            del self._idle_streams[key]
+        return found
+
+    def keep_idle_stream(self, stream: FramedStream) -> None:
+        """Keep ``stream``, whose exchange ended cleanly, for the next one with the same peer
+        and protocol (``take_idle_stream``); bounded per peer, in all and in time, beyond which
+        the oldest are closed. A stream that cannot be reused is closed now."""
+        peer, key = stream.remote_peer, (stream.remote_peer, stream.protocol)
+        if self._closed or not stream.reusable or peer in self._banned or not self.is_admitted(peer):
+            self._close_idle(stream)
+            return
+        now = trio.current_time()
+        kept = self._idle_streams.setdefault(key, [])
+        self._idle_streams.move_to_end(key)
+        kept.append((now, stream))
+        while len(kept) > MAX_IDLE_STREAMS_PER_PEER or (kept and now - kept[0][0] >= IDLE_STREAM_TTL_S):
+            self._close_idle(kept.pop(0)[1])
+        while sum(len(k) for k in self._idle_streams.values()) > MAX_IDLE_STREAMS:
+            oldest_key = next(iter(self._idle_streams))
+            oldest = self._idle_streams[oldest_key]
+            self._close_idle(oldest.pop(0)[1])
+            if not oldest:
+                del self._idle_streams[oldest_key]
+
+    def _drop_idle_streams(self, peer_id: str) -> None:
+        for key in [k for k in self._idle_streams if k[0] == peer_id]:
+            for _, stream in self._idle_streams.pop(key):
+                self._close_idle(stream)
+
+    def _close_idle(self, stream: FramedStream) -> None:
+        if self._nursery is not None and not self._closed:
+            self._nursery.start_soon(stream.aclose)
 
     async def request(
         self, peer_id: str, protocol: str, data: bytes, *, timeout: float | None = None
