@@ -19,7 +19,8 @@ What it measures
 * **Join** (``join_confirmed_by_all_s``; target < 1.5 s): ``--members`` nodes in one process,
   joined; a newcomer bootstraps from one of them. The time from the newcomer's ``ready`` (it
   listens) until every member lists it with a confirmed digest (an announcement of it taken in)
-  equal to its own; the median of ``--joins`` newcomers, each stopped after its measurement.
+  equal to its own; the median of ``--joins`` newcomers, each stopped after its measurement
+  (and gone from the members' connections before the next starts).
   Also the time from its start to ``ready``.
 * With ``--processes N``: the same two node figures on ``N`` ``peerinfer node`` processes
   (``bench/cluster_bench.py``'s measurements, on an idle cluster of the simulated engine), where
@@ -247,6 +248,10 @@ async def join_figures(members: int, joins: int) -> dict[str, Any]:
                     confirmed_s.append(time.perf_counter() - ready)
                     ready_s.append(ready - started)
                     scope.cancel()
+            gone = newcomer.peer_id
+            with trio.move_on_after(10):  # the members saw it leave: no pings to it meanwhile
+                while any(gone in n.host.connected_peers() for n in nodes):  # type: ignore[union-attr]
+                    await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     return {
         "members": members,
