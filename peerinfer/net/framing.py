@@ -31,6 +31,9 @@ answers the header, then the protocol id, and only then hands the stream, our fr
 its buffer, to the handler. A refused protocol ("na") surfaces at the first ``receive`` as
 ``PeerUnavailableError`` (the listener never gives the bytes after a refused proposal to a
 handler: it reads them as another proposal, which fails, and resets the stream).
+
+Use: at most one task sending and one task receiving at a time. ``async with stream:`` closes
+it on exit, or resets it when the body raised.
 """
 
 from __future__ import annotations
