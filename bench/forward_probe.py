@@ -26,6 +26,7 @@ from peerinfer.core.costmodel import CostModel  # noqa: E402
 from peerinfer.engine.simulated import SimulatedEngine  # noqa: E402
 from peerinfer.net import Host  # noqa: E402
 from peerinfer.node import Node, NodeOptions  # noqa: E402
+from peerinfer.node.options import GENERATE_PROTOCOL  # noqa: E402
 
 COSTS = CostModel(
     prefill_s_per_token=0.0004, cached_s_per_token=0.00001, decode_s_per_token=0.002,
@@ -43,17 +44,19 @@ async def probe(rounds: int) -> None:
     opens: list[float] = []
     original = Host.open_stream
 
-    async def timed_open(self: Host, *args: object, **kwargs: object) -> object:
+    async def timed_open(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
         started = time.perf_counter()
         try:
-            return await original(self, *args, **kwargs)  # type: ignore[arg-type]
+            return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
         finally:
-            opens.append(time.perf_counter() - started)
+            # A's forwards only (not the clients' streams, nor pings).
+            if len(nodes) == 2 and self is nodes[1].host and protocol == GENERATE_PROTOCOL:
+                opens.append(time.perf_counter() - started)
 
+    nodes: list[Node] = []
     Host.open_stream = timed_open  # type: ignore[method-assign,assignment]
     try:
         async with trio.open_nursery() as nursery:
-            nodes = []
             for _ in range(2):
                 options = NodeOptions(
                     engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False,
@@ -64,10 +67,12 @@ async def probe(rounds: int) -> None:
                 node = Node(options, engine=SimulatedEngine(costs=COSTS))
                 await nursery.start(node.serve)
                 nodes.append(node)
-            a, b = nodes
+                if len(nodes) == 1:  # B, alone, caches the prefix itself
+                    async with Client.connect(node.addresses()[0]) as to_b:
+                        await to_b.generate(SHARED + " warm", max_tokens=2)
+            b, a = nodes
             async with Client.connect(b.addresses()[0]) as to_b, \
                     Client.connect(a.addresses()[0]) as to_a:
-                await to_b.generate(SHARED + " warm", max_tokens=2)
                 with trio.fail_after(30):  # until A's view of B holds the prefix
                     while not any(
                         p.cached_tokens >= 300 for p in a.core.peers(trio.current_time())  # type: ignore[union-attr]

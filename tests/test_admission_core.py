@@ -68,6 +68,20 @@ def test_only_a_peer_that_answered_directly_becomes_a_member() -> None:
     assert [f.peer for f in effects if isinstance(f, Forward)] == ["B"]
 
 
+def test_a_connection_asks_for_a_ping_even_just_after_gossip_did() -> None:
+    """A newcomer is often heard of through gossip (the ping then asked for goes nowhere: there
+    is no direct connection yet) a moment before it connects: the connection's ping is still
+    asked for at once, not ``ping_after_s`` later."""
+    a = make()
+    heard = a.handle(AnnounceReceived(PeerId("N"), announce("N", holding([1]))), 0.0)
+    assert [e.peer for e in heard if isinstance(e, PingPeer)] == ["N"]
+    connected = a.handle(PeerSeen(PeerId("N")), 0.1)
+    assert [e.peer for e in connected if isinstance(e, PingPeer)] == ["N"]
+    # Gossip alone stays rate-limited.
+    again = a.handle(AnnounceReceived(PeerId("N"), announce("N", holding([1]))), 0.2)
+    assert not [e for e in again if isinstance(e, PingPeer)]
+
+
 def test_each_refusal_is_reported_once_per_peer_and_reason() -> None:
     a = make()
     a.handle(PeerSeen(PeerId("B"), rtt_s=0.001), 0.0)

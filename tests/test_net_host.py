@@ -209,6 +209,101 @@ async def test_frames_stream_both_ways_until_a_clean_end() -> None:
             await stream.receive()  # we closed it
 
 
+async def test_a_lazily_negotiated_stream_carries_frames_both_ways() -> None:
+    """The first frame travels with the protocol proposal; the handler sees the authenticated
+    dialer, frames of any size pass both ways, and a receive before any send still works."""
+    async with open_host(config()) as a, open_host(config()) as b:
+        seen_by: list[str] = []
+
+        async def greet_then_echo(stream: FramedStream) -> None:
+            seen_by.append(stream.remote_peer)
+            await stream.send(b"hello")
+            await echo(stream)
+
+        b.set_handler("/test/echo/1", echo)
+        b.set_handler("/test/greet/1", greet_then_echo)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/echo/1", lazy=True)
+        assert stream.protocol == "/test/echo/1" and stream.remote_peer == b.peer_id
+        async with stream:
+            for frame in [b"first", os.urandom(200_000), b""]:
+                await stream.send(frame)
+                assert await stream.receive() == frame
+        greeter = await a.open_stream(b.peer_id, "/test/greet/1", lazy=True)
+        async with greeter:
+            assert await greeter.receive() == b"hello"  # nothing sent yet: the proposal goes alone
+            await greeter.send(b"again")
+            assert await greeter.receive() == b"again"
+        assert seen_by == [a.peer_id]
+        # A half-close before any frame still completes the negotiation for the listener.
+        quiet = await a.open_stream(b.peer_id, "/test/echo/1", lazy=True)
+        async with quiet:
+            await quiet.close_write()
+            with pytest.raises(trio.EndOfChannel):
+                await quiet.receive()
+
+
+async def test_a_lazily_refused_protocol_fails_the_first_receive() -> None:
+    async with open_host(config()) as a, open_host(config()) as b:
+        b.set_handler("/test/echo/1", echo)
+        await a.connect(b.listen_addrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/nobody-serves-this/1", lazy=True)
+        await stream.send(b"anyone?")
+        with pytest.raises(PeerUnavailableError, match="refused the protocol"):
+            await stream.receive()
+        assert stream.closed  # reset, as after any failure
+        with pytest.raises(PeerUnavailableError, match="refused the protocol"):
+            await a.request(b.peer_id, "/test/nobody-serves-this/1", b"q")
+        # The connection is unharmed.
+        assert await a.request(b.peer_id, "/test/echo/1", b"still here") == b"still here"
+
+
+async def test_window_credit_goes_back_per_half_window_not_per_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small exchange sends no window updates beyond the stream's SYN/ACK/FIN; a 4 MiB
+    transfer (16 windows) completes, with one credit frame per half window consumed."""
+    import struct
+
+    from libp2p.stream_muxer.yamux import yamux
+
+    from peerinfer.net.muxer import CREDIT_THRESHOLD_BYTES
+
+    credit: list[int] = []
+    write_frame = yamux.Yamux._write_frame
+
+    async def counting(self: yamux.Yamux, data: bytes) -> None:
+        _, kind, flags, _, length = struct.unpack(yamux.YAMUX_HEADER_FORMAT, data[: yamux.HEADER_SIZE])
+        if kind == yamux.TYPE_WINDOW_UPDATE and not flags:
+            credit.append(length)
+        await write_frame(self, data)
+
+    monkeypatch.setattr(yamux.Yamux, "_write_frame", counting)
+    async with open_host(config()) as a, open_host(config()) as b:
+        received: list[int] = []
+
+        async def sink(stream: FramedStream) -> None:
+            async for frame in stream:
+                received.append(len(frame))
+            await stream.send(b"done")
+
+        b.set_handler("/test/echo/1", echo)
+        b.set_handler("/test/sink/1", sink)
+        await a.connect(b.listen_addrs()[0])
+        assert await a.request(b.peer_id, "/test/echo/1", b"x" * 100) == b"x" * 100
+        assert credit == []
+        chunk = 100_000
+        total = 4 * 1024 * 1024
+        async with await a.open_stream(b.peer_id, "/test/sink/1", lazy=True) as stream:
+            for _ in range(total // chunk):
+                await stream.send(os.urandom(chunk))
+            await stream.close_write()
+            assert await stream.receive() == b"done"
+        assert sum(received) == chunk * (total // chunk)
+        assert all(c >= CREDIT_THRESHOLD_BYTES for c in credit)
+        assert len(credit) <= total // CREDIT_THRESHOLD_BYTES + 2
+
+
 async def test_unknown_protocol_and_unknown_peer_are_unavailable() -> None:
     async with open_host(config()) as a, open_host(config()) as b:
         await a.connect(b.listen_addrs()[0])

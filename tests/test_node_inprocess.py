@@ -181,3 +181,68 @@ async def test_a_dead_peer_costs_no_request() -> None:
         assert all(r.completion_tokens == 2 for r in results)
         assert all(r.served_by == survivor.peer_id for r in results)
         outer.cancel_scope.cancel()
+
+
+async def _holder_and_asker() -> AsyncIterator[tuple[Node, Node]]:
+    """B holds SHARED (cached while alone); A joins and knows it."""
+    async with trio.open_nursery() as nursery:
+        b = Node(options(), engine=SimulatedEngine(costs=COSTS))
+        await nursery.start(b.serve)
+        async with Client.connect(addr(b)) as client:
+            await client.generate(SHARED + " warm", max_tokens=2)
+        a = Node(options(bootstrap=(addr(b),)), engine=SimulatedEngine(costs=COSTS))
+        await nursery.start(a.serve)
+        await wait_until(
+            lambda: any(p.cached_tokens >= 256 for p in a.core.peers(trio.current_time()))  # type: ignore[union-attr]
+        )
+        try:
+            yield b, a
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+holder_and_asker = asynccontextmanager(_holder_and_asker)
+
+
+async def test_forwards_to_a_peer_reuse_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consecutive forwards to the same peer go over one kept stream: one stream opened for
+    five forwards, each answered by the holder (its authenticated id), nothing failed over."""
+    from peerinfer.net import Host
+    from peerinfer.node.options import GENERATE_PROTOCOL
+
+    opened: list[str] = []
+    original = Host.open_stream
+
+    async def counting(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
+        if protocol == GENERATE_PROTOCOL:
+            opened.append(peer_id)
+        return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+
+    async with holder_and_asker() as (b, a):
+        monkeypatch.setattr(Host, "open_stream", counting)
+        async with Client.connect(addr(a)) as client:
+            results = [await client.generate(SHARED + f" q{i}", max_tokens=2) for i in range(5)]
+        assert all(r.served_by == b.peer_id and r.completion_tokens == 2 for r in results)
+        assert opened.count(b.peer_id) == 1  # the client's own stream goes to A, the rest reuse
+        assert a.core.statistics().failovers == 0  # type: ignore[union-attr]
+
+
+async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder drops its end of the kept stream (its idle timeout) while the asker still
+    believes it usable: the next forward fails on it before any answer and goes again on a new
+    stream, still to the holder, without a failover."""
+    import peerinfer.node.door as door
+    from peerinfer.net import FramedStream
+
+    monkeypatch.setattr(door, "GENERATE_IDLE_TIMEOUT_S", 0.05)
+    # The asker cannot see that the stream is gone (as when the reset is still on its way).
+    monkeypatch.setattr(FramedStream, "reusable", property(lambda self: not self.closed))
+    async with holder_and_asker() as (b, a):
+        async with Client.connect(addr(a)) as client:
+            first = await client.generate(SHARED + " one", max_tokens=2)
+            await trio.sleep(0.3)  # the holder resets the idle stream
+            second = await client.generate(SHARED + " two", max_tokens=2)
+        assert first.served_by == b.peer_id and second.served_by == b.peer_id
+        assert second.completion_tokens == 2
+        stats = a.core.statistics()  # type: ignore[union-attr]
+        assert stats.failovers == 0 and stats.served_locally == 0

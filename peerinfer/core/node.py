@@ -1777,12 +1777,21 @@ class NodeCore:
         if ev.peer == self.peer_id:
             return []
         if ev.rtt_s is None and ev.peer not in self._peers:
-            # Connected, not yet answered: a member once a ping comes back.
+            # Connected, not yet answered: a member once a ping comes back. A ping asked
+            # earlier (for gossip heard from it) went nowhere without a direct connection, so
+            # it does not hold this one back (else a newcomer heard of through gossip first
+            # waited ping_after_s for its membership).
+            self._ping_asked.pop(ev.peer, None)
             effects: list[Effect] = []
             self._ask_ping(ev.peer, now, effects)
             return effects
         self._catch_up_peer(ev.peer)  # before it is heard from now
         self._ping_asked.pop(ev.peer, None)
+        if ev.rtt_s is not None and ev.peer not in self._peers:
+            # A new member holds no digest of ours: it refused what we announced before it
+            # made us a member, which its own ping of us (crossing ours) does about now.
+            # Announce again one gap from now rather than a whole interval later.
+            self._next_announce = min(self._next_announce, now + self.config.min_announce_gap_s)
         st = self._peer(ev.peer, now)
         st.last_seen = now
         if ev.rtt_s is not None:

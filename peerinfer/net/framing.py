@@ -21,6 +21,17 @@ stream object (so a reset is ``PeerUnavailableError``, not ``EndOfChannel``). Pr
 still end with an explicit final frame (a "done" message): a peer that closes cleanly in the
 middle of an answer, having given up, is indistinguishable from one that finished.
 
+Lazy protocol negotiation (``Host.open_stream(..., lazy=True)``): multistream-select costs two
+round trips before the first byte of a protocol can move (the multistream header, then the
+protocol id, each answered by the listener). A stream opened lazily writes both proposals in
+front of its first frame, in one write, and reads and checks the listener's two answers before
+its first frame in: the request travels with the negotiation, one round trip instead of three
+(go-libp2p's "lazy" client negotiation does the same). The listener is standard libp2p: it
+answers the header, then the protocol id, and only then hands the stream, our frame already in
+its buffer, to the handler. A refused protocol ("na") surfaces at the first ``receive`` as
+``PeerUnavailableError`` (the listener never gives the bytes after a refused proposal to a
+handler: it reads them as another proposal, which fails, and resets the stream).
+
 Use: at most one task sending and one task receiving at a time. ``async with stream:`` closes
 it on exit, or resets it when the body raised.
 """
@@ -32,8 +43,10 @@ from types import TracebackType
 
 import trio
 from libp2p.abc import INetStream
+from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
-from libp2p.utils.varint import encode_uvarint
+from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID, PROTOCOL_NOT_FOUND_MSG
+from libp2p.utils.varint import encode_delim, encode_uvarint
 
 from peerinfer.errors import (
     ClosedError,
@@ -52,6 +65,8 @@ READ_CHUNK = 64 * 1024
 MAX_VARINT_BYTES = 10
 #: Closing or resetting writes one muxer frame; on a hung connection even that can block.
 CLOSE_TIMEOUT_S = 1.0
+#: The largest multistream-select answer we read during a lazy negotiation (a protocol id).
+MAX_NEGOTIATION_BYTES = 1024
 
 
 def _parse_varint(buffer: bytearray) -> tuple[int, int] | None:
@@ -80,7 +95,10 @@ class FramedStream:
         *,
         max_frame_bytes: int,
         timeout_s: float,
+        negotiate: str | None = None,
     ) -> None:
+        """``negotiate``: a protocol id to negotiate lazily (see the module docstring) on a
+        stream fresh from the muxer; None for a stream already negotiated."""
         self._stream = net_stream
         self._max_frame_bytes = max_frame_bytes
         self._timeout_s = timeout_s
@@ -89,7 +107,14 @@ class FramedStream:
         self._done = False
         #: The verified peer id at the other end (proven by the Noise handshake).
         self.remote_peer: str = peer_id_text(net_stream)
-        #: The protocol id negotiated for this stream.
+        #: Lazy negotiation: the proposals not written yet, and whether the answers are due.
+        self._proposal = b""
+        self._answers_due = False
+        if negotiate is not None:
+            self._proposal = encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(negotiate.encode())
+            self._answers_due = True
+            net_stream.set_protocol(TProtocol(negotiate))
+        #: The protocol id of this stream (negotiated, or being negotiated lazily).
         self.protocol: str = str(net_stream.get_protocol())
 
     def __repr__(self) -> str:
@@ -106,7 +131,8 @@ class FramedStream:
         deadline = self._timeout_s if timeout is None else timeout
         try:
             with translated("send", self.remote_peer, deadline), trio.fail_after(deadline):
-                await self._stream.write(encode_uvarint(len(data)) + bytes(data))
+                proposal, self._proposal = self._proposal, b""
+                await self._stream.write(proposal + encode_uvarint(len(data)) + bytes(data))
         except RemoteError:
             await self.reset()
             raise
@@ -116,6 +142,7 @@ class FramedStream:
         try:
             with translated("close_write", self.remote_peer, CLOSE_TIMEOUT_S):
                 with trio.fail_after(CLOSE_TIMEOUT_S):
+                    await self._write_proposal()
                     # NetStream has close_write (a yamux FIN); the INetStream interface does not.
                     close_write = getattr(self._stream, "close_write", None)
                     await (self._stream.close() if close_write is None else close_write())
@@ -137,10 +164,35 @@ class FramedStream:
         deadline = self._timeout_s if timeout is None else timeout
         try:
             with translated("receive", self.remote_peer, deadline), trio.fail_after(deadline):
+                if self._answers_due:
+                    await self._read_answers()
                 return await self._read_frame(limit)
         except RemoteError:
             await self.reset()
             raise
+
+    async def _write_proposal(self) -> None:
+        proposal, self._proposal = self._proposal, b""
+        if proposal:
+            await self._stream.write(proposal)
+
+    async def _read_answers(self) -> None:
+        """Lazy negotiation: check the listener's answers to our two proposals."""
+        await self._write_proposal()  # a receive before any send
+        for wanted in (MULTISELECT_PROTOCOL_ID, self.protocol):
+            try:
+                answer = await self._read_frame(MAX_NEGOTIATION_BYTES)
+            except trio.EndOfChannel:
+                raise PeerUnavailableError(
+                    f"{self.remote_peer} ended the stream while negotiating {self.protocol}"
+                ) from None
+            if answer == PROTOCOL_NOT_FOUND_MSG.encode() + b"\n":
+                raise PeerUnavailableError(f"{self.remote_peer} refused the protocol {self.protocol}")
+            if answer != wanted.encode() + b"\n":
+                raise ProtocolError(
+                    f"{self.remote_peer} answered {answer[:64]!r} to the proposal {wanted!r}"
+                )
+        self._answers_due = False
 
     async def _read_frame(self, limit: int) -> bytes:
         while True:
@@ -218,6 +270,17 @@ class FramedStream:
     def closed(self) -> bool:
         """Whether we closed or reset this stream (not whether the peer did)."""
         return self._done
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the stream can carry another exchange as far as we can tell without I/O:
+        neither side closed or reset it, no frame is half read or unread, negotiation is done."""
+        if self._done or self._buffer or self._pending_length is not None or self._answers_due:
+            return False
+        muxed = getattr(self._stream, "muxed_stream", None)
+        return not any(
+            getattr(muxed, flag, False) for flag in ("closed", "send_closed", "recv_closed", "reset_received")
+        )
 
     async def __aenter__(self) -> FramedStream:
         return self

@@ -10,6 +10,9 @@ owns, everything the node needs from the network:
   plaintext dialer can claim any peer id. With Noise only, every connection proves possession of
   the private key behind the peer id, so ``FramedStream.remote_peer`` and ``GossipMessage.sender``
   are authenticated.
+* **Muxer.** Yamux streams return receive-window credit once half the window is consumed,
+  not after nearly every read (``peerinfer.net.muxer``: half of a request's frames were window
+  updates).
 * **Limits.** A resource manager bounds pending and established connections (total, per
   direction, per peer); its memory limit (which refuses every connection once the *machine* is
   above 90 % memory, i.e. whenever a model is loaded), circuit breaker (five refusals block all
@@ -30,6 +33,14 @@ owns, everything the node needs from the network:
   slots (full: dropped and counted in ``statistics()``), bypassing libp2p's 32-slot queue.
   Our own ``publish`` is paced by a token bucket per topic and waits (briefly) for libp2p's
   32-RPC per-peer outbound queues to drain, rather than letting libp2p drop silently.
+* **Streams that cost less.** ``open_stream(..., lazy=True)`` (and ``request``) negotiate the
+  protocol along with the first frame instead of two round trips before it
+  (``peerinfer.net.framing``). ``keep_idle_stream``/``take_idle_stream`` keep a stream whose
+  exchange ended cleanly for the next exchange with the same peer and protocol (the node's
+  forwards; at most ``MAX_IDLE_STREAMS_PER_PEER`` per peer and protocol, ``MAX_IDLE_STREAMS``
+  in all, for ``IDLE_STREAM_TTL_S``; only for a peer still connected, admitted and not banned;
+  dropped when it disconnects). ``connect`` returns once the connection is open rather than
+  after py-libp2p's 250 ms happy-eyeballs head start (``_dial``).
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
   consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
@@ -101,6 +112,7 @@ from peerinfer.errors import (
     RemoteError,
     RequestTimeoutError,
 )
+from peerinfer.net import muxer
 from peerinfer.net._errors import translated
 from peerinfer.net.admission import (
     ADMIT_PROTOCOL,
@@ -151,6 +163,11 @@ MAX_CIRCUIT_PEERS = 1024
 RELAYED_DIRECT_TRY_S = 2.0
 #: Peers whose admission refusal was logged (once each); the oldest are forgotten beyond this.
 MAX_REFUSALS_LOGGED = 4096
+#: Streams kept for reuse (``keep_idle_stream``): per peer and protocol, in all, and for how
+#: long (well below the idle timeout a serving node gives a stream waiting for its next request).
+MAX_IDLE_STREAMS_PER_PEER = 2
+MAX_IDLE_STREAMS = 64
+IDLE_STREAM_TTL_S = 5.0
 
 T = TypeVar("T")
 
@@ -294,6 +311,10 @@ class Host:
         self._connections: dict[str, set[INetConn]] = defaultdict(set)
         self._banned: set[str] = set()
         self._disconnect_events: dict[str, trio.Event] = {}
+        #: set when a connection to the peer opens (see ``_dial``)
+        self._connect_events: dict[str, trio.Event] = {}
+        #: streams kept for reuse, per (peer, protocol), oldest first, with when they were kept
+        self._idle_streams: OrderedDict[tuple[str, str], list[tuple[float, FramedStream]]] = OrderedDict()
         self._inflight: dict[str, int] = defaultdict(int)
         self._liveness_failures: dict[str, int] = defaultdict(int)
         self._rtts: dict[str, float] = {}
@@ -462,12 +483,12 @@ class Host:
         peer = info.peer_id.to_base58()
         circuits = self.circuit_addrs(peer) if self.relay_dialer is not None else []
         if not circuits:
-            await self._within("connect", peer, deadline, lambda: self._h.connect(info))
+            await self._dial(info, deadline)
             return
         started = trio.current_time()
         direct_s = min(RELAYED_DIRECT_TRY_S, deadline / 3)
         try:
-            await self._within("connect", peer, direct_s, lambda: self._h.connect(info))
+            await self._dial(info, direct_s)
             if self.is_connected(peer):
                 return
         except RemoteError:
@@ -485,6 +506,24 @@ class Host:
             except Exception as exc:  # the relay refused, has no reservation, or is gone
                 last = exc
         raise PeerUnavailableError(f"connect: cannot reach {peer} directly or through a relay ({last})")
+
+    async def _dial(self, info: PeerInfo, deadline: float) -> None:
+        """libp2p's ``connect``, returning as soon as a connection to the peer is open.
+
+        py-libp2p 0.8.1's ``dial_peer`` waits out its whole happy-eyeballs head start
+        (``_HAPPY_EYEBALLS_DELAY``, 250 ms) after starting the dial of its last address, even
+        when that dial succeeded at once: every connect took at least 250 ms, twice over on a
+        newcomer's path into the swarm (its bootstrap, then the peers it learns of). The dial
+        runs on in ``_within``'s helper task and ends by itself; we stop waiting for it once
+        the connection is registered (our notifee saw it open).
+        """
+        peer = info.peer_id.to_base58()
+        opened = self._connect_events.setdefault(peer, trio.Event())
+        try:
+            await self._within("connect", peer, deadline, lambda: self._h.connect(info), done_when=opened)
+        finally:
+            if not opened.is_set() and self._connect_events.get(peer) is opened:
+                del self._connect_events[peer]  # bounded: only dials under way keep one
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -604,6 +643,7 @@ class Host:
         deadline: float,
         call: Callable[[], Awaitable[T]],
         discard: Callable[[T], Awaitable[None]] | None = None,
+        done_when: trio.Event | None = None,
     ) -> T:
         """``await call()``, giving up at ``deadline`` even if libp2p's cleanup is shielded.
 
@@ -614,6 +654,9 @@ class Host:
         the deadline we stop waiting and leave it behind (it ends when the connection does, at
         the latest when ``disconnect`` or shutdown aborts the socket), and a result that comes
         too late is handed to ``discard``.
+
+        ``done_when``: an event that, once set, ends the wait as if ``call`` had returned None
+        (``call`` goes on in its task; what it returns or raises later is dropped).
         """
         send, receive = trio.open_memory_channel[tuple[bool, object]](1)
 
@@ -625,11 +668,23 @@ class Host:
                     result = (False, exc)
                 try:
                     send.send_nowait(result)
-                except trio.BrokenResourceError:
+                except (trio.BrokenResourceError, trio.WouldBlock):  # gave up, or ended early
                     if result[0] and discard is not None:
                         await discard(result[1])  # type: ignore[arg-type]
 
-        self._nursery_or_closed().start_soon(worker)
+        async def early(event: trio.Event, scope: trio.CancelScope) -> None:
+            with scope:
+                await event.wait()
+                try:
+                    send.send_nowait((True, None))
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+        nursery = self._nursery_or_closed()
+        nursery.start_soon(worker)
+        early_scope = trio.CancelScope()
+        if done_when is not None:
+            nursery.start_soon(early, done_when, early_scope)
         with translated(operation, peer, deadline):
             try:
                 with trio.fail_after(deadline):
@@ -645,6 +700,7 @@ class Host:
                     pass
                 raise
             finally:
+                early_scope.cancel()
                 receive.close()
             if not ok:
                 assert isinstance(value, BaseException)
@@ -714,6 +770,7 @@ class Host:
         pid = parse_peer_id(peer_id)
         self._banned.add(peer_id)
         self._pubsub.add_to_blacklist(pid)
+        self._drop_idle_streams(peer_id)
         if self.is_connected(peer_id):
             self._nursery_or_closed().start_soon(self.disconnect, peer_id)
 
@@ -727,6 +784,9 @@ class Host:
     def _connection_opened(self, peer_id: str, conn: INetConn) -> None:
         first = not any(not c.is_closed for c in self._connections.get(peer_id, ()))
         self._connections[peer_id].add(conn)
+        opened = self._connect_events.pop(peer_id, None)
+        if opened is not None:
+            opened.set()
         if peer_id in self._banned:
             if self._nursery is not None and not self._closed:
                 self._nursery.start_soon(self.disconnect, peer_id)
@@ -753,6 +813,7 @@ class Host:
             self._liveness_failures.pop(peer_id, None)
             self._rtts.pop(peer_id, None)
             self._admissions.pop(peer_id, None)
+            self._drop_idle_streams(peer_id)
             event = self._disconnect_events.pop(peer_id, None)
             if event is not None:
                 event.set()
@@ -829,10 +890,18 @@ class Host:
             else:
                 await stream.aclose()
 
-    async def open_stream(self, peer_id: str, protocol: str, *, timeout: float | None = None) -> FramedStream:
+    async def open_stream(
+        self, peer_id: str, protocol: str, *, timeout: float | None = None, lazy: bool = False
+    ) -> FramedStream:
         """Open a stream to ``peer_id`` speaking ``protocol`` (dialing known addresses if not
         connected). Raises ``PeerUnavailableError`` (unreachable, or protocol refused) or
-        ``RequestTimeoutError`` after ``timeout`` (default ``stream_timeout_s``)."""
+        ``RequestTimeoutError`` after ``timeout`` (default ``stream_timeout_s``).
+
+        ``lazy``: return as soon as the muxer has the stream, and negotiate ``protocol`` along
+        with the first frame (``peerinfer.net.framing``): two round trips fewer, but a refused
+        protocol is then reported by the first ``receive``, after our first frame went out.
+        For protocols the peer is expected to speak (a node's own), where a refusal is as good
+        as any other failure of the exchange."""
         self._check_open()
         pid = parse_peer_id(peer_id)
         deadline = self._config.stream_timeout_s if timeout is None else timeout
@@ -848,29 +917,88 @@ class Host:
             "open_stream",
             peer_id,
             deadline,
-            lambda: self._h.new_stream(pid, [TProtocol(protocol)]),
+            (lambda: self._network.new_stream(pid)) if lazy
+            else (lambda: self._h.new_stream(pid, [TProtocol(protocol)])),
             discard=_reset_stream,
         )
         return FramedStream(
             net_stream,
             max_frame_bytes=self._config.max_frame_bytes,
             timeout_s=self._config.stream_timeout_s,
+            negotiate=protocol if lazy else None,
         )
+
+    def take_idle_stream(self, peer_id: str, protocol: str) -> FramedStream | None:
+        """A stream to ``peer_id`` on ``protocol`` kept by ``keep_idle_stream`` and still
+        usable as far as can be told without I/O, or None. Only for a peer still connected,
+        admitted and not banned (the stream is bound to the connection it was opened on, so
+        its ``remote_peer`` stays the authenticated one). The protocol must allow another
+        exchange on the stream; the caller must be ready for the peer having let it go
+        meanwhile (a reset or end of stream before any answer: open a new stream and repeat)."""
+        key = (peer_id, protocol)
+        kept = self._idle_streams.get(key)
+        if not kept:
+            return None
+        if self._closed or peer_id in self._banned or not self.is_admitted(peer_id):
+            self._drop_idle_streams(peer_id)
+            return None
+        now = trio.current_time()
+        found: FramedStream | None = None
+        while kept and found is None:
+            kept_at, stream = kept.pop()  # the most recently kept first
+            if now - kept_at < IDLE_STREAM_TTL_S and stream.reusable:
+                found = stream
+            else:
+                self._close_idle(stream)
+        if not kept:
+            del self._idle_streams[key]
+        return found
+
+    def keep_idle_stream(self, stream: FramedStream) -> None:
+        """Keep ``stream``, whose exchange ended cleanly, for the next one with the same peer
+        and protocol (``take_idle_stream``); bounded per peer, in all and in time, beyond which
+        the oldest are closed. A stream that cannot be reused is closed now."""
+        peer, key = stream.remote_peer, (stream.remote_peer, stream.protocol)
+        if self._closed or not stream.reusable or peer in self._banned or not self.is_admitted(peer):
+            self._close_idle(stream)
+            return
+        now = trio.current_time()
+        kept = self._idle_streams.setdefault(key, [])
+        self._idle_streams.move_to_end(key)
+        kept.append((now, stream))
+        while len(kept) > MAX_IDLE_STREAMS_PER_PEER or (kept and now - kept[0][0] >= IDLE_STREAM_TTL_S):
+            self._close_idle(kept.pop(0)[1])
+        while sum(len(k) for k in self._idle_streams.values()) > MAX_IDLE_STREAMS:
+            oldest_key = next(iter(self._idle_streams))
+            oldest = self._idle_streams[oldest_key]
+            self._close_idle(oldest.pop(0)[1])
+            if not oldest:
+                del self._idle_streams[oldest_key]
+
+    def _drop_idle_streams(self, peer_id: str) -> None:
+        for key in [k for k in self._idle_streams if k[0] == peer_id]:
+            for _, stream in self._idle_streams.pop(key):
+                self._close_idle(stream)
+
+    def _close_idle(self, stream: FramedStream) -> None:
+        if self._nursery is not None and not self._closed:
+            self._nursery.start_soon(stream.aclose)
 
     async def request(
         self, peer_id: str, protocol: str, data: bytes, *, timeout: float | None = None
     ) -> bytes:
         """Open a stream, send one frame, half-close, return the one-frame reply, close.
 
-        ``timeout`` bounds the whole exchange. A reset, or an end of stream without a reply,
-        is a PeerUnavailableError.
+        ``timeout`` bounds the whole exchange. A reset, an end of stream without a reply, or
+        a refused protocol is a PeerUnavailableError. The stream is opened lazily (see
+        ``open_stream``): the request travels with the protocol negotiation.
         """
         deadline = trio.current_time() + (self._config.stream_timeout_s if timeout is None else timeout)
 
         def left() -> float:
             return max(0.0, deadline - trio.current_time())
 
-        stream = await self.open_stream(peer_id, protocol, timeout=left())
+        stream = await self.open_stream(peer_id, protocol, timeout=left(), lazy=True)
         async with stream:
             await stream.send(data, timeout=left())
             await stream.close_write()
@@ -1175,6 +1303,7 @@ class Host:
 
 
 def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multiaddr.Multiaddr]) -> IHost:
+    muxer.install()  # yamux window credit without a frame per read (peerinfer.net.muxer)
     per_peer = config.max_connections_per_peer
     connection_config = ConnectionConfig(
         max_connections=config.max_connections,

@@ -31,10 +31,15 @@ from peerinfer.errors import (
     InvalidRequestError,
     PeerInferError,
     ProtocolError,
+    RequestTimeoutError,
 )
 from peerinfer.net import FramedStream
 from peerinfer.node.options import TOKEN_GAP_TIMEOUT_S, logger
 from peerinfer.types import PeerId, RequestId
+
+#: How long a generate stream waits for its next request once one ended (well above
+#: ``peerinfer.net.host.IDLE_STREAM_TTL_S``, how long a forwarding peer keeps it).
+GENERATE_IDLE_TIMEOUT_S = 15.0
 
 
 @dataclass(slots=True)
@@ -128,25 +133,37 @@ class DoorMixin:
     """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
 
     async def _serve_generate(self, stream: FramedStream) -> None:
-        """A client (or a peer forwarding) asks for a completion; stream it back."""
-        try:
-            frame = await stream.receive()
-            req = decode(frame, expected=GenerateRequest)
-            assert isinstance(req, GenerateRequest)
-        except ProtocolError as exc:
-            with contextlib.suppress(PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError):
-                await stream.send(encode(ErrorMessage("", "protocol", str(exc))))
-            return
-        except trio.EndOfChannel:
-            return
-        try:
-            async with self.submit(req, requester=stream.remote_peer, local=False) as events:
-                async for item in events:
-                    await stream.send(encode(item))
-        except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            # Leaving submit() cancelled the work, wherever it ran.
-            logger.info("request %s from %s: stream ended early (%s)", req.request_id,
-                        stream.remote_peer, type(exc).__name__)
+        """A client (or a peer forwarding) asks for a completion; stream it back.
+
+        After a request's final event the stream may carry the next request (a forwarding
+        peer keeps it for its next forward, ``Host.keep_idle_stream``); it ends at the other
+        side's end of stream, or after ``GENERATE_IDLE_TIMEOUT_S`` without a next request."""
+        first = True
+        while True:
+            try:
+                frame = await stream.receive(timeout=None if first else GENERATE_IDLE_TIMEOUT_S)
+                req = decode(frame, expected=GenerateRequest)
+                assert isinstance(req, GenerateRequest)
+            except ProtocolError as exc:
+                with contextlib.suppress(PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send(encode(ErrorMessage("", "protocol", str(exc))))
+                return
+            except trio.EndOfChannel:
+                return
+            except RequestTimeoutError:
+                if first:
+                    raise
+                return  # idle: the stream was reset
+            first = False
+            try:
+                async with self.submit(req, requester=stream.remote_peer, local=False) as events:
+                    async for item in events:
+                        await stream.send(encode(item))
+            except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                # Leaving submit() cancelled the work, wherever it ran.
+                logger.info("request %s from %s: stream ended early (%s)", req.request_id,
+                            stream.remote_peer, type(exc).__name__)
+                return
 
     @contextlib.asynccontextmanager
     async def submit(

@@ -4,6 +4,7 @@ reporting the first token, the end or a failure to the core."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import TracebackType
 
 import trio
 
@@ -24,12 +25,13 @@ from peerinfer.core.node import (
     ForwardFirstToken,
 )
 from peerinfer.errors import (
+    PeerUnavailableError,
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
     error_kind,
 )
-from peerinfer.net import Host
+from peerinfer.net import FramedStream, Host
 from peerinfer.node.door import _Sink
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
 
@@ -86,6 +88,37 @@ class _RelayCheck:
         )
 
 
+class _KeptStreamGone(Exception):
+    """A stream kept from an earlier forward failed before any answer: the peer let it go."""
+
+
+class _StreamUse:
+    """One forward's use of a generate stream: reset on failure; after a clean ``GenerateDone``
+    (``keep``) kept for the peer's next forward (``Host.keep_idle_stream``), else closed. A
+    kept stream (``reused``) that fails before its first answer raises ``_KeptStreamGone``."""
+
+    def __init__(self, host: Host, stream: FramedStream, reused: bool) -> None:
+        self.host, self.stream, self.reused = host, stream, reused
+        self.answered = False
+        self.keep = False
+
+    async def __aenter__(self) -> _StreamUse:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None:
+            await self.stream.reset()
+            if self.reused and not self.answered and isinstance(exc, PeerUnavailableError | trio.EndOfChannel):
+                raise _KeptStreamGone(str(exc)) from exc
+            return
+        if self.keep:
+            self.host.keep_idle_stream(self.stream)
+        else:
+            await self.stream.aclose()
+
+
 class ForwardingMixin:
     """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
 
@@ -112,7 +145,7 @@ class ForwardingMixin:
         with trio.CancelScope() as scope:
             sink.forward_scope = scope
             try:
-                outcome, done = await self._forward_attempt(host, eff, sink, check)
+                outcome, done = await self._forward_on_kept_or_new_stream(host, eff, sink, check)
             except ProtocolError as exc:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "protocol", tuple(check.generated))
                 logger.info("forward to %s: %s", eff.peer, exc)
@@ -152,20 +185,41 @@ class ForwardingMixin:
         if outcome is not None:
             self._feed(outcome)
 
-    async def _forward_attempt(
+    async def _forward_on_kept_or_new_stream(
         self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
+    ) -> tuple[Event, GenerateDone | None]:
+        """A forward reuses a stream kept from the last one to the same peer when it can (no
+        stream to open, no protocol to negotiate); if the peer let that stream go, which shows
+        before any answer, the request goes again on a new stream, under another id."""
+        try:
+            return await self._forward_attempt(host, eff, sink, check)
+        except _KeptStreamGone as exc:
+            logger.debug("a kept stream to %s was gone (%s); forwarding on a new one", eff.peer, exc)
+            return await self._forward_attempt(host, eff, sink, check, after_kept_stream_gone=True)
+
+    async def _forward_attempt(
+        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck,
+        after_kept_stream_gone: bool = False,
     ) -> tuple[Event, GenerateDone | None]:
         started = trio.current_time()
         deadline = started + eff.first_token_timeout_s
-        stream = await host.open_stream(eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s)
+        stream = None if after_kept_stream_gone else host.take_idle_stream(eff.peer, GENERATE_PROTOCOL)
+        reused = stream is not None
+        if stream is None:
+            # Lazily negotiated: the request travels with the protocol negotiation (two round
+            # trips fewer); a peer refusing the protocol fails at the first receive instead.
+            stream = await host.open_stream(
+                eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
+            )
         generated = check.generated
-        async with stream:
+        async with _StreamUse(host, stream, reused) as use:
             if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
                 raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
             await stream.send(
                 encode(
                     GenerateRequest(
-                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}",
+                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
+                        + ("r" if after_kept_stream_gone else ""),
                         params=eff.params,
                         tokens=eff.tokens,
                         forwarded=True,
@@ -179,6 +233,7 @@ class ForwardingMixin:
             while True:
                 timeout = max(0.01, deadline - trio.current_time()) if first_at is None else TOKEN_GAP_TIMEOUT_S
                 frame = await stream.receive(timeout=timeout)
+                use.answered = True
                 msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
                 if isinstance(msg, TokenChunk):
                     broken = check.chunk(msg.token_ids, msg.text)
@@ -196,6 +251,7 @@ class ForwardingMixin:
                         logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
                         return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
                     ttft = (first_at if first_at is not None else trio.current_time()) - started
+                    use.keep = True  # the peer serves the next request on this stream
                     return (
                         ForwardFinished(
                             eff.request_id,

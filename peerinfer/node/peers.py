@@ -215,3 +215,14 @@ class PeersMixin:
             self._feed(PeerLost(peer))
             return
         self._feed(PeerSeen(peer, rtt_s=rtt))
+        if peer not in self._exchanged and peer in self._bootstrap_peers() and self._is_member(peer):
+            # A bootstrap peer is a node (we were told so): swap peer lists as soon as it is a
+            # member rather than at its first announcement, so a newcomer meets the swarm sooner.
+            self._exchanged[peer] = None
+            if len(self._exchanged) > MAX_PEER_TABLE:
+                self._exchanged.popitem(last=False)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._exchange_peers, peer)
+
+    def _bootstrap_peers(self) -> set[str]:
+        return {a.rsplit("/p2p/", 1)[-1] for a in self.options.bootstrap if "/p2p/" in a}

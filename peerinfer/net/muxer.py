@@ -1,0 +1,51 @@
+"""Yamux receive-window credit as go-yamux gives it: once half the window is consumed.
+
+py-libp2p 0.8.1's yamux answers nearly every read of a stream with a WINDOW_UPDATE frame: a
+read of a few bytes returns that much credit ("release on read", on by default) and, within
+four round trips of the previous update, doubles the stream's target window (256 KiB, then 512
+KiB, ... up to 16 MiB), each time in another frame. A request and its one-frame reply cost 16
+muxer frames on loopback, 7 of them window updates, each one a Noise encryption, a socket write
+and, at the other end, a read and a dispatch, all in front of the next data frame (measured
+here: ``bench/net_bench.py``, docs/performance.md).
+
+``install()`` replaces that policy, process-wide, with go-yamux's plain rule: count what the
+reader consumed and give it back in one WINDOW_UPDATE once it reaches half the default window
+(256 KiB). A stream's window then stays 256 KiB (no auto-tuning): at most 256 KiB in flight per
+stream, plenty for token streams and sync replies (5 MB/s per stream even at a 50 ms round
+trip). The sender never stalls while the reader keeps up, since credit comes back half a window
+ahead. Window updates are standard yamux, so peers without this change interoperate.
+"""
+
+from __future__ import annotations
+
+from libp2p.stream_muxer.yamux import yamux
+
+#: Credit goes back once this much of a stream's receive window has been read.
+CREDIT_THRESHOLD_BYTES = yamux.DEFAULT_WINDOW_SIZE // 2
+
+_original = yamux.YamuxStream._auto_tune_and_send_window_update
+
+
+async def _credit_when_half_consumed(self: yamux.YamuxStream, *, bytes_read: int = 0) -> None:
+    async with self.window_lock:
+        self._pending_recv_release += bytes_read
+        pending = self._pending_recv_release
+        if pending < CREDIT_THRESHOLD_BYTES:
+            return
+        self._pending_recv_release = 0
+        self.recv_window += pending
+    # Outside the lock, as libp2p does: inbound window updates take it too.
+    await self.send_window_update(pending, skip_lock=True)
+
+
+def install() -> None:
+    """Use the half-window credit rule for every yamux stream of this process (idempotent)."""
+    yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consumed  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Back to py-libp2p's own policy (for measurements)."""
+    yamux.YamuxStream._auto_tune_and_send_window_update = _original  # type: ignore[method-assign]
+
+
+__all__ = ["CREDIT_THRESHOLD_BYTES", "install", "uninstall"]
