@@ -82,7 +82,8 @@ def _prompt(prefix: int, k: int) -> str:
 
 
 async def _network(
-    kind: str, requests: int, prefixes: int, seed: int, settle_s: float, n_nodes: int = 8
+    kind: str, requests: int, prefixes: int, seed: int, settle_s: float, n_nodes: int = 8,
+    gap_s: float = 0.0,
 ) -> dict[str, Any]:
     from peerinfer.engine.simulated import SimulatedEngine
 
@@ -164,6 +165,7 @@ async def _network(
             before = core.statistics().forwarded
             p = rng.randrange(prefixes)
             result = await clients[o].generate(_prompt(p, i), max_tokens=8)
+            await trio.sleep(gap_s)  # --gap-s: time for announcements between requests
             served_by[result.served_by] += 1
             forwarded += core.statistics().forwarded - before
             now_s = trio.current_time()
@@ -195,6 +197,7 @@ async def _network(
         ),
         "liar_standing_at_origins": dict(standings),
         "wall_s": round(elapsed, 2),
+        "gap_s": gap_s,
     }
 
 
@@ -576,6 +579,8 @@ def main() -> None:
     ap.add_argument("--audit-rate", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=8, help="nodes in the real-node scenarios (--only digest/tarpit), the liar included")
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="real-node scenarios: pause after each request (announcements are 1 s apart)")
     ap.add_argument("--settle-s", type=float, default=60.0, help="how long the network may take to learn the liar's digest")
     ap.add_argument("--hf", action="store_true", help="also measure the audit cost on the real model")
     ap.add_argument("--cost-prompts", type=int, default=5)
@@ -592,9 +597,9 @@ def main() -> None:
     if "core_tarpit" in only:
         out["core_tarpit"] = _core_network("tarpit", args.requests, args.prefixes, args.seed)
     if "digest" in only:
-        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s, args.nodes)
+        out["digest"] = trio.run(_network, "digest", args.requests, args.prefixes, args.seed, args.settle_s, args.nodes, args.gap_s)
     if "tarpit" in only:
-        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s, args.nodes)
+        out["tarpit"] = trio.run(_network, "tarpit", args.tarpit_requests, args.prefixes, args.seed, args.settle_s, args.nodes, args.gap_s)
     if "audit" in only:
         out["audit"] = _audit_scenario(args.runs, args.audit_rate, args.seed)
     if "audit_cost" in only and args.hf:
