@@ -213,7 +213,7 @@ def assert_complete_and_honest(
         assert len(answer.ids) == MAX_TOKENS
     assert answer.final.completion_tokens == MAX_TOKENS
     if served_by is not None:
-        assert answer.final.served_by == served_by
+        assert answer.final.served_by == served_by, list(origin.recent_decisions)[-3:]
 
 
 # --------------------------------------------------------------------------------------------

@@ -194,6 +194,19 @@ class GuardedPubsub(Pubsub):
             return
         await super().stream_handler(stream)
 
+    async def _teardown_if_connected(self, peer_id: ID) -> None:
+        # 0.8.1's version does `del self.peers[peer_id]` after awaiting the stream's reset, by
+        # which time the disconnect handler may have removed the peer: the KeyError ended the
+        # pubsub service and with it the node (seen when a ban blacklists a connected peer).
+        stream = self.peers.get(peer_id)
+        if stream is not None:
+            try:
+                await stream.reset()
+            except Exception:
+                pass
+            self.peers.pop(peer_id, None)
+        self._forget_all_subscriptions(peer_id)
+
     def _report(self, peer_id: ID, reason: str) -> None:
         try:
             self._on_violation(peer_id.to_base58(), reason)
