@@ -656,7 +656,8 @@ class CostPolicy:
         full = self._estimate(c, request, memo, slots)
         rtt = 0.0 if c.is_local else c.rtt_s
         # full - rtt = 0.5 * T / slots + the backlog and prefill next to slots - 1 decoders
-        n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots)
+        # (+1e-9: a tie with the runner-up must not round down below what it already runs)
+        n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots + 1e-9)
         if n >= slots:
             return min(n, 1 << 30)
         # Not even a full batch fits: the most running requests whose backlog still does.
