@@ -81,6 +81,7 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
     p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
     _add_swarm_options(p, join=True)
+    p.add_argument("--upnp", action="store_true", help="ask the home router to forward our port by UPnP (off by default: it opens a port on your router)")
     p.add_argument("--no-relay-service", action="store_true", help="never relay for peers behind NATs (default: relay, bounded, once found publicly reachable)")
     p.add_argument("--relay-circuit-bytes", type=_bytes_amount, help="bytes one relayed connection through this node may carry, e.g. 64M (default: 64M)")
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
@@ -155,6 +156,7 @@ def _run_node(args: argparse.Namespace) -> int:
         trust_swarm="swarm" in (args.trust or ()),
         audit_rate=args.audit_rate,
         relay_service=not args.no_relay_service,
+        upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,
     )
     node = Node(options, engine=_load_engine_verbosely(options))

@@ -19,6 +19,9 @@ Algorithm (one task per node, :func:`run_reach`)
 4. Every ``RECHECK_S`` the test and reservation are redone (a reservation is refreshed well
    within its TTL).
 
+With ``upnp`` (off by default), a port mapping is asked of the router before the first test
+(net/upnp.py); where one is made, the test finds the port open and no relay is needed.
+
 Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
 circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
 one by hole punching (py-libp2p's DCUtR, TCP with SO_REUSEPORT from the listen port) where
@@ -45,6 +48,7 @@ from peerinfer.net.framing import FramedStream
 from peerinfer.net.host import Host, parse_peer_id
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.relay import HOP_PROTOCOL, Relay, RelaySettings, open_relay
+from peerinfer.net.upnp import open_port_mapping
 
 __all__ = ["DIALBACK_PROTOCOL", "ReachSettings", "ReachState", "run_reach"]
 
@@ -76,11 +80,13 @@ class ReachSettings:
     #: allow (cone NATs that drop unsolicited packets; never a symmetric NAT).
     hole_punching: bool = True
     relay: RelaySettings = field(default_factory=RelaySettings)
+    #: Ask the router for a port mapping by UPnP first (``peerinfer node --upnp``; net/upnp.py).
+    upnp: bool = False
 
     @classmethod
-    def of(cls, relay_service: bool, circuit_bytes: int | None = None) -> ReachSettings:
+    def of(cls, relay_service: bool, circuit_bytes: int | None = None, upnp: bool = False) -> ReachSettings:
         relay = RelaySettings() if circuit_bytes is None else RelaySettings(circuit_bytes=circuit_bytes)
-        return cls(relay_service=relay_service, relay=relay)
+        return cls(relay_service=relay_service, relay=relay, upnp=upnp)
 
 
 @dataclass
@@ -92,6 +98,8 @@ class ReachState:
     relaying_for_others: bool = False
     #: relay peer id -> our address through it
     reservations: dict[str, str] = field(default_factory=dict)
+    #: our address through the router's UPnP port mapping (None: none asked for, or none made)
+    upnp_addr: str | None = None
 
 
 def _listen_port(host: Host) -> int | None:
@@ -343,6 +351,14 @@ async def run_reach(
         host.reach_state = reach.state
         task_status.started(reach.state)
         try:
+            port = _listen_port(host)
+            if settings.upnp and port is not None:
+                # Before the first dial-back test, which then finds the mapped port open.
+                mapping = await open_port_mapping(host, port)
+                if mapping is not None:
+                    stack.push_async_callback(mapping.close)
+                    reach.state.upnp_addr = mapping.addr
+                    on_addrs_changed()
             await reach.run()
         finally:
             host.relay_dialer = None

@@ -93,6 +93,8 @@ class NodeOptions:
     replica_budget_blocks: int | None = None
     #: relay circuits for NATed peers once we prove reachable (peerinfer.net.reach)
     relay_service: bool = True
+    #: ask the home router for a port mapping by UPnP (peerinfer.net.upnp); off: it opens a port
+    upnp: bool = False
     #: bytes one relayed circuit through us may carry before we close it (None: the default)
     relay_circuit_bytes: int | None = None
     #: the wall clock, seconds (tests step it); it only seeds epochs, never a timer

@@ -222,7 +222,7 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
                 nursery.start_soon(self._engine_worker, scheduler)
                 await nursery.start(
                     functools.partial(run_reach, on_addrs_changed=self._spread_addrs),
-                    host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes),
+                    host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
                 )
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))

@@ -69,6 +69,7 @@ __all__ = [
     "netns_unavailable",
     "run_in_netns",
     "sweep_leftovers",
+    "upnp_gateway_unavailable",
 ]
 
 T = TypeVar("T")
@@ -79,6 +80,8 @@ PUBLIC_ADDR = "10.200.0.1"
 SECOND_PUBLIC_ADDR = "10.200.0.2"
 PARTITION_TABLE = "partition"
 NODE_PORT = 4737
+#: The UPnP gateway run in a router for ``emulated_internet(upnp=...)`` (Debian: miniupnpd-nftables).
+UPNP_DAEMON = "/usr/sbin/miniupnpd"
 
 
 class NetnsError(RuntimeError):
@@ -94,6 +97,13 @@ def netns_unavailable() -> str | None:
     for tool in ("ip", "nft"):
         if shutil.which(tool) is None:
             return f"'{tool}' is not installed (make system-packages installs nftables)"
+    return None
+
+
+def upnp_gateway_unavailable() -> str | None:
+    """Why a router cannot run a UPnP gateway here, or None when it can."""
+    if not Path(UPNP_DAEMON).exists():
+        return f"'{UPNP_DAEMON}' is not installed (make system-packages installs miniupnpd-nftables)"
     return None
 
 
@@ -319,6 +329,8 @@ class Internet:
     sites: dict[str, Site] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
     nodes: list[NodeHandle] = field(default_factory=list)
+    #: other processes started in the namespaces (the UPnP gateways)
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
     python: str = sys.executable
 
     def ns(self, role: str) -> str:
@@ -342,8 +354,9 @@ class Internet:
             self.exec(ns, "ip", "addr", "add", addr, "dev", ifname)
             self.exec(ns, "ip", "link", "set", ifname, "up")
 
-    def build(self, homes: Sequence[tuple[str, bool]]) -> None:
-        """Create ``pub`` and, per ``(name, symmetric)``, a router and a home behind it."""
+    def build(self, homes: Sequence[tuple[str, bool]], upnp: Sequence[str] = ()) -> None:
+        """Create ``pub`` and, per ``(name, symmetric)``, a router and a home behind it; the
+        routers of the homes named in ``upnp`` run a UPnP gateway (see :meth:`_serve_upnp`)."""
         pub = self._add_namespace("pub")
         self.exec(pub, "ip", "addr", "add", f"{PUBLIC_ADDR}/32", "dev", "lo")
         self.exec(pub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
@@ -353,10 +366,14 @@ class Internet:
         for i, (name, symmetric) in enumerate(homes, start=1):
             router = self._add_namespace(f"r{i}")
             home = self._add_namespace(f"h{i}")
-            uplink = f"10.201.{i}.2"
-            self._link(router, "wan", f"{uplink}/24", pub, f"r{i}", f"10.201.{i}.1/24")
+            # A UPnP gateway refuses to map ports behind a private external address (a second
+            # NAT would stand in front), so its router's uplink is in a public-looking block
+            # (11/8: never routed on the internet, and nothing leaves these namespaces anyway).
+            wan_net = f"11.201.{i}" if name in upnp else f"10.201.{i}"
+            uplink = f"{wan_net}.2"
+            self._link(router, "wan", f"{uplink}/24", pub, f"r{i}", f"{wan_net}.1/24")
             self._link(home, "eth0", f"10.{i}.0.2/24", router, "lan", f"10.{i}.0.1/24")
-            self.exec(router, "ip", "route", "add", "default", "via", f"10.201.{i}.1")
+            self.exec(router, "ip", "route", "add", "default", "via", f"{wan_net}.1")
             self.exec(home, "ip", "route", "add", "default", "via", f"10.{i}.0.1")
             self.exec(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             mode = "masquerade fully-random" if symmetric else "masquerade"
@@ -368,7 +385,8 @@ class Internet:
                 "table ip filter {\n"
                 "  chain forward { type filter hook forward priority filter; policy accept;\n"
                 '    iifname "wan" ct state established,related accept\n'
-                '    iifname "wan" drop\n  }\n'
+                + ('    iifname "wan" ct status dnat accept\n' if name in upnp else "")
+                + '    iifname "wan" drop\n  }\n'
                 # Like a home router: an unsolicited inbound connection is dropped, not refused
                 # (a refusal would also kill a hole punch whose first SYN arrives early).
                 "  chain input { type filter hook input priority filter; policy accept;\n"
@@ -378,6 +396,51 @@ class Internet:
             )
             _sh("ip", "netns", "exec", router, "nft", "-f", "-", input_text=ruleset)
             self.sites[name] = Site(name, home, f"10.{i}.0.2", router=router, uplink=uplink)
+            if name in upnp:
+                self._serve_upnp(name)
+
+    def _serve_upnp(self, site: str) -> None:
+        """Run miniupnpd (Debian's miniupnpd-nftables) in ``site``'s router: an Internet
+        Gateway Device on the LAN side that maps ports of LAN hosts to themselves only (secure
+        mode), by DNAT rules in its own nftables table; the router's filter lets DNAT'd flows in."""
+        s = self.sites[site]
+        assert s.router is not None
+        chains = (
+            "table inet miniupnpd {\n"
+            "  chain miniupnpd {\n  }\n"
+            "  chain prerouting_miniupnpd {\n  }\n"
+            "  chain postrouting_miniupnpd {\n  }\n"
+            "  chain forward {\n    type filter hook forward priority 0; policy accept;\n    jump miniupnpd\n  }\n"
+            "  chain prerouting {\n    type nat hook prerouting priority -100; policy accept;\n"
+            "    jump prerouting_miniupnpd\n  }\n"
+            "  chain postrouting {\n    type nat hook postrouting priority 100; policy accept;\n"
+            "    jump postrouting_miniupnpd\n  }\n"
+            "}\n"
+        )
+        _sh("ip", "netns", "exec", s.router, "nft", "-f", "-", input_text=chains)
+        conf = self.workdir / f"{site}-miniupnpd.conf"
+        conf.write_text(
+            "ext_ifname=wan\nlistening_ip=lan\nhttp_port=0\nenable_natpmp=no\nenable_upnp=yes\n"
+            "secure_mode=yes\nsystem_uptime=yes\n"
+            "upnp_table_name=miniupnpd\nupnp_nat_table_name=miniupnpd\nupnp_forward_chain=miniupnpd\n"
+            "upnp_nat_chain=prerouting_miniupnpd\nupnp_nat_postrouting_chain=postrouting_miniupnpd\n"
+            "uuid=3d3cec3a-8cf0-11e0-98ee-001a6bd2d07b\n"
+            "allow 1024-65535 10.0.0.0/8 1024-65535\ndeny 0-65535 0.0.0.0/0 0-65535\n"
+        )
+        log = (self.workdir / f"{site}-miniupnpd.log").open("wb")
+        self.daemons.append(subprocess.Popen(
+            ["ip", "netns", "exec", s.router, UPNP_DAEMON, "-d", "-f", str(conf),
+             "-P", str(self.workdir / f"{site}-miniupnpd.pid")],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        ))
+        log.close()
+
+    def upnp_mappings(self, site: str) -> str:
+        """The port mappings ``site``'s UPnP gateway holds now (its DNAT chain, as nft prints it)."""
+        router = self.sites[site].router
+        assert router is not None
+        return self.exec(router, "nft", "list", "chain", "inet", "miniupnpd", "prerouting_miniupnpd").stdout
 
     # ---------------------------------------------------------------- links
 
@@ -498,6 +561,14 @@ class Internet:
         for h in self.nodes:
             if h.wait_exit_blocking(5.0) is None:
                 h.kill()
+        for daemon in self.daemons:
+            daemon.terminate()
+            try:
+                daemon.wait(5.0)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait(5.0)
+        self.daemons.clear()
         for name in reversed(self.namespaces):
             _delete_namespace(name)
         self.namespaces.clear()
@@ -508,10 +579,12 @@ def emulated_internet(
     homes: Sequence[tuple[str, bool]] = (("home1", False), ("home2", False), ("home3", True)),
     *,
     workdir: str | os.PathLike[str] | None = None,
+    upnp: Sequence[str] = (),
 ) -> Iterator[Internet]:
-    """Build the emulated internet (``homes``: ``(name, symmetric_nat)``); tear it all down on
-    exit, also on error. Node logs are printed to stderr when the body raises."""
-    reason = netns_unavailable()
+    """Build the emulated internet (``homes``: ``(name, symmetric_nat)``; ``upnp``: the homes
+    whose router runs a UPnP gateway); tear it all down on exit, also on error. Node logs are
+    printed to stderr when the body raises."""
+    reason = netns_unavailable() or (upnp_gateway_unavailable() if upnp else None)
     if reason is not None:
         raise NetnsError(reason)
     sweep_leftovers()
@@ -522,7 +595,7 @@ def emulated_internet(
         if name.startswith(net.prefix):
             _delete_namespace(name)
     try:
-        net.build(homes)
+        net.build(homes, upnp)
         yield net
     except BaseException:
         sys.stderr.write(net.logs() + "\n")
