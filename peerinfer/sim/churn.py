@@ -64,6 +64,7 @@ from peerinfer.core.node import (
     PeerSeen,
     Phase,
 )
+from peerinfer.errors import error_kind
 from peerinfer.sim.batch import BatchNode
 from peerinfer.types import RequestId
 
@@ -330,8 +331,12 @@ class Churn:
         rest)."""
         sim = self.sim
         if type(event) is ClientRequest and event.forwarded:
-            if self.state[n] == DRAINING or self._mode == "reset":
-                # Refused ("shutdown") or the connection refused: the origin fails over.
+            draining = self.state[n] == DRAINING
+            if draining or self._mode == "reset":
+                # Refused ("shutdown", read as the error table says, as the node's forwarding
+                # reads it) or the connection refused (a stream that fails: "unavailable"):
+                # the origin fails over.
+                reason = error_kind("shutdown").forward_reason if draining else "unavailable"
                 o = sim._index_of[event.origin] if event.origin is not None else -1
                 if o >= 0:
                     sim._enqueued[n].pop(event.request_id, None)
@@ -339,7 +344,7 @@ class Churn:
                         now + sim.delay[n][o],
                         sim.NODE,
                         o,
-                        ForwardFailed(event.request_id, sim.peer_ids[n], "unavailable"),
+                        ForwardFailed(event.request_id, sim.peer_ids[n], reason),
                     )
 
     def ping_unanswered(self, n: int, p: int, now: float) -> None:
