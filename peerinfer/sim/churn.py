@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from peerinfer.core.node import (
@@ -106,13 +106,9 @@ class GoneCore:
     def statistics(self) -> NodeStatistics:
         if self.core is None:
             return _ZERO_STATS
-        st = self.core.statistics()
-        # What it held went away with it (failed over at the origins, or orphaned).
-        held = st.queued + st.running
-        return NodeStatistics(
-            **{f.name: getattr(st, f.name) for f in fields(NodeStatistics)}
-            | {"queued": 0, "running": 0, "completed": st.completed + held}
-        )
+        # What it held went away with it (failed over at the origins, or orphaned): it holds
+        # nothing now, and completed only what it completed before.
+        return replace(self.core.statistics(), queued=0, running=0)
 
 
 def join_capacity(config: Any, scheduled_joins: int) -> int:
