@@ -232,17 +232,32 @@ async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytes
     believes it usable: the next forward fails on it before any answer and goes again on a new
     stream, still to the holder, without a failover."""
     import peerinfer.node.door as door
-    from peerinfer.net import FramedStream
+    from peerinfer.net import FramedStream, Host
+    from peerinfer.node.options import GENERATE_PROTOCOL
+
+    opened: list[str] = []
+    original = Host.open_stream
+
+    async def counting(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
+        if protocol == GENERATE_PROTOCOL:
+            opened.append(peer_id)
+        return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(door, "GENERATE_IDLE_TIMEOUT_S", 0.05)
     # The asker cannot see that the stream is gone (as when the reset is still on its way).
     monkeypatch.setattr(FramedStream, "reusable", property(lambda self: not self.closed))
     async with holder_and_asker() as (b, a):
+        monkeypatch.setattr(Host, "open_stream", counting)
+        assert b.host is not None
         async with Client.connect(addr(a)) as client:
             first = await client.generate(SHARED + " one", max_tokens=2)
-            await trio.sleep(0.3)  # the holder resets the idle stream
+            # The holder's door gave up waiting for a next request and reset the idle stream
+            # (its handler is gone), not a fixed sleep that a loaded machine may outrun.
+            await wait_until(lambda: b.host.statistics().handler_streams_running == 0)  # type: ignore[union-attr]
             second = await client.generate(SHARED + " two", max_tokens=2)
         assert first.served_by == b.peer_id and second.served_by == b.peer_id
+        # The second forward found the kept stream gone and went again on a new one.
+        assert opened.count(b.peer_id) == 2
         assert second.completion_tokens == 2
         stats = a.core.statistics()  # type: ignore[union-attr]
         assert stats.failovers == 0 and stats.served_locally == 0

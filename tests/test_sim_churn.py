@@ -160,3 +160,12 @@ def test_churn_config_is_checked() -> None:
         SimConfig(crash_mode="meteor")
     with pytest.raises(ConfigError):
         SimConfig(crash_rate=1.0, clients=4)
+
+
+def test_the_churn_model_keeps_the_real_nodes_shutdown_grace() -> None:
+    # The simulator may not import the node (it loads libp2p), so churn copies the node's
+    # shutdown grace; this keeps the copy from drifting away from what the node does.
+    from peerinfer.node.options import SHUTDOWN_GRACE_S
+    from peerinfer.sim.churn import LEAVE_GRACE_S
+
+    assert LEAVE_GRACE_S == SHUTDOWN_GRACE_S

@@ -6,6 +6,7 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -29,6 +30,21 @@ def _generate(engine: object, prompt: Sequence[int], params: SamplingParams) -> 
         if isinstance(ev, Tokens):
             ids.extend(ev.token_ids)
     return ids
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> tuple[Any, Any]:
+    """``(torch, engine)``: a TransformersEngine on a tiny random Llama of its own (the tests
+    change its weights' precision), on the CPU with one thread."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_engine_hf import _make_tiny_model
+
+    from peerinfer.engine.hf import TransformersEngine
+
+    torch.set_num_threads(1)
+    _make_tiny_model(tmp_path)
+    return torch, TransformersEngine(tmp_path, device="cpu")
 
 
 def test_the_simulated_engine_audits_exactly() -> None:
@@ -77,16 +93,8 @@ def test_an_engine_that_cannot_audit_says_so() -> None:
 
 
 @pytest.mark.slow
-def test_a_transformers_engine_audits_by_one_teacher_forced_pass(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from test_engine_hf import _make_tiny_model
-
-    from peerinfer.engine.hf import TransformersEngine
-
-    torch.set_num_threads(1)
-    _make_tiny_model(tmp_path)
-    engine = TransformersEngine(tmp_path, device="cpu")
+def test_a_transformers_engine_audits_by_one_teacher_forced_pass(tiny_model: tuple[Any, Any]) -> None:
+    torch, engine = tiny_model
     rng = random.Random(0)
     for trial in range(3):
         prompt = [rng.randrange(0, 256) for _ in range(20 + trial)]
@@ -115,16 +123,10 @@ def test_a_transformers_engine_audits_by_one_teacher_forced_pass(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_a_transformers_engine_audits_sampled_answers_against_the_top_p_nucleus(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from test_engine_hf import _make_tiny_model
-
-    from peerinfer.engine.hf import TransformersEngine
-
-    torch.set_num_threads(1)
-    _make_tiny_model(tmp_path)
-    engine = TransformersEngine(tmp_path, device="cpu")
+def test_a_transformers_engine_audits_sampled_answers_against_the_top_p_nucleus(
+    tiny_model: tuple[Any, Any],
+) -> None:
+    torch, engine = tiny_model
     rng = random.Random(1)
     prompts = [[rng.randrange(0, 256) for _ in range(16 + k)] for k in range(4)]
     settings = [(0.7, 0.5), (1.0, 0.9), (1.5, 0.3)]

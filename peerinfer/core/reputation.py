@@ -34,7 +34,8 @@ Repeat offences escalate: an outcome in ``escalating`` (``cache_short``, ``timeo
 ``audit_passed`` between, weighs ``escalation ** streak`` times its weight (``streak`` = the
 offences before it in the run, at most ``max_streak``). Decay alone would let a liar that fails
 rarely sit at a fixed point above the exclusion line (failing every 10 minutes at -4, a score
-settles at -8: demoted for ever, never excluded); doubling makes its 3rd consecutive shortfall
+settles at -8 after each failure and -4 before the next: demoted for about 4 minutes of every
+10, good again in time to be chosen, never excluded); doubling makes its 3rd consecutive shortfall
 exclude it (-4 - 8 - 16 = -28) however far apart they come, and every offence after that exclude
 it again. An honest peer whose cache is evicted now and then (never twice in a row, served in
 between) never builds a streak.

@@ -86,20 +86,15 @@ def audit_answer(
     """Check ``completion`` of ``prompt``, generated with ``params`` (greedy or sampled),
     against ``engine``'s model; None if this engine cannot audit. Call it in the engine's
     thread."""
-    if params.temperature == 0:
-        return audit_greedy(engine, prompt, completion, tolerance)
+    sampled = params.temperature > 0
     if not completion:
-        return AuditVerdict(True, sampled=True)
+        return AuditVerdict(True, sampled=sampled)
     from peerinfer.engine.simulated import SimulatedEngine
 
     if isinstance(engine, SimulatedEngine):
-        if params.seed is None:
+        if sampled and params.seed is None:
             return AuditVerdict(True, sampled=True, checked=False)
-        expected = engine.completion_ids(tuple(prompt), params, len(completion))
-        for i, (got, want) in enumerate(zip(completion, expected, strict=True)):
-            if got != want:
-                return AuditVerdict(False, i, float("inf"), len(completion), sampled=True)
-        return AuditVerdict(True, scored_tokens=len(completion), sampled=True)
+        return _audit_simulated(engine, prompt, params, completion)
     if type(engine).__name__ == "TransformersEngine" and hasattr(engine, "model"):
         return _audit_transformers(engine, prompt, completion, tolerance, params)
     return None
@@ -113,28 +108,26 @@ def audit_greedy(
 ) -> AuditVerdict | None:
     """Check a greedy ``completion`` of ``prompt`` against ``engine``'s model; None if this
     engine cannot audit. Call it in the engine's thread."""
-    if not completion:
-        return AuditVerdict(True)
-    from peerinfer.engine.simulated import SimulatedEngine
+    return audit_answer(engine, prompt, _GREEDY, completion, tolerance)
 
-    if isinstance(engine, SimulatedEngine):
-        return _audit_simulated(engine, prompt, completion)
-    if type(engine).__name__ == "TransformersEngine" and hasattr(engine, "model"):
-        return _audit_transformers(engine, prompt, completion, tolerance)
-    return None
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 def _audit_simulated(
-    engine: Engine, prompt: Sequence[int], completion: Sequence[int]
+    engine: Engine, prompt: Sequence[int], params: SamplingParams, completion: Sequence[int]
 ) -> AuditVerdict:
+    """Exact: the simulated engine's answer is a pure function of the prompt (and, sampling,
+    of the seed), so it is recomputed and must match token for token."""
     from peerinfer.engine.simulated import SimulatedEngine
 
     assert isinstance(engine, SimulatedEngine)
-    expected = engine.completion_ids(tuple(prompt), SamplingParams(temperature=0.0), len(completion))
+    sampled = params.temperature > 0
+    expected = engine.completion_ids(tuple(prompt), params, len(completion))
     for i, (got, want) in enumerate(zip(completion, expected, strict=True)):
         if got != want:
-            return AuditVerdict(False, i, float("inf"), len(completion))
-    return AuditVerdict(True, scored_tokens=len(completion))
+            return AuditVerdict(False, i, float("inf"), len(completion), sampled=sampled)
+    return AuditVerdict(True, scored_tokens=len(completion), sampled=sampled)
 
 
 def _audit_transformers(

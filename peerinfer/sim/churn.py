@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from peerinfer.core.node import (
@@ -64,6 +64,7 @@ from peerinfer.core.node import (
     PeerSeen,
     Phase,
 )
+from peerinfer.errors import error_kind
 from peerinfer.sim.batch import BatchNode
 from peerinfer.types import RequestId
 
@@ -105,13 +106,9 @@ class GoneCore:
     def statistics(self) -> NodeStatistics:
         if self.core is None:
             return _ZERO_STATS
-        st = self.core.statistics()
-        # What it held went away with it (failed over at the origins, or orphaned).
-        held = st.queued + st.running
-        return NodeStatistics(
-            **{f.name: getattr(st, f.name) for f in fields(NodeStatistics)}
-            | {"queued": 0, "running": 0, "completed": st.completed + held}
-        )
+        # What it held went away with it (failed over at the origins, or orphaned): it holds
+        # nothing now, and completed only what it completed before.
+        return replace(self.core.statistics(), queued=0, running=0)
 
 
 def join_capacity(config: Any, scheduled_joins: int) -> int:
@@ -330,8 +327,12 @@ class Churn:
         rest)."""
         sim = self.sim
         if type(event) is ClientRequest and event.forwarded:
-            if self.state[n] == DRAINING or self._mode == "reset":
-                # Refused ("shutdown") or the connection refused: the origin fails over.
+            draining = self.state[n] == DRAINING
+            if draining or self._mode == "reset":
+                # Refused ("shutdown", read as the error table says, as the node's forwarding
+                # reads it) or the connection refused (a stream that fails: "unavailable"):
+                # the origin fails over.
+                reason = error_kind("shutdown").forward_reason if draining else "unavailable"
                 o = sim._index_of[event.origin] if event.origin is not None else -1
                 if o >= 0:
                     sim._enqueued[n].pop(event.request_id, None)
@@ -339,7 +340,7 @@ class Churn:
                         now + sim.delay[n][o],
                         sim.NODE,
                         o,
-                        ForwardFailed(event.request_id, sim.peer_ids[n], "unavailable"),
+                        ForwardFailed(event.request_id, sim.peer_ids[n], reason),
                     )
 
     def ping_unanswered(self, n: int, p: int, now: float) -> None:
