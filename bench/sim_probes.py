@@ -6,6 +6,7 @@ Each subcommand prints a few lines; run from the repository root::
     python bench/sim_probes.py split             # event-loop time: announcements vs the rest
     python bench/sim_probes.py tail              # what the slowest requests of hot:2 are made of
     python bench/sim_probes.py service-estimate  # cost's p99 with other mean service times
+    python bench/sim_probes.py fingerprint       # a digest of every per-request decision
 
 ``announce-cost`` times 64 ``NodeCore``s taking the same announcements (no simulator around
 them). ``split`` times the simulator's announcement deliveries apart from everything else in the
@@ -121,6 +122,27 @@ def split(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.1", cpu: bo
     print(f"  everything else:       {loop - gossip:5.2f} s")
 
 
+def fingerprint(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.0") -> None:
+    """Print the run's events, hit ratio, mean TTFT and a SHA-256 of every per-request decision
+    and outcome (server, forwards, first decision, estimate, expected and actual cached tokens,
+    status, first-token and finish times) and every node's statistics: equal digests before and
+    after a speed change mean it decided nothing differently."""
+    import hashlib
+
+    config = SimConfig(nodes=nodes, requests=requests, cache_tokens=8192, delay_ms="5",
+                       skew=skew, policy="cost", seed=1)
+    started = time.process_time()
+    sim, s = simulate(config)
+    cpu = time.process_time() - started
+    record = repr((sim.server, sim.forwards, sim.decided, sim.estimate, sim.expected_cached,
+                   sim.cached, sim.status, sim.first, sim.finish,
+                   [c.statistics() for c in sim.cores]))
+    digest = hashlib.sha256(record.encode()).hexdigest()[:16]
+    print(f"{nodes} nodes, {requests} requests, {skew}: events {s['events']}, "
+          f"hit ratio {s['hit_ratio']}, mean TTFT {s['ttft_mean_s']} s, decisions {digest}, "
+          f"wall {s['wall_s']} s, CPU {cpu:.2f} s")
+
+
 def tail(policy: str, top: int = 60, warmup: int = 400) -> None:
     from dataclasses import replace
 
@@ -161,10 +183,11 @@ def service_estimate(values: tuple[float, ...] = (0.8, 1.2, 2.0)) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "probe", choices=("announce-cost", "split", "tail", "service-estimate")
+        "probe", choices=("announce-cost", "split", "tail", "service-estimate", "fingerprint")
     )
     parser.add_argument("--skew", default="zipf:1.1", help="split: the workload skew")
     parser.add_argument("--cpu", action="store_true", help="split: CPU time, not wall time")
+    parser.add_argument("--requests", type=int, default=3840, help="fingerprint: requests")
     parser.add_argument(
         "--eager", action="store_true",
         help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         announce_cost()
     elif args.probe == "split":
         split(skew=args.skew, cpu=args.cpu)
+    elif args.probe == "fingerprint":
+        fingerprint(requests=args.requests)
     elif args.probe == "tail":
         for policy in ("cost", "longest_prefix"):
             tail(policy)

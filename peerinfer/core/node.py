@@ -954,7 +954,7 @@ class NodeCore:
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
               exclude: Sequence[PeerId] = ()) -> RouteDecision:
         """Ask the routing policy where ``tokens`` would go now (no side effects)."""
-        chain = tuple(self.hasher.chain(tokens))
+        chain = self.hasher.prompt_chain(tokens)
         return self._decide(len(tokens), params, chain, now, exclude)
 
     # ------------------------------------------------------------------ requests
@@ -998,7 +998,7 @@ class NodeCore:
                     f"{self.peer_id} has {outstanding} requests outstanding, more than the "
                     f"{limit} the origin's routing assumed",
                 )
-        chain = tuple(self.hasher.chain(ev.tokens))
+        chain = self.hasher.prompt_chain(ev.tokens)
         req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
         self._requests[rid] = req
         if ev.forwarded:
