@@ -311,10 +311,24 @@ class PeerIndex:
         assert state.replica is not None
         state.replica.max_elements = allowance
 
-    def rebalance(self, *, decay: bool = True) -> list[PeerId]:
+    def rebalance(
+        self,
+        *,
+        decay: bool = True,
+        pending: Mapping[PeerId, tuple[int, int, float]] | None = None,
+        before_emptying: Callable[[], None] | None = None,
+    ) -> list[PeerId]:
         """Recompute every allowance (see the module docstring); halve the hits (``decay``).
         Returns the peers whose replicas were emptied for holding more than their new
-        allowance. O(peers log peers); the node runs it every few seconds."""
+        allowance. O(peers log peers); the node runs it every few seconds.
+
+        ``pending`` names peers with announcements received but not fed in yet, each as
+        ``(epoch, count, at)`` of the newest (all changing nothing: ``Replica.take_unchanged``
+        and ``announced_fresh`` would take them in): the allowances are computed as if they had
+        been fed in, the index left as it is (what they change and the sizing reads is the
+        peer's claimed count and its freshness). ``before_emptying`` is called once, before the
+        first replica is emptied, for the caller to feed them in then (an emptied replica
+        starts over, and must not be confirmed by them afterwards)."""
         states = list(self._states.values())
         if not states:
             return []
@@ -322,16 +336,28 @@ class PeerIndex:
         share = budget // len(states)
         wants: dict[int, int] = {}
         given: dict[int, int] = {}
+        pending_get = pending.get if pending else None
         for st in states:
-            assert st.replica is not None
-            claimed = st.replica._announced[2] if st.replica._announced is not None else 0
-            want = min(max(2 * max(len(st.replica.digest), claimed), MIN_ALLOWANCE), self.max_replica_elements)
+            replica = st.replica
+            assert replica is not None
+            announced = replica._announced
+            if pending_get is not None:
+                news = pending_get(st.peer)
+                if news is not None and (announced is None or news[0] >= announced[0]):
+                    announced = (news[0], 0, news[1])
+            claimed = announced[2] if announced is not None else 0
+            want = min(max(2 * max(len(replica.digest), claimed), MIN_ALLOWANCE), self.max_replica_elements)
             wants[st.slot] = want
             given[st.slot] = min(share, want)
         spare = budget - sum(given.values())
         # The spare goes to peers wanting more than their share; none: nothing to order.
         hungry = spare > 0 and any(wants[slot] > g for slot, g in given.items())
-        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)) if hungry else ():
+
+        def freshness(s: _PeerState) -> float:
+            news = pending_get(s.peer) if pending_get is not None else None
+            return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
+
+        for st in sorted(states, key=lambda s: (-s.hits, -freshness(s), s.added_seq)) if hungry else ():
             if spare <= 0 or st.hits <= 0.0:
                 break
             extra = min(spare, wants[st.slot] - given[st.slot])
@@ -354,8 +380,12 @@ class PeerIndex:
         self._allocated = budget - spare
         for st in states:
             assert st.replica is not None
-            if len(st.replica.digest) > st.allowance and self.enforce_allowance(st.peer):
-                emptied.append(st.peer)
+            if len(st.replica.digest) > st.allowance:
+                if before_emptying is not None:
+                    before_emptying()
+                    before_emptying = None
+                if self.enforce_allowance(st.peer):
+                    emptied.append(st.peer)
         return emptied
 
     @property

@@ -819,7 +819,7 @@ class NodeCore:
         index.expire(now)
         if now >= self._next_rebalance:
             self._next_rebalance = now + self.config.rebalance_interval_s
-            for peer in self.index.rebalance():
+            for peer in self._rebalance():
                 self._replica_emptied(peer)
         if self._following and self._index.allowance_changes != changes:
             self._recheck_following()
@@ -1612,6 +1612,23 @@ class NodeCore:
         if self._unapplied:
             self._take_all_unapplied()
         return index, heard
+
+    def _rebalance(self) -> list[PeerId]:
+        """``self.index.rebalance()`` without taking in first what waits (kept announcements,
+        followed runs): the index sizes the allowances as if it had been (``pending``), and
+        takes it in only before it empties a replica. Like routing, a rebalance (every few
+        seconds, over every peer) then leaves the runs to be read when something needs more."""
+        pending: dict[PeerId, tuple[int, int, float]] = {
+            p: (k.epoch, k.count, k.at) for p, k in self._unapplied.items()
+        }
+        for peer, kept in self._following.items():
+            run = kept.run
+            if run is not None and run.length != kept.cursor:
+                pending[peer] = (run.epoch, run.count, run.at)
+        return self._index.rebalance(pending=pending, before_emptying=self._take_everything)
+
+    def _take_everything(self) -> None:
+        self.index  # noqa: B018 - the property takes every announcement received in
 
     def _catch_up(self, peer: PeerId, kept: _Kept) -> None:
         """Move the announcements ``peer``'s followed run got since ``kept`` last looked into
