@@ -235,6 +235,8 @@ class PeerIndex:
         self._spec_live = 0
         self._spec_blocks = 0
         self._spec_clock = -math.inf
+        #: the peers whose queue of speculative entries is not empty (``has_speculative``)
+        self._spec_holders: dict[PeerId, _PeerState] = {}
         self._pending_rescan: dict[PeerId, _PeerState] = {}
         # _slots_in's tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB per
         # slot in use), grown on demand up to the highest slot ever handed out.
@@ -416,6 +418,7 @@ class PeerIndex:
         for entry in state.spec_entries:
             self._drop_entry(entry)
         state.spec_entries.clear()
+        self._spec_holders.pop(peer, None)
         assert not state.spec_refs
         self._pending_rescan.pop(peer, None)
         self._allocated -= state.allowance
@@ -599,6 +602,7 @@ class PeerIndex:
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s  # fresh_at below this: too old
         heard_get = heard.get if heard else None
+        excluding = bool(exclude)  # once: a container's truth may cost a call
         for peer, state in self._states.items():
             fresh_at = state.fresh_at
             load = state.load
@@ -608,7 +612,7 @@ class PeerIndex:
                     load = news[0]
                     if news[1] > fresh_at:
                         fresh_at = news[1]
-            if fresh_at < oldest or peer == local_peer or (exclude and peer in exclude):
+            if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
                 continue
             age = now - fresh_at
             append(
@@ -651,6 +655,7 @@ class PeerIndex:
                 spec[h] = spec.get(h, 0) | bit
         self._spec_queue.append(entry)
         state.spec_entries.append(entry)
+        self._spec_holders[state.peer] = state
         state.spec_live += 1
         self._spec_live += 1
         self._spec_blocks += len(blocks)
@@ -674,6 +679,10 @@ class PeerIndex:
         """Whether ``peer`` has speculative entries queued (some may be dead already)."""
         state = self._states.get(peer)
         return state is not None and bool(state.spec_entries)
+
+    def speculative_peers(self) -> list[PeerId]:
+        """The peers ``has_speculative`` is true of, in time proportional to their number."""
+        return list(self._spec_holders)
 
     def speculative_blocks(self) -> int:
         """How many speculative block references are held (at most the budget)."""
@@ -825,6 +834,8 @@ class PeerIndex:
         # queues stay within a constant factor of the live entries.
         if len(state.spec_entries) > 2 * state.spec_live + 8:
             state.spec_entries = deque(e for e in state.spec_entries if e.alive)
+        if not state.spec_entries:
+            self._spec_holders.pop(state.peer, None)
         if len(self._spec_queue) > 2 * self._spec_live + 8:
             self._spec_queue = deque(e for e in self._spec_queue if e.alive)
 
@@ -885,6 +896,7 @@ class PeerIndex:
             for h in refs:
                 expected_masks[h] = expected_masks.get(h, 0) | state.bit
         assert sum(s.spec_live for s in states.values()) == self._spec_live
+        assert self._spec_holders == {p: s for p, s in states.items() if s.spec_entries}
         assert expected_masks == self._spec_masks
 
 

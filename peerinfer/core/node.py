@@ -814,7 +814,8 @@ class NodeCore:
         # also drop: the other peers' announcements may wait.
         index = self._index
         if self._unapplied and index.speculative_blocks():
-            for peer in [p for p in self._unapplied if index.has_speculative(p)]:
+            unapplied = self._unapplied
+            for peer in [p for p in index.speculative_peers() if p in unapplied]:
                 self._take_unapplied(peer)
         index.expire(now)
         if now >= self._next_rebalance:
@@ -1598,17 +1599,17 @@ class NodeCore:
         heard: dict[PeerId, tuple[Load, float]] | None = None
         following = self._following
         if following:
-            spec = index.speculative_blocks() > 0
-            for peer, kept in following.items():
-                run = kept.run
-                if run is None or run.length == kept.cursor:
-                    continue
-                if spec and index.has_speculative(peer):
-                    self._catch_up(peer, kept)
-                else:
-                    if heard is None:
-                        heard = {}
-                    heard[peer] = (run.load, run.at)
+            if index.speculative_blocks() > 0:
+                # Few peers hold speculative entries (those routed to lately): ask for them.
+                for peer in index.speculative_peers():
+                    kept = following.get(peer)
+                    if kept is not None:
+                        self._catch_up(peer, kept)
+            heard = {
+                peer: (run.load, run.at)
+                for peer, kept in following.items()
+                if (run := kept.run) is not None and run.length != kept.cursor
+            }
         if self._unapplied:
             self._take_all_unapplied()
         return index, heard
