@@ -336,8 +336,11 @@ class PeerIndex:
             return []
         budget = self.replica_budget_blocks
         share = budget // len(states)
-        wants: dict[int, int] = {}
-        given: dict[int, int] = {}
+        cap = self.max_replica_elements
+        # By position in ``states``: each peer's size, what it wants, what it is given.
+        sizes: list[int] = []
+        wants: list[int] = []
+        given: list[int] = []
         pending_get = pending.get if pending else None
         for st in states:
             replica = st.replica
@@ -348,41 +351,53 @@ class PeerIndex:
                 if news is not None and (announced is None or news[0] >= announced[0]):
                     announced = (news[0], 0, news[1])
             claimed = announced[2] if announced is not None else 0
-            want = min(max(2 * max(len(replica.digest), claimed), MIN_ALLOWANCE), self.max_replica_elements)
-            wants[st.slot] = want
-            given[st.slot] = min(share, want)
-        spare = budget - sum(given.values())
+            size = len(replica.digest)
+            sizes.append(size)
+            # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
+            want = 2 * (size if size > claimed else claimed)
+            if want < MIN_ALLOWANCE:
+                want = MIN_ALLOWANCE
+            if want > cap:
+                want = cap
+            wants.append(want)
+            given.append(want if want < share else share)
+        spare = budget - sum(given)
         # The spare goes to peers wanting more than their share; none: nothing to order.
-        hungry = spare > 0 and any(wants[slot] > g for slot, g in given.items())
+        hungry = spare > 0 and any(w > g for w, g in zip(wants, given, strict=True))
 
         def freshness(s: _PeerState) -> float:
             news = pending_get(s.peer) if pending_get is not None else None
             return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
 
-        for st in sorted(states, key=lambda s: (-s.hits, -freshness(s), s.added_seq)) if hungry else ():
-            if spare <= 0 or st.hits <= 0.0:
-                break
-            extra = min(spare, wants[st.slot] - given[st.slot])
-            if extra > 0:
-                given[st.slot] += extra
-                spare -= extra
+        if hungry:
+            order = sorted(
+                range(len(states)),
+                key=lambda i: (-states[i].hits, -freshness(states[i]), states[i].added_seq),
+            )
+            for i in order:
+                if spare <= 0 or states[i].hits <= 0.0:
+                    break
+                extra = min(spare, wants[i] - given[i])
+                if extra > 0:
+                    given[i] += extra
+                    spare -= extra
         emptied = []
         changed = False
-        for st in states:
+        for st, allowance in zip(states, given, strict=True):
             if decay:
                 st.hits *= 0.5
-            allowance = given[st.slot]
-            assert st.replica is not None
-            if allowance != st.allowance or allowance != st.replica.max_elements:
+            replica = st.replica
+            assert replica is not None
+            if allowance != st.allowance or allowance != replica.max_elements:
                 changed = True
                 st.allowance = allowance
-                st.replica.max_elements = allowance
+                replica.max_elements = allowance
         if changed:
             self.allowance_changes += 1
         self._allocated = budget - spare
-        for st in states:
-            assert st.replica is not None
-            if len(st.replica.digest) > st.allowance:
+        for st, size in zip(states, sizes, strict=True):
+            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
+            if size > st.allowance:
                 if before_emptying is not None:
                     before_emptying()
                     before_emptying = None

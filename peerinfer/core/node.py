@@ -1089,12 +1089,7 @@ class NodeCore:
         replica = self._index.replica(peer)  # unchanged announcements leave the digest alone
         if replica is None:
             return 0
-        digest = replica.digest
-        n = 0
-        for h in chain:
-            if h not in digest:
-                break
-            n += 1
+        n = replica.digest.leading(chain)
         return min(n * self.hasher.block_size, max(0, prompt_tokens - 1))
 
     def _local_decision(self, req: _Request, reason: str) -> RouteDecision:
