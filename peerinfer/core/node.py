@@ -1586,27 +1586,26 @@ class NodeCore:
 
     def _routing_index(self) -> tuple[PeerIndex, dict[PeerId, tuple[Load, float]] | None]:
         """The index for a routing decision, and the newer loads and freshness of the peers
-        whose followed runs got announcements since this node last looked (``heard`` of
-        ``PeerIndex.candidates``): what routing reads of them, without taking the rest in.
-        Peers with speculative entries are taken in first (their confirmation drops entries
-        the walk would see); the kept announcements of the others wait."""
+        with announcements received but not taken in (kept ones, and followed runs'
+        announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``):
+        what routing reads of them, without taking the rest in. Peers with speculative
+        entries are taken in first (their confirmation drops entries the walk would see)."""
         index = self._index
-        heard: dict[PeerId, tuple[Load, float]] | None = None
         following = self._following
-        if following:
-            if index.speculative_blocks() > 0:
-                # Few peers hold speculative entries (those routed to lately): ask for them.
-                for peer in index.speculative_peers():
-                    kept = following.get(peer)
-                    if kept is not None:
-                        self._catch_up(peer, kept)
-            heard = {
-                peer: (run.load, run.at)
-                for peer, kept in following.items()
-                if (run := kept.run) is not None and run.length != kept.cursor
-            }
-        if self._unapplied:
-            self._take_all_unapplied()
+        unapplied = self._unapplied
+        if (following or unapplied) and index.speculative_blocks() > 0:
+            # Few peers hold speculative entries (those routed to lately): ask for them.
+            for peer in index.speculative_peers():
+                if peer in following or peer in unapplied:
+                    self._take_unapplied(peer)
+        if not (following or unapplied):
+            return index, None
+        # A kept announcement is older than its peer's followed run's news: the run's wins.
+        heard = {peer: (kept.load, kept.at) for peer, kept in unapplied.items()}
+        for peer, kept in following.items():
+            run = kept.run
+            if run is not None and run.length != kept.cursor:
+                heard[peer] = (run.load, run.at)
         return index, heard
 
     def _rebalance(self) -> list[PeerId]:
