@@ -6,6 +6,8 @@ Each subcommand prints a few lines; run from the repository root::
     python bench/sim_probes.py split             # event-loop time: announcements vs the rest
     python bench/sim_probes.py tail              # what the slowest requests of hot:2 are made of
     python bench/sim_probes.py service-estimate  # cost's p99 with other mean service times
+    python bench/sim_probes.py fingerprint       # a digest of every per-request decision
+    python bench/sim_probes.py where             # CPU inside routing, timers, engine, encoding
 
 ``announce-cost`` times 64 ``NodeCore``s taking the same announcements (no simulator around
 them). ``split`` times the simulator's announcement deliveries apart from everything else in the
@@ -121,6 +123,68 @@ def split(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.1", cpu: bo
     print(f"  everything else:       {loop - gossip:5.2f} s")
 
 
+def fingerprint(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.0") -> None:
+    """Print the run's events, hit ratio, mean TTFT and a SHA-256 of every per-request decision
+    and outcome (server, forwards, first decision, estimate, expected and actual cached tokens,
+    status, first-token and finish times) and every node's statistics: equal digests before and
+    after a speed change mean it decided nothing differently."""
+    import hashlib
+
+    config = SimConfig(nodes=nodes, requests=requests, cache_tokens=8192, delay_ms="5",
+                       skew=skew, policy="cost", seed=1)
+    started = time.process_time()
+    sim, s = simulate(config)
+    cpu = time.process_time() - started
+    record = repr((sim.server, sim.forwards, sim.decided, sim.estimate, sim.expected_cached,
+                   sim.cached, sim.status, sim.first, sim.finish,
+                   [c.statistics() for c in sim.cores]))
+    digest = hashlib.sha256(record.encode()).hexdigest()[:16]
+    print(f"{nodes} nodes, {requests} requests, {skew}: events {s['events']}, "
+          f"hit ratio {s['hit_ratio']}, mean TTFT {s['ttft_mean_s']} s, decisions {digest}, "
+          f"wall {s['wall_s']} s, CPU {cpu:.2f} s")
+
+
+def where(nodes: int = 64, requests: int = 10000, skew: str = "zipf:1.0") -> None:
+    """CPU time spent inside the methods that visit every peer (and the simulator's engine
+    runs and encoding), each wrapped with ``time.process_time``; nested figures overlap
+    (``_decide`` holds ``candidates``, ``choose`` and ``_routing_index``; ``tick`` holds the
+    liveness loop, the rebalance and the announcing)."""
+    from peerinfer.core import index as core_index
+
+    spent: dict[str, float] = {}
+    wrapped = [
+        (core_index.PeerIndex, "candidates"), (routing.CostPolicy, "choose"),
+        (NodeCore, "_routing_index"), (NodeCore, "_check_liveness"), (NodeCore, "_rebalance"),
+        (NodeCore, "_maybe_announce"), (NodeCore, "tick"), (NodeCore, "_decide"),
+        (simulator.Simulation, "_publish"), (simulator.Simulation, "_run_local"),
+    ]
+    originals = [(cls, name, getattr(cls, name)) for cls, name in wrapped]
+
+    def timed(name: str, method):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            started = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.process_time() - started
+        return call
+
+    for cls, name, method in originals:
+        setattr(cls, name, timed(name, method))
+    try:
+        config = SimConfig(nodes=nodes, requests=requests, cache_tokens=8192, delay_ms="5",
+                           skew=skew, policy="cost", seed=1)
+        started = time.process_time()
+        simulate(config)
+        whole = time.process_time() - started
+    finally:
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+    print(f"{nodes} nodes, {requests} requests, {skew}: whole run {whole:.2f} s of CPU")
+    for name, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:16} {t:6.2f} s  {100 * t / whole:5.1f}%")
+
+
 def tail(policy: str, top: int = 60, warmup: int = 400) -> None:
     from dataclasses import replace
 
@@ -161,10 +225,15 @@ def service_estimate(values: tuple[float, ...] = (0.8, 1.2, 2.0)) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "probe", choices=("announce-cost", "split", "tail", "service-estimate")
+        "probe",
+        choices=("announce-cost", "split", "tail", "service-estimate", "fingerprint", "where"),
     )
     parser.add_argument("--skew", default="zipf:1.1", help="split: the workload skew")
     parser.add_argument("--cpu", action="store_true", help="split: CPU time, not wall time")
+    parser.add_argument(
+        "--requests", type=int, default=None,
+        help="fingerprint: requests (default 3,840); where: requests (default 10,000)",
+    )
     parser.add_argument(
         "--eager", action="store_true",
         help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
@@ -182,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         announce_cost()
     elif args.probe == "split":
         split(skew=args.skew, cpu=args.cpu)
+    elif args.probe == "fingerprint":
+        fingerprint(requests=args.requests or 3840)
+    elif args.probe == "where":
+        where(requests=args.requests or 10000)
     elif args.probe == "tail":
         for policy in ("cost", "longest_prefix"):
             tail(policy)

@@ -508,3 +508,27 @@ def test_a_comparison_marks_exactly_the_differing_descendants() -> None:
     expected = sorted({mix(h) >> 60 for h in POOL[-3:]})
     assert bitmap_indices(answers.bitmaps) == expected
     assert answers.counts[0] == len(POOL)
+
+
+def test_leading_counts_the_first_elements_of_a_chain_flat_or_not() -> None:
+    """``leading(chain)`` is the count of ``h in digest`` up to the first miss, whether the
+    digest is flat or holds its trie, and refuses what ``in`` refuses (floats, negatives)."""
+    rng = random.Random(5)
+    members = [BlockHash(rng.getrandbits(64)) for _ in range(50)]
+    for lazy in (True, False):
+        digest = MerkleDigest(lazy=lazy)
+        digest.update(members[:30])
+        for flat in (True, False):
+            if not flat:
+                digest.children(0, 0, 3)  # builds a lazy digest's trie
+            assert digest.is_flat == (lazy and flat)
+            for k in range(0, 50, 7):
+                chain = members[k:] + [BlockHash(1)]
+                expected = 0
+                for h in chain:
+                    if h not in digest:
+                        break
+                    expected += 1
+                assert digest.leading(chain) == expected == max(0, 30 - k)
+            assert digest.leading([float(members[0]), members[1]]) == 0  # type: ignore[list-item]
+            assert digest.leading([-1, members[0]]) == 0

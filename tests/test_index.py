@@ -518,3 +518,29 @@ OverflowModel.TestCase.settings = settings(
     max_examples=100, stateful_step_count=30, deadline=None
 )
 test_overflow_only_underestimates = OverflowModel.TestCase
+
+
+def test_prompt_chain_is_the_chain_memoized_and_refuses_what_chain_refuses() -> None:
+    """``PrefixHasher.prompt_chain`` answers ``tuple(chain(tokens))`` whether or not the prompt
+    was hashed before; an equal tuple holding a float is refused as ``chain`` refuses it, even
+    after the int tuple it equals was memoized; lists are not memo keys."""
+    from peerinfer.core import prefix
+
+    hasher = prefix.PrefixHasher(b"memo-test")
+    other = prefix.PrefixHasher(b"memo-test")
+    prompts = [tuple(range(k, k + 16 * k + 5)) for k in range(1, 40)]
+    for rounds in range(2):
+        for p in prompts:
+            assert hasher.prompt_chain(p) == tuple(other.chain(p)), (rounds, len(p))
+    assert hasher.prompt_chain(list(prompts[3])) == tuple(other.chain(prompts[3]))
+    floats = tuple(float(t) for t in prompts[3])
+    assert floats == prompts[3]
+    with pytest.raises(ValueError):
+        other.chain(floats)
+    with pytest.raises(ValueError):
+        hasher.prompt_chain(floats)
+    # Bounded: past the memo's size it starts over, and still answers right.
+    many = [tuple(range(i, i + 20)) for i in range(prefix.PROMPT_MEMO_SIZE + 10)]
+    for p in many:
+        assert hasher.prompt_chain(p) == tuple(other.chain(p))
+    assert len(hasher._prompt_memo) <= prefix.PROMPT_MEMO_SIZE

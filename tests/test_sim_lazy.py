@@ -12,6 +12,7 @@ kept its newest one follow without being handed the rest (``Simulation.share_run
 from __future__ import annotations
 
 import functools
+import math
 import random
 from pathlib import Path
 
@@ -216,3 +217,60 @@ def test_a_follower_leaves_its_run_when_a_rebalance_empties_the_replica() -> Non
         assert _core_state(cores[0], t) == _core_state(cores[1], t)
     assert handed == [7, 4 + 3 - 2]  # the lazy node was not handed 2 of the first 4
     assert cores[1].statistics().announces_refused == 3
+
+
+def test_a_rebalance_that_empties_a_replica_takes_its_waiting_announcements_in_first() -> None:
+    """A rebalance reads what waits (a followed run's news, kept announcements) without taking
+    it in (``NodeCore._rebalance``), but a replica it empties must have taken its peer's
+    announcements in before: afterwards they would confirm the empty replica. The budget
+    shrinks between two rebalances (both nodes alike), so the periodic rebalance itself
+    empties the big peer's replica; the lazy node's state must stay the eager node's."""
+    hasher = PrefixHasher(b"rebalance")
+    cores = [
+        node.NodeCore(node.NodeConfig(peer_id=PeerId(f"12D3KooW{i:044d}"),
+                                      lazy_announcements=lazy, replica_budget_blocks=1000),
+                      hasher, rng=random.Random(i), now=0.0)
+        for i, lazy in ((0, False), (1, True))
+    ]
+    big, big_local, _ = _announcer("big")
+    small, small_local, _ = _announcer("small")
+    rng = random.Random(11)
+    for _ in range(400):
+        big_local.block_added(BlockHash(rng.getrandbits(64)))
+    small_local.block_added(BlockHash(rng.getrandbits(64)))
+    for core in cores:
+        for peer in (big, small):
+            core.handle(node.PeerSeen(peer, rtt_s=0.01), 0.0)
+    run: node.AnnounceRun | None = None
+
+    def deliver(t: float) -> None:
+        nonlocal run
+        a = _announce(big, big_local, t)
+        if run is not None and run.extends(a):
+            run.push(a, t)
+        else:
+            run = node.AnnounceRun(a, t)
+        for core in cores:
+            if core.peer_id not in run.followers:
+                core.handle(AnnounceReceived(big, a, run), t)
+        b = _announce(small, small_local, t)  # no run: kept one by one
+        for core in cores:
+            core.handle(AnnounceReceived(small, b), t)
+
+    for t in (0.1, 1.1, 2.1, 3.1):
+        deliver(t)
+    assert cores[1].peer_id in run.followers  # type: ignore[union-attr]
+    assert _core_state(cores[0], 3.5) == _core_state(cores[1], 3.5)  # all taken in
+    deliver(4.1)
+    deliver(4.6)  # news in the run and kept ones, waiting at the rebalance
+    assert cores[1]._unapplied and run is not None and run.length > 1
+    for core in cores:
+        core._index.replica_budget_blocks = 600  # share 300 < 400: the next rebalance empties
+    # (read through ``_index``: reading ``index`` would take the waiting ones in now)
+    for core in cores:
+        core.tick(5.0)
+    for core in cores:
+        replica = core._index.replica(big)
+        assert replica is not None and replica.count == 0 and replica.epoch == 0
+    assert _core_state(cores[0], 5.0) == _core_state(cores[1], 5.0)
+    assert math.isinf(cores[1].index.digest_age(big, 5.0))  # emptied: not confirmed since

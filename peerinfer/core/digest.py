@@ -480,6 +480,23 @@ class MerkleDigest:
             return h in self._flat
         return self.contains_position(mix(h))
 
+    def leading(self, chain: Iterable[int]) -> int:
+        """How many of ``chain``'s first hashes are elements (``h in self`` for each, up to
+        the first that is not), with one set lookup each while the digest is flat."""
+        flat = self._flat
+        n = 0
+        if flat is not None:
+            for h in chain:
+                if type(h) is not int or not 0 <= h <= _MASK or h not in flat:
+                    break
+                n += 1
+            return n
+        for h in chain:
+            if h not in self:
+                break
+            n += 1
+        return n
+
     def __len__(self) -> int:
         if self._flat is not None:
             return len(self._flat)

@@ -235,6 +235,8 @@ class PeerIndex:
         self._spec_live = 0
         self._spec_blocks = 0
         self._spec_clock = -math.inf
+        #: the peers whose queue of speculative entries is not empty (``has_speculative``)
+        self._spec_holders: dict[PeerId, _PeerState] = {}
         self._pending_rescan: dict[PeerId, _PeerState] = {}
         # _slots_in's tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB per
         # slot in use), grown on demand up to the highest slot ever handed out.
@@ -311,51 +313,96 @@ class PeerIndex:
         assert state.replica is not None
         state.replica.max_elements = allowance
 
-    def rebalance(self, *, decay: bool = True) -> list[PeerId]:
+    def rebalance(
+        self,
+        *,
+        decay: bool = True,
+        pending: Mapping[PeerId, tuple[int, int, float]] | None = None,
+        before_emptying: Callable[[], None] | None = None,
+    ) -> list[PeerId]:
         """Recompute every allowance (see the module docstring); halve the hits (``decay``).
         Returns the peers whose replicas were emptied for holding more than their new
-        allowance. O(peers log peers); the node runs it every few seconds."""
+        allowance. O(peers log peers); the node runs it every few seconds.
+
+        ``pending`` names peers with announcements received but not fed in yet, each as
+        ``(epoch, count, at)`` of the newest (all changing nothing: ``Replica.take_unchanged``
+        and ``announced_fresh`` would take them in): the allowances are computed as if they had
+        been fed in, the index left as it is (what they change and the sizing reads is the
+        peer's claimed count and its freshness). ``before_emptying`` is called once, before the
+        first replica is emptied, for the caller to feed them in then (an emptied replica
+        starts over, and must not be confirmed by them afterwards)."""
         states = list(self._states.values())
         if not states:
             return []
         budget = self.replica_budget_blocks
         share = budget // len(states)
-        wants: dict[int, int] = {}
-        given: dict[int, int] = {}
+        cap = self.max_replica_elements
+        # By position in ``states``: each peer's size, what it wants, what it is given.
+        sizes: list[int] = []
+        wants: list[int] = []
+        given: list[int] = []
+        pending_get = pending.get if pending else None
         for st in states:
-            assert st.replica is not None
-            claimed = st.replica._announced[2] if st.replica._announced is not None else 0
-            want = min(max(2 * max(len(st.replica.digest), claimed), MIN_ALLOWANCE), self.max_replica_elements)
-            wants[st.slot] = want
-            given[st.slot] = min(share, want)
-        spare = budget - sum(given.values())
+            replica = st.replica
+            assert replica is not None
+            announced = replica._announced
+            if pending_get is not None:
+                news = pending_get(st.peer)
+                if news is not None and (announced is None or news[0] >= announced[0]):
+                    announced = (news[0], 0, news[1])
+            claimed = announced[2] if announced is not None else 0
+            size = len(replica.digest)
+            sizes.append(size)
+            # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
+            want = 2 * (size if size > claimed else claimed)
+            if want < MIN_ALLOWANCE:
+                want = MIN_ALLOWANCE
+            if want > cap:
+                want = cap
+            wants.append(want)
+            given.append(want if want < share else share)
+        spare = budget - sum(given)
         # The spare goes to peers wanting more than their share; none: nothing to order.
-        hungry = spare > 0 and any(wants[slot] > g for slot, g in given.items())
-        for st in sorted(states, key=lambda s: (-s.hits, -s.fresh_at, s.added_seq)) if hungry else ():
-            if spare <= 0 or st.hits <= 0.0:
-                break
-            extra = min(spare, wants[st.slot] - given[st.slot])
-            if extra > 0:
-                given[st.slot] += extra
-                spare -= extra
+        hungry = spare > 0 and any(w > g for w, g in zip(wants, given, strict=True))
+
+        def freshness(s: _PeerState) -> float:
+            news = pending_get(s.peer) if pending_get is not None else None
+            return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
+
+        if hungry:
+            order = sorted(
+                range(len(states)),
+                key=lambda i: (-states[i].hits, -freshness(states[i]), states[i].added_seq),
+            )
+            for i in order:
+                if spare <= 0 or states[i].hits <= 0.0:
+                    break
+                extra = min(spare, wants[i] - given[i])
+                if extra > 0:
+                    given[i] += extra
+                    spare -= extra
         emptied = []
         changed = False
-        for st in states:
+        for st, allowance in zip(states, given, strict=True):
             if decay:
                 st.hits *= 0.5
-            allowance = given[st.slot]
-            assert st.replica is not None
-            if allowance != st.allowance or allowance != st.replica.max_elements:
+            replica = st.replica
+            assert replica is not None
+            if allowance != st.allowance or allowance != replica.max_elements:
                 changed = True
                 st.allowance = allowance
-                st.replica.max_elements = allowance
+                replica.max_elements = allowance
         if changed:
             self.allowance_changes += 1
         self._allocated = budget - spare
-        for st in states:
-            assert st.replica is not None
-            if len(st.replica.digest) > st.allowance and self.enforce_allowance(st.peer):
-                emptied.append(st.peer)
+        for st, size in zip(states, sizes, strict=True):
+            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
+            if size > st.allowance:
+                if before_emptying is not None:
+                    before_emptying()
+                    before_emptying = None
+                if self.enforce_allowance(st.peer):
+                    emptied.append(st.peer)
         return emptied
 
     @property
@@ -386,6 +433,7 @@ class PeerIndex:
         for entry in state.spec_entries:
             self._drop_entry(entry)
         state.spec_entries.clear()
+        self._spec_holders.pop(peer, None)
         assert not state.spec_refs
         self._pending_rescan.pop(peer, None)
         self._allocated -= state.allowance
@@ -569,6 +617,7 @@ class PeerIndex:
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s  # fresh_at below this: too old
         heard_get = heard.get if heard else None
+        excluding = bool(exclude)  # once: a container's truth may cost a call
         for peer, state in self._states.items():
             fresh_at = state.fresh_at
             load = state.load
@@ -578,7 +627,7 @@ class PeerIndex:
                     load = news[0]
                     if news[1] > fresh_at:
                         fresh_at = news[1]
-            if fresh_at < oldest or peer == local_peer or (exclude and peer in exclude):
+            if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
                 continue
             age = now - fresh_at
             append(
@@ -621,6 +670,7 @@ class PeerIndex:
                 spec[h] = spec.get(h, 0) | bit
         self._spec_queue.append(entry)
         state.spec_entries.append(entry)
+        self._spec_holders[state.peer] = state
         state.spec_live += 1
         self._spec_live += 1
         self._spec_blocks += len(blocks)
@@ -644,6 +694,10 @@ class PeerIndex:
         """Whether ``peer`` has speculative entries queued (some may be dead already)."""
         state = self._states.get(peer)
         return state is not None and bool(state.spec_entries)
+
+    def speculative_peers(self) -> list[PeerId]:
+        """The peers ``has_speculative`` is true of, in time proportional to their number."""
+        return list(self._spec_holders)
 
     def speculative_blocks(self) -> int:
         """How many speculative block references are held (at most the budget)."""
@@ -795,6 +849,8 @@ class PeerIndex:
         # queues stay within a constant factor of the live entries.
         if len(state.spec_entries) > 2 * state.spec_live + 8:
             state.spec_entries = deque(e for e in state.spec_entries if e.alive)
+        if not state.spec_entries:
+            self._spec_holders.pop(state.peer, None)
         if len(self._spec_queue) > 2 * self._spec_live + 8:
             self._spec_queue = deque(e for e in self._spec_queue if e.alive)
 
@@ -855,6 +911,7 @@ class PeerIndex:
             for h in refs:
                 expected_masks[h] = expected_masks.get(h, 0) | state.bit
         assert sum(s.spec_live for s in states.values()) == self._spec_live
+        assert self._spec_holders == {p: s for p, s in states.items() if s.spec_entries}
         assert expected_masks == self._spec_masks
 
 

@@ -40,7 +40,8 @@ What it decides
   A shell that hands the same announcements to many recipients at once (the simulator) may
   share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
   handed the next ones; it reads them from the run when it next reads that peer (routing reads
-  only their loads and freshness; everything else takes them in), and leaves the run when a
+  only their loads and freshness, a rebalance only their claimed counts and freshness, and so
+  for kept ones; everything else takes them in), and leaves the run when a
   pull, a rebalance or an emptied replica would make taking one in do more.
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
@@ -814,12 +815,13 @@ class NodeCore:
         # also drop: the other peers' announcements may wait.
         index = self._index
         if self._unapplied and index.speculative_blocks():
-            for peer in [p for p in self._unapplied if index.has_speculative(p)]:
+            unapplied = self._unapplied
+            for peer in [p for p in index.speculative_peers() if p in unapplied]:
                 self._take_unapplied(peer)
         index.expire(now)
         if now >= self._next_rebalance:
             self._next_rebalance = now + self.config.rebalance_interval_s
-            for peer in self.index.rebalance():
+            for peer in self._rebalance():
                 self._replica_emptied(peer)
         if self._following and self._index.allowance_changes != changes:
             self._recheck_following()
@@ -954,7 +956,7 @@ class NodeCore:
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
               exclude: Sequence[PeerId] = ()) -> RouteDecision:
         """Ask the routing policy where ``tokens`` would go now (no side effects)."""
-        chain = tuple(self.hasher.chain(tokens))
+        chain = self.hasher.prompt_chain(tokens)
         return self._decide(len(tokens), params, chain, now, exclude)
 
     # ------------------------------------------------------------------ requests
@@ -998,7 +1000,7 @@ class NodeCore:
                     f"{self.peer_id} has {outstanding} requests outstanding, more than the "
                     f"{limit} the origin's routing assumed",
                 )
-        chain = tuple(self.hasher.chain(ev.tokens))
+        chain = self.hasher.prompt_chain(ev.tokens)
         req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
         self._requests[rid] = req
         if ev.forwarded:
@@ -1088,12 +1090,7 @@ class NodeCore:
         replica = self._index.replica(peer)  # unchanged announcements leave the digest alone
         if replica is None:
             return 0
-        digest = replica.digest
-        n = 0
-        for h in chain:
-            if h not in digest:
-                break
-            n += 1
+        n = replica.digest.leading(chain)
         return min(n * self.hasher.block_size, max(0, prompt_tokens - 1))
 
     def _local_decision(self, req: _Request, reason: str) -> RouteDecision:
@@ -1590,28 +1587,44 @@ class NodeCore:
 
     def _routing_index(self) -> tuple[PeerIndex, dict[PeerId, tuple[Load, float]] | None]:
         """The index for a routing decision, and the newer loads and freshness of the peers
-        whose followed runs got announcements since this node last looked (``heard`` of
-        ``PeerIndex.candidates``): what routing reads of them, without taking the rest in.
-        Peers with speculative entries are taken in first (their confirmation drops entries
-        the walk would see); the kept announcements of the others wait."""
+        with announcements received but not taken in (kept ones, and followed runs'
+        announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``):
+        what routing reads of them, without taking the rest in. Peers with speculative
+        entries are taken in first (their confirmation drops entries the walk would see)."""
         index = self._index
-        heard: dict[PeerId, tuple[Load, float]] | None = None
         following = self._following
-        if following:
-            spec = index.speculative_blocks() > 0
-            for peer, kept in following.items():
-                run = kept.run
-                if run is None or run.length == kept.cursor:
-                    continue
-                if spec and index.has_speculative(peer):
-                    self._catch_up(peer, kept)
-                else:
-                    if heard is None:
-                        heard = {}
-                    heard[peer] = (run.load, run.at)
-        if self._unapplied:
-            self._take_all_unapplied()
+        unapplied = self._unapplied
+        if (following or unapplied) and index.speculative_blocks() > 0:
+            # Few peers hold speculative entries (those routed to lately): ask for them.
+            for peer in index.speculative_peers():
+                if peer in following or peer in unapplied:
+                    self._take_unapplied(peer)
+        if not (following or unapplied):
+            return index, None
+        # A kept announcement is older than its peer's followed run's news: the run's wins.
+        heard = {peer: (kept.load, kept.at) for peer, kept in unapplied.items()}
+        for peer, kept in following.items():
+            run = kept.run
+            if run is not None and run.length != kept.cursor:
+                heard[peer] = (run.load, run.at)
         return index, heard
+
+    def _rebalance(self) -> list[PeerId]:
+        """``self.index.rebalance()`` without taking in first what waits (kept announcements,
+        followed runs): the index sizes the allowances as if it had been (``pending``), and
+        takes it in only before it empties a replica. Like routing, a rebalance (every few
+        seconds, over every peer) then leaves the runs to be read when something needs more."""
+        pending: dict[PeerId, tuple[int, int, float]] = {
+            p: (k.epoch, k.count, k.at) for p, k in self._unapplied.items()
+        }
+        for peer, kept in self._following.items():
+            run = kept.run
+            if run is not None and run.length != kept.cursor:
+                pending[peer] = (run.epoch, run.count, run.at)
+        return self._index.rebalance(pending=pending, before_emptying=self._take_everything)
+
+    def _take_everything(self) -> None:
+        self.index  # noqa: B018 - the property takes every announcement received in
 
     def _catch_up(self, peer: PeerId, kept: _Kept) -> None:
         """Move the announcements ``peer``'s followed run got since ``kept`` last looked into

@@ -16,6 +16,11 @@ chain is identical on every machine and process (no reliance on Python's ``hash`
 
 Hashes are 64 bits. A collision only makes a routing estimate wrong (a cache miss); the engine's
 cache is keyed on the tokens themselves, so it can never produce a wrong answer.
+
+A whole prompt's chain is a pure function of its tokens, and the same prompt is often hashed
+twice close together (the origin routes it, then the peer it was forwarded to admits it; in the
+simulator every node shares one hasher): ``prompt_chain`` keeps the last ``PROMPT_MEMO_SIZE``
+prompts' chains (a tuple of tokens is the key; the memo starts over when full).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from peerinfer.types import BlockHash
 DEFAULT_BLOCK_SIZE = 16
 MAX_TOKEN_ID = 2**32 - 1
 _KEY_BYTES = 32
+#: How many prompts' chains ``PrefixHasher.prompt_chain`` keeps (about 2 KB each for a
+#: 700-token prompt).
+PROMPT_MEMO_SIZE = 512
 
 
 def derive_swarm_key(fingerprint: bytes, secret: bytes | None = None) -> bytes:
@@ -50,7 +58,7 @@ def derive_swarm_key(fingerprint: bytes, secret: bytes | None = None) -> bytes:
 class PrefixHasher:
     """Computes block-hash chains for one (model fingerprint, swarm key, block size)."""
 
-    __slots__ = ("block_size", "fingerprint", "key", "root", "_pack")
+    __slots__ = ("block_size", "fingerprint", "key", "root", "_pack", "_prompt_memo")
 
     def __init__(
         self,
@@ -72,6 +80,7 @@ class PrefixHasher:
         ).digest()
         self.root = BlockHash(int.from_bytes(digest, "little"))
         self._pack = struct.Struct(f"<Q{block_size}I").pack
+        self._prompt_memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[BlockHash, ...]]] = {}
 
     def block_hash(self, parent: BlockHash, block: Sequence[int]) -> BlockHash:
         """The hash of ``block`` (exactly ``block_size`` token ids) following ``parent``."""
@@ -110,9 +119,26 @@ class PrefixHasher:
             raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
         return out
 
+    def prompt_chain(self, tokens: Sequence[int]) -> tuple[BlockHash, ...]:
+        """``tuple(self.chain(tokens))``, from the memo when ``tokens`` is a tuple hashed lately
+        (a list is hashed each time: it could change after being used as a key)."""
+        if type(tokens) is not tuple:
+            return tuple(self.chain(tokens))
+        memo = self._prompt_memo
+        hit = memo.get(tokens)
+        # An equal tuple that is another object may hold floats equal to the ints (which
+        # ``chain`` refuses): only a tuple of ints shares the memo's answer.
+        if hit is not None and (hit[0] is tokens or set(map(type, tokens)) == {int}):
+            return hit[1]
+        chain = tuple(self.chain(tokens))
+        if len(memo) >= PROMPT_MEMO_SIZE:
+            memo.clear()
+        memo[tokens] = (tokens, chain)
+        return chain
+
     def full_blocks(self, n_tokens: int) -> int:
         """How many full blocks ``n_tokens`` tokens make."""
         return n_tokens // self.block_size
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "PrefixHasher", "derive_swarm_key"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "PROMPT_MEMO_SIZE", "PrefixHasher", "derive_swarm_key"]

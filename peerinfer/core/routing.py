@@ -555,9 +555,13 @@ class CostPolicy:
                 p = 1.0
                 rtt = 0.0
             else:
+                rtt = c.rtt_s
+                if m == 0 and (n == 0 or slots <= 1):
+                    # Nothing matched, no batch: the confidence multiplies 0 (most peers).
+                    append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
+                    continue
                 age = c.digest_age_s
                 p = 1.0 if not age > 0.0 else exp(-age * decay)
-                rtt = c.rtt_s
             if n == 0 or slots <= 1:
                 wait = (n - 0.5) * service_one if n >= 1 else 0.0
                 prefill = cold - p * m * saving
