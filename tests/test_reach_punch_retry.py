@@ -8,6 +8,7 @@ trio's virtual clock: what matters is which attempt tables it edits, and when.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +72,67 @@ def test_the_wait_is_capped() -> None:
         assert waits[-1] == pytest.approx(PUNCH_RETRY_MAX_S, abs=2)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+KEY = b"the members' key"
+
+
+def _base(addr: str) -> str:
+    return addr.rsplit("/p2p/", 1)[0]
+
+
+def _relayed(conn: object) -> bool:
+    return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())  # type: ignore[attr-defined]
+
+
+async def test_a_punched_connection_is_not_refused_beside_two_relayed_ones() -> None:
+    """Two homes that learn each other's relayed address at the same moment both dial through
+    the relay: two relayed connections per pair. The hole-punched direct connection then came
+    third, and py-libp2p's per-peer limit (``max_connections_per_peer``, 2) refused it and
+    closed it (measured on the emulated internet: ``ADDCONN_DENY``, then every later punch
+    failed with EADDRNOTAVAIL for the closed 4-tuple's TIME_WAIT, 60 s: the pair stayed
+    relayed). Here on loopback: both relayed dials, then the direct dial DCUtR makes."""
+    from multiaddr import Multiaddr
+    from net_helpers import config, wait_until
+
+    from peerinfer.net import open_host
+    from peerinfer.net.host import parse_peer_id
+    from peerinfer.net.relay import RelaySettings, open_relay
+
+    cfg = config(swarm_key=KEY)
+    async with open_host(cfg) as r, open_host(cfg) as a, open_host(cfg) as b:
+        async with open_relay(r, RelaySettings(service=True)), open_relay(a, RelaySettings()) as ra, \
+                open_relay(b, RelaySettings()) as rb:
+            relay_addr = _base(r.listen_addrs()[0])
+            a_circuit = await ra.reserve(r.peer_id, relay_addr)
+            b_circuit = await rb.reserve(r.peer_id, relay_addr)
+            assert await ra.dial(b_circuit) == b.peer_id
+            assert await rb.dial(a_circuit) == a.peer_id
+            b_id = parse_peer_id(b.peer_id)
+            await wait_until(lambda: len(a._live_connections(b_id)) == 2)
+            assert all(_relayed(c) for c in a._live_connections(b_id))
+            # What DCUtR's hole punch does once the SYNs have crossed: a fresh direct dial.
+            await a._network.dial_addr(Multiaddr(_base(b.listen_addrs()[0])), b_id)
+            await wait_until(lambda: any(not _relayed(c) for c in a._live_connections(b_id)))
+            assert a.is_admitted(b.peer_id)
+
+
+async def test_direct_connections_beyond_the_per_peer_bound_are_closed() -> None:
+    """The room left for relayed connections is not room for more direct ones: a direct
+    connection beyond ``max_connections_per_peer`` is closed as it opens."""
+    from multiaddr import Multiaddr
+    from net_helpers import config, wait_until
+
+    from peerinfer.net import open_host
+    from peerinfer.net.host import parse_peer_id
+
+    async with open_host(config(max_connections_per_peer=1)) as a, open_host(config()) as b:
+        b_id, b_addr = parse_peer_id(b.peer_id), Multiaddr(_base(b.listen_addrs()[0]))
+        await a.connect(b.listen_addrs()[0])
+        for _ in range(2):
+            with contextlib.suppress(Exception):  # libp2p may see it closed under it
+                await a._network.dial_addr(b_addr, b_id)
+        await wait_until(lambda: len(a._live_connections(b_id)) == 1)
+        await trio.sleep(0.2)
+        assert len(a._live_connections(b_id)) == 1
+        assert a.is_connected(b.peer_id)
