@@ -136,3 +136,42 @@ async def test_direct_connections_beyond_the_per_peer_bound_are_closed() -> None
         await trio.sleep(0.2)
         assert len(a._live_connections(b_id)) == 1
         assert a.is_connected(b.peer_id)
+
+
+def test_the_smaller_peer_id_punches_first_and_the_other_only_after_a_wait() -> None:
+    """Both ends starting a punch at once dialed one TCP 4-tuple in two sessions with opposite
+    roles (EADDRNOTAVAIL, or a merged connection with two Noise responders, then 60 s of
+    TIME_WAIT): the smaller id leads, the other waits PUNCH_FOLLOWER_WAIT_S."""
+    from libp2p.peer.id import ID
+
+    from peerinfer.net.identity import new_identity, peer_id_of
+    from peerinfer.net.reach import PUNCH_ASK_GAP_S, PUNCH_FOLLOWER_WAIT_S, _one_side_first
+
+    low, high = sorted(peer_id_of(new_identity()) for _ in range(2))
+
+    async def main() -> None:
+        started: list[tuple[str, float]] = []
+
+        def starting(who: str):  # noqa: ANN202
+            async def initiate(peer: ID) -> bool:
+                started.append((who, trio.current_time()))
+                return False  # the punch failed: DCUtR asks again 2 s later
+            return initiate
+
+        leader = _one_side_first(low, starting("low"))
+        follower = _one_side_first(high, starting("high"))
+        t0 = trio.current_time()
+        for _ in range(int(PUNCH_FOLLOWER_WAIT_S / 2) + 2):  # DCUtR's auto-drive: every 2 s
+            await leader(ID.from_base58(high))
+            await follower(ID.from_base58(low))
+            await trio.sleep(2)
+        assert [t for who, t in started if who == "low"][0] == t0
+        follower_starts = [t - t0 for who, t in started if who == "high"]
+        assert follower_starts and min(follower_starts) >= PUNCH_FOLLOWER_WAIT_S
+        # A gap in asking (the relayed connection went): the wait starts afresh.
+        await trio.sleep(PUNCH_ASK_GAP_S + 1)
+        started.clear()
+        await follower(ID.from_base58(low))
+        assert started == []
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

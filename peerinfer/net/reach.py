@@ -18,6 +18,9 @@ Algorithm (one task per node, :func:`run_reach`)
    (on the same relay once the bootstrap loop reconnects it, or on another).
 4. Every ``RECHECK_S`` the test and reservation are redone (a reservation is refreshed well
    within its TTL).
+5. Before the first verdict, a reservation is taken speculatively while the test runs (behind
+   a NAT the verdict waits for the dial-backs to time out), and dropped if we turn out
+   reachable: joining does not wait for the verdict.
 
 Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
 circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
@@ -30,12 +33,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import multiaddr
 import trio
 from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.tools.anyio_service import background_trio_service
@@ -59,6 +64,10 @@ RELAY_CANDIDATES = 8
 RECHECK_S = 60.0
 #: How often the reservation's relay is checked to be still connected.
 WATCH_S = 1.0
+#: Before the first dial-back verdict, how often to look for a peer to ask (and a relay to
+#: reserve on meanwhile, speculatively: ``_Reach._test_reserving_meanwhile``). Joining waits
+#: for both.
+FIRST_VERDICT_POLL_S = 0.2
 #: After py-libp2p's DCUtR has spent its attempts on a peer (3, then never again while the
 #: relayed connection lasts), its budget is given back after this long, doubling per peer up
 #: to PUNCH_RETRY_MAX_S: a punch that lost a race on a busy machine or router is tried again
@@ -66,6 +75,16 @@ WATCH_S = 1.0
 #: attempts per PUNCH_RETRY_MAX_S at most.
 PUNCH_RETRY_S = 15.0
 PUNCH_RETRY_MAX_S = 600.0
+#: Of two peers with a relayed connection, the one with the smaller peer id starts the hole
+#: punch; the other starts one only after this long still relayed (in case the first never
+#: does). Both starting at once (each DCUtR's auto-drive loop ticks every 2 s) ran two sessions
+#: that dialed the same TCP 4-tuple with opposite roles (measured: EADDRNOTAVAIL, and a merged
+#: connection whose two ends both took the Noise responder role failed, leaving the 4-tuple in
+#: TIME_WAIT for 60 s: the cone pair stayed relayed).
+PUNCH_FOLLOWER_WAIT_S = 20.0
+#: A peer not asked about for this long (DCUtR asks every 2 s while relayed) starts afresh.
+PUNCH_ASK_GAP_S = 10.0
+MAX_PUNCH_PEERS = 1024
 
 
 @dataclass(frozen=True)
@@ -234,7 +253,8 @@ class _Reach:
             now = trio.current_time()
             self._withdraw_lost()
             if now >= next_check or self.state.reachable is None:
-                verdict = await self.test_reachable()
+                was = self.state.reachable
+                verdict = await self._test_reserving_meanwhile()
                 if verdict is not None:
                     if verdict != self.state.reachable:
                         logger.info("dial-back test: %s", "reachable" if verdict else "not reachable (behind a NAT?)")
@@ -243,21 +263,45 @@ class _Reach:
                     if verdict and self.settings.relay_service and not self.state.relaying_for_others:
                         self.relay.enable_service()
                         self.state.relaying_for_others = True
-                    if not verdict and self.state.reservations:
+                    if verdict:
+                        self._drop_reservations()  # a speculative one (see FIRST_VERDICT_POLL_S)
+                    if not verdict and was is False and self.state.reservations:
                         # refresh: reserve again on the same relays (well within the TTL)
                         for relay_id in list(self.state.reservations):
                             with contextlib.suppress(Exception):
                                 await self.relay.reserve(relay_id, _relay_addr(self.host, relay_id) or "", timeout=5.0)
             if self.state.reachable is False and not self.state.reservations:
                 await self.reserve_somewhere()
-            await trio.sleep(WATCH_S)
+            await trio.sleep(WATCH_S if self.state.reachable is not None else FIRST_VERDICT_POLL_S)
+
+    async def _test_reserving_meanwhile(self) -> bool | None:
+        """The dial-back verdict; before the first one, a reservation is taken meanwhile (a
+        node behind a NAT learns it only when its dial-backs time out, DIALBACK_TIMEOUT_S, and
+        joining waited for that), and dropped if the verdict is "reachable"."""
+        async with trio.open_nursery() as nursery:
+            if self.state.reachable is None and not self.state.reservations:
+                nursery.start_soon(self.reserve_somewhere)
+            verdict = await self.test_reachable()
+            if verdict:
+                nursery.cancel_scope.cancel()
+        return verdict
+
+    def _drop_reservations(self) -> None:
+        if not self.state.reservations:
+            return
+        for relay_id, addr in list(self.state.reservations.items()):
+            self.relay.reservations.pop(relay_id, None)
+            self.host.remove_advertised_addr(addr)
+            logger.info("reachable: our address through relay %s withdrawn", relay_id)
+        self.state.reservations.clear()
+        self.on_addrs_changed()
 
 
 @contextlib.asynccontextmanager
 async def _running_dcutr(host: Host) -> AsyncIterator[None]:
     """py-libp2p's DCUtR service: every 2 s it tries a hole punch to each peer it has only a
-    relayed connection to (at most a few attempts per peer); its stream handler is re-registered
-    behind swarm admission. The punched connection is an ordinary swarm connection (admitted
+    relayed connection to (at most a few attempts per peer; the smaller peer id of the two
+    first, see ``_one_side_first``); its stream handler is re-registered behind swarm admission. The punched connection is an ordinary swarm connection (admitted
     as any other); DCUtR then closes the relayed one after a grace period."""
     dcutr = DCUtRProtocol(host._h)
     async with background_trio_service(dcutr):
@@ -278,10 +322,39 @@ async def _running_dcutr(host: Host) -> AsyncIterator[None]:
                     await stream.reset()
 
         host._h.set_stream_handler(DCUTR_PROTOCOL, gated)
+        # The auto-drive loop calls the instance's initiate_hole_punch: one side leads.
+        dcutr.initiate_hole_punch = _one_side_first(host.peer_id, dcutr.initiate_hole_punch)  # type: ignore[method-assign]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_give_back_punch_budgets, dcutr)
             yield
             nursery.cancel_scope.cancel()
+
+
+def _one_side_first(
+    our_id: str, initiate: Callable[[ID], Awaitable[bool]]
+) -> Callable[[ID], Awaitable[bool]]:
+    """``initiate`` (DCUtR's ``initiate_hole_punch``) as the peer with the smaller id calls
+    it at once and the other only once ``PUNCH_FOLLOWER_WAIT_S`` has passed since it was first
+    asked about that peer (a gap of ``PUNCH_ASK_GAP_S`` without asking starts the wait afresh:
+    the relayed connection went, or was punched). A call held back returns False, which DCUtR
+    does not count as an attempt."""
+    asked: OrderedDict[ID, tuple[float, float]] = OrderedDict()  # peer -> (first, last) ask
+
+    async def first_or_after_a_wait(peer_id: ID) -> bool:
+        if our_id < peer_id.to_base58():
+            return await initiate(peer_id)
+        now = trio.current_time()
+        first, last = asked.pop(peer_id, (now, now))
+        if now - last > PUNCH_ASK_GAP_S:
+            first = now
+        asked[peer_id] = (first, now)
+        while len(asked) > MAX_PUNCH_PEERS:
+            asked.popitem(last=False)
+        if now - first < PUNCH_FOLLOWER_WAIT_S:
+            return False
+        return await initiate(peer_id)
+
+    return first_or_after_a_wait
 
 
 async def _give_back_punch_budgets(dcutr: DCUtRProtocol) -> None:
