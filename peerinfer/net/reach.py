@@ -277,9 +277,11 @@ class _Reach:
     async def _test_reserving_meanwhile(self) -> bool | None:
         """The dial-back verdict; before the first one, a reservation is taken meanwhile (a
         node behind a NAT learns it only when its dial-backs time out, DIALBACK_TIMEOUT_S, and
-        joining waited for that), and dropped if the verdict is "reachable"."""
+        joining waited for that), and dropped if the verdict is "reachable". Only while a
+        verdict is pending: with no peer to ask, no reservation is taken on a guess."""
         async with trio.open_nursery() as nursery:
-            if self.state.reachable is None and not self.state.reservations:
+            pending = bool(self._speaking(DIALBACK_PROTOCOL))
+            if self.state.reachable is None and not self.state.reservations and pending:
                 nursery.start_soon(self.reserve_somewhere)
             verdict = await self.test_reachable()
             if verdict:
