@@ -48,3 +48,26 @@ async def test_a_relay_slot_is_reserved_before_the_verdict_and_kept_only_if_unre
                 assert state.reservations == {}
                 assert not any("p2p-circuit" in a for a in home.dialable_addrs())
         nursery.cancel_scope.cancel()
+
+
+async def test_the_reservation_is_tried_again_while_the_relay_is_not_serving_yet() -> None:
+    """A relay that has just started serves relay only once its own first peers dialed it
+    back: the joining node's reservation, refused at first, is tried again before its own
+    verdict is in."""
+    cfg = config(swarm_key=KEY)
+    async with open_host(cfg) as relay_host, open_host(cfg) as home, trio.open_nursery() as nursery:
+        async def held_dialback(stream: FramedStream) -> None:
+            await stream.receive()
+            await trio.sleep(HELD_S)
+            await stream.send(b"0")
+
+        relay_host.set_handler(DIALBACK_PROTOCOL, held_dialback)
+        async with open_relay(relay_host, RelaySettings(service=True), serve_now=False) as relay:
+            state = await nursery.start(run_reach, home, ReachSettings(relay_service=False))
+            await home.connect(relay_host.listen_addrs()[0])
+            await trio.sleep(HELD_S / 3)
+            assert state.reservations == {}  # refused: no relay service yet
+            relay.enable_service()
+            await wait_until(lambda: bool(state.reservations), timeout=HELD_S)
+            assert state.reachable is None, "the reservation waited for the verdict"
+        nursery.cancel_scope.cancel()

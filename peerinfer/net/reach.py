@@ -279,11 +279,22 @@ class _Reach:
         node behind a NAT learns it only when its dial-backs time out, DIALBACK_TIMEOUT_S, and
         joining waited for that), and dropped if the verdict is "reachable". Only while a
         verdict is pending: with no peer to ask, no reservation is taken on a guess."""
+        verdict_known = trio.Event()
+
+        async def reserve_until_the_verdict() -> None:
+            # A relay that has just started offers its service only once its own verdict is
+            # in (its first peers dial it back): try again until then.
+            while not self.state.reservations and not verdict_known.is_set():
+                await self.reserve_somewhere()
+                with trio.move_on_after(FIRST_VERDICT_POLL_S):
+                    await verdict_known.wait()
+
         async with trio.open_nursery() as nursery:
             pending = bool(self._speaking(DIALBACK_PROTOCOL))
             if self.state.reachable is None and not self.state.reservations and pending:
-                nursery.start_soon(self.reserve_somewhere)
+                nursery.start_soon(reserve_until_the_verdict)
             verdict = await self.test_reachable()
+            verdict_known.set()  # a reservation under way may finish (kept if not reachable)
             if verdict:
                 nursery.cancel_scope.cancel()
         return verdict
