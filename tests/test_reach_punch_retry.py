@@ -141,37 +141,48 @@ async def test_direct_connections_beyond_the_per_peer_bound_are_closed() -> None
 def test_the_smaller_peer_id_punches_first_and_the_other_only_after_a_wait() -> None:
     """Both ends starting a punch at once dialed one TCP 4-tuple in two sessions with opposite
     roles (EADDRNOTAVAIL, or a merged connection with two Noise responders, then 60 s of
-    TIME_WAIT): the smaller id leads, the other waits PUNCH_FOLLOWER_WAIT_S."""
+    TIME_WAIT): the smaller id leads, the other waits PUNCH_FOLLOWER_WAIT_S. And each peer's
+    attempt runs on its own: a futile one (a symmetric NAT, ~20 s) holds back no other peer's,
+    and a peer is never tried twice at once."""
     from libp2p.peer.id import ID
 
     from peerinfer.net.identity import new_identity, peer_id_of
     from peerinfer.net.reach import PUNCH_ASK_GAP_S, PUNCH_FOLLOWER_WAIT_S, _one_side_first
 
-    low, high = sorted(peer_id_of(new_identity()) for _ in range(2))
+    low, high, symmetric = sorted(peer_id_of(new_identity()) for _ in range(3))
+    futile_s = 19.0  # ends between two of DCUtR's asks (every 2 s)
 
     async def main() -> None:
-        started: list[tuple[str, float]] = []
+        started: list[tuple[str, str, float]] = []
 
         def starting(who: str):  # noqa: ANN202
             async def initiate(peer: ID) -> bool:
-                started.append((who, trio.current_time()))
-                return False  # the punch failed: DCUtR asks again 2 s later
+                started.append((who, peer.to_base58(), trio.current_time()))
+                await trio.sleep(futile_s)  # the punch fails, slowly
+                return False
             return initiate
 
-        leader = _one_side_first(low, starting("low"))
-        follower = _one_side_first(high, starting("high"))
-        t0 = trio.current_time()
-        for _ in range(int(PUNCH_FOLLOWER_WAIT_S / 2) + 2):  # DCUtR's auto-drive: every 2 s
-            await leader(ID.from_base58(high))
+        async with trio.open_nursery() as nursery:
+            leader = _one_side_first(low, starting("low"), nursery)
+            follower = _one_side_first(high, starting("high"), nursery)
+            t0 = trio.current_time()
+            for _ in range(int(PUNCH_FOLLOWER_WAIT_S / 2) + 2):  # DCUtR's auto-drive: every 2 s
+                with trio.fail_after(0.1):  # never waits for an attempt
+                    await leader(ID.from_base58(symmetric))
+                    await leader(ID.from_base58(high))
+                    await follower(ID.from_base58(low))
+                await trio.sleep(2)
+            by_low = [(peer, t - t0) for who, peer, t in started if who == "low"]
+            assert sorted(by_low[:2]) == sorted([(symmetric, 0.0), (high, 0.0)])  # side by side
+            assert [t for peer, t in by_low if peer == high] == [0.0, 20.0]  # one at a time
+            follower_starts = [t - t0 for who, _, t in started if who == "high"]
+            assert follower_starts and min(follower_starts) >= PUNCH_FOLLOWER_WAIT_S
+            # A gap in asking (the relayed connection went): the wait starts afresh.
+            await trio.sleep(PUNCH_ASK_GAP_S + futile_s)
+            started.clear()
             await follower(ID.from_base58(low))
-            await trio.sleep(2)
-        assert [t for who, t in started if who == "low"][0] == t0
-        follower_starts = [t - t0 for who, t in started if who == "high"]
-        assert follower_starts and min(follower_starts) >= PUNCH_FOLLOWER_WAIT_S
-        # A gap in asking (the relayed connection went): the wait starts afresh.
-        await trio.sleep(PUNCH_ASK_GAP_S + 1)
-        started.clear()
-        await follower(ID.from_base58(low))
-        assert started == []
+            await trio.sleep(1)
+            assert started == []
+            nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
