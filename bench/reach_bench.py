@@ -2,9 +2,11 @@
 
 Per run: a relay in ``pub``, a destination behind a NAT (``--dest home2``: cone NAT, or
 ``home3``: symmetric NAT) that reserves a slot, a source in ``home1`` (cone NAT) that dials the
-destination through the relay, times 30 echo requests (each on a new stream), 30 round trips
-on one open stream and 30 bare stream opens, then tries a DCUtR hole punch and times 30 more
-requests; and 30 straight to the relay (new streams, then one open stream) for comparison.
+destination through the relay, times 30 echo requests (each on a new stream), 30 as a node's
+repeated forwards send them (each on the stream kept from the last: Host.keep_idle_stream),
+30 round trips on one open stream and 30 bare stream opens, then tries a DCUtR hole punch and
+times 30 more requests; and 30 straight to the relay (new streams, kept stream, one open
+stream) for comparison.
 Prints one JSON object. Needs root and nft. Usage::
 
     python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
