@@ -2,9 +2,11 @@
 
 Per run: a relay in ``pub``, a destination behind a NAT (``--dest home2``: cone NAT, or
 ``home3``: symmetric NAT) that reserves a slot, a source in ``home1`` (cone NAT) that dials the
-destination through the relay, times 30 echo requests (each on a new stream), 30 round trips
-on one open stream and 30 bare stream opens, then tries a DCUtR hole punch and times 30 more
-requests; and 30 straight to the relay (new streams, then one open stream) for comparison.
+destination through the relay, times 30 echo requests (each on a new stream), 30 as a node's
+repeated forwards send them (each on the stream kept from the last: Host.keep_idle_stream),
+30 round trips on one open stream and 30 bare stream opens, then tries a DCUtR hole punch and
+times 30 more requests; and 30 straight to the relay (new streams, kept stream, one open
+stream) for comparison.
 Prints one JSON object. Needs root and nft. Usage::
 
     python bench/reach_bench.py --dest home2 --runs 3 [--swarm-key K]
@@ -164,6 +166,23 @@ def join_run(dest: str = "home2", keep: str | None = None) -> dict[str, object]:
         return result
 
 
+def join_summary(joins: list[dict[str, object]]) -> dict[str, object]:
+    """The issue's join and punch ratios over ``join_run`` results."""
+    served = [float(r["served_s"]) for r in joins if r["served_by_holder"]]  # type: ignore[arg-type]
+    out: dict[str, object] = {
+        "runs": len(joins),
+        "served_by_holder": len(served),
+        "served_within_10s": sum(1 for r in joins if r["served_by_holder"] and float(r["served_s"]) <= 10.0),  # type: ignore[arg-type]
+        "served_s_median": round(statistics.median(served), 2) if served else None,
+        "processes_ready_s_median": round(statistics.median(float(r["processes_ready_s"]) for r in joins), 2),  # type: ignore[arg-type]
+    }
+    if any("direct_s" in r for r in joins):
+        out["direct_after_hole_punching"] = sum(1 for r in joins if r.get("direct_s") is not None)
+    if any("relayed_only" in r for r in joins):
+        out["relayed_only"] = sum(1 for r in joins if r.get("relayed_only"))
+    return out
+
+
 def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]:
     ok = [r for r in runs if isinstance(r.get("relay_dial"), dict) and r["relay_dial"]["event"] == "relay_dial_ok"]
     punched = [r for r in ok if r["dcutr"]["ok"]]
@@ -172,6 +191,11 @@ def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]
     direct_p50 = [r["rtt"]["direct_to_relay_p50_ms"] for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
     overhead = [r["rtt"]["relayed_before_punch_p50_ms"] - r["rtt"]["direct_to_relay_p50_ms"]
                 for r in ok if r["rtt"]["direct_to_relay_p50_ms"]]
+    kept = [(r["reuse"]["relayed_kept_p50_ms"], r["direct_reuse"]["direct_kept_p50_ms"])
+            for r in ok if "relayed_kept_p50_ms" in r.get("reuse", {}) and "direct_kept_p50_ms" in r.get("direct_reuse", {})]
+    kept_relayed = [k[0] for k in kept]
+    kept_direct = [k[1] for k in kept]
+    kept_overhead = [k[0] - k[1] for k in kept]
     med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
     return {
         "dest": dest, "nat": "cone" if dest == "home2" else "symmetric",
@@ -183,6 +207,12 @@ def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]
         "request_after_punch_p50_ms_median": med(after_p50),
         "request_direct_to_relay_p50_ms_median": med(direct_p50),
         "relayed_overhead_p50_ms_median": med(overhead),
+        # What a node's repeated forwards see (node/forwarding.py): the stream kept from the
+        # last request to that peer (Host.keep_idle_stream), relayed against straight to the
+        # relay the same way.
+        "request_kept_relayed_p50_ms_median": med(kept_relayed),
+        "request_kept_direct_to_relay_p50_ms_median": med(kept_direct),
+        "relayed_overhead_kept_stream_p50_ms_median": med(kept_overhead),
         # Where the relayed time goes: opening a stream (yamux + multistream negotiation, ~3
         # round trips through the relay) against one round trip on an open stream.
         "relayed_stream_open_p50_ms_median": med([r["reuse"]["relayed_open_p50_ms"] for r in ok if "reuse" in r]),
@@ -208,6 +238,7 @@ def targets(runs: int, heal_runs: int) -> dict[str, object]:
         "symmetric_served_through_relay": sum(1 for r in sym if r["served_by_holder"] and r["relayed_only"]),
         "symmetric_served_s_median": statistics.median(r["served_s"] for r in sym),
         "relayed_overhead_over_direct_p50_ms_median": probe["relayed_overhead_p50_ms_median"],
+        "relayed_overhead_over_direct_kept_stream_p50_ms_median": probe["relayed_overhead_kept_stream_p50_ms_median"],
         "probe": probe,
         "heal": {kind: {
             "runs": len(rs), "lost_requests": sum(r["lost"] for r in rs),
@@ -326,8 +357,10 @@ def main() -> None:
         print(json.dumps({"heal": heals, "load": os.getloadavg()[0]}))
         return
     if args.join:
+        load_before = os.getloadavg()[0]
         joins = [join_run(args.dest, args.keep) for _ in range(args.runs)]
-        print(json.dumps({"join": joins, "load": os.getloadavg()[0]}))
+        print(json.dumps({"summary": join_summary(joins), "join": joins,
+                          "load": [round(load_before, 2), round(os.getloadavg()[0], 2)]}))
         return
     runs = [one_run(args.dest, args.swarm_key) for _ in range(args.runs)]
     print(json.dumps({**probe_summary(runs, args.dest), "load": os.getloadavg()[0]}))

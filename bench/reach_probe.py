@@ -100,6 +100,23 @@ async def main(args: argparse.Namespace) -> None:
                         assert reply == b"x" * 64
                 return rtts
 
+            async def timed_kept(peer: str) -> list[float]:
+                """What a node's repeated forwards to one peer see: each request on the stream
+                kept from the last one (Host.take_idle_stream/keep_idle_stream, as
+                node/forwarding.py does), the first on a lazily negotiated new one."""
+                rtts = []
+                for _ in range(args.n):
+                    t1 = time.monotonic()
+                    stream = host.take_idle_stream(peer, ECHO)
+                    if stream is None:
+                        stream = await host.open_stream(peer, ECHO, timeout=10, lazy=True)
+                    await stream.send(b"x" * 64)
+                    reply = await stream.receive(timeout=10)
+                    host.keep_idle_stream(stream)
+                    rtts.append(time.monotonic() - t1)
+                    assert reply == b"x" * 64
+                return rtts
+
             async def timed_open() -> list[float]:
                 rtts = []
                 for _ in range(args.n):
@@ -110,9 +127,11 @@ async def main(args: argparse.Namespace) -> None:
                 return rtts
 
             rtts = await timed()
+            kept = await timed_kept(target_id)
             reused = await timed_reused()
             opens = await timed_open()
             say(event="reuse", relayed_reused_p50_ms=round(statistics.median(reused) * 1000, 2),
+                relayed_kept_p50_ms=round(statistics.median(kept) * 1000, 2),
                 relayed_open_p50_ms=round(statistics.median(opens) * 1000, 2))
             await start_dcutr()
             if dcutr is not None:
@@ -133,6 +152,7 @@ async def main(args: argparse.Namespace) -> None:
                     t1 = time.monotonic()
                     await host.request(relay_id, ECHO, b"x" * 64, timeout=10)
                     direct.append(time.monotonic() - t1)
+                dkept = await timed_kept(relay_id)
                 dreused = []
                 stream = await host.open_stream(relay_id, ECHO, timeout=10)
                 async with stream:
@@ -141,7 +161,8 @@ async def main(args: argparse.Namespace) -> None:
                         await stream.send(b"x" * 64)
                         await stream.receive(timeout=10)
                         dreused.append(time.monotonic() - t1)
-                say(event="direct_reuse", direct_reused_p50_ms=round(statistics.median(dreused) * 1000, 2))
+                say(event="direct_reuse", direct_reused_p50_ms=round(statistics.median(dreused) * 1000, 2),
+                    direct_kept_p50_ms=round(statistics.median(dkept) * 1000, 2))
             say(event="rtt", relayed_before_punch_p50_ms=round(statistics.median(rtts) * 1000, 2),
                 after_punch_p50_ms=round(statistics.median(after) * 1000, 2) if after else None,
                 direct_to_relay_p50_ms=round(statistics.median(direct) * 1000, 2) if direct else None,

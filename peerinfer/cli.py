@@ -589,16 +589,17 @@ def _run_swarm_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_calibrate(sub: Any) -> None:
-    from peerinfer.engine.calibrate import add_calibrate_arguments
-
+def _add_calibrate(sub: Any, full: bool = True) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure a real model's costs for the cost policy and the simulator",
         description="Measure prefill, cached-prefix and decode costs of a model on this machine "
         "and print (or write) the cost model.",
     )
-    add_calibrate_arguments(p)
+    if full:  # its arguments' module costs 0.5 s of imports at every start of any command
+        from peerinfer.engine.calibrate import add_calibrate_arguments
+
+        add_calibrate_arguments(p)
     p.set_defaults(run=_run_calibrate)
 
 
@@ -608,15 +609,16 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return int(run_calibrate_command(args))
 
 
-def _add_sim(sub: Any) -> None:
-    from peerinfer.sim import add_sim_arguments
-
+def _add_sim(sub: Any, full: bool = True) -> None:
     p = sub.add_parser(
         "sim",
         help="simulate a network in virtual time",
         description="Discrete-event simulation of a peerinfer network driving the real node logic.",
     )
-    add_sim_arguments(p)
+    if full:  # as for calibrate: 0.9 s of imports (the simulator) that `node` never uses
+        from peerinfer.sim import add_sim_arguments
+
+        add_sim_arguments(p)
     p.set_defaults(run=_run_sim)
 
 
@@ -626,7 +628,9 @@ def _run_sim(args: argparse.Namespace) -> int:
     return int(run_sim_command(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` (the one about to be parsed) the subcommands
+    whose arguments need heavy imports (calibrate, sim) get them only if they are that one."""
     parser = argparse.ArgumentParser(
         prog="peerinfer",
         description="Serve an LLM from a peer-to-peer network of ordinary machines.",
@@ -637,14 +641,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub)
     _add_status(sub)
     _add_swarm(sub)
-    _add_calibrate(sub)
-    _add_sim(sub)
+    _add_calibrate(sub, full=command in (None, "calibrate"))
+    _add_sim(sub, full=command in (None, "sim"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words[0] if words and not words[0].startswith("-") else None)
+    args = parser.parse_args(words)
     command = f"peerinfer {args.command}"
     level = logging.WARNING
     if getattr(args, "verbose", 0) == 1:

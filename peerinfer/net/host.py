@@ -16,7 +16,12 @@ owns, everything the node needs from the network:
 * **Limits.** A resource manager bounds pending and established connections (total, per
   direction, per peer); its memory limit (which refuses every connection once the *machine* is
   above 90 % memory, i.e. whenever a model is loaded), circuit breaker (five refusals block all
-  connections for 60 s) and "graceful degradation" (which shrinks limits) are turned off. The
+  connections for 60 s) and "graceful degradation" (which shrinks limits) are turned off. Per
+  peer, ``max_connections_per_peer`` direct connections plus ``RELAYED_CONNECTIONS_PER_PEER``
+  relayed ones: two homes that dial each other through a relay at once hold two relayed
+  connections, and the hole-punched direct one must still fit (libp2p's own per-peer limit
+  counts both kinds, so it is set to the sum, and a direct connection beyond the bound is
+  closed as it opens, ``_connection_opened``). The
   swarm's auto-connector and retry loop are disabled: dialing policy is ours (bootstrap redial,
   mDNS, ``dial``). Frames are bounded by ``max_frame_bytes``; inbound handler invocations per peer
   by ``max_streams_per_peer`` (excess streams are reset on arrival).
@@ -161,6 +166,12 @@ SHUTDOWN_GRACE_S = 1.0
 MAX_CIRCUIT_PEERS = 1024
 #: The direct dial tried before the relayed one, for a peer with a relayed address.
 RELAYED_DIRECT_TRY_S = 2.0
+#: Relayed connections a peer may hold beside its ``max_connections_per_peer`` direct ones: one
+#: dialed by each end through the relay when both learn the other's relayed address at once.
+#: Counted in libp2p's per-peer limit, they refused the hole-punched connection (measured on the
+#: emulated internet: the cone pair stayed relayed, every later punch failing on the refused
+#: connection's TIME_WAIT 4-tuple).
+RELAYED_CONNECTIONS_PER_PEER = 2
 #: Peers whose admission refusal was logged (once each); the oldest are forgotten beyond this.
 MAX_REFUSALS_LOGGED = 4096
 #: Streams kept for reuse (``keep_idle_stream``): per peer and protocol, in all, and for how
@@ -500,6 +511,10 @@ class Host:
             left = deadline - (trio.current_time() - started)
             if left <= 0:
                 break
+            if self.is_connected(peer):
+                # It dialed us (through the relay) during our direct try: a second relayed
+                # connection would only take room (RELAYED_CONNECTIONS_PER_PEER).
+                return
             try:
                 await dialer(circuit, left)
                 return
@@ -784,6 +799,11 @@ class Host:
     def _connection_opened(self, peer_id: str, conn: INetConn) -> None:
         first = not any(not c.is_closed for c in self._connections.get(peer_id, ()))
         self._connections[peer_id].add(conn)
+        if not _is_relayed(conn) and self._nursery is not None and not self._closed:
+            direct = [c for c in self._connections[peer_id] if not c.is_closed and not _is_relayed(c)]
+            if len(direct) > self._config.max_connections_per_peer:
+                # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
+                self._nursery.start_soon(self._close_connection, peer_id, conn)
         opened = self._connect_events.pop(peer_id, None)
         if opened is not None:
             opened.set()
@@ -1304,7 +1324,7 @@ class Host:
 
 def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multiaddr.Multiaddr]) -> IHost:
     muxer.install()  # yamux window credit without a frame per read (peerinfer.net.muxer)
-    per_peer = config.max_connections_per_peer
+    per_peer = config.max_connections_per_peer + RELAYED_CONNECTIONS_PER_PEER
     connection_config = ConnectionConfig(
         max_connections=config.max_connections,
         min_connections=0,
@@ -1355,6 +1375,15 @@ def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multi
         # whatever low_watermark says; it would redial peers we just dropped for misbehaving.
         network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]
     return host
+
+
+def _is_relayed(conn: INetConn) -> bool:
+    """Whether ``conn`` runs through a relay (a circuit v2 connection)."""
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
 
 
 async def _no_auto_connect() -> None:
