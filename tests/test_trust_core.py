@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_node_core import PARAMS, announcements, introduce, make, of, prompt, serve_locally
 
+from peerinfer.core.costmodel import CostModel
 from peerinfer.core.node import (
     AnnounceReceived,
     AuditFinished,
@@ -454,3 +455,75 @@ def test_a_digest_liar_that_wins_on_load_is_excluded_within_20_failures() -> Non
         assert failures <= 20, (spacing_s, failures)
         assert failures == 3, (spacing_s, failures)  # -4, -8, -16: below -15 at the third
         assert after == 0, "an excluded peer was chosen by routing"
+
+
+# --------------------------------------------------------------------------------------------
+# Speed claims: a claim to be faster than this node counts only once proven
+
+
+FAST_CLAIM = CostModel(
+    prefill_s_per_token=1e-6, cached_s_per_token=1e-7, decode_s_per_token=1e-5, overhead_s=1e-4
+)
+
+
+def speed_claim_swarm(now: float) -> tuple[NodeCore, NodeCore, NodeCore, tuple[int, ...]]:
+    """A busy origin (every remote beats it), an honest holder ``H`` of a 240-token prefix at the
+    origin's own speed, and ``L`` that announces a speed thousands of times faster, no cache."""
+    a = busy_origin("A", now)
+    holder, claimer = make("H", policy="cost"), make("L", policy="cost", costs=FAST_CLAIM)
+    shared = prompt(1, 240)
+    serve_locally(holder, "warm", shared, now)
+    introduce(a, holder, now)
+    introduce(a, claimer, now)
+    assert a.index.load(PeerId("L")).speed == FAST_CLAIM.speed()
+    return a, holder, claimer, shared
+
+
+def answer_fresh_prompts(a: NodeCore, ttft_s: float, now: float, requests: int = 30) -> int:
+    """Fresh prompts (no cache anywhere) at the busy origin: each forward is answered, the
+    claimer's in ``ttft_s`` and the holder's at its estimate; the forwards the claimer got."""
+    to_claimer = 0
+    for i in range(requests):
+        rid = RequestId(f"fresh{i}")
+        fwd = forward_to_b(a, rid, prompt(900 + i, 64), now)
+        assert fwd is not None
+        answered_in = ttft_s if fwd.peer == "L" else fwd.decision.estimated_ttft_s
+        a.handle(ForwardFinished(rid, fwd.peer, cached_tokens=0, ttft_s=answered_in), now + 0.5)
+        to_claimer += fwd.peer == "L"
+        now += 1.0
+    return to_claimer
+
+
+def test_an_unproven_claim_to_be_faster_does_not_win_over_the_prefix_holder() -> None:
+    a, _, _, shared = speed_claim_swarm(1.0)
+    # The claim believed, L's estimate (no cache, at its claimed speed) beats H's (240 cached
+    # tokens at our speed): the attack. Unproven, L is estimated at our speed: H wins.
+    fwd = forward_to_b(a, "r1", shared + prompt(2, 16), 1.0)
+    assert fwd is not None and fwd.peer == "H"
+    assert not a.reputation.speed_proven(PeerId("L"), 1.0)
+
+
+def test_a_claimer_that_answers_at_honest_speed_never_proves_its_claim() -> None:
+    a, _, _, shared = speed_claim_swarm(1.0)
+    to_claimer = answer_fresh_prompts(a, ttft_s=0.3, now=2.0)  # our speed: about 0.3 s
+    assert to_claimer >= 5  # chosen on load, served: standing good, claim still unproven
+    assert a.reputation.standing(PeerId("L"), 40.0) == "good"
+    assert not a.reputation.speed_proven(PeerId("L"), 40.0)
+    fwd = forward_to_b(a, "after", shared + prompt(2, 16), 40.0)
+    assert fwd is not None and fwd.peer == "H"
+
+
+def test_a_really_faster_peer_proves_its_claim_and_then_wins_on_speed() -> None:
+    a, _, _, shared = speed_claim_swarm(1.0)
+    to_claimer = answer_fresh_prompts(a, ttft_s=0.01, now=2.0)
+    assert to_claimer >= CFG.speed_proofs
+    assert a.reputation.speed_proven(PeerId("L"), 40.0)
+    # Believed now: its estimate beats the holder's cache.
+    fwd = forward_to_b(a, "after", shared + prompt(2, 16), 40.0)
+    assert fwd is not None and fwd.peer == "L"
+    # And a demotion takes the belief away again.
+    for _ in range(20):  # its served answers banked some credit
+        if a.reputation.record(PeerId("L"), "slow", 41.0) == "demoted":
+            break
+    assert a.reputation.standing(PeerId("L"), 41.0) == "demoted"
+    assert not a.reputation.speed_proven(PeerId("L"), 41.0)

@@ -124,7 +124,7 @@ from peerinfer.core.messages import (
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
-from peerinfer.core.routing import RouteDecision, RouteRequest, make_policy
+from peerinfer.core.routing import Candidate, RouteDecision, RouteRequest, make_policy
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
 
@@ -539,6 +539,9 @@ class _Request:
     resume_after: tuple[int, ...] = ()
     #: the prompt tokens the target's own digest claimed when it was chosen (what it is held to)
     claimed_tokens: int = 0
+    #: the target claims to be faster than this node, not proven yet: it was estimated at no
+    #: more than our speed, and a first token well inside that estimate counts as a proof
+    speed_on_probation: bool = False
 
 
 @dataclass(slots=True)
@@ -1049,8 +1052,32 @@ class NodeCore:
                 replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
                 for c in candidates
             ]
+        own = self._speed
+        if any(c.load.speed and c.load.speed != own for c in candidates):
+            # A claim to be faster than this node is believed only once proven (reputation.py,
+            # "Speed claims"): announcing speed 0 would otherwise win every choice.
+            candidates = [self._with_believed_speed(c, now) for c in candidates]
         request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
         return self.policy.choose(request, candidates, self.rng)
+
+    def _believed_speed(self, peer: PeerId, speed: tuple[int, ...], now: float) -> tuple[int, ...] | None:
+        """What routing believes of ``peer``'s announced ``speed`` when that differs from the
+        claim (None: the claim is believed): until ``peer`` has proven to be faster than this
+        node, each figure is at least this node's own (slower claims are always believed)."""
+        own = self._speed
+        if not speed or speed == own or len(speed) != len(own):
+            return None
+        believed = tuple(max(a, b) for a, b in zip(speed, own, strict=True))
+        if believed == speed or self.reputation.speed_proven(peer, now):
+            return None
+        return believed
+
+    def _with_believed_speed(self, c: Candidate, now: float) -> Candidate:
+        believed = None if c.is_local else self._believed_speed(c.peer, c.load.speed, now)
+        if believed is None:
+            return c
+        # () is "as this node" to the cost policy.
+        return replace(c, load=replace(c.load, speed=() if believed == self._speed else believed))
 
     def _route_and_dispatch(self, req: _Request, now: float, effects: list[Effect]) -> None:
         attempts_left = self.config.max_forward_attempts - len(req.tried)
@@ -1068,6 +1095,7 @@ class NodeCore:
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
         req.claimed_tokens = self._digest_claim(peer, req.chain, len(req.tokens))
+        req.speed_on_probation = self._believed_speed(peer, self._index.load(peer).speed, now) is not None
         # Right after _decide's _routing_index: the peers with speculative entries are taken
         # in, and a new entry is younger than whatever the others' followed runs confirm.
         self._index.add_speculative(peer, req.chain, now)
@@ -1302,6 +1330,11 @@ class NodeCore:
                     ttft_s=ev.ttft_s,
                 )
                 self.reputation.record(ev.peer, outcome, now)
+                estimate = decision.estimated_ttft_s
+                if req.speed_on_probation and outcome == "served" and ev.ttft_s is not None and estimate is not None:
+                    self.reputation.note_answer_speed(
+                        ev.peer, estimated_at_own_speed_s=estimate, ttft_s=ev.ttft_s
+                    )
             rate = self.config.audit_rate
             if (
                 ev.completion

@@ -40,6 +40,18 @@ exclude it (-4 - 8 - 16 = -28) however far apart they come, and every offence af
 it again. An honest peer whose cache is evicted now and then (never twice in a row, served in
 between) never builds a streak.
 
+Speed claims. A peer announces its speed (``Load.speed``: seconds per token of its machine), and
+the ``cost`` policy estimates it at that speed, so a GPU beside CPUs gets the work it earns. A
+claim to be *slower* than this node only costs the claimant and is always believed; a claim to
+be *faster* is a lie that attracts traffic (announcing speed 0 beats a peer holding the prompt's
+prefix, and an answer at honest CPU speed still passes as ``served`` within ``ttft_slack_s``).
+So a faster claim counts only once proven: routing estimates an unproven peer at no more than
+this node's own speed figures, and an answer whose first token came within
+``speed_proof_fraction`` of that estimate counts as one proof; after ``speed_proofs`` of them,
+and while its standing is good, the claim is believed. A liar at honest speed never proves it;
+a real GPU proves it with its first few forwards (it is still chosen for its cache and when
+this node is busy). Proofs are not saved with the table: a restart proves them again.
+
 Scores are clamped to ``[min_score, max_score]`` (a long honest record cannot bank unlimited
 credit for one big lie) and decay toward 0 with ``half_life_s``: old offences are forgiven, so
 a peer excluded for honest trouble (a crash that looked like a tarpit) comes back on probation,
@@ -127,6 +139,11 @@ class ReputationConfig:
     escalating: tuple[Outcome, ...] = ("cache_short", "timeout", "contract")
     escalation: float = 2.0
     max_streak: int = 8
+    #: a peer's claim to be faster than this node (``Load.speed``) counts in routing only after
+    #: this many of its answers came at most ``speed_proof_fraction`` of the estimate made at
+    #: this node's own speed (see "Speed claims" above)
+    speed_proofs: int = 3
+    speed_proof_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.min_score < self.exclude_below < self.demote_below <= 0 < self.max_score:
@@ -137,6 +154,8 @@ class ReputationConfig:
             raise ConfigError("reputation max_peers must be >= 1")
         if self.escalation < 1 or self.max_streak < 0:
             raise ConfigError("reputation escalation must be >= 1 and max_streak >= 0")
+        if self.speed_proofs < 0 or not 0 < self.speed_proof_fraction <= 1:
+            raise ConfigError("reputation speed_proofs must be >= 0 and speed_proof_fraction in (0, 1]")
 
     def weight(self, outcome: Outcome) -> float:
         if outcome == "busy":
@@ -195,6 +214,8 @@ class _Record:
     counts: dict[str, int] = field(default_factory=dict)
     #: consecutive escalating offences (``ReputationConfig.escalating``) with no success between
     streak: int = 0
+    #: answers that came much sooner than this node's own speed would give (speed claims)
+    fast_answers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +282,23 @@ class Reputation:
         if rec is None:
             return 0
         return rec.counts.get("audit_passed", 0) + rec.counts.get("audit_failed", 0)
+
+    def speed_proven(self, peer: PeerId, now: float) -> bool:
+        """Whether ``peer``'s claim to be faster than this node counts: enough fast answers
+        (``note_answer_speed``), and its standing good."""
+        rec = self._records.get(peer)
+        if rec is None or rec.fast_answers < self.config.speed_proofs:
+            return self.config.speed_proofs == 0
+        return self.standing(peer, now) == "good"
+
+    def note_answer_speed(self, peer: PeerId, *, estimated_at_own_speed_s: float, ttft_s: float) -> None:
+        """Count one answer of ``peer`` (which claims to be faster than this node, unproven)
+        towards its speed proof if its first token came within ``speed_proof_fraction`` of the
+        estimate at this node's own speed. Only a peer with a record counts (this runs after
+        the forward's outcome was recorded)."""
+        rec = self._records.get(peer)
+        if rec is not None and ttft_s <= self.config.speed_proof_fraction * estimated_at_own_speed_s:
+            rec.fast_answers += 1
 
     def blocked(self) -> Mapping[PeerId, float]:
         """Peers that are not candidates until the time given (compare with ``now``)."""

@@ -256,6 +256,8 @@ class Simulation:
         self.status = [0] * total  # 0 pending, 1 served, 2 rejected
         self.forwards = [0] * total
         self.target = [-1] * total  # the node whose stream the origin relays now
+        #: when the origin sent the request to its current target (its forward's TTFT starts)
+        self.sent_at = [0.0] * total
         self.decided = [0] * total  # first routing decision: 1 local, 2 remote
         self.estimate = [math.nan] * total  # the policy's TTFT estimate for it, if any
         self.expected_cached = [0] * total  # the cached tokens the decision expected
@@ -646,6 +648,7 @@ class Simulation:
         p = self._index_of[eff.peer]
         i = self._rid_index[eff.request_id]
         self.target[i] = p
+        self.sent_at[i] = now
         self._enqueued[n].pop(eff.request_id, None)
         if self.forwards[i] == 0 and self.decided[i] == 0:
             self._record_decision(i, eff.decision, remote=True)
@@ -817,6 +820,11 @@ class Simulation:
                 self.cached[i] = cached
                 self.prompt[i] = prompt
                 self._complete(i, now, ok=True)
+                # What the node's shell measures and reports: the peer's cached tokens and the
+                # first token's time since the forward was sent (reputation judges them).
+                event = ForwardFinished(
+                    event.request_id, event.peer, cached_tokens=cached, ttft_s=self.first[i] - self.sent_at[i]
+                )
         self._deliver(origin, event, now)
 
     def _cancel_local(self, n: int, rid: RequestId, now: float) -> None:
