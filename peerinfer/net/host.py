@@ -913,6 +913,15 @@ class Host:
             else:
                 await self._require_admitted(peer_id, deadline)
             deadline = max(0.01, deadline - (trio.current_time() - started))
+        elif not self.is_connected(peer_id):
+            # Connect our way first: libp2p's new_stream would dial the peerstore's direct
+            # addresses only (never a relayed one: a peer behind a NAT is unreachable so), wait
+            # out another dial of them in flight (10 s for a NAT that drops the SYN), or refuse
+            # at once from its negative cache; a forward to a candidate we are not connected
+            # to stalled so until the client gave up (the lost request of the relay-cut test).
+            started = trio.current_time()
+            await self._connect_info(PeerInfo(pid, []), min(deadline, self._config.connect_timeout_s))
+            deadline = max(0.01, deadline - (trio.current_time() - started))
         net_stream = await self._within(
             "open_stream",
             peer_id,

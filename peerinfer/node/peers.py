@@ -35,6 +35,7 @@ from peerinfer.node.options import (
     PEER_REDIAL_S,
     PEERS_PROTOCOL,
     SPREAD_ADDRS_PEERS,
+    logger,
 )
 from peerinfer.trust import reputation_line
 from peerinfer.types import PeerId
@@ -142,6 +143,7 @@ class PeersMixin:
             if len(self._dialed_at) > MAX_PEER_TABLE:
                 self._dialed_at.popitem(last=False)
             self.exchange_dials += 1
+            logger.info("dialing %s, told by %s", peer, source)
             assert self._nursery is not None
             self._nursery.start_soon(self._dial_quietly, peer)
 
@@ -160,8 +162,10 @@ class PeersMixin:
     async def _dial_quietly(self, peer: str) -> None:
         host = self.host
         assert host is not None
-        with contextlib.suppress(PeerInferError):
+        try:
             await host.dial(peer, timeout=5.0)
+        except PeerInferError as exc:
+            logger.info("dialing %s failed: %s", peer, exc)
 
     async def _serve_peers(self, stream: FramedStream) -> None:
         exchange = decode(await stream.receive(), expected=PeerExchange)
@@ -192,6 +196,8 @@ class PeersMixin:
     async def _peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
         assert self._nursery is not None
         async for ev in events:
+            if ev.kind != "discovered":
+                logger.info("peer %s %s%s", ev.peer_id, ev.kind, f": {ev.detail}" if ev.detail else "")
             if ev.kind in ("disconnected", "unresponsive", "misbehaved"):
                 # Swap peer lists again as soon as it is back (its next announcement): after a
                 # partition or a cut link, waiting for the periodic exchange (up to 15 s) would
