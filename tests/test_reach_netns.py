@@ -161,7 +161,6 @@ def test_home_nodes_behind_nats_serve_each_other_through_the_relay(
     assert generate(net, "home2", holder, other + " q").served_by == nodes["home3"].peer_id
 
 
-@REACH_RERUNS
 def test_a_cut_relay_link_loses_no_request_and_heals(
     internet: tuple[Internet, dict[str, NodeHandle]],
 ) -> None:
