@@ -824,6 +824,11 @@ class Host:
         self._rtts.pop(peer_id, None)
         self._drop_idle_streams(peer_id)
         logger.info("a new connection to %s replaces %d stalled one(s)", peer_id, len(older))
+        # Out of libp2p's choice at once (closing a stalled one takes DISCONNECT_TIMEOUT_S, and
+        # meanwhile a relay's circuit or a forward opened on it went down with it: seen).
+        listed = self._network.connections.get(parse_peer_id(peer_id))
+        if listed:
+            listed[:] = [c for c in listed if c not in older]
         if self._nursery is not None and not self._closed:
             for stale in older:
                 self._nursery.start_soon(self._close_connection, peer_id, stale)
