@@ -514,3 +514,29 @@ async def test_an_exception_in_the_body_comes_out_as_itself() -> None:
     with pytest.raises(Boom):
         async with open_host(config()):
             raise Boom
+
+
+async def test_a_peer_whose_pings_fail_gets_a_fresh_connection_that_replaces_the_stalled_one() -> None:
+    """b stops answering pings (its connection looks stalled, as behind a cut link): a probes it
+    with a fresh connection and, once that opens, closes the one its pings failed on; b counts
+    as newly connected, never as disconnected (the old connection may have been all we had)."""
+    cfg_a = config(liveness_interval_s=0.2, liveness_timeout_s=0.3, liveness_max_failures=50)
+    async with open_host(cfg_a) as a, open_host(config()) as b:
+        events = a.peer_events()
+        await a.connect(b.listen_addrs()[0])
+        await next_event(events, "connected", b.peer_id)
+        (first,) = a._live_connections(ID.from_base58(b.peer_id))
+
+        async def never_answer(stream: FramedStream) -> None:
+            await trio.sleep_forever()
+
+        b.set_handler(net.host.PING_PROTOCOL, never_answer)
+        seen = []
+        with trio.fail_after(15):
+            async for ev in events:
+                seen.append(ev.kind)
+                if ev.peer_id == b.peer_id and ev.kind == "connected":
+                    break
+        assert "disconnected" not in seen and "unresponsive" not in seen
+        await wait_until(lambda: first.is_closed)
+        assert a.is_connected(b.peer_id)

@@ -261,3 +261,20 @@ async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytes
         assert second.completion_tokens == 2
         stats = a.core.statistics()  # type: ignore[union-attr]
         assert stats.failovers == 0 and stats.served_locally == 0
+
+
+async def test_a_node_lost_is_redialed_without_waiting_for_peer_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nodes[2] met nodes[0] through peer exchange (its bootstrap is nodes[1]); their
+    connection goes (as after a cut link): they dial each other again by themselves. With the
+    periodic peer exchange off, nothing else would (nodes[0]'s gossip still reaches nodes[2]
+    through nodes[1], but a peer heard of only through gossip is never dialed for it)."""
+    import peerinfer.node.peers as peers
+
+    monkeypatch.setattr(peers, "PEER_EXCHANGE_INTERVAL_S", 1e6)
+    async with cluster(3) as nodes:
+        first, _, last = nodes
+        assert first.host is not None and last.host is not None
+        await wait_until(lambda: last.host.is_connected(first.peer_id) and first.peer_id in last._nodes_met)  # type: ignore[union-attr]
+        await last.host.disconnect(first.peer_id)
+        await wait_until(lambda: first.peer_id in last._lost or last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
+        await wait_until(lambda: last.host.is_connected(first.peer_id), timeout=30)  # type: ignore[union-attr]

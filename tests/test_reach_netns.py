@@ -119,13 +119,6 @@ def holds(peer_id: str, min_tokens: int = 256) -> Callable[[dict[str, Any]], boo
     return ok
 
 
-# A run where a request stalls behind a reconnect after the relay link is cut; one rerun on a
-# freshly built internet, reported by pytest as a rerun, keeps that from failing CI while two
-# failures in a row still fail. (The hole-punch test below needed it too until the punch's
-# two causes of failure were fixed in net/host.py and net/reach.py; figures: docs/reach.md.)
-REACH_RERUNS = pytest.mark.flaky(reruns=1)
-
-
 def test_home_nodes_behind_nats_serve_each_other_through_the_relay(
     internet: tuple[Internet, dict[str, NodeHandle]],
 ) -> None:
@@ -159,7 +152,6 @@ def test_home_nodes_behind_nats_serve_each_other_through_the_relay(
     assert generate(net, "home2", holder, other + " q").served_by == nodes["home3"].peer_id
 
 
-@REACH_RERUNS
 def test_a_cut_relay_link_loses_no_request_and_heals(
     internet: tuple[Internet, dict[str, NodeHandle]],
 ) -> None:

@@ -91,3 +91,27 @@ async def test_dial_back_proves_reachability_and_a_dead_port_does_not() -> None:
             dead_port = sock.getsockname()[1]
         assert await a.request(b.peer_id, DIALBACK_PROTOCOL, str(dead_port).encode(), timeout=10) == b"0"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_to_a_peer_we_are_not_connected_to_goes_through_its_relay() -> None:
+    """``open_stream`` (and so a forward) to a peer we hold no connection to, known by a direct
+    address that is dead (behind a NAT) and by a circuit address, reaches it through the relay:
+    libp2p's own dial inside new_stream knows only the direct one and failed the forward (or,
+    with a NAT dropping the SYN, stalled it until the client gave up)."""
+    async with open_host(config()) as r, open_host(config()) as dest, open_host(config()) as src:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_reach, src, ReachSettings(relay_service=False))
+            async with open_relay(r, RelaySettings(service=True)), open_relay(dest, RelaySettings()) as d:
+                dest.set_handler(ECHO, echo)
+                circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
+                with contextlib.closing(__import__("socket").socket()) as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    dead = f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}"
+                src.add_known_peer(dest.peer_id, [dead, circuit])
+                assert not src.is_connected(dest.peer_id)
+                stream = await src.open_stream(dest.peer_id, ECHO, timeout=10, lazy=True)
+                async with stream:
+                    await stream.send(b"through the relay")
+                    assert await stream.receive() == b"through the relay"
+                assert src.is_connected(dest.peer_id)
+            nursery.cancel_scope.cancel()

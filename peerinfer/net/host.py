@@ -179,6 +179,14 @@ MAX_REFUSALS_LOGGED = 4096
 MAX_IDLE_STREAMS_PER_PEER = 2
 MAX_IDLE_STREAMS = 64
 IDLE_STREAM_TTL_S = 5.0
+#: A peer whose liveness ping failed is probed with a fresh connection every PROBE_EVERY_S (each
+#: try at most PROBE_TIMEOUT_S), while its pings keep failing and it is not yet disconnected, at
+#: most MAX_PROBES peers at once: a new TCP flow goes out at once, where the stalled one waits
+#: out its retransmission backoff (seen: 3-6 s after a cut link came back) and liveness would
+#: then close it. Once the fresh one opens, the stalled ones are closed (``_connection_opened``).
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+MAX_PROBES = 16
 
 T = TypeVar("T")
 
@@ -328,6 +336,10 @@ class Host:
         self._idle_streams: OrderedDict[tuple[str, str], list[tuple[float, FramedStream]]] = OrderedDict()
         self._inflight: dict[str, int] = defaultdict(int)
         self._liveness_failures: dict[str, int] = defaultdict(int)
+        #: peers being probed with a fresh connection (see PROBE_EVERY_S)
+        self._probing: set[str] = set()
+        #: when stalled connections of a peer were last replaced by a new one
+        self._replaced_at: dict[str, float] = {}
         self._rtts: dict[str, float] = {}
         self._event_channels: list[trio.MemorySendChannel[PeerEvent]] = []
         self._topics: dict[str, _Topic] = {}
@@ -797,9 +809,13 @@ class Host:
         return sorted(self._banned)
 
     def _connection_opened(self, peer_id: str, conn: INetConn) -> None:
-        first = not any(not c.is_closed for c in self._connections.get(peer_id, ()))
+        older = [c for c in self._connections.get(peer_id, ()) if not c.is_closed]
+        first = not older
         self._connections[peer_id].add(conn)
-        if not _is_relayed(conn) and self._nursery is not None and not self._closed:
+        if older and self._liveness_failures.get(peer_id, 0) > 0 and peer_id not in self._banned:
+            # The older ones are stalled and go (so this one never counts as one too many).
+            self._replace_stalled(peer_id, older)
+        elif not _is_relayed(conn) and self._nursery is not None and not self._closed:
             direct = [c for c in self._connections[peer_id] if not c.is_closed and not _is_relayed(c)]
             if len(direct) > self._config.max_connections_per_peer:
                 # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
@@ -818,6 +834,28 @@ class Host:
         elif first:
             self._emit(PeerEvent("connected", peer_id))
 
+    def _replace_stalled(self, peer_id: str, older: list[INetConn]) -> None:
+        """A new connection to a peer whose pings failed on the ones we had: those are
+        stalled (a cut link, a partition, a NAT that lost its mapping), and libp2p would keep
+        opening streams on them (it prefers a direct connection, then the one with the most
+        streams: the stalled one, whose streams pile up), until liveness closed them all, the
+        new one too. Close them now; the peer counts as newly connected."""
+        self._liveness_failures.pop(peer_id, None)
+        self._replaced_at[peer_id] = trio.current_time()
+        self._rtts.pop(peer_id, None)
+        self._drop_idle_streams(peer_id)
+        logger.info("a new connection to %s replaces %d stalled one(s)", peer_id, len(older))
+        # Out of libp2p's choice at once (closing a stalled one takes DISCONNECT_TIMEOUT_S, and
+        # meanwhile a relay's circuit or a forward opened on it went down with it: seen).
+        listed = self._network.connections.get(parse_peer_id(peer_id))
+        if listed:
+            listed[:] = [c for c in listed if c not in older]
+        if self._nursery is not None and not self._closed:
+            for stale in older:
+                self._nursery.start_soon(self._close_connection, peer_id, stale)
+        if self._admission_key is None or self.is_admitted(peer_id):
+            self._emit(PeerEvent("connected", peer_id))
+
     def _connection_closed(self, peer_id: str, conn: INetConn) -> None:
         self._connections.get(peer_id, set()).discard(conn)
         self._forget_closed(peer_id)
@@ -831,6 +869,7 @@ class Host:
         if not known:
             del self._connections[peer_id]
             self._liveness_failures.pop(peer_id, None)
+            self._replaced_at.pop(peer_id, None)
             self._rtts.pop(peer_id, None)
             self._admissions.pop(peer_id, None)
             self._drop_idle_streams(peer_id)
@@ -932,6 +971,15 @@ class Host:
                 await self._connect_info(PeerInfo(pid, []), deadline)
             else:
                 await self._require_admitted(peer_id, deadline)
+            deadline = max(0.01, deadline - (trio.current_time() - started))
+        elif not self.is_connected(peer_id):
+            # Connect our way first: libp2p's new_stream would dial the peerstore's direct
+            # addresses only (never a relayed one: a peer behind a NAT is unreachable so), wait
+            # out another dial of them in flight (10 s for a NAT that drops the SYN), or refuse
+            # at once from its negative cache; a forward to a candidate we are not connected
+            # to stalled so until the client gave up (the lost request of the relay-cut test).
+            started = trio.current_time()
+            await self._connect_info(PeerInfo(pid, []), min(deadline, self._config.connect_timeout_s))
             deadline = max(0.01, deadline - (trio.current_time() - started))
         net_stream = await self._within(
             "open_stream",
@@ -1069,12 +1117,16 @@ class Host:
                     nursery.start_soon(self._check_liveness, peer)
 
     async def _check_liveness(self, peer: str) -> None:
+        started = trio.current_time()
         try:
             await self.ping(peer, timeout=self._config.liveness_timeout_s)
         except RemoteError as exc:
+            if self._replaced_at.get(peer, float("-inf")) >= started:
+                return  # it failed on a stalled connection replaced meanwhile: not this one's
             self._liveness_failures[peer] += 1
             failures = self._liveness_failures[peer]
             logger.info("liveness ping to %s failed (%d): %s", peer, failures, exc)
+            self._start_probe(peer)
             if failures >= self._config.liveness_max_failures:
                 self._liveness_failures.pop(peer, None)
                 self._counters.unresponsive_disconnects += 1
@@ -1084,6 +1136,51 @@ class Host:
             return
         else:
             self._liveness_failures.pop(peer, None)
+
+    def _start_probe(self, peer: str) -> None:
+        if peer in self._probing or len(self._probing) >= MAX_PROBES or self._nursery is None or self._closed:
+            return
+        self._probing.add(peer)
+        self._nursery.start_soon(self._probe, peer)
+
+    async def _probe(self, peer: str) -> None:
+        """Fresh connections to ``peer`` (see PROBE_EVERY_S) until one opens, its pings
+        answer again, or liveness disconnects it (redialing it is then the bootstrap loop's
+        or the node's). Bounded: liveness ends a failing peer within a few rounds."""
+        try:
+            while not self._closed and self._liveness_failures.get(peer, 0) > 0 and self.is_connected(peer):
+                if await self._fresh_connection(peer, PROBE_TIMEOUT_S):
+                    return
+                await trio.sleep(PROBE_EVERY_S)
+        finally:
+            self._probing.discard(peer)
+
+    async def _fresh_connection(self, peer: str, timeout: float) -> bool:
+        """Open one more connection to ``peer`` (libp2p's connect would return the stalled
+        one): through a relay when we know a relayed address of it (its direct ones are then
+        a NAT's, which drop the SYN), else to each known direct address. True once one opened."""
+        circuits = [c for c in self.circuit_addrs(peer) if f"/p2p/{self._peer_id}/p2p-circuit" not in c]
+        dialer = self.relay_dialer
+        if circuits and dialer is not None:
+            for circuit in circuits:
+                try:
+                    await dialer(circuit, timeout)
+                    return True
+                except Exception as exc:  # the relay refused, has no reservation, or is stalled too
+                    logger.debug("probing %s through %s: %s", peer, circuit, exc)
+            return False
+        pid = parse_peer_id(peer)
+        try:
+            addrs = list(self._h.get_peerstore().addrs(pid))
+        except Exception:  # PeerStoreError: nothing known
+            return False
+        for addr in addrs[:MAX_KNOWN_ADDRS_PER_PEER]:
+            try:
+                await self._within("probe", peer, timeout, lambda a=addr: self._network.dial_addr(a, pid))
+                return True
+            except (RemoteError, ClosedError) as exc:
+                logger.debug("probing %s at %s: %s", peer, addr, exc)
+        return False
 
     # -- gossip -------------------------------------------------------------------------------
 

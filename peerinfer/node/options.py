@@ -35,6 +35,14 @@ TOKEN_GAP_TIMEOUT_S = 120.0
 PEER_DIAL_RATE = 1.0
 PEER_DIAL_BURST = 8
 PEER_REDIAL_S = 10.0
+#: A node we were connected to and lost (disconnected, unresponsive) is redialed, relay-aware,
+#: after LOST_REDIAL_FIRST_S, the wait doubling up to PEER_REDIAL_S, for LOST_REDIAL_FOR_S; and
+#: all of them at once when a connection to any node opens (the network may be back: a cut link
+#: restored, a partition healed), rather than when peer exchange next names them (once per
+#: PEER_REDIAL_S at most). At most MAX_LOST_REDIALED are remembered (the oldest dropped).
+LOST_REDIAL_FIRST_S = 0.5
+LOST_REDIAL_FOR_S = 120.0
+MAX_LOST_REDIALED = 64
 #: Members told at once when a relayed address appears or goes (peerinfer.net.reach).
 SPREAD_ADDRS_PEERS = 8
 #: Bound of the per-peer tables kept here (peer exchange, dial history).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import trio
 
@@ -29,12 +30,16 @@ from peerinfer.errors import (
 )
 from peerinfer.net import FramedStream, Host, PeerEvent
 from peerinfer.node.options import (
+    LOST_REDIAL_FIRST_S,
+    LOST_REDIAL_FOR_S,
     MAX_EXCHANGED_PEERS,
+    MAX_LOST_REDIALED,
     MAX_PEER_TABLE,
     PEER_EXCHANGE_INTERVAL_S,
     PEER_REDIAL_S,
     PEERS_PROTOCOL,
     SPREAD_ADDRS_PEERS,
+    logger,
 )
 from peerinfer.trust import reputation_line
 from peerinfer.types import PeerId
@@ -44,6 +49,16 @@ def _new_circuit(host: Host, peer: str, addrs: Sequence[str]) -> bool:
     """Whether ``addrs`` (told for ``peer``) hold a relayed address we do not know yet."""
     known = {a.removesuffix(f"/p2p/{peer}") for a in host.circuit_addrs(peer)}
     return any("/p2p-circuit" in a and a.removesuffix(f"/p2p/{peer}") not in known for a in addrs)
+
+
+@dataclass(slots=True)
+class LostNode:
+    """A node we lost the connection to, and when it is next redialed."""
+
+    since: float
+    wait: float
+    due: float
+    dialing: bool = False
 
 
 class PeersMixin:
@@ -127,9 +142,13 @@ class PeersMixin:
                 continue
             seen.add(peer)
             last = self._dialed_at.get(peer)
-            if last is not None and now - last < PEER_REDIAL_S and not _new_circuit(host, peer, entry.addrs):
+            if (
+                last is not None and now - last < PEER_REDIAL_S
+                and not _new_circuit(host, peer, entry.addrs) and peer not in self._lost
+            ):
                 # (A relay address we did not know is a new way in: a peer behind a NAT that
-                # we failed to dial directly a moment ago is reachable now, not in 10 s.)
+                # we failed to dial directly a moment ago is reachable now, not in 10 s. And a
+                # node we lost that a member names is likely back.)
                 continue
             if not self._dial_bucket.take(now):
                 break
@@ -142,6 +161,7 @@ class PeersMixin:
             if len(self._dialed_at) > MAX_PEER_TABLE:
                 self._dialed_at.popitem(last=False)
             self.exchange_dials += 1
+            logger.info("dialing %s, told by %s", peer, source)
             assert self._nursery is not None
             self._nursery.start_soon(self._dial_quietly, peer)
 
@@ -158,14 +178,25 @@ class PeersMixin:
             self._nursery.start_soon(self._exchange_peers, peer)
 
     async def _dial_quietly(self, peer: str) -> None:
+        """Dial ``peer`` unless a dial of ours to it is under way or it is connected (two
+        relayed connections dialed at once, by us twice or by both sides, are trimmed by
+        libp2p's per-peer limit or replace each other: seen as seconds of churn after a heal)."""
         host = self.host
         assert host is not None
-        with contextlib.suppress(PeerInferError):
+        if peer in self._dialing or host.is_connected(peer):
+            return
+        self._dialing.add(peer)
+        try:
             await host.dial(peer, timeout=5.0)
+        except PeerInferError as exc:
+            logger.info("dialing %s failed: %s", peer, exc)
+        finally:
+            self._dialing.discard(peer)
 
     async def _serve_peers(self, stream: FramedStream) -> None:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
+        self._met_node(stream.remote_peer)
         await stream.send(encode(self._known_peers()))
         await self._learn_peers(stream.remote_peer, exchange)
 
@@ -178,7 +209,75 @@ class PeersMixin:
         except PeerInferError:
             return
         assert isinstance(exchange, PeerExchange)
+        self._met_node(peer)
         await self._learn_peers(peer, exchange)
+
+    def _met_node(self, peer: str) -> None:
+        """``peer`` speaks peer exchange: a node (never a client), redialed if we lose it."""
+        self._nodes_met.pop(peer, None)
+        self._nodes_met[peer] = None
+        if len(self._nodes_met) > MAX_PEER_TABLE:
+            self._nodes_met.popitem(last=False)
+
+    def _note_lost(self, peer: str) -> None:
+        host = self.host
+        if host is None or peer not in self._nodes_met or peer in host.banned_peers():
+            return
+        now = trio.current_time()
+        self._lost.pop(peer, None)
+        first = self._first_redial_wait(peer)
+        self._lost[peer] = LostNode(since=now, wait=first, due=now + first)
+        while len(self._lost) > MAX_LOST_REDIALED:
+            self._lost.popitem(last=False)
+        self._lost_wake.set()
+
+    def _redial_lost_now(self) -> None:
+        """A connection to a node opened: the network may be back, so redial every lost node
+        now (and the wait starts over) rather than at its next backoff step."""
+        now = trio.current_time()
+        for peer, lost in self._lost.items():
+            first = self._first_redial_wait(peer)
+            lost.wait, lost.due = first, min(lost.due, now + first - LOST_REDIAL_FIRST_S)
+        self._lost_wake.set()
+
+    def _first_redial_wait(self, peer: str) -> float:
+        """Of two nodes that lost each other, the one with the smaller peer id redials first;
+        the other waits a few steps longer, so that they rarely dial each other at once."""
+        host = self.host
+        mine = host is not None and host.peer_id < peer
+        return LOST_REDIAL_FIRST_S if mine else 4 * LOST_REDIAL_FIRST_S
+
+    async def _redial_lost_loop(self) -> None:
+        """Redial lost nodes (see LOST_REDIAL_FIRST_S); one dial per node at a time."""
+        host = self.host
+        assert host is not None and self._nursery is not None
+        while True:
+            now = trio.current_time()
+            next_due = now + 1.0
+            for peer, lost in list(self._lost.items()):
+                if host.is_connected(peer) or now - lost.since > LOST_REDIAL_FOR_S:
+                    if not lost.dialing:
+                        del self._lost[peer]
+                    continue
+                if lost.dialing:
+                    continue
+                if now >= lost.due:
+                    lost.dialing = True
+                    lost.wait = min(2 * lost.wait, PEER_REDIAL_S)
+                    lost.due = now + lost.wait
+                    self._nursery.start_soon(self._redial_lost, peer, lost)
+                next_due = min(next_due, lost.due)
+            self._lost_wake = trio.Event()
+            with trio.move_on_after(max(0.05, next_due - trio.current_time())):
+                await self._lost_wake.wait()
+
+    async def _redial_lost(self, peer: str, lost: LostNode) -> None:
+        try:
+            logger.info("redialing lost node %s", peer)
+            await self._dial_quietly(peer)
+        finally:
+            lost.dialing = False
+            self._lost_wake.set()
 
     async def _peer_exchange_loop(self) -> None:
         host = self.host
@@ -192,6 +291,15 @@ class PeersMixin:
     async def _peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
         assert self._nursery is not None
         async for ev in events:
+            if ev.kind != "discovered":
+                logger.info("peer %s %s%s", ev.peer_id, ev.kind, f": {ev.detail}" if ev.detail else "")
+            if ev.kind in ("disconnected", "unresponsive"):
+                self._note_lost(ev.peer_id)
+            elif ev.kind == "misbehaved":
+                self._lost.pop(ev.peer_id, None)
+            elif ev.kind == "connected" and (ev.peer_id in self._nodes_met or ev.peer_id in self._bootstrap_peers()):
+                self._lost.pop(ev.peer_id, None)
+                self._redial_lost_now()
             if ev.kind in ("disconnected", "unresponsive", "misbehaved"):
                 # Swap peer lists again as soon as it is back (its next announcement): after a
                 # partition or a cut link, waiting for the periodic exchange (up to 15 s) would

@@ -64,7 +64,7 @@ from peerinfer.node.options import (
     announce_topic,
     logger,
 )
-from peerinfer.node.peers import PeersMixin
+from peerinfer.node.peers import LostNode, PeersMixin
 from peerinfer.node.worker import EngineWorkerMixin, _LocalRun
 from peerinfer.trust import TrustKeeper
 from peerinfer.types import PeerId, RequestId
@@ -97,6 +97,12 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         #: when peer exchange last made us dial each peer (bounded), and the dial pacer
         self._dialed_at: OrderedDict[str, float] = OrderedDict()
         self._dial_bucket = TokenBucket(PEER_DIAL_RATE, PEER_DIAL_BURST)
+        #: nodes that answered peer exchange (bounded), and those of them lost, being redialed
+        self._nodes_met: OrderedDict[str, None] = OrderedDict()
+        self._lost: OrderedDict[str, LostNode] = OrderedDict()
+        self._lost_wake = trio.Event()
+        #: peers a dial of ours is under way to (one at a time each)
+        self._dialing: set[str] = set()
         #: dials caused by peer exchange (statistics for tests and the attack bench)
         self.exchange_dials = 0
         self._topic = ""
@@ -178,6 +184,9 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
             expected_peers=opts.expected_peers,
             announce_interval_s=opts.announce_interval_s,
             liveness_interval_s=max(2.0, opts.peer_timeout_s / 2),
+            # A failed ping starts the probe with a fresh connection (net.host, PROBE_EVERY_S):
+            # the sooner it is known, the sooner a restored link is used again.
+            liveness_timeout_s=max(3.0, opts.peer_timeout_s / 2),
             swarm_key=secret,
         )
         async with open_host(host_config) as host:
@@ -217,6 +226,7 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
                 nursery.start_soon(self._peer_event_loop, host.peer_events())
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._peer_exchange_loop)
+                nursery.start_soon(self._redial_lost_loop)
                 self._trust.load(host_config)
                 nursery.start_soon(self._trust.run)
                 nursery.start_soon(self._engine_worker, scheduler)
