@@ -254,8 +254,10 @@ def deep_size(
     following ``gc.get_referents``), not entering classes, modules, functions, code, frames
     or instances of ``stop``; ``by_type`` (if given) is added the bytes per type name. Objects
     ``root`` shares with others are counted in full: for a node's index that is the memory a
-    node running alone would hold. The walk is bounded by what ``root`` reaches; its own
-    bookkeeping is one id per object."""
+    node running alone would hold. Not counted: the keys of string-keyed dicts (CPython does
+    not report them; they are attribute names, interned and shared) and the attribute values
+    array of a plain instance (its values are). The walk is bounded by what ``root`` reaches;
+    its own bookkeeping is one id per object."""
     seen: set[int] = set()
     stack: list[object] = [root]
     total = count = 0
