@@ -138,3 +138,13 @@ def test_scale_table_averages_seeds_and_rows_show_the_four_figures() -> None:
     assert cells[3] == cells[4] == "-"
     assert cells[7] == "2.0"  # kB per node per s
     assert cells[9] == "0.20"  # MB per node
+
+
+def test_replica_memory_under_churn_counts_the_live_nodes_only() -> None:
+    config = replace(SMALL, nodes=12, requests=300, crash_rate=16.0, join_rate=16.0, seed=1)
+    sim, summary = simulate(config)
+    assert summary["churn"]["crashes"] > summary["churn"]["joins"]  # fewer live than slots
+    mem = replica_memory(sim)
+    live = summary["churn"]  # nodes live at the end: the first ones, less crashes, plus joins
+    assert mem["nodes"] == config.nodes - live["crashes"] + live["joins"]
+    assert mem["replica_entries_per_node"] > 0

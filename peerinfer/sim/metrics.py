@@ -280,7 +280,7 @@ def deep_size(
 
 
 def replica_memory(sim: Simulation, *, sample: int = 4) -> dict[str, Any]:
-    """Replica memory per node at the end of ``sim``'s run.
+    """Replica memory per node (of the nodes live at the end) at the end of ``sim``'s run.
 
     *Counted* (exact, every node): replicas per node, replica entries per node (the block
     hashes all of a node's replicas hold, ``PeerIndex.replica_blocks``) and the index's own
@@ -291,7 +291,8 @@ def replica_memory(sim: Simulation, *, sample: int = 4) -> dict[str, Any]:
     the simulator's nodes share are counted in every node, as a real node holds its own."""
     from peerinfer.core.node import NodeCore
 
-    indexes = [core.index for core in sim.cores]
+    # With churn a slot of a node that left, crashed or has not joined holds a stand-in.
+    indexes = [core.index for core in sim.cores if isinstance(core, NodeCore)]
     n = len(indexes)
     if n == 0:
         return {}
