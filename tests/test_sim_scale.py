@@ -16,6 +16,7 @@ from peerinfer.sim import SimConfig, simulate
 from peerinfer.sim.cli import main as sim_main
 from peerinfer.sim.experiments import (
     SCALE_ALL_POLICIES_UP_TO,
+    parse_scale_nodes,
     scale_configs,
     scale_rows,
     scale_table,
@@ -98,7 +99,7 @@ def test_cli_memory_flag_adds_the_figures() -> None:
 
 
 def test_scale_configs_run_every_policy_up_to_256_nodes_and_cost_beyond() -> None:
-    configs = scale_configs(SMALL, 10, nodes=(4, 256, 1024))
+    configs = scale_configs(SMALL, 10, nodes=(4, 256, 1024), requests_per_node_at={})
     by_nodes: dict[int, set[str]] = {}
     for c in configs:
         by_nodes.setdefault(c.nodes, set()).add(c.policy)
@@ -106,6 +107,10 @@ def test_scale_configs_run_every_policy_up_to_256_nodes_and_cost_beyond() -> Non
     assert by_nodes[4] == by_nodes[256] == {"local", "longest_prefix", "cost"}
     assert 1024 > SCALE_ALL_POLICIES_UP_TO and by_nodes[1024] == {"cost"}
     assert len([c for c in configs if c.nodes == 4]) == 8 * 3  # 8 seeds for 4 nodes
+    nodes, at = parse_scale_nodes("4,1024:1")
+    assert (nodes, at) == ([4, 1024], {1024: 1})
+    sized = {c.nodes: c.requests for c in scale_configs(SMALL, 10, nodes, at)}
+    assert sized == {4: 40, 1024: 1024}
 
 
 def _fake_run(nodes: int, policy: str, ttft: float, announce_bytes: int, entries: float) -> dict:
