@@ -515,14 +515,16 @@ def admission_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[s
 # ------------------------------------------------------------------------------ scaling
 
 
-SCALE_NODES = (4, 16, 64, 256, 512, 1024)
-#: Requests per node of the scaling sweep: every swarm runs about 40 s of virtual time (0.25
-#: requests per node per second)...
+#: The sweep's node counts. 1,024 is not among them by default: a 1,024-node run of 1,024
+#: requests did not finish in 30 minutes of wall time (14 of CPU) on the shared 2-core
+#: development machine; ``--scale-nodes 4,16,64,256,512,1024:1`` asks for it
+#: (docs/evaluation.md, "1,024 nodes x 100,000 requests").
+SCALE_NODES = (4, 16, 64, 256, 512)
+#: Requests per node of the sweep: every swarm runs about 40 s of virtual time (0.25 requests
+#: per node per second), and each node sees as many requests...
 SCALE_REQUESTS_PER_NODE = 10
-#: ...but the 1,024-node run, which gets one request per node: at 10 per node it would take
-#: over half an hour of CPU on the shared 2-core development machine (docs/evaluation.md,
-#: "1,024 nodes x 100,000 requests").
-SCALE_REQUESTS_PER_NODE_AT = {1024: 1}
+#: ...except the node counts given their own (``--scale-nodes N:R``).
+SCALE_REQUESTS_PER_NODE_AT: dict[int, int] = {}
 #: Seeds per node count: small swarms see few requests in all, so they are repeated.
 SCALE_SEEDS = {4: 8, 16: 4, 64: 2}
 #: Above this many nodes only ``cost`` runs (each run is minutes of CPU and gigabytes).
