@@ -254,6 +254,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "left queued)",
     )
     g.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
+    g.add_argument(
+        "--memory",
+        action="store_true",
+        help="add what the run cost the machine: replica entries and measured replica bytes per "
+        "node, CPU seconds, peak resident memory ('memory' and 'usage' in the JSON)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -344,6 +350,14 @@ def format_table(summary: dict[str, Any]) -> str:
             f"requests ({row['served_per_node']} each), utilization {row['utilization_mean']}, "
             f"TTFT {row['ttft_mean_s']} s"
         )
+    mem, use = summary.get("memory"), summary.get("usage")
+    if mem and use:
+        lines.append(
+            f"  replicas               {mem['replica_entries_per_node']:,} entries per node, "
+            f"{mem['index_bytes_per_node'] / 1e6:.2f} MB per node (measured on "
+            f"{len(mem['sampled_nodes'])} nodes); run: {use['cpu_s']} s CPU, peak RSS "
+            f"{use['peak_rss_mb']} MB"
+        )
     spec = summary.get("specialization") or {}
     if spec.get("subject"):
         lines.append(
@@ -360,8 +374,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def run_sim_command(args: argparse.Namespace) -> int:
     """Run ``peerinfer sim`` with parsed arguments; returns the exit status."""
+    from peerinfer.sim.metrics import ProcessUsage, replica_memory
     from peerinfer.sim.run import simulate
 
+    usage = ProcessUsage()
     try:
         config = config_from_args(args)
         if args.profile:
@@ -376,6 +392,9 @@ def run_sim_command(args: argparse.Namespace) -> int:
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
         else:
             sim, summary = simulate(config, series=args.series, check=args.check)
+        if getattr(args, "memory", False):
+            summary["usage"] = usage.figures()
+            summary["memory"] = replica_memory(sim)
         if args.figures:
             from peerinfer.sim.figures import run_figures
 

@@ -1,9 +1,15 @@
 """Figures of a finished run: latency percentiles, hit ratio, per-node load, anti-entropy cost,
-and the per-node share of each subject over time (the paper's moving window)."""
+the per-node share of each subject over time (the paper's moving window), and what the run
+cost the machine: replica memory per node, CPU time and peak resident memory."""
 
 from __future__ import annotations
 
+import gc
 import math
+import resource
+import sys
+import time
+import types
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -172,6 +178,9 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
             "announce_deliveries": sim.announce_deliveries,
             "announces_lost": sim.announces_lost,
             "announce_bytes": sim.announce_bytes,
+            "announce_bytes_per_node_per_s": _r(
+                sim.announce_bytes / cfg.nodes / makespan if makespan else 0.0, 1
+            ),
             "announces_refused": sum(st.announces_refused for st in stats),
             "pulls_started": sum(st.syncs_started for st in stats),
             "pulls_converged": sum(st.syncs_converged for st in stats),
@@ -225,4 +234,165 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     return out
 
 
-__all__ = ["percentile", "specialization", "subject_shares", "summarize"]
+# ------------------------------------------------------------------------------ memory and CPU
+
+#: Objects a size walk does not enter: code and classes are shared by every node, not state.
+_NOT_STATE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    types.FrameType,
+)
+
+
+def deep_size(
+    root: object, *, stop: tuple[type, ...] = (), by_type: Counter[str] | None = None
+) -> tuple[int, int]:
+    """``(bytes, objects)`` reachable from ``root`` (``sys.getsizeof`` of each object once,
+    following ``gc.get_referents``), not entering classes, modules, functions, code, frames
+    or instances of ``stop``; ``by_type`` (if given) is added the bytes per type name. Objects
+    ``root`` shares with others are counted in full: for a node's index that is the memory a
+    node running alone would hold. Not counted: the keys of string-keyed dicts (CPython does
+    not report them; they are attribute names, interned and shared) and the attribute values
+    array of a plain instance (its values are). The walk is bounded by what ``root`` reaches;
+    its own bookkeeping is one id per object."""
+    seen: set[int] = set()
+    stack: list[object] = [root]
+    total = count = 0
+    skip = _NOT_STATE + stop
+    while stack:
+        obj = stack.pop()
+        key = id(obj)
+        if key in seen:
+            continue
+        seen.add(key)
+        if isinstance(obj, skip):
+            continue
+        size = sys.getsizeof(obj)
+        total += size
+        count += 1
+        if by_type is not None:
+            by_type[type(obj).__name__] += size
+        stack.extend(gc.get_referents(obj))
+    return total, count
+
+
+def replica_memory(sim: Simulation, *, sample: int = 4) -> dict[str, Any]:
+    """Replica memory per node (of the nodes live at the end) at the end of ``sim``'s run.
+
+    *Counted* (exact, every node): replicas per node, replica entries per node (the block
+    hashes all of a node's replicas hold, ``PeerIndex.replica_blocks``) and the index's own
+    hash-keyed entries (``PeerIndex.memory_entries``: combined masks, speculative entries).
+    *Measured* (``sample`` nodes spread over the swarm): the bytes reachable from a node's
+    ``PeerIndex`` (its replicas with their digests and sets, the per-peer state, the mask dict
+    and its big-integer masks, the routing byte tables), by ``deep_size``; block-hash ints that
+    the simulator's nodes share are counted in every node, as a real node holds its own."""
+    from peerinfer.core.node import NodeCore
+
+    # With churn a slot of a node that left, crashed or has not joined holds a stand-in.
+    indexes = [core.index for core in sim.cores if isinstance(core, NodeCore)]
+    n = len(indexes)
+    if n == 0:
+        return {}
+    replicas = [len(ix) for ix in indexes]
+    entries = [ix.replica_blocks() for ix in indexes]
+    index_entries = [ix.memory_entries() for ix in indexes]
+    k = max(1, min(sample, n))
+    picked = sorted({(j * n) // k for j in range(k)})
+    kinds: Counter[str] = Counter()
+    sizes = [deep_size(indexes[j], stop=(NodeCore,), by_type=kinds) for j in picked]
+    walked = [b for b, _ in sizes]
+    walked_entries = sum(entries[j] for j in picked)
+    return {
+        "nodes": n,
+        "replicas_per_node": round(sum(replicas) / n, 1),
+        "replica_entries_per_node": round(sum(entries) / n, 1),
+        "replica_entries_max": max(entries),
+        "index_entries_per_node": round(sum(index_entries) / n, 1),
+        "sampled_nodes": picked,
+        "index_bytes_per_node": round(sum(walked) / len(walked)),
+        "index_bytes_max": max(walked),
+        "index_objects_per_node": round(sum(c for _, c in sizes) / len(sizes)),
+        "bytes_per_replica_entry": round(sum(walked) / walked_entries, 1)
+        if walked_entries
+        else None,
+        # where the bytes are, per sampled node: sets (replica elements), dicts (the mask
+        # dict, per-peer dicts), int (hashes and masks), tuple (the routing byte tables), ...
+        "index_bytes_per_node_by_type": {
+            name: round(b / len(picked)) for name, b in kinds.most_common(8)
+        },
+    }
+
+
+def _peak_rss_kb() -> int | None:
+    """This process's peak resident size in KiB since the last ``reset_peak_rss`` (Linux's
+    ``VmHWM``; elsewhere ``ru_maxrss``, the peak since the process started)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if peak else None
+
+
+def _rss_kb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class ProcessUsage:
+    """CPU time and resident memory of this process over a block (one run)::
+
+        usage = ProcessUsage()          # resets the peak where Linux allows it
+        ... run ...
+        figures = usage.figures()      # cpu_s, rss_start_mb, rss_end_mb, peak_rss_mb
+
+    ``peak_rss_reset`` says whether the peak is this block's (Linux: ``clear_refs`` resets
+    ``VmHWM``) or the process's since it started (then an upper bound)."""
+
+    def __init__(self) -> None:
+        self.peak_rss_reset = False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.peak_rss_reset = True
+        except OSError:
+            pass
+        self._rss_start = _rss_kb()
+        self._cpu_start = time.process_time()
+        self._wall_start = time.perf_counter()
+
+    def figures(self) -> dict[str, Any]:
+        def mb(kb: int | None) -> float | None:
+            return None if kb is None else round(kb / 1024, 1)
+
+        return {
+            "cpu_s": round(time.process_time() - self._cpu_start, 2),
+            "wall_s": round(time.perf_counter() - self._wall_start, 2),
+            "rss_start_mb": mb(self._rss_start),
+            "rss_end_mb": mb(_rss_kb()),
+            "peak_rss_mb": mb(_peak_rss_kb()),
+            "peak_rss_reset": self.peak_rss_reset,
+        }
+
+
+__all__ = [
+    "ProcessUsage",
+    "deep_size",
+    "percentile",
+    "replica_memory",
+    "specialization",
+    "subject_shares",
+    "summarize",
+]

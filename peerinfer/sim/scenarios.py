@@ -109,8 +109,12 @@ def mix_rows(runs: list[dict]) -> list[str]:
         p = r["params"]
         mix = r.get("mix") or {}
         gpu, cpu = mix.get("gpu") or {}, mix.get("default") or {}
+        machines = (
+            f"{p['nodes']} CPUs" if not p["mix"]
+            else f"{gpu.get('nodes', 0)} GPUs + {cpu.get('nodes', 0)} CPUs"
+        )
         lines.append(
-            f"| {p['rate']:g} | {'16 CPUs' if not p['mix'] else '4 GPUs + 12 CPUs'} "
+            f"| {p['rate']:g} | {machines} "
             f"| {p['policy']} | {_f(r['ttft_mean_s'])} / {_f(r['ttft_p99_s'])} "
             f"| {_f(r['latency_mean_s'])} | {_f(r['hit_ratio'])} "
             f"| {_f(gpu.get('served_share'))} | {_f(gpu.get('utilization_mean'))} "
