@@ -67,8 +67,10 @@ def test_replica_memory_counts_every_entry_and_measures_the_replicas() -> None:
 
 
 def test_replica_memory_grows_with_what_the_replicas_hold() -> None:
-    small, _ = simulate(SMALL)
-    big, _ = simulate(replace(SMALL, requests=240))
+    # Caches of 8,192 tokens, so that 240 requests do not fill every replica (2,048 filled
+    # within 60 requests of the full MMLU, and then both counts were equal).
+    small, _ = simulate(replace(SMALL, requests=12, cache_tokens=8192))
+    big, _ = simulate(replace(SMALL, requests=240, cache_tokens=8192))
     a, b = replica_memory(small), replica_memory(big)
     assert b["replica_entries_per_node"] > a["replica_entries_per_node"]
     assert b["index_bytes_per_node"] > a["index_bytes_per_node"]

@@ -138,7 +138,8 @@ class _PeerState:
         self.load_at = -math.inf
         self.fresh_at = -math.inf
         self.spec_refs: dict[BlockHash, int] = {}
-        self.spec_entries: deque[_SpecEntry] = deque()
+        #: None until the first speculative entry (most peers never get one: 760 bytes each)
+        self.spec_entries: deque[_SpecEntry] | None = None
         self.spec_live = 0
         self.allowance = 0
         self.hits = 0.0
@@ -184,6 +185,11 @@ class _PeerObserver:
 _BYTE_BITS = tuple(tuple(i for i in range(8) if b >> i & 1) for b in range(256))
 #: Maps every non-zero byte to 1, so ``bytes.find(1)`` skips runs of empty bytes in C.
 _NONZERO = bytes([0] + [1] * 255)
+#: ``PeerIndex._slots_in``'s tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB
+#: per slot), grown on demand up to the highest slot any index handed out. Shared by every
+#: index of the process: their content is a pure function of the byte position (a simulator
+#: of 1,024 nodes kept 1,024 identical copies: about 2.9 GB, estimated from 2.75 KB per slot).
+_BYTE_TABLES: list[tuple[tuple[int, ...], ...]] = []
 
 
 class PeerIndex:
@@ -238,9 +244,6 @@ class PeerIndex:
         #: the peers whose queue of speculative entries is not empty (``has_speculative``)
         self._spec_holders: dict[PeerId, _PeerState] = {}
         self._pending_rescan: dict[PeerId, _PeerState] = {}
-        # _slots_in's tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB per
-        # slot in use), grown on demand up to the highest slot ever handed out.
-        self._byte_tables: list[tuple[tuple[int, ...], ...]] = []
 
     # ---------------------------------------------------------------------------- peers
 
@@ -430,9 +433,9 @@ class PeerIndex:
                     else:
                         del masks[h]
         state.indexed = 0
-        for entry in state.spec_entries:
+        for entry in state.spec_entries or ():
             self._drop_entry(entry)
-        state.spec_entries.clear()
+        state.spec_entries = None
         self._spec_holders.pop(peer, None)
         assert not state.spec_refs
         self._pending_rescan.pop(peer, None)
@@ -669,6 +672,8 @@ class PeerIndex:
             if not count:
                 spec[h] = spec.get(h, 0) | bit
         self._spec_queue.append(entry)
+        if state.spec_entries is None:
+            state.spec_entries = deque()
         state.spec_entries.append(entry)
         self._spec_holders[state.peer] = state
         state.spec_live += 1
@@ -802,7 +807,7 @@ class PeerIndex:
             return out
         # Dense: walk the non-zero bytes; a per-byte-position table gives their slots at once.
         data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
-        tables = self._byte_tables
+        tables = _BYTE_TABLES
         while len(tables) < len(data):
             base = 8 * len(tables)
             slot_ints = [base + i for i in range(8)]  # shared by the 256 tuples: less memory
@@ -847,8 +852,9 @@ class PeerIndex:
     def _compact_queues(self, state: _PeerState) -> None:
         # Dead entries are removed lazily; rebuild a queue once they are the majority so the
         # queues stay within a constant factor of the live entries.
-        if len(state.spec_entries) > 2 * state.spec_live + 8:
-            state.spec_entries = deque(e for e in state.spec_entries if e.alive)
+        entries = state.spec_entries
+        if entries is not None and len(entries) > 2 * state.spec_live + 8:
+            state.spec_entries = deque(e for e in entries if e.alive)
         if not state.spec_entries:
             self._spec_holders.pop(state.peer, None)
         if len(self._spec_queue) > 2 * self._spec_live + 8:
@@ -901,7 +907,7 @@ class PeerIndex:
         expected_masks: dict[BlockHash, int] = {}
         for state in states.values():
             refs: dict[BlockHash, int] = {}
-            mine = [e for e in state.spec_entries if e.alive]
+            mine = [e for e in state.spec_entries or () if e.alive]
             assert len(mine) == state.spec_live
             for e in mine:
                 assert e.state is state
