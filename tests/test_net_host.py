@@ -520,7 +520,8 @@ async def test_a_peer_whose_pings_fail_gets_a_fresh_connection_that_replaces_the
     """b stops answering pings (its connection looks stalled, as behind a cut link): a probes it
     with a fresh connection and, once that opens, closes the one its pings failed on; b counts
     as newly connected, never as disconnected (the old connection may have been all we had)."""
-    cfg_a = config(liveness_interval_s=0.2, liveness_timeout_s=0.3, liveness_max_failures=50)
+    cfg_a = config(liveness_interval_s=0.2, liveness_timeout_s=0.3, liveness_max_failures=50,
+                   replace_stalled_connections=True)
     async with open_host(cfg_a) as a, open_host(config()) as b:
         events = a.peer_events()
         await a.connect(b.listen_addrs()[0])

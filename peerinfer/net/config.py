@@ -145,6 +145,12 @@ class HostConfig:
     liveness_timeout_s: float = 5.0
     #: Consecutive failed pings after which the peer is disconnected.
     liveness_max_failures: int = 2
+    #: A fresh connection to a peer whose pings failed replaces the ones they failed on at once
+    #: (Host._replace_stalled: healing after a cut link in 1-2 announce intervals, docs/reach.md).
+    #: Off by default: merged with the rest of the shell it left a restarted peer admitted but
+    #: silent (tests/test_admission_nodes.py, a restart with the same identity: its
+    #: announcements stopped reaching us); cause not found yet.
+    replace_stalled_connections: bool = False
 
     def effective_gossip_rate_limit(self) -> float:
         """The gossipsub per-forwarder, per-topic message limit we configure."""

@@ -812,7 +812,12 @@ class Host:
         older = [c for c in self._connections.get(peer_id, ()) if not c.is_closed]
         first = not older
         self._connections[peer_id].add(conn)
-        if older and self._liveness_failures.get(peer_id, 0) > 0 and peer_id not in self._banned:
+        if (
+            self._config.replace_stalled_connections
+            and older
+            and self._liveness_failures.get(peer_id, 0) > 0
+            and peer_id not in self._banned
+        ):
             # The older ones are stalled and go (so this one never counts as one too many).
             self._replace_stalled(peer_id, older)
         elif not _is_relayed(conn) and self._nursery is not None and not self._closed:
