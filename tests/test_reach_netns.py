@@ -274,7 +274,7 @@ def test_the_emulated_internet_removes_everything_also_when_the_body_fails() -> 
         node = net.spawn_node("home1")
         net.wait_ready([node])
         prefix = net.prefix
-        assert len([n for n in _namespaces() if n.startswith(prefix)]) == 7
+        assert len([n for n in _namespaces() if n.startswith(prefix)]) == 8  # pub, pub2, 3 routers, 3 homes
         raise RuntimeError("the body failed")
     assert not [n for n in _namespaces() if n.startswith(prefix)]
     assert not node.alive

@@ -8,11 +8,12 @@ Topology (every name carries the prefix ``pin<pid>-``, so runs never collide)::
     home1 10.1.0.2 --- router1 (cone NAT)      10.201.1.2 ---+
     home2 10.2.0.2 --- router2 (cone NAT)      10.201.2.2 ---+--- pub (10.200.0.1: bootstrap/relay)
     home3 10.3.0.2 --- router3 (symmetric NAT) 10.201.3.2 ---+
-                                                  (pub2: 10.200.0.2, a second public node)
+                  pub2 (10.200.0.2, a second public node) --- pub
 
 * ``pub`` is "the internet": it routes between the routers' uplinks and holds the public node's
-  address 10.200.0.1 on its loopback (and the site ``pub2``'s 10.200.0.2, for a second public
-  node: a relay on each side of a partition). No namespace has a route to any home network, so a home
+  address 10.200.0.1 on its loopback; ``pub2`` (10.200.0.2, a second public node: a relay on
+  each side of a partition) has its own namespace behind it. Traffic leaves pub and pub2 with
+  their node's address, so the partition's address rules see who sent it. No namespace has a route to any home network, so a home
   node can only be reached over a connection it opened itself (or one its router maps).
 * A router masquerades what leaves its uplink (nftables ``masquerade``: Linux keeps the source
   port where it can, an endpoint-independent "cone" mapping) and drops new inbound flows from
@@ -360,9 +361,17 @@ class Internet:
         pub = self._add_namespace("pub")
         self.exec(pub, "ip", "addr", "add", f"{PUBLIC_ADDR}/32", "dev", "lo")
         self.exec(pub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        self.exec(pub, "ip", "addr", "add", f"{SECOND_PUBLIC_ADDR}/32", "dev", "lo")
         self.sites["pub"] = Site("pub", pub, PUBLIC_ADDR)
-        self.sites["pub2"] = Site("pub2", pub, SECOND_PUBLIC_ADDR)
+        # The second public node has a namespace of its own behind pub, and every namespace's
+        # traffic leaves with its node's address (routes with ``src``): sharing pub's, a
+        # connection between the two public nodes went over loopback from an address the
+        # partition's rules cannot tell apart, and a request crossed a partition through it.
+        pub2 = self._add_namespace("p2")
+        self.exec(pub2, "ip", "addr", "add", f"{SECOND_PUBLIC_ADDR}/32", "dev", "lo")
+        self._link(pub2, "wan", "10.202.0.2/30", pub, "p2", "10.202.0.1/30")
+        self.exec(pub2, "ip", "route", "add", "default", "via", "10.202.0.1", "src", SECOND_PUBLIC_ADDR)
+        self.exec(pub, "ip", "route", "add", f"{SECOND_PUBLIC_ADDR}/32", "via", "10.202.0.2", "src", PUBLIC_ADDR)
+        self.sites["pub2"] = Site("pub2", pub2, SECOND_PUBLIC_ADDR)
         for i, (name, symmetric) in enumerate(homes, start=1):
             router = self._add_namespace(f"r{i}")
             home = self._add_namespace(f"h{i}")
@@ -372,6 +381,7 @@ class Internet:
             wan_net = f"11.201.{i}" if name in upnp else f"10.201.{i}"
             uplink = f"{wan_net}.2"
             self._link(router, "wan", f"{uplink}/24", pub, f"r{i}", f"{wan_net}.1/24")
+            self.exec(pub, "ip", "route", "replace", f"{wan_net}.0/24", "dev", f"r{i}", "src", PUBLIC_ADDR)
             self._link(home, "eth0", f"10.{i}.0.2/24", router, "lan", f"10.{i}.0.1/24")
             self.exec(router, "ip", "route", "add", "default", "via", f"{wan_net}.1")
             self.exec(home, "ip", "route", "add", "default", "via", f"10.{i}.0.1")
