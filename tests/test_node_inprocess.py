@@ -204,9 +204,9 @@ async def _holder_and_asker() -> AsyncIterator[tuple[Node, Node]]:
 holder_and_asker = asynccontextmanager(_holder_and_asker)
 
 
-async def test_forwards_to_a_peer_reuse_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Consecutive forwards to the same peer go over one kept stream: one stream opened for
-    five forwards, each answered by the holder (its authenticated id), nothing failed over."""
+def _counting_generate_streams() -> tuple[list[str], object]:
+    """A stand-in for ``Host.open_stream`` (to monkeypatch in) that records the peer of every
+    generate stream it opens, in the list returned beside it, and then opens it."""
     from peerinfer.net import Host
     from peerinfer.node.options import GENERATE_PROTOCOL
 
@@ -217,6 +217,16 @@ async def test_forwards_to_a_peer_reuse_one_stream(monkeypatch: pytest.MonkeyPat
         if protocol == GENERATE_PROTOCOL:
             opened.append(peer_id)
         return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+
+    return opened, counting
+
+
+async def test_forwards_to_a_peer_reuse_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consecutive forwards to the same peer go over one kept stream: one stream opened for
+    five forwards, each answered by the holder (its authenticated id), nothing failed over."""
+    from peerinfer.net import Host
+
+    opened, counting = _counting_generate_streams()
 
     async with holder_and_asker() as (b, a):
         monkeypatch.setattr(Host, "open_stream", counting)
@@ -233,15 +243,8 @@ async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytes
     stream, still to the holder, without a failover."""
     import peerinfer.node.door as door
     from peerinfer.net import FramedStream, Host
-    from peerinfer.node.options import GENERATE_PROTOCOL
 
-    opened: list[str] = []
-    original = Host.open_stream
-
-    async def counting(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
-        if protocol == GENERATE_PROTOCOL:
-            opened.append(peer_id)
-        return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+    opened, counting = _counting_generate_streams()
 
     monkeypatch.setattr(door, "GENERATE_IDLE_TIMEOUT_S", 0.05)
     # The asker cannot see that the stream is gone (as when the reset is still on its way).

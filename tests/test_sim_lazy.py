@@ -164,17 +164,23 @@ def _core_state(core: node.NodeCore, now: float) -> tuple[object, ...]:
     )
 
 
-def test_a_follower_leaves_its_run_when_a_rebalance_empties_the_replica() -> None:
-    """A node following a peer's run, whose replica of that peer is then emptied (newcomers
-    shrink its allowance of a tight replica budget), is handed that peer's next announcements
-    again: it refuses them as eager application does (over the allowance, not fresh)."""
-    hasher = PrefixHasher(b"follow")
-    cores = [
+def _eager_and_lazy(hasher: PrefixHasher) -> list[node.NodeCore]:
+    """Two cores alike but for eager (first) and lazy (second) announcement application,
+    with a tight replica budget (1,000 blocks)."""
+    return [
         node.NodeCore(node.NodeConfig(peer_id=PeerId(f"12D3KooW{i:044d}"),
                                       lazy_announcements=lazy, replica_budget_blocks=1000),
                       hasher, rng=random.Random(i), now=0.0)
         for i, lazy in ((0, False), (1, True))
     ]
+
+
+def test_a_follower_leaves_its_run_when_a_rebalance_empties_the_replica() -> None:
+    """A node following a peer's run, whose replica of that peer is then emptied (newcomers
+    shrink its allowance of a tight replica budget), is handed that peer's next announcements
+    again: it refuses them as eager application does (over the allowance, not fresh)."""
+    hasher = PrefixHasher(b"follow")
+    cores = _eager_and_lazy(hasher)
     big, big_local, _ = _announcer("big")
     rng = random.Random(7)
     for _ in range(400):
@@ -226,12 +232,7 @@ def test_a_rebalance_that_empties_a_replica_takes_its_waiting_announcements_in_f
     shrinks between two rebalances (both nodes alike), so the periodic rebalance itself
     empties the big peer's replica; the lazy node's state must stay the eager node's."""
     hasher = PrefixHasher(b"rebalance")
-    cores = [
-        node.NodeCore(node.NodeConfig(peer_id=PeerId(f"12D3KooW{i:044d}"),
-                                      lazy_announcements=lazy, replica_budget_blocks=1000),
-                      hasher, rng=random.Random(i), now=0.0)
-        for i, lazy in ((0, False), (1, True))
-    ]
+    cores = _eager_and_lazy(hasher)
     big, big_local, _ = _announcer("big")
     small, small_local, _ = _announcer("small")
     rng = random.Random(11)

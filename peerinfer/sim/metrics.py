@@ -329,22 +329,23 @@ def replica_memory(sim: Simulation, *, sample: int = 4) -> dict[str, Any]:
 def _peak_rss_kb() -> int | None:
     """This process's peak resident size in KiB since the last ``reset_peak_rss`` (Linux's
     ``VmHWM``; elsewhere ``ru_maxrss``, the peak since the process started)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
+    hwm = _proc_status_kb("VmHWM:")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if peak else None
 
 
 def _rss_kb() -> int | None:
+    return _proc_status_kb("VmRSS:")
+
+
+def _proc_status_kb(field: str) -> int | None:
+    """A KiB figure of /proc/self/status (``field`` with its colon), or None (not Linux)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1])
     except OSError:
         pass
