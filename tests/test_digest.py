@@ -262,6 +262,68 @@ def test_a_lazy_digest_builds_its_trie_only_for_subtree_queries() -> None:
     assert not eager.is_flat
 
 
+class _Changes:
+    """A batch observer recording what it was told."""
+
+    def __init__(self) -> None:
+        self.added: list[int] = []
+        self.removed: list[int] = []
+
+    def block_added(self, h: BlockHash) -> None:
+        self.added.append(h)
+
+    def block_removed(self, h: BlockHash) -> None:
+        self.removed.append(h)
+
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        self.added += added
+        self.removed += removed
+
+
+def test_shared_delta_results_are_the_unshared_sets_and_copied_before_any_change() -> None:
+    """With sharing on, replicas holding the same set take one announcement's delta into one
+    shared set (each observer still told of the changes); a change to one of them (a delta,
+    an add, a pull's trie) leaves the others as they were."""
+    rng = random.Random(3)
+    base = [rng.getrandbits(64) for _ in range(300)]
+    added = tuple(rng.getrandbits(64) for _ in range(40))
+    removed = tuple(base[:25]) + (rng.getrandbits(64),)  # one that none holds
+    plain = MerkleDigest(lazy=True)
+    plain.update(base)
+    plain.apply_delta(added, removed)
+    observers = [_Changes() for _ in range(3)]
+    replicas = [MerkleDigest(o, lazy=True) for o in observers]
+    for r in replicas:
+        r.update(base)
+    for o in observers:
+        o.added.clear()
+    digest_module.share_applied_deltas(True)
+    try:
+        for r in replicas:
+            r.apply_delta(added, removed)
+        flats = {id(r._flat) for r in replicas}
+        assert len(flats) == 1  # one set for the three
+        for r, o in zip(replicas, observers, strict=True):
+            assert set(r) == set(plain) and r.root == plain.root
+            assert sorted(o.added) == sorted(added) and sorted(o.removed) == sorted(base[:25])
+            r.check_invariants()
+        replicas[0].apply_delta((), (added[0],))  # another delta: its own new set
+        replicas[1].add(BlockHash(7))  # copy on write
+        replicas[2].children(0, 0, 3)  # builds its trie from the set, leaving the set alone
+        replicas[2].discard(BlockHash(added[1]))
+    finally:
+        digest_module.share_applied_deltas(False)
+    assert set(replicas[0]) == set(plain) - {added[0]}
+    assert set(replicas[1]) == set(plain) | {7}
+    assert set(replicas[2]) == set(plain) - {added[1]}
+    for r in replicas:
+        r.check_invariants()
+    third = MerkleDigest(lazy=True)  # sharing off: no memo, in place as before
+    third.update(base)
+    third.apply_delta(added, removed)
+    assert set(third) == set(plain) and not third._flat_shared
+
+
 @given(st.lists(hashes, max_size=300), st.randoms(use_true_random=False))
 @settings(max_examples=40, deadline=None)
 def test_the_root_is_a_function_of_the_set_not_of_the_history(

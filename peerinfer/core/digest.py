@@ -56,6 +56,17 @@ verified current. Both forms hold the same set and give the same summaries. Cont
 memoized per element (``_contribution_of``, bounded): every replica of a peer takes in the same
 announced hashes, so all but the first compute nothing.
 
+*Shared deltas (a simulator's many replicas).* A simulator runs every node in one process, and
+hands one announcement object to each of a peer's replicas, most of which hold the same set.
+With ``share_applied_deltas(True)`` a flat digest's ``apply_delta`` memoizes its result, keyed by
+the set's root summary and size and the identity of the delta's tuples: the first replica builds
+a new set (a copy, then the delta), the next ones holding the same set (the same summary and
+size: a 128-bit XOR of hashed contributions, which random block hashes do not collide in) adopt
+that set object. A digest holding a shared set copies it before changing it in place (copy on
+write). Replicas that took the same announcements in then share one set in memory instead of
+one each. Off by default: a real node hands each announcement to one replica, where the memo
+could only cost a copy per announcement.
+
 *This node's digest.* ``LocalDigest`` wraps the digest of this node's own cache with *epochs*: the
 engine's changes accumulate as pending net changes until ``seal_epoch`` closes them into a new
 epoch, returning the delta that an announcement carries. A bounded log of past epochs' deltas
@@ -68,7 +79,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from peerinfer.core.messages import MAX_DELTA, SyncNode, SyncQuery, SyncRequest, SyncResponse
 from peerinfer.errors import ProtocolError
@@ -318,6 +329,25 @@ def under(s: int, level: int, prefix: int) -> bool:
     return (s >> (_BITS - level)) == prefix if level else True
 
 
+#: ``MerkleDigest.apply_delta``'s results while sharing is on (``share_applied_deltas``):
+#: ``(pair, count, id(added), id(removed))`` of the set before -> ``(added, removed, set after,
+#: pair after, elements added, elements removed)``; the entry holds the tuples, so their ids
+#: stay theirs while it lives. Cleared when full.
+_SHARED_DELTAS: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
+_SHARED_DELTAS_MAX = 1 << 12
+_sharing = False
+
+
+def share_applied_deltas(on: bool) -> None:
+    """Turn the memo of flat digests' delta results on or off for the process (see "Shared
+    deltas" above; the simulator turns it on for its run). Turning it off drops the memo;
+    digests holding shared sets keep them, copying before any change."""
+    global _sharing
+    _sharing = on
+    if not on:
+        _SHARED_DELTAS.clear()
+
+
 #: Memo of ``contribution(mix(h))`` per element ``h`` (a pure function), cleared when full.
 _CONTRIBUTIONS: dict[int, int] = {}
 _CONTRIBUTIONS_MAX = 1 << 17
@@ -345,7 +375,7 @@ class MerkleDigest:
 
     __slots__ = (
         "_inner", "_leaves", "_observer", "_batch_observer", "_lazy", "_flat", "_flat_pair",
-        "_root_memo",
+        "_flat_shared", "_root_memo",
     )
 
     def __init__(self, observer: CacheObserver | None = None, *, lazy: bool = False) -> None:
@@ -357,6 +387,7 @@ class MerkleDigest:
         # While flat: the elements, and the root summary (XOR of their contributions).
         self._flat: set[int] | None = set() if lazy else None
         self._flat_pair = 0
+        self._flat_shared = False  # ``_flat`` is a shared delta result: copy before changing it
         self._root_memo = (0, 0, 0)  # (pair, count, root) of the last root computed
 
     @property
@@ -382,6 +413,7 @@ class MerkleDigest:
             flat.update(unmix(s) for s in members)
         self._flat = flat
         self._flat_pair = pair
+        self._flat_shared = False
         self._inner = {}
         self._leaves = {1: []}
 
@@ -392,6 +424,7 @@ class MerkleDigest:
             return
         self._flat = None
         self._flat_pair = 0
+        self._flat_shared = False
         self._inner = {}
         self._leaves = {1: [mix(h) for h in flat]}
         if len(flat) > LEAF_MAX:
@@ -405,6 +438,8 @@ class MerkleDigest:
         if flat is not None:
             if h in flat:
                 return False
+            if self._flat_shared:
+                flat = self._own_flat()
             flat.add(h)
             self._flat_pair ^= _contribution_of(h)
         elif not self._add_position(mix(h)):
@@ -419,6 +454,8 @@ class MerkleDigest:
         if flat is not None:
             if h not in flat:
                 return False
+            if self._flat_shared:
+                flat = self._own_flat()
             flat.discard(h)
             self._flat_pair ^= _contribution_of(h)
         elif not self._discard_position(mix(h)):
@@ -441,6 +478,19 @@ class MerkleDigest:
             for h in added:
                 self.add(BlockHash(h))
             return
+        key = None
+        if _sharing and type(added) is tuple and type(removed) is tuple:
+            key = (self._flat_pair, len(flat), id(added), id(removed))
+            hit = _SHARED_DELTAS.get(key)
+            if hit is not None and hit[0] is added and hit[1] is removed:
+                self._flat, self._flat_pair = hit[2], hit[3]
+                self._flat_shared = True
+                if hit[4] or hit[5]:
+                    batch(hit[4], hit[5])
+                return
+            flat = set(flat)  # the result will be shared: never the set we hold
+        elif self._flat_shared:
+            flat = self._own_flat()
         # ``_contribution_of`` inlined: this loop runs for every hash of every announcement at
         # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
         pair = self._flat_pair
@@ -460,8 +510,21 @@ class MerkleDigest:
                 pair ^= c if c is not None else _contribution_of(h)
                 new.append(BlockHash(h))
         self._flat_pair = pair
+        if key is not None:
+            if len(_SHARED_DELTAS) >= _SHARED_DELTAS_MAX:
+                _SHARED_DELTAS.clear()
+            _SHARED_DELTAS[key] = (added, removed, flat, pair, new, gone)
+            self._flat = flat
+            self._flat_shared = True
         if gone or new:
             batch(new, gone)
+
+    def _own_flat(self) -> set[int]:
+        """Replace a shared flat set by this digest's own copy (copy on write), and return it."""
+        assert self._flat is not None
+        flat = self._flat = set(self._flat)
+        self._flat_shared = False
+        return flat
 
     def block_added(self, h: BlockHash) -> None:
         self.add(h)

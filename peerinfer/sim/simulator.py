@@ -88,6 +88,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from peerinfer.core.digest import share_applied_deltas
 from peerinfer.core.messages import SamplingParams, encode
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -189,6 +190,9 @@ class Simulation:
     #: hand a group's unchanged announcements to the nodes that follow them as one shared run
     #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
     share_runs = True
+    #: let replicas that hold the same set share the result of applying an announcement's
+    #: delta (``peerinfer.core.digest.share_applied_deltas``); False: each applies it itself
+    share_deltas = True
 
     def __init__(
         self,
@@ -360,6 +364,16 @@ class Simulation:
 
     def run(self) -> Simulation:
         """Run until every request has completed; returns ``self`` (the figures are attributes)."""
+        # The replicas of one peer take the same announcement objects in: with the memo they
+        # build each resulting set once and share it (``peerinfer.core.digest``, "Shared
+        # deltas"; the same sets, so the same decisions).
+        share_applied_deltas(self.share_deltas)
+        try:
+            return self._run()
+        finally:
+            share_applied_deltas(False)
+
+    def _run(self) -> Simulation:
         started = time.perf_counter()
         cfg = self.config
         n = cfg.nodes
