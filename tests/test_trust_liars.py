@@ -100,8 +100,10 @@ async def until_routed_for_its_cache(origin: Node, text: str, holder: str) -> No
 
     The target alone is no sign that the digest arrived: with the prompt held nowhere, and
     equal loads, ``longest_prefix`` breaks the tie between the local node and ``holder`` at
-    random, so a check on the target alone passes half the time before the announcement that
-    carries the prompt, and the test's own request then goes wherever the next draw says."""
+    random, so a check on the target alone can pass by that draw (one in two with one peer)
+    before the announcement carrying the prompt arrives, and the test's own request then goes
+    wherever the next draw says (seen: served locally, "no candidate holds any of the 643
+    prompt tokens")."""
     core, engine = origin.core, origin.engine
     assert core is not None and engine is not None
     tokens = engine.tokenize(text)
