@@ -94,6 +94,27 @@ class Liar:
         self.node.host.set_handler(GENERATE_PROTOCOL, handler)
 
 
+async def until_routed_for_its_cache(origin: Node, text: str, holder: str) -> None:
+    """Return once ``origin`` routes ``text`` to ``holder`` *because* its replica of
+    ``holder``'s digest holds every block of the prompt (the caller bounds the wait).
+
+    The target alone is no sign that the digest arrived: with the prompt held nowhere, and
+    equal loads, ``longest_prefix`` breaks the tie between the local node and ``holder`` at
+    random, so a check on the target alone can pass by that draw (one in two with one peer)
+    before the announcement carrying the prompt arrives, and the test's own request then goes
+    wherever the next draw says (seen: served locally, "no candidate holds any of the 643
+    prompt tokens")."""
+    core, engine = origin.core, origin.engine
+    assert core is not None and engine is not None
+    tokens = engine.tokenize(text)
+    chain = core.hasher.prompt_chain(tokens)
+    while (
+        core.index.match_blocks(chain).get(PeerId(holder), 0) < len(chain)
+        or core.route(tokens, SamplingParams(), trio.current_time()).target != holder
+    ):
+        await trio.sleep(0.05)
+
+
 @asynccontextmanager
 async def origin_and_liar(prompts: range, **origin_overrides: object) -> AsyncIterator[tuple[Node, Liar]]:
     """An origin and a liar that holds (and announces) ``prompts``, each seen by the other."""
@@ -112,11 +133,8 @@ async def origin_and_liar(prompts: range, **origin_overrides: object) -> AsyncIt
                 for k in prompts:
                     await client.generate(prompt(k), max_tokens=2)
             # The origin routes every prompt to the liar (it is the only holder).
-            assert origin.engine is not None and origin.core is not None
             for k in prompts:
-                tokens = origin.engine.tokenize(prompt(k))
-                while origin.core.route(tokens, SamplingParams(), trio.current_time()).target != liar.peer_id:
-                    await trio.sleep(0.05)
+                await until_routed_for_its_cache(origin, prompt(k), liar.peer_id)
         try:
             yield origin, liar
         finally:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import trio
-from test_trust_liars import COSTS, options, prompt
+from test_trust_liars import COSTS, options, prompt, until_routed_for_its_cache
 
 from peerinfer.cli import main
 from peerinfer.client import Client
-from peerinfer.core.messages import GenerateRequest, SamplingParams, decode
+from peerinfer.core.messages import GenerateRequest, decode
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.net import FramedStream
@@ -68,12 +68,10 @@ async def test_with_trust_swarm_a_peer_outside_the_swarm_is_never_forwarded_to(p
 
             assert outsider.host is not None
             outsider.host.set_handler(GENERATE_PROTOCOL, record)
-            assert origin.engine is not None and origin.core is not None and origin.host is not None
+            assert origin.host is not None
             holders = [(prompt(0), member.peer_id)] + ([] if private else [(prompt(1), outsider.peer_id)])
             for text, holder in holders:
-                tokens = origin.engine.tokenize(text)
-                while origin.core.route(tokens, SamplingParams(), trio.current_time()).target != holder:
-                    await trio.sleep(0.05)  # the holder's digest has reached the origin
+                await until_routed_for_its_cache(origin, text, holder)  # its digest reached the origin
             async with Client.connect(origin.addresses()[0], swarm_key=key, timeout_s=20) as client:
                 for k in (0, 1, 1, 0, 1):
                     with trio.fail_after(20):
