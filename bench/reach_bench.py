@@ -196,6 +196,8 @@ def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]
     kept_relayed = [k[0] for k in kept]
     kept_direct = [k[1] for k in kept]
     kept_overhead = [k[0] - k[1] for k in kept]
+    spare = [(r["reuse"]["relayed_spare_p50_ms"], r["direct_reuse"]["direct_spare_p50_ms"])
+             for r in ok if "relayed_spare_p50_ms" in r.get("reuse", {}) and "direct_spare_p50_ms" in r.get("direct_reuse", {})]
     med = lambda xs: round(statistics.median(xs), 2) if xs else None  # noqa: E731
     return {
         "dest": dest, "nat": "cone" if dest == "home2" else "symmetric",
@@ -213,6 +215,11 @@ def probe_summary(runs: list[dict[str, object]], dest: str) -> dict[str, object]
         "request_kept_relayed_p50_ms_median": med(kept_relayed),
         "request_kept_direct_to_relay_p50_ms_median": med(kept_direct),
         "relayed_overhead_kept_stream_p50_ms_median": med(kept_overhead),
+        # A forward's first request to a relayed peer since the last one's stream went (or
+        # ever, once the node has opened it a spare): on a stream opened and negotiated ahead.
+        "request_spare_relayed_p50_ms_median": med([x[0] for x in spare]),
+        "request_spare_direct_to_relay_p50_ms_median": med([x[1] for x in spare]),
+        "relayed_overhead_spare_stream_p50_ms_median": med([x[0] - x[1] for x in spare]),
         # Where the relayed time goes: opening a stream (yamux + multistream negotiation, ~3
         # round trips through the relay) against one round trip on an open stream.
         "relayed_stream_open_p50_ms_median": med([r["reuse"]["relayed_open_p50_ms"] for r in ok if "reuse" in r]),
@@ -239,6 +246,7 @@ def targets(runs: int, heal_runs: int) -> dict[str, object]:
         "symmetric_served_s_median": statistics.median(r["served_s"] for r in sym),
         "relayed_overhead_over_direct_p50_ms_median": probe["relayed_overhead_p50_ms_median"],
         "relayed_overhead_over_direct_kept_stream_p50_ms_median": probe["relayed_overhead_kept_stream_p50_ms_median"],
+        "relayed_overhead_over_direct_spare_stream_p50_ms_median": probe["relayed_overhead_spare_stream_p50_ms_median"],
         "probe": probe,
         "heal": {kind: {
             "runs": len(rs), "lost_requests": sum(r["lost"] for r in rs),

@@ -117,6 +117,25 @@ async def main(args: argparse.Namespace) -> None:
                     assert reply == b"x" * 64
                 return rtts
 
+            async def timed_spare(peer: str) -> list[float]:
+                """What a forward on a spare stream sees (node/forwarding.py opens one, negotiated,
+                ahead of the next forward to a peer reached only through a relay): each request
+                on a stream opened and negotiated beforehand, untimed, and kept a moment."""
+                rtts = []
+                for _ in range(args.n):
+                    spare = await host.open_stream(peer, ECHO, timeout=10)
+                    host.keep_idle_stream(spare, ttl_s=60.0)
+                    await trio.sleep(0.05)
+                    t1 = time.monotonic()
+                    stream = host.take_idle_stream(peer, ECHO)
+                    assert stream is spare
+                    await stream.send(b"x" * 64)
+                    reply = await stream.receive(timeout=10)
+                    rtts.append(time.monotonic() - t1)
+                    await stream.aclose()
+                    assert reply == b"x" * 64
+                return rtts
+
             async def timed_open() -> list[float]:
                 rtts = []
                 for _ in range(args.n):
@@ -128,10 +147,12 @@ async def main(args: argparse.Namespace) -> None:
 
             rtts = await timed()
             kept = await timed_kept(target_id)
+            spares = await timed_spare(target_id)
             reused = await timed_reused()
             opens = await timed_open()
             say(event="reuse", relayed_reused_p50_ms=round(statistics.median(reused) * 1000, 2),
                 relayed_kept_p50_ms=round(statistics.median(kept) * 1000, 2),
+                relayed_spare_p50_ms=round(statistics.median(spares) * 1000, 2),
                 relayed_open_p50_ms=round(statistics.median(opens) * 1000, 2))
             await start_dcutr()
             if dcutr is not None:
@@ -153,6 +174,7 @@ async def main(args: argparse.Namespace) -> None:
                     await host.request(relay_id, ECHO, b"x" * 64, timeout=10)
                     direct.append(time.monotonic() - t1)
                 dkept = await timed_kept(relay_id)
+                dspares = await timed_spare(relay_id)
                 dreused = []
                 stream = await host.open_stream(relay_id, ECHO, timeout=10)
                 async with stream:
@@ -162,7 +184,8 @@ async def main(args: argparse.Namespace) -> None:
                         await stream.receive(timeout=10)
                         dreused.append(time.monotonic() - t1)
                 say(event="direct_reuse", direct_reused_p50_ms=round(statistics.median(dreused) * 1000, 2),
-                    direct_kept_p50_ms=round(statistics.median(dkept) * 1000, 2))
+                    direct_kept_p50_ms=round(statistics.median(dkept) * 1000, 2),
+                    direct_spare_p50_ms=round(statistics.median(dspares) * 1000, 2))
             say(event="rtt", relayed_before_punch_p50_ms=round(statistics.median(rtts) * 1000, 2),
                 after_punch_p50_ms=round(statistics.median(after) * 1000, 2) if after else None,
                 direct_to_relay_p50_ms=round(statistics.median(direct) * 1000, 2) if direct else None,

@@ -278,6 +278,8 @@ class FramedStream:
         if self._done or self._buffer or self._pending_length is not None or self._answers_due:
             return False
         muxed = getattr(self._stream, "muxed_stream", None)
+        if getattr(getattr(muxed, "muxed_conn", None), "is_closed", False):
+            return False  # its connection went (closed under it, replaced)
         return not any(
             getattr(muxed, flag, False) for flag in ("closed", "send_closed", "recv_closed", "reset_received")
         )

@@ -43,8 +43,9 @@ owns, everything the node needs from the network:
   (``peerinfer.net.framing``). ``keep_idle_stream``/``take_idle_stream`` keep a stream whose
   exchange ended cleanly for the next exchange with the same peer and protocol (the node's
   forwards; at most ``MAX_IDLE_STREAMS_PER_PEER`` per peer and protocol, ``MAX_IDLE_STREAMS``
-  in all, for ``IDLE_STREAM_TTL_S``; only for a peer still connected, admitted and not banned;
-  dropped when it disconnects). ``connect`` returns once the connection is open rather than
+  in all, for ``IDLE_STREAM_TTL_S``, or ``SPARE_STREAM_TTL_S`` for a spare opened ahead of
+  its first exchange; only for a peer still connected, admitted and not banned; dropped when it
+  disconnects). ``connect`` returns once the connection is open rather than
   after py-libp2p's 250 ms happy-eyeballs head start (``_dial``).
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
@@ -179,6 +180,11 @@ MAX_REFUSALS_LOGGED = 4096
 MAX_IDLE_STREAMS_PER_PEER = 2
 MAX_IDLE_STREAMS = 64
 IDLE_STREAM_TTL_S = 5.0
+#: How long a spare stream waits for its first exchange (``keep_idle_stream(ttl_s=...)``: the
+#: node opens one ahead of the next forward to a peer it reaches only through a relay). The
+#: serving node waits for a stream's first request without a deadline, so a spare may wait
+#: longer than a stream kept after an exchange.
+SPARE_STREAM_TTL_S = 60.0
 #: A peer whose liveness ping failed is probed with a fresh connection every PROBE_EVERY_S (each
 #: try at most PROBE_TIMEOUT_S), while its pings keep failing and it is not yet disconnected, at
 #: most MAX_PROBES peers at once: a new TCP flow goes out at once, where the stalled one waits
@@ -745,6 +751,11 @@ class Host:
         """Whether we hold at least one open connection to ``peer_id``."""
         return bool(self._live_connections(parse_peer_id(peer_id)))
 
+    def only_relayed(self, peer_id: str) -> bool:
+        """Whether we are connected to ``peer_id`` and only through relays (no direct path)."""
+        live = self._live_connections(parse_peer_id(peer_id))
+        return bool(live) and all(_is_relayed(c) for c in live)
+
     def _live_connections(self, pid: ID) -> list[INetConn]:
         known = set(self._network.get_connections(pid)) | self._connections.get(pid.to_base58(), set())
         return [conn for conn in known if not conn.is_closed]
@@ -1018,8 +1029,9 @@ class Host:
         now = trio.current_time()
         found: FramedStream | None = None
         while kept and found is None:
-            kept_at, stream = kept.pop()  # the most recently kept first
-            if now - kept_at < IDLE_STREAM_TTL_S and stream.reusable:
+            # The soonest to expire first: a spare (longer-lived) stays for the forward after.
+            expires_at, stream = kept.pop(0)
+            if now < expires_at and stream.reusable:
                 found = stream
             else:
                 self._close_idle(stream)
@@ -1027,10 +1039,15 @@ class Host:
             del self._idle_streams[key]
         return found
 
-    def keep_idle_stream(self, stream: FramedStream) -> None:
-        """Keep ``stream``, whose exchange ended cleanly, for the next one with the same peer
-        and protocol (``take_idle_stream``); bounded per peer, in all and in time, beyond which
-        the oldest are closed. A stream that cannot be reused is closed now."""
+    def has_idle_stream(self, peer_id: str, protocol: str) -> bool:
+        """Whether a stream to ``peer_id`` on ``protocol`` is kept (it may have expired)."""
+        return bool(self._idle_streams.get((peer_id, protocol)))
+
+    def keep_idle_stream(self, stream: FramedStream, *, ttl_s: float = IDLE_STREAM_TTL_S) -> None:
+        """Keep ``stream``, whose exchange ended cleanly (or a spare that has had none yet), for
+        the next exchange with the same peer and protocol (``take_idle_stream``), for
+        ``ttl_s``; bounded per peer and in all, beyond which the oldest are closed. A stream
+        that cannot be reused is closed now."""
         peer, key = stream.remote_peer, (stream.remote_peer, stream.protocol)
         if self._closed or not stream.reusable or peer in self._banned or not self.is_admitted(peer):
             self._close_idle(stream)
@@ -1038,8 +1055,9 @@ class Host:
         now = trio.current_time()
         kept = self._idle_streams.setdefault(key, [])
         self._idle_streams.move_to_end(key)
-        kept.append((now, stream))
-        while len(kept) > MAX_IDLE_STREAMS_PER_PEER or (kept and now - kept[0][0] >= IDLE_STREAM_TTL_S):
+        kept.append((now + ttl_s, stream))
+        kept.sort(key=lambda k: k[0])  # the soonest to expire first: the first to go
+        while len(kept) > MAX_IDLE_STREAMS_PER_PEER or (kept and now >= kept[0][0]):
             self._close_idle(kept.pop(0)[1])
         while sum(len(k) for k in self._idle_streams.values()) > MAX_IDLE_STREAMS:
             oldest_key = next(iter(self._idle_streams))
@@ -1131,6 +1149,9 @@ class Host:
             self._liveness_failures[peer] += 1
             failures = self._liveness_failures[peer]
             logger.info("liveness ping to %s failed (%d): %s", peer, failures, exc)
+            # Kept and spare streams likely ride the stalled connection: a forward taking one
+            # would wait out its first-token deadline (seen: a spare kept through a cut link).
+            self._drop_idle_streams(peer)
             self._start_probe(peer)
             if failures >= self._config.liveness_max_failures:
                 self._liveness_failures.pop(peer, None)

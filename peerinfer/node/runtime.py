@@ -103,6 +103,8 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         self._lost_wake = trio.Event()
         #: peers a dial of ours is under way to (one at a time each)
         self._dialing: set[str] = set()
+        #: relayed peers a spare generate stream is being opened to (forwarding)
+        self._spares_opening: set[str] = set()
         #: dials caused by peer exchange (statistics for tests and the attack bench)
         self.exchange_dials = 0
         self._topic = ""
