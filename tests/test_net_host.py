@@ -541,3 +541,40 @@ async def test_a_peer_whose_pings_fail_gets_a_fresh_connection_that_replaces_the
         assert "disconnected" not in seen and "unresponsive" not in seen
         await wait_until(lambda: first.is_closed)
         assert a.is_connected(b.peer_id)
+
+
+async def test_gossip_flows_both_ways_after_the_connection_under_the_pubsub_streams_closes() -> None:
+    """Two connections between a and b; the older one, which carries both pubsub streams,
+    closes (as when a stalled connection is replaced, or a restarted peer's new connection
+    meets the old one). Each side renews its stream on the other connection. py-libp2p's
+    pubsub forgets the peer's subscriptions whenever a write on *our* stream fails, also those
+    the peer has just sent on its renewed stream: the side whose write failed second then never
+    sends the other anything (it knows of no subscriber), the "restarted peer admitted but
+    silent" of docs/reach.md. The order here is that one: a's write fails first (a
+    subscription), b's after b took in a's renewed hello (its publish)."""
+    topic, later = "peerinfer/test/announce", "peerinfer/test/later"
+    async with open_host(config()) as a, open_host(config()) as b:
+        at_a = await a.subscribe(topic)
+        at_b = await b.subscribe(topic)
+        await a.connect(b.listen_addrs()[0])
+        await mesh_ready([a, b], topic)
+        a_id, b_id = ID.from_base58(a.peer_id), ID.from_base58(b.peer_id)
+        (older,) = a._live_connections(b_id)
+        assert await a._fresh_connection(b.peer_id, 5.0)
+        await wait_until(lambda: len(a._live_connections(b_id)) == 2 and len(b._live_connections(a_id)) == 2)
+        await a._close_connection(b.peer_id, older)
+        await wait_until(lambda: len(a._live_connections(b_id)) == 1 and len(b._live_connections(a_id)) == 1)
+        await a.subscribe(later)  # a's write on its dead stream fails: a renews it, with a hello
+        await wait_until(lambda: a_id in b._pubsub.peer_topics.get(later, ()))
+
+        async def heard(sender: Host, channel: trio.MemoryReceiveChannel[net.GossipMessage]) -> bool:
+            """One of up to 20 publications (every 0.25 s) reaches the other side."""
+            for i in range(20):
+                await sender.publish(topic, b"after %d" % i)  # b's first write fails, as a's did
+                with trio.move_on_after(0.25):
+                    message = await channel.receive()
+                    return message.sender == sender.peer_id
+            return False
+
+        assert await heard(b, at_a), "b forgot a's subscriptions: its gossip no longer reaches a"
+        assert await heard(a, at_b)

@@ -182,6 +182,8 @@ class GuardedPubsub(Pubsub):
         self._on_violation = on_violation
         self._deliver = deliver
         self._admitted = admitted
+        #: each peer's newest pubsub stream to us, while we read it (see _handle_dead_peer)
+        self._reading: dict[ID, INetStream] = {}
 
     async def stream_handler(self, stream: INetStream) -> None:
         if self._admitted is not None and not await self._admitted(stream.muxed_conn.peer_id):
@@ -215,11 +217,14 @@ class GuardedPubsub(Pubsub):
 
     async def continuously_read_stream(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id
+        # The newest stream carries the peer's subscriptions (its hello repeats all of them).
+        self._reading[peer_id] = stream
         try:
             await super().continuously_read_stream(stream)
         except (StreamError, ParseError, IncompleteReadError):
             raise  # the base stream_handler resets and forgets the peer: a hangup, not an attack
         except Exception as exc:
+            self._stop_reading(peer_id, stream)  # before _handle_dead_peer: forget all of it
             logger.warning("malformed pubsub RPC from %s: %r; dropping the peer", peer_id, exc)
             with trio.move_on_after(1.0) as scope:
                 scope.shield = True
@@ -229,6 +234,33 @@ class GuardedPubsub(Pubsub):
                     pass
             self._handle_dead_peer(peer_id)
             self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
+        finally:
+            self._stop_reading(peer_id, stream)
+
+    def _stop_reading(self, peer_id: ID, stream: INetStream) -> None:
+        if self._reading.get(peer_id) is stream:
+            del self._reading[peer_id]
+
+    def _handle_dead_peer(self, peer_id: ID) -> None:
+        # py-libp2p calls this when a write on *our* stream to the peer fails, and it forgets
+        # the peer's subscriptions, which came on the peer's stream to us. When that stream
+        # lives on (another connection: a stalled one replaced, a restarted peer's old one
+        # closed), they still hold, and nothing would bring them back: the peer sends them only
+        # in the hello of a stream it opens, and it may have renewed its stream (hello and
+        # all) just before our write failed. We would then send it nothing on the topic (no
+        # subscriber known) while it gossips to us: a peer admitted but silent towards it
+        # (tests/test_net_host.py, the connection under the pubsub streams closing).
+        reading = self._reading.get(peer_id)
+        if reading is None or reading.is_closed or reading.muxed_conn.is_closed:
+            super()._handle_dead_peer(peer_id)
+            return
+        topics = [topic for topic, peers in self.peer_topics.items() if peer_id in peers]
+        count = self._peer_subscription_count.get(peer_id)
+        super()._handle_dead_peer(peer_id)
+        for topic in topics:
+            self.peer_topics.setdefault(topic, set()).add(peer_id)
+        if count is not None:
+            self._peer_subscription_count[peer_id] = count
 
     async def _handle_new_peer(self, peer_id: ID) -> None:
         if self._admitted is not None and not await self._admitted(peer_id):
