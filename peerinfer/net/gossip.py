@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import ParseError
 from libp2p.io.exceptions import IncompleteReadError
@@ -261,6 +261,16 @@ class GuardedPubsub(Pubsub):
             self.peer_topics.setdefault(topic, set()).add(peer_id)
         if count is not None:
             self._peer_subscription_count[peer_id] = count
+
+    def renew_stream_off(self, peer_id: ID, closing: list[INetConn]) -> None:
+        """If our stream to ``peer_id`` runs on one of the ``closing`` connections (out of
+        the swarm's list already), drop it and open another one now, on what is left, rather
+        than at our next write to it, which fails (an announce interval away, or never while
+        we have nothing to say): until then the peer has no stream from us, so no hello with
+        our subscriptions, and gossips nothing to us."""
+        stream = self.peers.get(peer_id)
+        if stream is not None and any(stream.muxed_conn is conn.muxed_conn for conn in closing):
+            self._handle_dead_peer(peer_id)  # schedules the new stream while the peer is connected
 
     async def _handle_new_peer(self, peer_id: ID) -> None:
         if self._admitted is not None and not await self._admitted(peer_id):
