@@ -28,7 +28,12 @@ callback (the host disconnects the peer and emits a ``misbehaved`` event).
 
 It also re-announces our subscriptions to each newly registered peer: py-libp2p loses a
 ``subscribe()`` that lands while a peer's pubsub stream is being set up, and the two peers then
-never mesh (seen under load in the tests here).
+never mesh (seen under load in the tests here). And it keeps a peer's subscriptions while the
+peer's stream to us lives, when a write on our stream to it fails: py-libp2p forgot them then,
+also when the peer had just sent them again on a stream over another connection, and never
+sent that peer anything more (a restarted peer, or one whose stalled connection was replaced,
+stayed silent; ``_handle_dead_peer``). ``renew_stream_off`` moves our stream off connections
+the host is closing, so the peer gets our hello at once.
 
 In a private swarm (``admitted`` given) a peer gets no pubsub stream from us and its pubsub
 streams are not read until it has passed admission (``peerinfer.net.admission``): it can

@@ -49,7 +49,10 @@ owns, everything the node needs from the network:
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
   consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
-  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes).
+  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes). A peer whose ping
+  failed is probed with a fresh connection, which replaces the stalled ones; a new connection
+  to a peer that holds others has each older one pinged over itself, and a silent one is
+  replaced too (``replace_stalled_connections``; docs/reach.md, "Healing").
 * **Discovery.** One task per bootstrap address keeps it connected, redialing with capped
   exponential backoff forever (libp2p's own bootstrap gives up after 3 failures). mDNS
   discoveries are dialed (libp2p's mDNS only fills the peerstore). ``add_known_peer`` +
@@ -881,8 +884,8 @@ class Host:
         came). Liveness pings need not notice: libp2p opens each ping on the connection it
         prefers, which can be the new one. Meanwhile our pubsub stream to the peer stays on the
         old connection (libp2p opens no second one), so the peer never gets our subscriptions
-        and never gossips to us (tests/test_admission_nodes.py, a restart whose old connection
-        stays open: 1 of 6 runs failed so)."""
+        and never gossips to us (a restart in tests/test_admission_nodes.py, whose old
+        connections stay open: 1 of 6 runs of it failed so before this check)."""
         timeout = self._config.liveness_timeout_s
         silent: list[INetConn] = []
 
