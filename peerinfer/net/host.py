@@ -851,7 +851,7 @@ class Host:
         elif first:
             self._emit(PeerEvent("connected", peer_id))
 
-    def _replace_stalled(self, peer_id: str, older: list[INetConn]) -> None:
+    def _replace_stalled(self, peer_id: str, older: list[INetConn], why: str = "its pings failed") -> None:
         """A new connection to a peer whose pings failed on the ones we had: those are
         stalled (a cut link, a partition, a NAT that lost its mapping), and libp2p would keep
         opening streams on them (it prefers a direct connection, then the one with the most
@@ -861,7 +861,7 @@ class Host:
         self._replaced_at[peer_id] = trio.current_time()
         self._rtts.pop(peer_id, None)
         self._drop_idle_streams(peer_id)
-        logger.info("a new connection to %s replaces %d stalled one(s)", peer_id, len(older))
+        logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)
         # Out of libp2p's choice at once (closing a stalled one takes DISCONNECT_TIMEOUT_S, and
         # meanwhile a relay's circuit or a forward opened on it went down with it: seen).
         pid = parse_peer_id(peer_id)
@@ -900,7 +900,7 @@ class Host:
         if silent and not self._closed and peer_id not in self._banned and self.is_connected(peer_id):
             live = [c for c in self._live_connections(parse_peer_id(peer_id)) if c not in silent]
             if live:  # never the last: then it is the peer that is silent, liveness's business
-                self._replace_stalled(peer_id, silent)
+                self._replace_stalled(peer_id, silent, "silent on a ping over it")
 
     async def _answers_on(self, peer_id: str, conn: INetConn, timeout: float) -> bool:
         """Whether ``peer_id`` echoes a ping on ``conn`` itself within ``timeout`` (``ping``
