@@ -319,15 +319,20 @@ async def test_a_clock_step_or_skew_changes_nothing(skew_s: float, step_s: float
             assert candidate_at(c, o)
 
 
-async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("swarm_key", [None, KEY], ids=["open", "private"])
+async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path, swarm_key: bytes | None) -> None:
+    """X restarts with its identity (in this process: its old connections to Y are never
+    closed, as if its machine had lost the network) and its clock an hour back: Y takes in
+    its announcements again. Its new connection meets the old ones at Y (docs/reach.md,
+    "Healing": the old ones are found silent and replaced; Y's gossip moves to the new one)."""
     identity = tmp_path / "identity.key"
-    async with nodes({}) as (y,):
+    async with nodes({"swarm_key": swarm_key}) as (y,):
 
         async def run_x(clock: Callable[[], float], seen: int) -> tuple[str, int]:
             """Run X until Y takes in an announcement of it newer than ``seen``."""
             x = Node(
                 options(persist_identity=True, identity=identity, wall_clock=clock,
-                        bootstrap=(y.addresses()[0],)),
+                        bootstrap=(y.addresses()[0],), swarm_key=swarm_key),
                 engine=SimulatedEngine(costs=COSTS),
             )
             async with trio.open_nursery() as nursery:

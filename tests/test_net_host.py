@@ -12,6 +12,7 @@ import random
 import socket
 import stat
 import threading
+from functools import partial
 from pathlib import Path
 
 import multiaddr
@@ -541,3 +542,103 @@ async def test_a_peer_whose_pings_fail_gets_a_fresh_connection_that_replaces_the
         assert "disconnected" not in seen and "unresponsive" not in seen
         await wait_until(lambda: first.is_closed)
         assert a.is_connected(b.peer_id)
+
+
+async def test_gossip_flows_both_ways_after_the_connection_under_the_pubsub_streams_closes() -> None:
+    """Two connections between a and b; the older one, which carries both pubsub streams,
+    closes (as when a stalled connection is replaced, or a restarted peer's new connection
+    meets the old one). Each side renews its stream on the other connection. py-libp2p's
+    pubsub forgets the peer's subscriptions whenever a write on *our* stream fails, also those
+    the peer has just sent on its renewed stream: the side whose write failed second then never
+    sends the other anything (it knows of no subscriber), the "restarted peer admitted but
+    silent" of docs/reach.md. The order here is that one: a's write fails first (a
+    subscription), b's after b took in a's renewed hello (its publish)."""
+    topic, later = "peerinfer/test/announce", "peerinfer/test/later"
+    async with open_host(config()) as a, open_host(config()) as b:
+        at_a = await a.subscribe(topic)
+        at_b = await b.subscribe(topic)
+        await a.connect(b.listen_addrs()[0])
+        await mesh_ready([a, b], topic)
+        a_id, b_id = ID.from_base58(a.peer_id), ID.from_base58(b.peer_id)
+        (older,) = a._live_connections(b_id)
+        assert await a._fresh_connection(b.peer_id, 5.0)
+        await wait_until(lambda: len(a._live_connections(b_id)) == 2 and len(b._live_connections(a_id)) == 2)
+        await a._close_connection(b.peer_id, older)
+        await wait_until(lambda: len(a._live_connections(b_id)) == 1 and len(b._live_connections(a_id)) == 1)
+        await a.subscribe(later)  # a's write on its dead stream fails: a renews it, with a hello
+        await wait_until(lambda: a_id in b._pubsub.peer_topics.get(later, ()))
+        # b's first publication fails on its dead stream, as a's subscription did
+        assert await heard(b, topic, at_a), "b forgot a's subscriptions: its gossip no longer reaches a"
+        assert await heard(a, topic, at_b)
+
+
+async def heard(sender: Host, topic: str, channel: trio.MemoryReceiveChannel[net.GossipMessage]) -> bool:
+    """One of up to 20 publications of ``sender`` (one every 0.25 s) arrives on ``channel``."""
+    for i in range(20):
+        await sender.publish(topic, b"after %d" % i)
+        with trio.move_on_after(0.25):
+            message = await channel.receive()
+            return message.sender == sender.peer_id
+    return False
+
+
+async def silent_relay(
+    target_port: int, *, task_status: trio.TaskStatus[tuple[int, trio.Event]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A TCP relay on 127.0.0.1 to ``target_port``, reporting (its port, an event). Once the
+    event is set it forwards nothing more and keeps every socket open: a link that failed
+    without a FIN or a reset. Runs until cancelled."""
+    silent = trio.Event()
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+        while data := await source.receive_some(65536):
+            if silent.is_set():
+                continue  # swallowed, as by a cut link
+            await sink.send_all(data)
+
+    async def serve(client: trio.SocketStream) -> None:
+        async with client, await trio.open_tcp_stream("127.0.0.1", target_port) as upstream:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, client, upstream)
+                nursery.start_soon(pump, upstream, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        task_status.started((listeners[0].socket.getsockname()[1], silent))
+
+
+async def test_a_new_connection_replaces_an_older_one_that_went_silent() -> None:
+    """a reaches b through a relay that then goes silent (sockets open, nothing forwarded: a
+    link that failed without a FIN, or a restarted peer's old connection); b dials a anew.
+    Each side pings the older connection over itself, finds it silent and replaces it. Gossip
+    flows both ways again (libp2p left both pubsub streams on the silent connection: nothing
+    reached the other side), and neither side saw the other disconnect."""
+    topic = "peerinfer/test/announce"
+    replacing = config(replace_stalled_connections=True)
+    async with open_host(replacing) as a, open_host(replacing) as b, trio.open_nursery() as relays:
+        b_port = int(multiaddr.Multiaddr(b.listen_addrs()[0]).value_for_protocol("tcp"))
+        relay_port, silent = await relays.start(silent_relay, b_port)
+        events_a, events_b = a.peer_events(), b.peer_events()
+        at_a = await a.subscribe(topic)
+        at_b = await b.subscribe(topic)
+        await a.connect(f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{b.peer_id}")
+        await mesh_ready([a, b], topic)
+        a_id, b_id = ID.from_base58(a.peer_id), ID.from_base58(b.peer_id)
+        (older_at_a,) = a._live_connections(b_id)
+        (older_at_b,) = b._live_connections(a_id)
+        silent.set()
+        direct = multiaddr.Multiaddr(a.listen_addrs()[0].rsplit("/p2p/", 1)[0])
+        await b._within("dial", a.peer_id, 5.0, lambda: b._network.dial_addr(direct, a_id))
+        await wait_until(lambda: older_at_a.is_closed and older_at_b.is_closed, 15)
+        assert a.is_connected(b.peer_id) and b.is_connected(a.peer_id)
+        assert await heard(b, topic, at_a), "b's gossip does not reach a"
+        assert await heard(a, topic, at_b), "a's gossip does not reach b"
+        for events, other in ((events_a, b.peer_id), (events_b, a.peer_id)):
+            seen = []
+            while True:
+                try:
+                    seen.append(events.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            assert not any(e.kind == "disconnected" and e.peer_id == other for e in seen), seen
+        relays.cancel_scope.cancel()

@@ -146,11 +146,14 @@ class HostConfig:
     #: Consecutive failed pings after which the peer is disconnected.
     liveness_max_failures: int = 2
     #: A fresh connection to a peer whose pings failed replaces the ones they failed on at once
-    #: (Host._replace_stalled: healing after a cut link in 1-2 announce intervals, docs/reach.md).
-    #: Off by default: merged with the rest of the shell it left a restarted peer admitted but
-    #: silent (tests/test_admission_nodes.py, a restart with the same identity: its
-    #: announcements stopped reaching us); cause not found yet.
-    replace_stalled_connections: bool = False
+    #: (Host._replace_stalled: a cut relay link then heals within 1.3-4 announce intervals, 5
+    #: without; docs/reach.md, "Healing"); a fresh connection to a peer that holds others has
+    #: each older one pinged over itself, and those that stay silent are replaced too
+    #: (Host._replace_silent: a restarted peer's old connection, never closed). Our pubsub
+    #: stream moves off a replaced connection at once. (Off for a while: a restarted peer
+    #: stayed admitted but silent, as py-libp2p's pubsub forgot the subscriptions of a peer
+    #: whose old stream failed, also those its new stream had just sent; net.gossip keeps them.)
+    replace_stalled_connections: bool = True
 
     def effective_gossip_rate_limit(self) -> float:
         """The gossipsub per-forwarder, per-topic message limit we configure."""

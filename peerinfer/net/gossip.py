@@ -28,7 +28,12 @@ callback (the host disconnects the peer and emits a ``misbehaved`` event).
 
 It also re-announces our subscriptions to each newly registered peer: py-libp2p loses a
 ``subscribe()`` that lands while a peer's pubsub stream is being set up, and the two peers then
-never mesh (seen under load in the tests here).
+never mesh (seen under load in the tests here). And it keeps a peer's subscriptions while the
+peer's stream to us lives, when a write on our stream to it fails: py-libp2p forgot them then,
+also when the peer had just sent them again on a stream over another connection, and never
+sent that peer anything more (a restarted peer, or one whose stalled connection was replaced,
+stayed silent; ``_handle_dead_peer``). ``renew_stream_off`` moves our stream off connections
+the host is closing, so the peer gets our hello at once.
 
 In a private swarm (``admitted`` given) a peer gets no pubsub stream from us and its pubsub
 streams are not read until it has passed admission (``peerinfer.net.admission``): it can
@@ -52,7 +57,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import ParseError
 from libp2p.io.exceptions import IncompleteReadError
@@ -182,6 +187,8 @@ class GuardedPubsub(Pubsub):
         self._on_violation = on_violation
         self._deliver = deliver
         self._admitted = admitted
+        #: each peer's newest pubsub stream to us, while we read it (see _handle_dead_peer)
+        self._reading: dict[ID, INetStream] = {}
 
     async def stream_handler(self, stream: INetStream) -> None:
         if self._admitted is not None and not await self._admitted(stream.muxed_conn.peer_id):
@@ -215,11 +222,14 @@ class GuardedPubsub(Pubsub):
 
     async def continuously_read_stream(self, stream: INetStream) -> None:
         peer_id = stream.muxed_conn.peer_id
+        # The newest stream carries the peer's subscriptions (its hello repeats all of them).
+        self._reading[peer_id] = stream
         try:
             await super().continuously_read_stream(stream)
         except (StreamError, ParseError, IncompleteReadError):
             raise  # the base stream_handler resets and forgets the peer: a hangup, not an attack
         except Exception as exc:
+            self._stop_reading(peer_id, stream)  # before _handle_dead_peer: forget all of it
             logger.warning("malformed pubsub RPC from %s: %r; dropping the peer", peer_id, exc)
             with trio.move_on_after(1.0) as scope:
                 scope.shield = True
@@ -229,6 +239,43 @@ class GuardedPubsub(Pubsub):
                     pass
             self._handle_dead_peer(peer_id)
             self._report(peer_id, f"malformed pubsub RPC: {exc!r}")
+        finally:
+            self._stop_reading(peer_id, stream)
+
+    def _stop_reading(self, peer_id: ID, stream: INetStream) -> None:
+        if self._reading.get(peer_id) is stream:
+            del self._reading[peer_id]
+
+    def _handle_dead_peer(self, peer_id: ID) -> None:
+        # py-libp2p calls this when a write on *our* stream to the peer fails, and it forgets
+        # the peer's subscriptions, which came on the peer's stream to us. When that stream
+        # lives on (another connection: a stalled one replaced, a restarted peer's old one
+        # closed), they still hold, and nothing would bring them back: the peer sends them only
+        # in the hello of a stream it opens, and it may have renewed its stream (hello and
+        # all) just before our write failed. We would then send it nothing on the topic (no
+        # subscriber known) while it gossips to us: a peer admitted but silent towards it
+        # (tests/test_net_host.py, the connection under the pubsub streams closing).
+        reading = self._reading.get(peer_id)
+        if reading is None or reading.is_closed or reading.muxed_conn.is_closed:
+            super()._handle_dead_peer(peer_id)
+            return
+        topics = [topic for topic, peers in self.peer_topics.items() if peer_id in peers]
+        count = self._peer_subscription_count.get(peer_id)
+        super()._handle_dead_peer(peer_id)
+        for topic in topics:
+            self.peer_topics.setdefault(topic, set()).add(peer_id)
+        if count is not None:
+            self._peer_subscription_count[peer_id] = count
+
+    def renew_stream_off(self, peer_id: ID, closing: list[INetConn]) -> None:
+        """If our stream to ``peer_id`` runs on one of the ``closing`` connections (out of
+        the swarm's list already), drop it and open another one now, on what is left, rather
+        than at our next write to it, which fails (an announce interval away, or never while
+        we have nothing to say): until then the peer has no stream from us, so no hello with
+        our subscriptions, and gossips nothing to us."""
+        stream = self.peers.get(peer_id)
+        if stream is not None and any(stream.muxed_conn is conn.muxed_conn for conn in closing):
+            self._handle_dead_peer(peer_id)  # schedules the new stream while the peer is connected
 
     async def _handle_new_peer(self, peer_id: ID) -> None:
         if self._admitted is not None and not await self._admitted(peer_id):

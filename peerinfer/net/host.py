@@ -50,7 +50,10 @@ owns, everything the node needs from the network:
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
   consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
-  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes).
+  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes). A peer whose ping
+  failed is probed with a fresh connection, which replaces the stalled ones; a new connection
+  to a peer that holds others has each older one pinged over itself, and a silent one is
+  replaced too (``replace_stalled_connections``; docs/reach.md, "Healing").
 * **Discovery.** One task per bootstrap address keeps it connected, redialing with capped
   exponential backoff forever (libp2p's own bootstrap gives up after 3 failures). mDNS
   discoveries are dialed (libp2p's mDNS only fills the peerstore). ``add_known_peer`` +
@@ -831,11 +834,20 @@ class Host:
         ):
             # The older ones are stalled and go (so this one never counts as one too many).
             self._replace_stalled(peer_id, older)
-        elif not _is_relayed(conn) and self._nursery is not None and not self._closed:
-            direct = [c for c in self._connections[peer_id] if not c.is_closed and not _is_relayed(c)]
-            if len(direct) > self._config.max_connections_per_peer:
-                # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
-                self._nursery.start_soon(self._close_connection, peer_id, conn)
+        else:
+            if not _is_relayed(conn) and self._nursery is not None and not self._closed:
+                direct = [c for c in self._connections[peer_id] if not c.is_closed and not _is_relayed(c)]
+                if len(direct) > self._config.max_connections_per_peer:
+                    # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
+                    self._nursery.start_soon(self._close_connection, peer_id, conn)
+            if (
+                self._config.replace_stalled_connections
+                and older
+                and peer_id not in self._banned
+                and self._nursery is not None
+                and not self._closed
+            ):
+                self._nursery.start_soon(self._replace_silent, peer_id, older)
         opened = self._connect_events.pop(peer_id, None)
         if opened is not None:
             opened.set()
@@ -850,7 +862,7 @@ class Host:
         elif first:
             self._emit(PeerEvent("connected", peer_id))
 
-    def _replace_stalled(self, peer_id: str, older: list[INetConn]) -> None:
+    def _replace_stalled(self, peer_id: str, older: list[INetConn], why: str = "its pings failed") -> None:
         """A new connection to a peer whose pings failed on the ones we had: those are
         stalled (a cut link, a partition, a NAT that lost its mapping), and libp2p would keep
         opening streams on them (it prefers a direct connection, then the one with the most
@@ -860,17 +872,70 @@ class Host:
         self._replaced_at[peer_id] = trio.current_time()
         self._rtts.pop(peer_id, None)
         self._drop_idle_streams(peer_id)
-        logger.info("a new connection to %s replaces %d stalled one(s)", peer_id, len(older))
+        logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)
         # Out of libp2p's choice at once (closing a stalled one takes DISCONNECT_TIMEOUT_S, and
         # meanwhile a relay's circuit or a forward opened on it went down with it: seen).
-        listed = self._network.connections.get(parse_peer_id(peer_id))
+        pid = parse_peer_id(peer_id)
+        listed = self._network.connections.get(pid)
         if listed:
             listed[:] = [c for c in listed if c not in older]
+        self._pubsub.renew_stream_off(pid, older)
         if self._nursery is not None and not self._closed:
             for stale in older:
                 self._nursery.start_soon(self._close_connection, peer_id, stale)
         if self._admission_key is None or self.is_admitted(peer_id):
             self._emit(PeerEvent("connected", peer_id))
+
+    async def _replace_silent(self, peer_id: str, older: list[INetConn]) -> None:
+        """A new connection to a peer that holds others: ping each older one over itself, and
+        replace those that do not answer within ``liveness_timeout_s`` (``_replace_stalled``).
+
+        A peer restarted with the same identity, or one whose NAT lost the old flow, dials us
+        anew while its old connection is still listed here, dead but never closed (no FIN
+        came). Liveness pings need not notice: libp2p opens each ping on the connection it
+        prefers, which can be the new one. Meanwhile our pubsub stream to the peer stays on the
+        old connection (libp2p opens no second one), so the peer never gets our subscriptions
+        and never gossips to us (a restart in tests/test_admission_nodes.py, whose old
+        connections stay open: 1 of 6 runs of it failed so before this check)."""
+        timeout = self._config.liveness_timeout_s
+        silent: list[INetConn] = []
+
+        async def check(conn: INetConn) -> None:
+            if not await self._answers_on(peer_id, conn, timeout):
+                silent.append(conn)
+
+        async with trio.open_nursery() as nursery:
+            for conn in older:
+                nursery.start_soon(check, conn)
+        silent = [c for c in silent if not c.is_closed]
+        if silent and not self._closed and peer_id not in self._banned and self.is_connected(peer_id):
+            live = [c for c in self._live_connections(parse_peer_id(peer_id)) if c not in silent]
+            if live:  # never the last: then it is the peer that is silent, liveness's business
+                self._replace_stalled(peer_id, silent, "silent on a ping over it")
+
+    async def _answers_on(self, peer_id: str, conn: INetConn, timeout: float) -> bool:
+        """Whether ``peer_id`` echoes a ping on ``conn`` itself within ``timeout`` (``ping``
+        lets libp2p pick the connection). One that closes meanwhile, or refuses, is not silent."""
+        deadline = trio.current_time() + timeout
+
+        def left() -> float:
+            return max(0.01, deadline - trio.current_time())
+
+        try:
+            net_stream = await self._within("ping", peer_id, timeout, conn.new_stream, discard=_reset_stream)
+            stream = FramedStream(
+                net_stream, max_frame_bytes=PING_MAX_BYTES, timeout_s=timeout, negotiate=PING_PROTOCOL
+            )
+            async with stream:
+                await stream.send(secrets.token_bytes(8), timeout=left())
+                await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+        except RequestTimeoutError:
+            return conn.is_closed
+        except (RemoteError, ClosedError, trio.EndOfChannel):
+            pass
+        except Exception as exc:  # libp2p's own, from a connection closing under the stream
+            logger.debug("pinging %s on one connection: %r", peer_id, exc)
+        return True
 
     def _connection_closed(self, peer_id: str, conn: INetConn) -> None:
         self._connections.get(peer_id, set()).discard(conn)
