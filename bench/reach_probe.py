@@ -122,6 +122,8 @@ async def main(args: argparse.Namespace) -> None:
                 ahead of the next forward to a peer reached only through a relay): each request
                 on a stream opened and negotiated beforehand, untimed, and kept a moment."""
                 rtts = []
+                while (left := host.take_idle_stream(peer, ECHO)) is not None:
+                    await left.aclose()  # those kept by timed_kept would be taken first
                 for _ in range(args.n):
                     spare = await host.open_stream(peer, ECHO, timeout=10)
                     host.keep_idle_stream(spare, ttl_s=60.0)
