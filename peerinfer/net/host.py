@@ -826,27 +826,19 @@ class Host:
         older = [c for c in self._connections.get(peer_id, ()) if not c.is_closed]
         first = not older
         self._connections[peer_id].add(conn)
-        if (
-            self._config.replace_stalled_connections
-            and older
-            and self._liveness_failures.get(peer_id, 0) > 0
-            and peer_id not in self._banned
-        ):
+        replacing = bool(older) and self._config.replace_stalled_connections and peer_id not in self._banned
+        running = self._nursery is not None and not self._closed
+        if replacing and self._liveness_failures.get(peer_id, 0) > 0:
             # The older ones are stalled and go (so this one never counts as one too many).
             self._replace_stalled(peer_id, older)
-        else:
-            if not _is_relayed(conn) and self._nursery is not None and not self._closed:
+        elif running:
+            assert self._nursery is not None
+            if not _is_relayed(conn):
                 direct = [c for c in self._connections[peer_id] if not c.is_closed and not _is_relayed(c)]
                 if len(direct) > self._config.max_connections_per_peer:
                     # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
                     self._nursery.start_soon(self._close_connection, peer_id, conn)
-            if (
-                self._config.replace_stalled_connections
-                and older
-                and peer_id not in self._banned
-                and self._nursery is not None
-                and not self._closed
-            ):
+            if replacing:
                 self._nursery.start_soon(self._replace_silent, peer_id, older)
         opened = self._connect_events.pop(peer_id, None)
         if opened is not None:
@@ -927,8 +919,7 @@ class Host:
                 net_stream, max_frame_bytes=PING_MAX_BYTES, timeout_s=timeout, negotiate=PING_PROTOCOL
             )
             async with stream:
-                await stream.send(secrets.token_bytes(8), timeout=left())
-                await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+                await _echo_nonce(stream, peer_id, left)
         except RequestTimeoutError:
             return conn.is_closed
         except (RemoteError, ClosedError, trio.EndOfChannel):
@@ -1176,13 +1167,7 @@ class Host:
 
         stream = await self.open_stream(peer_id, PING_PROTOCOL, timeout=left())
         async with stream:
-            nonce = secrets.token_bytes(8)
-            started = trio.current_time()
-            await stream.send(nonce, timeout=left())
-            echo = await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
-            rtt = trio.current_time() - started
-            if echo != nonce:
-                raise ProtocolError(f"{peer_id} answered a ping with the wrong bytes")
+            rtt = await _echo_nonce(stream, peer_id, left)
         self._rtts[peer_id] = rtt
         return rtt
 
@@ -1563,6 +1548,19 @@ def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multi
         # whatever low_watermark says; it would redial peers we just dropped for misbehaving.
         network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]
     return host
+
+
+async def _echo_nonce(stream: FramedStream, peer_id: str, left: Callable[[], float]) -> float:
+    """One ping exchange on ``stream``: a random nonce out, the same bytes back, each step
+    within ``left()`` seconds; returns the round trip."""
+    nonce = secrets.token_bytes(8)
+    started = trio.current_time()
+    await stream.send(nonce, timeout=left())
+    echo = await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+    rtt = trio.current_time() - started
+    if echo != nonce:
+        raise ProtocolError(f"{peer_id} answered a ping with the wrong bytes")
+    return rtt
 
 
 def _is_relayed(conn: INetConn) -> bool:
