@@ -8,6 +8,7 @@ Each subcommand prints a few lines; run from the repository root::
     python bench/sim_probes.py service-estimate  # cost's p99 with other mean service times
     python bench/sim_probes.py fingerprint       # a digest of every per-request decision
     python bench/sim_probes.py where             # CPU inside routing, timers, engine, encoding
+    python bench/sim_probes.py share-deltas      # CPU with replicas' delta results shared or not
 
 ``announce-cost`` times 64 ``NodeCore``s taking the same announcements (no simulator around
 them). ``split`` times the simulator's announcement deliveries apart from everything else in the
@@ -144,6 +145,22 @@ def fingerprint(nodes: int = 64, requests: int = 3840, skew: str = "zipf:1.0") -
           f"wall {s['wall_s']} s, CPU {cpu:.2f} s")
 
 
+def share_deltas(nodes: int = 64, requests: int = 2000, skew: str = "zipf:1.0") -> None:
+    """CPU time of the same run with ``Simulation.share_deltas`` off and on, alternating twice
+    (off, on, off, on: a shared machine's load drifts), with the hit ratio and mean TTFT, which
+    must not change."""
+    config = SimConfig(nodes=nodes, requests=requests, cache_tokens=8192, delay_ms="5",
+                       skew=skew, policy="cost", seed=1)
+    for share in (False, True, False, True):
+        simulator.Simulation.share_deltas = share
+        started = time.process_time()
+        _, s = simulate(config)
+        print(f"{nodes} nodes, {requests} requests, {skew}, shared deltas {'on ' if share else 'off'}: "
+              f"CPU {time.process_time() - started:.2f} s, hit ratio {s['hit_ratio']}, "
+              f"mean TTFT {s['ttft_mean_s']} s")
+    simulator.Simulation.share_deltas = True
+
+
 def where(nodes: int = 64, requests: int = 10000, skew: str = "zipf:1.0") -> None:
     """CPU time spent inside the methods that visit every peer (and the simulator's engine
     runs and encoding), each wrapped with ``time.process_time``; nested figures overlap
@@ -226,14 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "probe",
-        choices=("announce-cost", "split", "tail", "service-estimate", "fingerprint", "where"),
+        choices=("announce-cost", "split", "tail", "service-estimate", "fingerprint", "where",
+                 "share-deltas"),
     )
-    parser.add_argument("--skew", default="zipf:1.1", help="split: the workload skew")
+    parser.add_argument(
+        "--skew", default=None, help="split, share-deltas: the workload skew (zipf:1.1, zipf:1.0)"
+    )
     parser.add_argument("--cpu", action="store_true", help="split: CPU time, not wall time")
     parser.add_argument(
         "--requests", type=int, default=None,
-        help="fingerprint: requests (default 3,840); where: requests (default 10,000)",
+        help="fingerprint: requests (default 3,840); where: requests (default 10,000); "
+             "share-deltas: requests (default 2,000)",
     )
+    parser.add_argument("--nodes", type=int, default=64, help="share-deltas: nodes")
     parser.add_argument(
         "--eager", action="store_true",
         help="take in every announcement at once (NodeConfig.lazy_announcements=False)",
@@ -250,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe == "announce-cost":
         announce_cost()
     elif args.probe == "split":
-        split(skew=args.skew, cpu=args.cpu)
+        split(skew=args.skew or "zipf:1.1", cpu=args.cpu)
     elif args.probe == "fingerprint":
         fingerprint(requests=args.requests or 3840)
+    elif args.probe == "share-deltas":
+        share_deltas(nodes=args.nodes, requests=args.requests or 2000, skew=args.skew or "zipf:1.0")
     elif args.probe == "where":
         where(requests=args.requests or 10000)
     elif args.probe == "tail":
