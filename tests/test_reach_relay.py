@@ -95,6 +95,35 @@ async def test_dial_back_proves_reachability_and_a_dead_port_does_not() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_dial_back_is_never_asked_or_answered_through_a_relay() -> None:
+    """Through a relay the address a peer sees is the relay's (py-libp2p's relayed connection
+    reports the one under it). The relay here listens on 127.0.0.2, the others on 127.0.0.1,
+    and a socket listens on 127.0.0.2 only: a dial-back served over the relayed connection
+    would dial the relay's IP there, succeed, and tell ``dest`` it is reachable at a port it
+    does not listen on. It is not answered; and ``dest``, whose only dial-back peer is reached
+    through the relay, asks nobody (no verdict) rather than take that peer's word."""
+    from peerinfer.net.reach import DIALBACK_PROTOCOL
+
+    async with open_host(config(listen=("/ip4/127.0.0.2/tcp/0",))) as r, \
+            open_host(config()) as dest, open_host(config()) as src, trio.open_nursery() as nursery:
+        await nursery.start(run_reach, src, ReachSettings(relay_service=False))
+        async with open_relay(r, RelaySettings(service=True)), open_relay(dest, RelaySettings()) as d, \
+                open_relay(src, RelaySettings()) as s:
+            circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
+            assert await s.dial(circuit) == dest.peer_id
+            await wait_until(lambda: dest.is_connected(src.peer_id) and dest.only_relayed(src.peer_id))
+            with contextlib.closing(__import__("socket").socket()) as sock:
+                sock.bind(("127.0.0.2", 0))
+                sock.listen()
+                relays_ip_only = sock.getsockname()[1]
+                with pytest.raises(PeerUnavailableError, match="without replying"):
+                    await dest.request(src.peer_id, DIALBACK_PROTOCOL, str(relays_ip_only).encode(), timeout=10)
+                state = await nursery.start(run_reach, dest, ReachSettings(relay_service=False))
+                await trio.sleep(1.0)  # its first verdict round (FIRST_VERDICT_POLL_S)
+                assert state.reachable is None and dest.only_relayed(src.peer_id)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_stream_to_a_peer_we_are_not_connected_to_goes_through_its_relay() -> None:
     """``open_stream`` (and so a forward) to a peer we hold no connection to, known by a direct
     address that is dead (behind a NAT) and by a circuit address, reaches it through the relay:

@@ -94,7 +94,7 @@ from typing import Literal, TypeVar
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, IMuxedConn, INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
@@ -1563,13 +1563,19 @@ async def _echo_nonce(stream: FramedStream, peer_id: str, left: Callable[[], flo
     return rtt
 
 
-def _is_relayed(conn: INetConn) -> bool:
+def _is_relayed(conn: INetConn | IMuxedConn) -> bool:
     """Whether ``conn`` runs through a relay (a circuit v2 connection)."""
     try:
         addrs = conn.get_transport_addresses()
     except Exception:
         return False
     return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+def stream_is_relayed(stream: FramedStream) -> bool:
+    """Whether ``stream`` runs over a relayed connection (its remote address is then the
+    relay's, not the peer's)."""
+    return _is_relayed(stream._stream.muxed_conn)
 
 
 async def _no_auto_connect() -> None:

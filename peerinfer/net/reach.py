@@ -8,6 +8,11 @@ Algorithm (one task per node, :func:`run_reach`)
    other address (it cannot be used to make a node connect to a third party), and serves at
    most ``DIALBACK_RATE`` tests per second in all. Any success: we are reachable. Behind a
    NAT the observed address is the router's, which has no mapping for our port: refused.
+   Only over a direct connection: through a relay the address a peer sees is the *relay's*
+   (py-libp2p's relayed connection reports the one under it), so a relayed peer is never
+   asked and never answers (else a node behind a NAT, asking a peer it reached through a
+   relay listening on the same port, was told "reachable" and withdrew its relayed address:
+   seen after a cut link healed, as a forward reset mid-request).
 2. **Reachable** and ``relay_service`` on (the default): we serve circuit relay v2 hop
    (bounded: ``RelaySettings``), behind swarm admission.
 3. **Not reachable**: we keep one reservation on a relay: a connected peer that accepts one
@@ -50,7 +55,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from peerinfer.errors import PeerInferError
 from peerinfer.net.framing import FramedStream
-from peerinfer.net.host import Host, parse_peer_id
+from peerinfer.net.host import Host, parse_peer_id, stream_is_relayed
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.relay import HOP_PROTOCOL, Relay, RelaySettings, open_relay
 from peerinfer.net.upnp import open_port_mapping
@@ -178,8 +183,11 @@ class _Reach:
         self._bucket = TokenBucket(DIALBACK_RATE, DIALBACK_BURST)
 
     async def serve_dialback(self, stream: FramedStream) -> None:
-        """Dial the asker back at its observed IP and the port it names; reply b"1" or b"0"."""
+        """Dial the asker back at its observed IP and the port it names; reply b"1" or b"0".
+        Through a relay no reply: the observed IP would be the relay's."""
         request = await stream.receive()
+        if stream_is_relayed(stream):
+            return
         ok = False
         ip = _observed_ip(stream)
         if ip is not None and request.isdigit() and 0 < int(request) < 65536:
@@ -208,7 +216,7 @@ class _Reach:
 
     async def test_reachable(self) -> bool | None:
         port = _listen_port(self.host)
-        peers = self._speaking(DIALBACK_PROTOCOL)
+        peers = [p for p in self._speaking(DIALBACK_PROTOCOL) if not self.host.only_relayed(p)]
         if port is None or not peers:
             return None
         random.shuffle(peers)
