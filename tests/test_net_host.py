@@ -28,6 +28,7 @@ from peerinfer.errors import (
     ClosedError,
     ConfigError,
     InvalidRequestError,
+    PeerInferError,
     PeerUnavailableError,
     ProtocolError,
 )
@@ -605,6 +606,41 @@ async def silent_relay(
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
         task_status.started((listeners[0].socket.getsockname()[1], silent))
+
+
+async def test_a_ping_caught_on_a_connection_replaced_meanwhile_is_asked_again_on_the_new_one() -> None:
+    """a's ping to b starts on a connection that has gone silent (a relay forwarding nothing);
+    a fresh direct connection then replaces it. The ping's failure is the old connection's, not
+    b's: the ping is asked again and answers (a node fed such a failure to its core, which
+    dropped a peer it had just got back after a partition)."""
+    replacing = config(replace_stalled_connections=True)
+    async with open_host(replacing) as a, open_host(config()) as b, trio.open_nursery() as relays:
+        b_port = int(multiaddr.Multiaddr(b.listen_addrs()[0]).value_for_protocol("tcp"))
+        relay_port, silent = await relays.start(silent_relay, b_port)
+        await a.connect(f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{b.peer_id}")
+        b_id = ID.from_base58(b.peer_id)
+        (stalled,) = a._live_connections(b_id)
+        silent.set()
+        outcome: list[object] = []
+
+        async def ping() -> None:
+            try:
+                outcome.append(await a.ping(b.peer_id, timeout=4.0))
+            except PeerInferError as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as pings:
+            pings.start_soon(ping)
+            await trio.sleep(0.3)  # the ping is under way on the silent connection
+            assert not outcome
+            a._liveness_failures[b.peer_id] = 1  # as after a failed liveness ping
+            direct = multiaddr.Multiaddr(b.listen_addrs()[0].rsplit("/p2p/", 1)[0])
+            await a._within("dial", b.peer_id, 5.0, lambda: a._network.dial_addr(direct, b_id))
+            await wait_until(lambda: stalled.is_closed, 10)
+        (rtt,) = outcome
+        assert isinstance(rtt, float), f"the ping failed: {rtt!r}"
+        assert a.is_connected(b.peer_id) and a._live_connections(b_id) != [stalled]
+        relays.cancel_scope.cancel()
 
 
 async def test_a_new_connection_replaces_an_older_one_that_went_silent() -> None:

@@ -1158,8 +1158,24 @@ class Host:
 
     async def ping(self, peer_id: str, *, timeout: float | None = None) -> float:
         """Round-trip time to ``peer_id`` in seconds (one echo on a fresh stream; the stream
-        opening is not counted). ``timeout`` bounds the whole ping."""
+        opening is not counted). ``timeout`` bounds each try.
+
+        A ping that fails because the connection it ran on was replaced meanwhile (a stalled
+        one, ``_replace_stalled``) is asked once more, on the connection that replaced it:
+        its failure says nothing of the peer. (Seen after a partition healed: a node's ping
+        begun on the stalled connection failed a second after the fresh one replaced it, and
+        the node dropped the peer it had just got back, for another round of pings.)"""
         total = self._config.stream_timeout_s if timeout is None else timeout
+        started = trio.current_time()
+        try:
+            return await self._ping_once(peer_id, total)
+        except RemoteError:
+            if self._replaced_at.get(peer_id, float("-inf")) < started or not self.is_connected(peer_id):
+                raise
+        logger.debug("a ping to %s ran on a connection replaced meanwhile: asking again", peer_id)
+        return await self._ping_once(peer_id, total)
+
+    async def _ping_once(self, peer_id: str, total: float) -> float:
         deadline = trio.current_time() + total
 
         def left() -> float:
