@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from conftest import body_failed
 
 from peerinfer.client import Client, GenerationResult
 from peerinfer.core.costmodel import CostModel
@@ -75,6 +77,10 @@ def internet(request: pytest.FixtureRequest) -> Iterator[tuple[Internet, dict[st
         homes = {h: net.spawn_node(h, bootstrap=boot, extra_args=args) for h in HOMES}
         net.wait_ready(list(homes.values()))
         yield net, {**publics, **homes}
+        if body_failed(request):
+            # The test failed after the nodes were up: their logs go with the report (the
+            # namespaces and work directory are removed on leaving this block).
+            sys.stderr.write(net.logs() + "\n")
     # Leaving the block removed every namespace of this run.
     from peerinfer.testing.netns import _namespaces
 
