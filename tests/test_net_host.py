@@ -665,6 +665,11 @@ async def test_a_new_connection_replaces_an_older_one_that_went_silent() -> None
         silent.set()
         direct = multiaddr.Multiaddr(a.listen_addrs()[0].rsplit("/p2p/", 1)[0])
         await b._within("dial", a.peer_id, 5.0, lambda: b._network.dial_addr(direct, a_id))
+        await wait_until(lambda: len(a._live_connections(b_id)) == 2)
+        # While the older one is checked (5 s here) new streams go on the new one: libp2p
+        # would pick the silent one (it carries the pubsub streams), and this ping would hang.
+        assert isinstance(await a.ping(b.peer_id, timeout=2.0), float)
+        assert not older_at_a.is_closed
         await wait_until(lambda: older_at_a.is_closed and older_at_b.is_closed, 15)
         assert a.is_connected(b.peer_id) and b.is_connected(a.peer_id)
         assert await heard(b, topic, at_a), "b's gossip does not reach a"

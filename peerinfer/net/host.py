@@ -888,12 +888,30 @@ class Host:
         prefers, which can be the new one. Meanwhile our pubsub stream to the peer stays on the
         old connection (libp2p opens no second one), so the peer never gets our subscriptions
         and never gossips to us (a restart in tests/test_admission_nodes.py, whose old
-        connections stay open: 1 of 6 runs of it failed so before this check)."""
+        connections stay open: 1 of 6 runs of it failed so before this check).
+
+        While an older connection is checked it is out of libp2p's choice for new streams, and
+        back as soon as it answers: libp2p prefers the connection with the most streams, which
+        a dead one, piling up streams that hang, always is (seen after a partition healed: for
+        the 3 s of the check, a relayed peer's pings and pulls went to a circuit its other end
+        had closed, and its digest waited)."""
         timeout = self._config.liveness_timeout_s
         silent: list[INetConn] = []
+        pid = parse_peer_id(peer_id)
+        listed = self._network.connections.get(pid)
+        suspects = set(older)
+        if listed and any(c not in suspects and not c.is_closed for c in listed):
+            listed[:] = [c for c in listed if c not in suspects]
+
+        def relist(conn: INetConn) -> None:
+            now_listed = self._network.connections.get(pid)
+            if not conn.is_closed and now_listed is not None and conn not in now_listed:
+                now_listed.append(conn)
 
         async def check(conn: INetConn) -> None:
-            if not await self._answers_on(peer_id, conn, timeout):
+            if await self._answers_on(peer_id, conn, timeout):
+                relist(conn)
+            else:
                 silent.append(conn)
 
         async with trio.open_nursery() as nursery:
@@ -901,9 +919,12 @@ class Host:
                 nursery.start_soon(check, conn)
         silent = [c for c in silent if not c.is_closed]
         if silent and not self._closed and peer_id not in self._banned and self.is_connected(peer_id):
-            live = [c for c in self._live_connections(parse_peer_id(peer_id)) if c not in silent]
+            live = [c for c in self._live_connections(pid) if c not in silent]
             if live:  # never the last: then it is the peer that is silent, liveness's business
                 self._replace_stalled(peer_id, silent, "silent on a ping over it")
+                return
+        for conn in silent:
+            relist(conn)
 
     async def _answers_on(self, peer_id: str, conn: INetConn, timeout: float) -> bool:
         """Whether ``peer_id`` echoes a ping on ``conn`` itself within ``timeout`` (``ping``
