@@ -266,6 +266,49 @@ async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytes
         assert stats.failovers == 0 and stats.served_locally == 0
 
 
+@pytest.mark.parametrize("replaced", [True, False], ids=["connection-replaced", "peer-failed"])
+async def test_a_forward_whose_connection_was_replaced_before_any_answer_goes_again(
+    monkeypatch: pytest.MonkeyPatch, replaced: bool
+) -> None:
+    """A forward's first stream fails before any answer. If the peer's stalled connections
+    were replaced by a fresh one meanwhile (as after a healed partition), the failure was the
+    dead connection's: the request goes again on a new stream, to the same holder, without a
+    failover. Otherwise it is the peer's failure, and the request fails over (here: served by
+    the asker itself)."""
+    import trio
+
+    from peerinfer.net import Host
+    from peerinfer.node.options import GENERATE_PROTOCOL
+
+    original = Host.open_stream
+    opened: list[str] = []
+    holder = ""
+
+    async def first_one_fails(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
+        if protocol != GENERATE_PROTOCOL or peer_id != holder:  # (the client's own stream goes to A)
+            return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+        opened.append(peer_id)
+        if len(opened) > 1:
+            return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+        if replaced:
+            self._replaced_at[peer_id] = trio.current_time()  # what _replace_stalled records
+        # A protocol nobody speaks: refused, before any answer.
+        return await original(self, peer_id, "/peerinfer/nobody-speaks-this/1.0.0", **kwargs)  # type: ignore[arg-type]
+
+    async with holder_and_asker() as (b, a):
+        holder = b.peer_id
+        monkeypatch.setattr(Host, "open_stream", first_one_fails)
+        async with Client.connect(addr(a)) as client:
+            result = await client.generate(SHARED + " after the heal", max_tokens=2)
+        stats = a.core.statistics()  # type: ignore[union-attr]
+        if replaced:
+            assert result.served_by == b.peer_id and opened == [b.peer_id, b.peer_id]
+            assert stats.failovers == 0
+        else:
+            assert result.served_by == a.peer_id and opened == [b.peer_id]
+            assert stats.failovers == 1
+
+
 async def test_a_node_lost_is_redialed_without_waiting_for_peer_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     """nodes[2] met nodes[0] through peer exchange (its bootstrap is nodes[1]); their
     connection goes (as after a cut link): they dial each other again by themselves. With the

@@ -1191,7 +1191,7 @@ class Host:
         try:
             return await self._ping_once(peer_id, total)
         except RemoteError:
-            if self._replaced_at.get(peer_id, float("-inf")) < started or not self.is_connected(peer_id):
+            if not self.replaced_since(peer_id, started) or not self.is_connected(peer_id):
                 raise
         logger.debug("a ping to %s ran on a connection replaced meanwhile: asking again", peer_id)
         return await self._ping_once(peer_id, total)
@@ -1207,6 +1207,12 @@ class Host:
             rtt = await _echo_nonce(stream, peer_id, left)
         self._rtts[peer_id] = rtt
         return rtt
+
+    def replaced_since(self, peer_id: str, since: float) -> bool:
+        """Whether stalled connections to ``peer_id`` were replaced by a fresh one at or after
+        ``since`` (``trio.current_time()``): an exchange begun before then that failed may
+        have failed on one of them, not on the peer, and may be tried again."""
+        return self._replaced_at.get(peer_id, float("-inf")) >= since
 
     def last_rtt(self, peer_id: str) -> float | None:
         """The last measured round trip to ``peer_id`` (seconds), if any."""
@@ -1231,7 +1237,7 @@ class Host:
         try:
             await self.ping(peer, timeout=self._config.liveness_timeout_s)
         except RemoteError as exc:
-            if self._replaced_at.get(peer, float("-inf")) >= started:
+            if self.replaced_since(peer, started):
                 return  # it failed on a stalled connection replaced meanwhile: not this one's
             self._liveness_failures[peer] += 1
             failures = self._liveness_failures[peer]

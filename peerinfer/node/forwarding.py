@@ -94,17 +94,22 @@ class _RelayCheck:
 SPARE_OPEN_TIMEOUT_S = 10.0
 
 
-class _KeptStreamGone(Exception):
-    """A stream kept from an earlier forward failed before any answer: the peer let it go."""
+class _StreamGoneEarly(Exception):
+    """A forward's stream failed before any answer, and not for the peer's doing: it was kept
+    from an earlier forward and the peer let it go, or its connection was replaced as stalled
+    meanwhile (``Host.replaced_since``; seen after a partition healed: a forward begun on the
+    dead connection failed the moment the fresh one replaced it, and was served locally)."""
 
 
 class _StreamUse:
     """One forward's use of a generate stream: reset on failure; after a clean ``GenerateDone``
     (``keep``) kept for the peer's next forward (``Host.keep_idle_stream``), else closed. A
-    kept stream (``reused``) that fails before its first answer raises ``_KeptStreamGone``."""
+    stream that fails before its first answer, kept (``reused``) or on a connection replaced
+    since ``started``, raises ``_StreamGoneEarly`` (``may_retry``: not on the second try)."""
 
-    def __init__(self, host: Host, stream: FramedStream, reused: bool) -> None:
-        self.host, self.stream, self.reused = host, stream, reused
+    def __init__(self, host: Host, stream: FramedStream, reused: bool, started: float, *, may_retry: bool) -> None:
+        self.host, self.stream, self.reused, self.started = host, stream, reused, started
+        self.may_retry = may_retry
         self.answered = False
         self.keep = False
 
@@ -116,8 +121,13 @@ class _StreamUse:
     ) -> None:
         if exc is not None:
             await self.stream.reset()
-            if self.reused and not self.answered and isinstance(exc, PeerUnavailableError | trio.EndOfChannel):
-                raise _KeptStreamGone(str(exc)) from exc
+            if (
+                self.may_retry
+                and not self.answered
+                and isinstance(exc, PeerUnavailableError | trio.EndOfChannel)
+                and (self.reused or self.host.replaced_since(self.stream.remote_peer, self.started))
+            ):
+                raise _StreamGoneEarly(str(exc)) from exc
             return
         if self.keep:
             self.host.keep_idle_stream(self.stream)
@@ -195,13 +205,14 @@ class ForwardingMixin:
         self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
         """A forward reuses a stream kept from the last one to the same peer when it can (no
-        stream to open, no protocol to negotiate); if the peer let that stream go, which shows
-        before any answer, the request goes again on a new stream, under another id."""
+        stream to open, no protocol to negotiate); if the peer let that stream go, or the
+        stream's connection was replaced as stalled, which shows before any answer, the request
+        goes again once on a new stream, under another id."""
         try:
             return await self._forward_attempt(host, eff, sink, check)
-        except _KeptStreamGone as exc:
-            logger.debug("a kept stream to %s was gone (%s); forwarding on a new one", eff.peer, exc)
-            return await self._forward_attempt(host, eff, sink, check, after_kept_stream_gone=True)
+        except _StreamGoneEarly as exc:
+            logger.debug("a stream to %s was gone before any answer (%s); forwarding on a new one", eff.peer, exc)
+            return await self._forward_attempt(host, eff, sink, check, second_try=True)
 
     def _spare_ahead(self, host: Host, peer: str) -> None:
         """Open a spare generate stream to ``peer`` in the background, negotiated and kept
@@ -233,28 +244,33 @@ class ForwardingMixin:
 
     async def _forward_attempt(
         self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck,
-        after_kept_stream_gone: bool = False,
+        second_try: bool = False,
     ) -> tuple[Event, GenerateDone | None]:
         started = trio.current_time()
         deadline = started + eff.first_token_timeout_s
-        stream = None if after_kept_stream_gone else host.take_idle_stream(eff.peer, GENERATE_PROTOCOL)
+        stream = None if second_try else host.take_idle_stream(eff.peer, GENERATE_PROTOCOL)
         reused = stream is not None
         if stream is None:
             # Lazily negotiated: the request travels with the protocol negotiation (two round
             # trips fewer); a peer refusing the protocol fails at the first receive instead.
-            stream = await host.open_stream(
-                eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
-            )
+            try:
+                stream = await host.open_stream(
+                    eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
+                )
+            except PeerUnavailableError as exc:
+                if not second_try and host.replaced_since(eff.peer, started):
+                    raise _StreamGoneEarly(str(exc)) from exc
+                raise
         self._spare_ahead(host, eff.peer)
         generated = check.generated
-        async with _StreamUse(host, stream, reused) as use:
+        async with _StreamUse(host, stream, reused, started, may_retry=not second_try) as use:
             if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
                 raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
             await stream.send(
                 encode(
                     GenerateRequest(
                         request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
-                        + ("r" if after_kept_stream_gone else ""),
+                        + ("r" if second_try else ""),
                         params=eff.params,
                         tokens=eff.tokens,
                         forwarded=True,
