@@ -95,6 +95,36 @@ async def test_dial_back_proves_reachability_and_a_dead_port_does_not() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_closing_one_circuit_leaves_a_newer_one_to_the_same_peer_open() -> None:
+    """Two relayed connections from src to dest through one relay (as while a stalled one is
+    replaced after a heal); the older closes. The newer keeps working, and stays open at both
+    ends. py-libp2p's relay files a circuit's streams under the peer id, so the end of one
+    circuit closed the streams of the newest circuit to that peer and left its own open: the
+    fresh connection died, and the old one stayed half-open at the far end (silent)."""
+    from libp2p.peer.id import ID
+
+    async with open_host(config()) as r, open_host(config()) as dest, open_host(config()) as src:
+        async with open_relay(r, RelaySettings(service=True)), open_relay(dest, RelaySettings()) as d, \
+                open_relay(src, RelaySettings()) as s:
+            dest.set_handler(ECHO, echo)
+            circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
+            dest_id, src_id = ID.from_base58(dest.peer_id), ID.from_base58(src.peer_id)
+            assert await s.dial(circuit) == dest.peer_id
+            await wait_until(lambda: len(src._live_connections(dest_id)) == 1)
+            (older,) = src._live_connections(dest_id)
+            assert await s.dial(circuit) == dest.peer_id
+            await wait_until(lambda: len(src._live_connections(dest_id)) == 2)
+            await wait_until(lambda: len(dest._live_connections(src_id)) == 2)
+            (newer,) = [c for c in src._live_connections(dest_id) if c is not older]
+            await src._close_connection(dest.peer_id, older)
+            # Each end sees exactly one connection left, and it carries requests.
+            await wait_until(lambda: len(dest._live_connections(src_id)) == 1, 10)
+            await trio.sleep(0.5)  # a wrongly closed circuit would be gone by now
+            assert src._live_connections(dest_id) == [newer] and not newer.is_closed
+            assert len(dest._live_connections(src_id)) == 1
+            assert await src.request(dest.peer_id, ECHO, b"on the newer circuit", timeout=5) == b"on the newer circuit"
+
+
 async def test_a_dial_back_is_never_asked_or_answered_through_a_relay() -> None:
     """Through a relay the address a peer sees is the relay's (py-libp2p's relayed connection
     reports the one under it). The relay here listens on 127.0.0.2, the others on 127.0.0.1,

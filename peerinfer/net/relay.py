@@ -49,6 +49,56 @@ __all__ = ["HOP_PROTOCOL", "Relay", "RelaySettings", "open_relay", "relayed_addr
 logger = logging.getLogger(__name__)
 
 
+class _CircuitKey:
+    """Stands in for the peer id that py-libp2p's relay pump files a circuit's streams under
+    (``_relay_data``'s ``peer_id``): one per direction of one circuit, so its own clean-up
+    finds nothing, and :class:`_CircuitRelay` closes that circuit's streams itself."""
+
+    __slots__ = ("peer",)
+
+    def __init__(self, peer: ID) -> None:
+        self.peer = peer
+
+    def __str__(self) -> str:  # its log lines name the peer
+        return str(self.peer)
+
+
+class _CircuitRelay(CircuitV2Protocol):
+    """Circuit v2 whose relay closes, when a circuit ends, that circuit's own two streams.
+
+    py-libp2p 0.8.1 keeps one entry per *peer* in ``_active_relays`` (the newest circuit of
+    that peer, as source or destination), and a circuit's pump, when it ends, closes the
+    streams of the entry under its peer id: with two circuits between the same peers (a fresh
+    relayed connection beside a stalled one being replaced, after a heal) the end of the
+    older one closed the newer, and left its own streams open, so the far end of the older
+    connection never learnt it was gone (it stayed silent). Seen in the heal tests as a
+    relayed connection that dropped at both ends at once right after it replaced a stalled
+    one (tests/test_reach_relay.py::test_closing_one_circuit_leaves_a_newer_one_to_the_same_peer_open).
+    Only the per-reservation byte tracking, which the pump does by peer id when the circuit
+    has no byte limit of its own, is lost; every circuit here has one (``RelayLimits.data``)."""
+
+    async def _relay_data(
+        self,
+        src_stream: INetStream,
+        dst_stream: INetStream,
+        peer_id: ID,
+        deadline: float | None = None,
+        circuit_data_limit: list[int] | None = None,
+    ) -> None:
+        try:
+            await super()._relay_data(
+                src_stream, dst_stream, _CircuitKey(peer_id),  # type: ignore[arg-type]
+                deadline, circuit_data_limit,
+            )
+        finally:
+            for key, streams in list(self._active_relays.items()):
+                if src_stream in streams or dst_stream in streams:
+                    del self._active_relays[key]
+            with trio.CancelScope(shield=True):
+                await self._close_stream(src_stream)
+                await self._close_stream(dst_stream)
+
+
 @dataclass(frozen=True)
 class RelaySettings:
     """Limits of the relay service (hop role), and whether to offer it at all."""
@@ -85,7 +135,7 @@ class Relay:
             roles |= RelayRole.HOP
         # allow_hop=False: circuit v2 would register its hop handler ungated; enable_service()
         # registers it behind admission instead (and only once we are found reachable).
-        self._protocol = CircuitV2Protocol(lh, limits=self._limits, allow_hop=False)
+        self._protocol = _CircuitRelay(lh, limits=self._limits, allow_hop=False)
         self._serving = False
         self._transport = CircuitV2Transport(lh, self._protocol, RelayConfig(roles=roles, limits=self._limits))
         #: relay peer id -> our relayed address through it
