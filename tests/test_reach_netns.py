@@ -118,9 +118,10 @@ def wait_for(probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: flo
 def holds(peer_id: str, min_tokens: int = 256) -> Callable[[dict[str, Any]], bool]:
     def ok(s: dict[str, Any]) -> bool:
         view = next((p for p in s["peers"] if p["peer_id"] == peer_id), None)
-        # rtt_ms: it answered a ping over a connection of ours (direct or relayed), so it is a
-        # routing candidate, not only a digest heard of through gossip.
-        return view is not None and view["cached_tokens"] >= min_tokens and view["rtt_ms"] is not None
+        # rtt_ms > 0: it answered a ping over a connection of ours (direct or relayed), so it
+        # is a routing candidate, not only a digest heard of through gossip (status reports 0
+        # for a peer with no measured round trip).
+        return view is not None and view["cached_tokens"] >= min_tokens and view["rtt_ms"] > 0
 
     return ok
 
