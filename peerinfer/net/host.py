@@ -868,9 +868,7 @@ class Host:
         # Out of libp2p's choice at once (closing a stalled one takes DISCONNECT_TIMEOUT_S, and
         # meanwhile a relay's circuit or a forward opened on it went down with it: seen).
         pid = parse_peer_id(peer_id)
-        listed = self._network.connections.get(pid)
-        if listed:
-            listed[:] = [c for c in listed if c not in older]
+        self._out_of_choice(pid, older)
         self._pubsub.renew_stream_off(pid, older)
         if self._nursery is not None and not self._closed:
             for stale in older:
@@ -898,19 +896,13 @@ class Host:
         timeout = self._config.liveness_timeout_s
         silent: list[INetConn] = []
         pid = parse_peer_id(peer_id)
-        listed = self._network.connections.get(pid)
-        suspects = set(older)
-        if listed and any(c not in suspects and not c.is_closed for c in listed):
-            listed[:] = [c for c in listed if c not in suspects]
-
-        def relist(conn: INetConn) -> None:
-            now_listed = self._network.connections.get(pid)
-            if not conn.is_closed and now_listed is not None and conn not in now_listed:
-                now_listed.append(conn)
+        listed = self._network.connections.get(pid, [])
+        if any(c not in older and not c.is_closed for c in listed):  # never the last one
+            self._out_of_choice(pid, older)
 
         async def check(conn: INetConn) -> None:
             if await self._answers_on(peer_id, conn, timeout):
-                relist(conn)
+                self._back_in_choice(pid, conn)
             else:
                 silent.append(conn)
 
@@ -924,7 +916,20 @@ class Host:
                 self._replace_stalled(peer_id, silent, "silent on a ping over it")
                 return
         for conn in silent:
-            relist(conn)
+            self._back_in_choice(pid, conn)
+
+    def _out_of_choice(self, pid: ID, conns: list[INetConn]) -> None:
+        """Take ``conns`` out of the connections libp2p picks from for new streams (they stay
+        open, and ours: ``_live_connections``)."""
+        listed = self._network.connections.get(pid)
+        if listed:
+            listed[:] = [c for c in listed if c not in conns]
+
+    def _back_in_choice(self, pid: ID, conn: INetConn) -> None:
+        """Undo ``_out_of_choice`` for ``conn``, if it is still open."""
+        listed = self._network.connections.get(pid)
+        if not conn.is_closed and listed is not None and conn not in listed:
+            listed.append(conn)
 
     async def _answers_on(self, peer_id: str, conn: INetConn, timeout: float) -> bool:
         """Whether ``peer_id`` echoes a ping on ``conn`` itself within ``timeout`` (``ping``
