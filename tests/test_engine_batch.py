@@ -18,12 +18,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from peerinfer.core.messages import SamplingParams
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.engine import Finished, Started, Tokens
-from peerinfer.engine.base import Decoder, DecodeRequest
+from peerinfer.engine.base import Decoder, DecodeRequest, Engine
 from peerinfer.engine.batch import BatchScheduler
 from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, PeerInferError
 from peerinfer.testing.engines import BatchRecordingEngine
 
 POISON = 3  # a reserved id: never generated, so only a prompt can carry it
+PREFILL_POISON = 2  # another: its request's prefill fails
 
 
 def _engine(**kwargs: object) -> BatchRecordingEngine:
@@ -70,15 +71,15 @@ def test_requests_submitted_together_decode_in_one_batch() -> None:
         scheduler.submit(i, p, SamplingParams(max_tokens=5))
     events = _drive(scheduler)
     assert [_ids(events[i]) for i in range(4)] == expected
-    # One prefill chunk per step. Request 0's prefill completes at step 1 and its first token
-    # comes back at once, alone (1); step 2 prefills request 1 and decodes both (2: the decode
-    # is never put off twice in a row); step 3 hands back request 2's first token (1); step 4
-    # prefills request 3 and decodes all four (4); then all decode together until they leave,
-    # in the order they came.
-    assert engine.batch_sizes == [1, 2, 1, 4, 4, 4, 3, 1]
+    # Their 48 prompt tokens fit one step's budget of 64: step 1 prefills all four in one
+    # prefill_batch call and hands back their four first tokens in one decode_batch (4); then
+    # all four decode together (4 more tokens each).
+    assert engine.prefill_batches == [4]
+    assert engine.batch_sizes == [4, 4, 4, 4, 4]
     stats = scheduler.statistics()
-    assert stats.batch_sizes == ((1, 1), (2, 1), (3, 1), (4, 3))
-    assert stats.mean_batch == 3.0 and stats.decode_steps == 6
+    assert stats.prefill_batches == 1 and stats.prefill_chunks == 4
+    assert stats.batch_sizes == ((4, 4),)
+    assert stats.mean_batch == 4.0 and stats.decode_steps == 4
     assert engine.open_decoders == 0
 
 
@@ -145,6 +146,103 @@ def test_a_short_prompt_joining_behind_long_ones_is_prefilled_first() -> None:
     assert steps_to_first_token is not None and steps_to_first_token <= 2
     assert _ids(events["short"]) == expected_short
     assert all(len(_ids(events[("long", i)])) == 2 for i in range(3))
+
+
+def test_newcomers_are_prefilled_together_shortest_first_within_the_budget() -> None:
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=16)
+    prompts = {"a": _prompt(0, 30), "b": _prompt(1, 12), "c": _prompt(2, 5), "d": _prompt(3, 7)}
+    expected = {k: _alone(engine, p, 3) for k, p in prompts.items()}
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    engine.prefill_chunks.clear()
+    scheduler = BatchScheduler(engine)
+    for key, p in prompts.items():
+        scheduler.submit(key, p, SamplingParams(max_tokens=3))
+    first = scheduler.step()
+    # Fewest tokens left first: c (5) and d (7) whole, then b cut to the 4 tokens left of the
+    # step's 16; a waits. One call for the three, and c's and d's first tokens at once.
+    assert engine.prefill_batches == [3] and engine.prefill_chunks == [5, 7, 4]
+    assert {key for key, ev in first if isinstance(ev, Tokens)} == {"c", "d"}
+    # Next step: b's last 8, then 8 of a's 30 (and the decode of c and d).
+    second = scheduler.step()
+    assert engine.prefill_batches == [3, 2] and engine.prefill_chunks[3:] == [8, 8]
+    events: dict[object, list[object]] = {}
+    for key, item in [*first, *second]:
+        events.setdefault(key, []).append(item)
+    for key, items in _drive(scheduler).items():
+        events.setdefault(key, []).extend(items)
+    assert {key: _ids(events[key]) for key in prompts} == expected
+    stats = scheduler.statistics()
+    assert stats.prefill_chunks == len(engine.prefill_chunks)
+    assert stats.prefill_batches == len(engine.prefill_batches) < stats.prefill_chunks
+    assert sum(engine.prefill_chunks) == 30 + 12 + 5 + 7
+    assert max(sum(engine.prefill_chunks[i : i + n]) for i, n in _batch_starts(engine)) <= 16
+
+
+def _batch_starts(engine: BatchRecordingEngine) -> list[tuple[int, int]]:
+    """(first chunk index, chunk count) of every prefill batch the engine ran."""
+    starts, i = [], 0
+    for n in engine.prefill_batches:
+        starts.append((i, n))
+        i += n
+    return starts
+
+
+class _OneByOnePrefillEngine(BatchRecordingEngine):
+    """Keeps the base class's prefill_batch (a loop over Decoder.prefill)."""
+
+    prefill_batch = Engine.prefill_batch
+
+
+@pytest.mark.parametrize("engine_class", [BatchRecordingEngine, _OneByOnePrefillEngine])
+def test_a_failing_prefill_fails_only_its_request(engine_class: type[BatchRecordingEngine]) -> None:
+    engine = engine_class(max_batch_size=4, prefill_chunk_tokens=64,
+                          fail_prefill_tokens=frozenset({POISON}))
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
+    prompts = [_prompt(i) for i in range(3)]
+    prompts[1] = prompts[1][:-1] + [POISON]
+    expected = [_alone(BatchRecordingEngine(), prompts[i], 4) for i in (0, 2)]
+    scheduler = BatchScheduler(engine)
+    for i, p in enumerate(prompts):
+        scheduler.submit(i, p, SamplingParams(max_tokens=4))
+    events = _drive(scheduler)
+    (error,) = [ev for ev in events[1] if isinstance(ev, PeerInferError)]
+    assert isinstance(error, EngineError) and "prefill fails" in str(error)
+    assert [_ids(events[0]), _ids(events[2])] == expected
+    stats = scheduler.statistics()
+    assert stats.failed == 1 and stats.finished == 2
+    if engine_class is BatchRecordingEngine:
+        # The batch raised before advancing anyone; each was then prefilled alone, once.
+        assert stats.prefill_batch_retries == 1 and engine.prefill_batches == []
+    else:
+        assert stats.prefill_batch_retries == 0
+    assert sorted(engine.prefill_chunks) == [12, 12]  # nobody's prompt ran twice
+    assert engine.open_decoders == 0
+    assert engine.radix_cache is not None and engine.radix_cache.stats().locked_blocks == 0
+
+
+def test_a_request_cancelled_mid_prefill_leaves_alone() -> None:
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=8)
+    long, short = _prompt(1, 60), _prompt(2, 6)
+    expected_short = _alone(engine, short, 6)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    engine.prefill_chunks.clear()
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("long", long, SamplingParams(max_tokens=3))
+    scheduler.submit("short", short, SamplingParams(max_tokens=6))
+    events: dict[object, list[object]] = {}
+    for _ in range(3):
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+    assert scheduler.statistics().prefilling == 1  # the long one, part-way
+    scheduler.cancel("long")
+    for key, item in _drive(scheduler).items():
+        events.setdefault(key, []).extend(item)
+    assert isinstance(events["long"][-1], Finished)
+    assert events["long"][-1].finish_reason == "cancelled"
+    assert _ids(events["long"]) == []
+    assert 0 < sum(engine.prefill_chunks) - 6 < 60  # it stopped part-way through its prompt
+    assert _ids(events["short"]) == expected_short
+    assert engine.open_decoders == 0
 
 
 class _LatePoisonEngine(BatchRecordingEngine):
@@ -286,6 +384,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_chunk_tokens=chunk,
             kv_bytes_per_token=10,
             fail_tokens=frozenset({POISON}),
+            fail_prefill_tokens=frozenset({PREFILL_POISON}),
         )
         # Requests here need at most (24 + 8) * 10 bytes.
         self.budget = None if budget_requests is None else budget_requests * 320
@@ -294,7 +393,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.reference = BatchRecordingEngine()
         self.scheduler = BatchScheduler(self.engine)
-        self.requests: dict[int, tuple[list[int], int, bool]] = {}
+        self.requests: dict[int, tuple[list[int], int, bool | int]] = {}
         self.cancelled: set[int] = set()
         self.events: dict[object, list[object]] = {}
 
@@ -302,13 +401,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         base=st.integers(0, 3),
         length=st.integers(1, 24),
         max_tokens=st.integers(1, 8),
-        poisoned=st.sampled_from([False, False, False, True]),
+        poisoned=st.sampled_from([False, False, False, False, True, PREFILL_POISON]),
     )
-    def submit(self, base: int, length: int, max_tokens: int, poisoned: bool) -> None:
+    def submit(self, base: int, length: int, max_tokens: int, poisoned: bool | int) -> None:
         # Few distinct bases, so requests share cached prefixes.
         prompt = _prompt(base, 24)[:length]
         if poisoned:
-            prompt = [*prompt[:-1], POISON]
+            prompt = [*prompt[:-1], POISON if poisoned is True else PREFILL_POISON]
         key = len(self.requests)
         self.requests[key] = (prompt, max_tokens, poisoned)
         self.scheduler.submit(key, prompt, SamplingParams(max_tokens=max_tokens))
@@ -352,7 +451,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             ids = _ids(items)
             last = items[-1]
             if poisoned:
-                # It fails at its first decode step, unless it was cancelled before that.
+                # It fails at its first decode step (or prefill), unless cancelled before that.
                 assert ids == []
                 assert isinstance(last, EngineError) or (
                     key in self.cancelled

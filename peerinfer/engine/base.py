@@ -617,6 +617,18 @@ class Engine(ABC):
         """
         return [d.step() for d in decoders]
 
+    def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
+        """Run, for each decoder ``i``, up to ``max_tokens[i]`` more prompt tokens, in as few
+        forward passes as the backend can; entry ``i`` says whether ``decoders[i]``'s prompt is
+        now complete (as :meth:`Decoder.prefill` returns). The default prefills them one by one.
+
+        The :class:`~peerinfer.engine.batch.BatchScheduler` calls it with the requests still
+        prefilling, shortest first, within one step's token budget. If it raises, the scheduler
+        retries each decoder alone (``Decoder.prefill``) to find the failing request, so a
+        batching backend should raise before it advances any decoder.
+        """
+        return [d.prefill(n) for d, n in zip(decoders, max_tokens, strict=True)]
+
     # ------------------------------------------------------------ cache
 
     def configure_cache(

@@ -19,15 +19,22 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    alone is refused at ``submit`` with InvalidRequestError; one that cannot fit when nothing
    runs (memory pinned by someone else) fails instead of waiting forever.
 3. **Prefill.** Requests whose decoder reports no ``prefill_remaining`` (backends that do not
-   chunk) are ready at once; otherwise the prefilling request with the fewest prompt tokens
-   left (ties: the oldest) runs **one** chunk of at most ``prefill_chunk_tokens``
-   (``Decoder.prefill``), so a long prompt never stalls the requests already decoding (it
-   costs each of their steps one chunk at most) nor a short prompt that joins after it.
-   When the chunk completes a prompt, its first token is taken at once (through
-   ``decode_batch`` of that one request, which only samples the logits its prefill kept) and
-   the step ends there: the decode below runs at the next step, and is never put off twice in
-   a row, so a newcomer's first token does not wait for the others' decode step, and a stream
-   of newcomers cannot stall the requests already decoding.
+   chunk) are ready at once. The others are prefilled **together**: taken by fewest prompt
+   tokens left (ties: the oldest), each given all it has left until one step's budget of
+   ``prefill_chunk_tokens`` tokens is spent (the first always gets a chunk, cut to the budget),
+   and run in one ``engine.prefill_batch`` call (one forward pass where the backend can), so
+   a long prompt never stalls the requests already decoding (it costs each of their steps one
+   chunk at most) nor a short prompt that joins after it, and several newcomers' uncached
+   suffixes cost one pass instead of one step each. An engine that keeps the base class's
+   one-by-one ``prefill_batch`` gets one request's chunk per step, as before batched prefill
+   existed: several would cost it the same compute in a longer step, and the simulator's batch
+   model (``peerinfer.sim.batch``), which the simulated engine's times must match, plans one
+   chunk per step. When the call completes prompts, their
+   first tokens are taken at once (through one ``decode_batch`` of those requests, which only
+   samples the logits their prefill kept) and the step ends there: the decode below runs at
+   the next step, and is never put off twice in a row, so a newcomer's first token does not
+   wait for the others' decode step, and a stream of newcomers cannot stall the requests
+   already decoding.
 4. **Decode.** One ``engine.decode_batch`` over every ready request gives each its next token;
    a request that reaches its end (eos, stop sequence, ``max_tokens``, context, cancelled in
    the meantime) leaves in this same step, and its place is offered at the next one.
@@ -35,9 +42,10 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
 **Failures stay local.** An exception in one request's start, prefill or store ends that request
 with the error (translated by the job: backend exceptions become EngineError) and nothing
 else. If ``decode_batch`` raises, every decoder of the batch is retried alone
-(``decode_batch([d])``) and only the ones that fail again end. Engines that keep the base
-class's one-by-one ``decode_batch`` are stepped one decoder at a time directly, so a failure
-never costs a neighbour a token.
+(``decode_batch([d])``) and only the ones that fail again end; if ``prefill_batch`` raises,
+every decoder of it is retried alone (``Decoder.prefill``) the same way. Engines that keep the
+base class's one-by-one ``decode_batch`` or ``prefill_batch`` are stepped one decoder at a time
+directly, so a failure never costs a neighbour a token.
 
 Everything here runs in the engine's worker thread, like every other engine call.
 """
@@ -45,7 +53,6 @@ Everything here runs in the engine's worker thread, like every other engine call
 from __future__ import annotations
 
 import enum
-import functools
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -77,12 +84,14 @@ class SchedulerStatistics:
 
     ``running`` (``prefilling`` of them still in prefill) and ``waiting``: requests now.
     ``steps``: ``step()`` calls that had work; ``decode_steps``/``prefill_chunks``: decode
-    batches and prefill chunks run. ``batch_sizes``: (batch size, decode steps of that size),
+    batches and prefill chunks (one request's share of a ``prefill_batch``) run;
+    ``prefill_batches``: ``prefill_batch`` calls (several chunks each when newcomers are
+    prefilled together). ``batch_sizes``: (batch size, decode steps of that size),
     ascending; ``mean_batch``: decoders per decode step. ``kv_reserved_bytes``: the running
     requests' reservations; ``kv_budget_bytes``: the cache's byte budget they share with it
     (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
     (``cancelled`` is part of ``finished``); ``batch_retries``: decode batches that raised and
-    were retried one by one.
+    were retried one by one; ``prefill_batch_retries``: the same for prefill batches.
     """
 
     running: int
@@ -101,6 +110,8 @@ class SchedulerStatistics:
     failed: int
     cancelled: int
     batch_retries: int
+    prefill_batches: int = 0
+    prefill_batch_retries: int = 0
 
 
 class _Failed(enum.Enum):
@@ -167,11 +178,14 @@ class BatchScheduler:
         # The base class's decode_batch steps decoders one by one: do that here, one decoder
         # per call, so that a failing decoder never takes its neighbours' tokens with it.
         self._one_by_one = type(engine).decode_batch is Engine.decode_batch
+        self._prefill_one_by_one = type(engine).prefill_batch is Engine.prefill_batch
         self._steps = 0
         self._decode_steps = 0
         #: the last step handed back a first token instead of decoding (see ``step``)
         self._deferred_decode = False
         self._prefill_chunks = 0
+        self._prefill_batches = 0
+        self._prefill_batch_retries = 0
         self._batch_sizes: Counter[int] = Counter()
         self._admitted = 0
         self._finished = 0
@@ -240,18 +254,13 @@ class BatchScheduler:
         self._steps += 1
         self._leave_cancelled(out)
         self._admit(out)
-        completed = self._prefill_one(out)
-        if completed is not None and not self._deferred_decode:
-            # A request just finished its prefill: hand its first token back now rather than
-            # after the others' decode step (which would add a whole step to its time to first
-            # token). The decode runs at the next step, and is never put off twice in a row, so
-            # a stream of newcomers cannot stall the requests already decoding.
-            key, entry = completed
-            job = entry.job
-            step = job.step if self._one_by_one else functools.partial(self._decode_alone, job)
-            token = self._attempt(out, key, job, step)
-            if token is not _FAILED:
-                self._emit(out, key, job, self._attempt(out, key, job, _accept, job, token))
+        completed = self._prefill(out)
+        if completed and not self._deferred_decode:
+            # Requests just finished their prefill: hand their first tokens back now rather
+            # than after the others' decode step (which would add a whole step to their time
+            # to first token). The decode runs at the next step, and is never put off twice in
+            # a row, so a stream of newcomers cannot stall the requests already decoding.
+            self._take_tokens(out, [(key, entry.job) for key, entry in completed])
             self._deferred_decode = True
             return out
         self._deferred_decode = False
@@ -296,16 +305,17 @@ class BatchScheduler:
             if started is not _FAILED:
                 self._emit(out, key, job, (started,))
 
-    def _prefill_one(self, out: StepResult) -> tuple[Key, _Running] | None:
-        """Run one prefill chunk; the request whose prompt it completed, if it did (its
-        decoder's next step only samples the logits it kept)."""
+    def _prefill(self, out: StepResult) -> list[tuple[Key, _Running]]:
+        """Run one prefill batch; the requests whose prompts it completed (their decoders'
+        next step only samples the logits they kept)."""
         # Shortest remaining prompt first (ties: the oldest): a short prompt that joins behind
-        # long ones gets its first token after one chunk, not after their whole prefill, so a
+        # long ones gets its first token after one step, not after their whole prefill, so a
         # requester flooding the node with maximal prompts cannot delay another's first token
-        # by more than a chunk per step. Long prompts still advance whenever no shorter one
-        # waits, and at most ``max_running`` requests prefill at once, so none starves.
-        best: tuple[int, Hashable, _Running] | None = None
-        for key, entry in list(self._running.items()):
+        # by more than a chunk per step. Long prompts still advance whenever the budget is not
+        # spent on shorter ones, and at most ``max_running`` requests prefill at once, so none
+        # starves.
+        candidates: list[tuple[int, int, Key, _Running]] = []
+        for order, (key, entry) in enumerate(list(self._running.items())):
             if entry.ready:
                 continue
             job = entry.job
@@ -315,17 +325,56 @@ class BatchScheduler:
             if remaining <= 0:
                 entry.ready = True  # a backend that does not chunk: step() runs the prompt
                 continue
-            if best is None or remaining < best[0]:
-                best = (remaining, key, entry)
-        if best is None:
-            return None
-        _, key, entry = best
-        self._prefill_chunks += 1
-        done = self._attempt(out, key, entry.job, entry.job.prefill, self.prefill_chunk_tokens)
-        if done is not True:
-            return None
-        entry.ready = True
-        return key, entry
+            candidates.append((remaining, order, key, entry))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        chosen: list[tuple[Key, _Running, int]] = []
+        budget = self.prefill_chunk_tokens
+        for remaining, _, key, entry in candidates:
+            if budget <= 0:
+                break
+            share = min(remaining, budget)
+            chosen.append((key, entry, share))
+            budget -= share
+            if self._prefill_one_by_one:
+                break  # one request's chunk per step: see the module docstring
+        if not chosen:
+            return []
+        self._prefill_chunks += len(chosen)
+        self._prefill_batches += 1
+        done: list[bool | _Failed]
+        if self._prefill_one_by_one:
+            done = [
+                self._attempt(out, key, entry.job, entry.job.prefill, share)
+                for key, entry, share in chosen
+            ]
+        else:
+            try:
+                done = list(self._prefill_batch(
+                    [_decoder(entry.job) for _, entry, _ in chosen],
+                    [share for _, _, share in chosen],
+                ))
+            except Exception:
+                # Find the failing request(s): each alone; the others carry on.
+                self._prefill_batch_retries += 1
+                done = [
+                    self._attempt(out, key, entry.job, entry.job.prefill, share)
+                    for key, entry, share in chosen
+                ]
+        completed: list[tuple[Key, _Running]] = []
+        for (key, entry, _), finished in zip(chosen, done, strict=True):
+            if finished is True:
+                entry.ready = True
+                completed.append((key, entry))
+        return completed
+
+    def _prefill_batch(self, decoders: Sequence[Decoder], shares: Sequence[int]) -> list[bool]:
+        done = self.engine.prefill_batch(decoders, shares)
+        if len(done) != len(decoders):
+            raise EngineError(
+                f"{type(self.engine).__name__}.prefill_batch returned {len(done)} results "
+                f"for {len(decoders)} decoders"
+            )
+        return [bool(d) for d in done]
 
     def _decode(self, out: StepResult) -> None:
         batch = [(key, e.job) for key, e in self._running.items() if e.ready]
@@ -333,9 +382,17 @@ class BatchScheduler:
             return
         self._decode_steps += 1
         self._batch_sizes[len(batch)] += 1
+        self._take_tokens(out, batch)
+
+    def _take_tokens(self, out: StepResult, batch: list[tuple[Key, RequestJob]]) -> None:
+        """One token for every request of ``batch`` (one ``decode_batch`` where the engine
+        batches), each accepted into its request; a failing batch is retried one by one."""
         tokens: list[int | None | _Failed]
         if self._one_by_one:
             tokens = [self._attempt(out, key, job, job.step) for key, job in batch]
+        elif len(batch) == 1:
+            key, job = batch[0]
+            tokens = [self._attempt(out, key, job, self._decode_alone, job)]
         else:
             try:
                 tokens = list(self._decode_batch([_decoder(job) for _, job in batch]))
@@ -443,6 +500,8 @@ class BatchScheduler:
             failed=self._failed,
             cancelled=self._cancelled,
             batch_retries=self._batch_retries,
+            prefill_batches=self._prefill_batches,
+            prefill_batch_retries=self._prefill_batch_retries,
         )
 
 

@@ -191,6 +191,8 @@ def _engine_metrics(engine: Any, scheduler: Any, running: int, slots: int) -> It
                  sched.mean_batch)
     yield _counter("peerinfer_batch_decode_steps", "Batched decode steps run", sched.decode_steps)
     yield _counter("peerinfer_batch_prefill_chunks", "Prefill chunks run", sched.prefill_chunks)
+    yield _counter("peerinfer_batch_prefill_batches", "Prefill batches run (several newcomers' "
+                   "chunks each where the engine batches its prefill)", sched.prefill_batches)
     yield _counter("peerinfer_batch_cancelled", "Requests the scheduler stopped on a cancel",
                    sched.cancelled)
     yield _counter("peerinfer_batch_retries", "Decode batches that failed and were retried "

@@ -1,14 +1,17 @@
 """A deterministic batching engine for tests: it records how it was driven.
 
 :class:`BatchRecordingEngine` implements the whole batching contract (prefix-cache hooks,
-chunked ``Decoder.prefill``, a batched ``decode_batch``, ``max_batch_size``,
+chunked ``Decoder.prefill``, a batched ``prefill_batch`` and ``decode_batch``, ``max_batch_size``,
 ``kv_bytes_per_token``) without a model. Its "KV state" is the tokens themselves: a decoder
 checks that the cached prefix it is handed really is its prompt's, and its next token is a hash
 of every token before it, so any mix-up between requests in a batch changes the output. It
 records the size of every decode batch and every prefill chunk, so tests can assert that
 requests really decoded together. Requests whose prompt contains one of ``fail_tokens`` make
 ``decode_batch`` raise (before advancing any decoder, as the contract asks), so tests can
-check that one failing request does not fail its neighbours. With a ``gate`` (a
+check that one failing request does not fail its neighbours; requests whose prompt contains
+one of ``fail_prefill_tokens`` make ``prefill_batch`` raise (before advancing any decoder) and
+their own ``Decoder.prefill`` raise too. It records the decoders of every ``prefill_batch`` call
+(``prefill_batches``). With a ``gate`` (a
 ``threading.Event``), ``decode_batch`` first waits for it to be set (at most ``gate_timeout_s``),
 so a test can let requests pile up before the first batch; ``step_delay_s`` paces every decode
 batch (real time), so that a test's clients can act while others still decode.
@@ -48,6 +51,7 @@ class BatchRecordingEngine(Engine):
         prefill_chunk_tokens: int = 8,
         eos_token_id: int | None = None,
         fail_tokens: frozenset[int] = frozenset(),
+        fail_prefill_tokens: frozenset[int] = frozenset(),
         gate: threading.Event | None = None,
         gate_timeout_s: float = 30.0,
         step_delay_s: float = 0.0,
@@ -59,6 +63,7 @@ class BatchRecordingEngine(Engine):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._eos = frozenset() if eos_token_id is None else frozenset({eos_token_id})
         self.fail_tokens = fail_tokens
+        self.fail_prefill_tokens = fail_prefill_tokens
         self.gate = gate
         self.gate_timeout_s = gate_timeout_s
         self.step_delay_s = step_delay_s
@@ -66,6 +71,8 @@ class BatchRecordingEngine(Engine):
         self.batch_sizes: list[int] = []
         #: The tokens of every prefill chunk run through ``Decoder.prefill``, in order.
         self.prefill_chunks: list[int] = []
+        #: The number of decoders of every ``prefill_batch`` call, in order.
+        self.prefill_batches: list[int] = []
         #: Decoders open now (a leak shows here).
         self.open_decoders = 0
 
@@ -106,6 +113,15 @@ class BatchRecordingEngine(Engine):
             raise RuntimeError("a poisoned request is in the batch")
         return [d.step() for d in mine]
 
+    def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
+        mine = [d for d in decoders if isinstance(d, _RecordingDecoder)]
+        if len(mine) != len(decoders) or len(max_tokens) != len(decoders):
+            raise TypeError("prefill_batch got a decoder of another engine, or too few counts")
+        if any(d.prefill_poisoned for d in mine):
+            raise RuntimeError("a prefill-poisoned request is in the prefill batch")
+        self.prefill_batches.append(len(mine))
+        return [d.prefill(n) for d, n in zip(mine, max_tokens, strict=True)]
+
 
 class _RecordingDecoder(Decoder):
     def __init__(self, engine: BatchRecordingEngine, request: DecodeRequest) -> None:
@@ -122,6 +138,7 @@ class _RecordingDecoder(Decoder):
         self._pending = list(prompt[len(reused) :])
         self._prompt_left = len(self._pending)
         self.poisoned = bool(engine.fail_tokens.intersection(prompt))
+        self.prefill_poisoned = bool(engine.fail_prefill_tokens.intersection(prompt))
         engine.open_decoders += 1
         self._open = True
 
@@ -134,6 +151,8 @@ class _RecordingDecoder(Decoder):
         return self._prompt_left
 
     def prefill(self, max_tokens: int) -> bool:
+        if self.prefill_poisoned:
+            raise RuntimeError("this request's prefill fails")
         n = min(max_tokens, self._prompt_left)
         for t in self._pending[:n]:
             self._feed(t)
