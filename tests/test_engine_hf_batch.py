@@ -429,3 +429,122 @@ def test_through_the_batch_scheduler_is_exact(tiny):
     assert max(n for n, _ in sched.statistics().batch_sizes) == 3
     for k, prompt in prompts.items():
         _assert_exact(tiny, prompt, got[k])
+
+
+# --------------------------------------------------------------------------------------------
+# Batched prefill: several newcomers' prompts in one forward pass.
+
+
+def _open(engine: TransformersEngine, prompt: Sequence[int], max_tokens: int = 8) -> Any:
+    """A RequestJob started on ``engine`` (its cached prefix matched and locked)."""
+    from peerinfer.engine.base import NEVER_CANCELLED, RequestJob
+
+    job = RequestJob(engine, tuple(prompt), SamplingParams(max_tokens=max_tokens), NEVER_CANCELLED)
+    job.start()
+    return job
+
+
+def test_prefill_batch_runs_several_prompts_in_one_pass_exactly(tiny, monkeypatch):
+    """Different cached prefixes (a hit, a miss, a part-prefilled prompt), different suffix
+    lengths: one forward pass, and each request's logits and greedy tokens are a lone run's."""
+    shared = _prompt(90, 17)
+    for _ in tiny.generate(shared + [5, 6, 7], SamplingParams(max_tokens=1)):
+        pass  # caches 16 tokens of ``shared`` (4 blocks)
+    prompts = [shared + _prompt(91, 9), _prompt(92, 13), shared + _prompt(93, 3), _prompt(94, 30)]
+    jobs = [_open(tiny, p) for p in prompts]
+    try:
+        assert jobs[0].cached_tokens == 16 and jobs[1].cached_tokens == 0
+        jobs[3].decoder.prefill(7)  # part-way: 7 of its 30 already run alone
+        calls = []
+        forward = tiny.model.forward
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs["input_ids"].shape)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(tiny.model, "forward", counting)
+        done = tiny.prefill_batch([j.decoder for j in jobs], [64, 64, 64, 10])
+        monkeypatch.undo()
+        assert done == [True, True, True, False]
+        assert len(calls) == 1 and tuple(calls[0]) == (4, 13)  # 4 rows, longest share 13
+        assert [j.decoder.prefill_remaining for j in jobs] == [0, 0, 0, 13]
+        assert tiny.prefill_batch([jobs[3].decoder], [64]) == [True]
+        for job, prompt in zip(jobs, prompts, strict=True):
+            # The first token's logits equal a lone run's (within rounding).
+            _, logits = _reference(tiny, prompt, 1)
+            kept = job.decoder._logits
+            assert kept is not None and torch.allclose(kept, logits[0], atol=1e-4), prompt
+        tokens = [[] for _ in jobs]
+        decoders = [j.decoder for j in jobs]
+        for _ in range(8):
+            for out, token in zip(tokens, tiny.decode_batch(decoders), strict=True):
+                out.append(token)
+        for prompt, got in zip(prompts, tokens, strict=True):
+            _assert_exact(tiny, prompt, got)
+    finally:
+        for job in jobs:
+            job.close()
+
+
+def test_prefill_batch_raises_before_changing_any_decoder(tiny, monkeypatch):
+    jobs = [_open(tiny, _prompt(95 + k, 6 + k)) for k in range(3)]
+    try:
+        before = [(j.decoder.prefill_remaining, j.decoder.kv_tokens) for j in jobs]
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("out of memory, say")
+
+        monkeypatch.setattr(tiny.model, "forward", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            tiny.prefill_batch([j.decoder for j in jobs], [64] * 3)
+        monkeypatch.undo()
+        assert [(j.decoder.prefill_remaining, j.decoder.kv_tokens) for j in jobs] == before
+        assert tiny.prefill_batch([j.decoder for j in jobs], [64] * 3) == [True] * 3
+        for job in jobs:
+            got = [job.decoder.step() for _ in range(5)]
+            _assert_exact(tiny, job.prompt, got)
+    finally:
+        for job in jobs:
+            job.close()
+
+
+def test_the_scheduler_prefills_newcomers_together_on_the_engine_exactly(tiny):
+    """Under the BatchScheduler: newcomers arriving together are prefilled in one call (the
+    statistics count fewer prefill batches than chunks), one is cancelled mid-prefill, and
+    every other request is exact."""
+    from peerinfer.engine import Finished
+    from peerinfer.engine.batch import BatchScheduler
+    from peerinfer.errors import PeerInferError
+
+    shared = _prompt(80, 13)
+    sched = BatchScheduler(tiny, max_running=3, prefill_chunk_tokens=24)
+    prompts: dict[object, list[int]] = {"long": _prompt(88, 90)}  # admitted first
+    prompts.update({k: (shared if k % 2 else []) + _prompt(81 + k, 4 + 3 * k) for k in range(5)})
+    got: dict[object, list[int]] = {k: [] for k in prompts}
+    done: dict[object, Finished] = {}
+    for key, prompt in prompts.items():
+        sched.submit(key, prompt, SamplingParams(max_tokens=6))
+    cancelled_while_prefilling = False
+    for _ in range(300):
+        long = sched._running.get("long")  # noqa: SLF001 - is it running, mid-prefill?
+        if long is not None and not long.ready and sched.statistics().prefill_batches >= 3:
+            assert 0 < long.job.prefill_remaining < 90
+            sched.cancel("long")
+            cancelled_while_prefilling = True
+        for key, ev in sched.step():
+            assert not isinstance(ev, PeerInferError), ev
+            if isinstance(ev, Tokens):
+                got[key].extend(ev.token_ids)
+            elif isinstance(ev, Finished):
+                done[key] = ev
+        if sched.idle:
+            break
+    assert cancelled_while_prefilling
+    assert sched.idle and set(done) == set(prompts)
+    stats = sched.statistics()
+    assert stats.prefill_batches < stats.prefill_chunks  # several chunks per call
+    assert done["long"].finish_reason == "cancelled" and got["long"] == []
+    for k, prompt in prompts.items():
+        if k != "long":
+            assert done[k].finish_reason == "length"
+            _assert_exact(tiny, prompt, got[k])

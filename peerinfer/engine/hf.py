@@ -55,6 +55,23 @@ left padding, the free columns (at least 64, or half the longest row) and unused
 this overhead is not accounted against ``--cache-bytes``. Greedy rows take one batched argmax; sampled rows draw from their own
 seeded generator, so a seeded request's tokens do not depend on its neighbours.
 
+Batched prefill
+---------------
+``prefill_batch`` runs several newcomers' next prompt tokens (each after its own cached prefix
+and what it already prefilled) in ONE forward pass: a temporary per-layer K/V buffer
+``[rows, kv_heads, width, head_dim]`` holds each row's past states right-aligned so that its
+new tokens end at the last column (``width``: the longest past + new); the queries are
+``[rows, slots]`` (``slots``: the largest share), left-padded, so the last slot is real in every
+row and one row of logits per request is computed. Each layer writes only the real slots' new
+states (padding slots never overwrite a row's past), a ``[rows, 1, slots, width]`` mask lets
+slot ``j`` see its row's columns from the row's start up to its own column, and every token
+gets its own position, so each row computes what the request alone would, up to the rounding
+of batched products (the tests compare with ``model.generate`` alone, float32). After the pass,
+each decoder keeps views of its row as its own cache (no copy out; joining the decode batch
+copies it, as before). Cost: one copy of each row's past into the buffer, and the padding
+(rows x slots query tokens, rows x width KV) for the pass's duration. A decoder that cannot
+join (another engine's, a model without plain ``DynamicLayer`` caches) prefills alone.
+
 Why padded rows and not packed sequences: both were measured on this CPU (bench/
 batch_layout_probe.py, 8 MMLU 5-shot requests of 2 subjects, 313-384 tokens, 1 thread): one decode
 step took 0.164 s padded vs 0.159 s packed (one row holding each subject's prefix once, 1072
@@ -685,6 +702,123 @@ class TransformersEngine(Engine):
             out[i] = decoders[i]._pending[0]  # type: ignore[attr-defined]
         return out
 
+    def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
+        """Up to ``max_tokens[i]`` more prompt tokens for each decoder, the ones that can in
+        ONE forward pass together (see "Batched prefill" above); the rest alone.
+
+        Raises before it changes any decoder if the forward pass fails (the scheduler then
+        retries each alone)."""
+        self._check_open()
+        if len(max_tokens) != len(decoders):
+            raise ValueError(f"prefill_batch got {len(decoders)} decoders, {len(max_tokens)} counts")
+        if len({id(d) for d in decoders}) != len(decoders):
+            raise ValueError("prefill_batch got the same decoder twice")
+        out = [False] * len(decoders)
+        group: list[tuple[int, _TransformersDecoder, int]] = []
+        for i, (d, n) in enumerate(zip(decoders, max_tokens, strict=True)):
+            if (
+                self._batchable
+                and isinstance(d, _TransformersDecoder)
+                and d._engine is self
+                and d._row is None
+                and d._cache is not None
+                and d._prompt_left > 0
+                and n > 0
+            ):
+                group.append((i, d, min(n, d._prompt_left, self.prefill_chunk_tokens)))
+        grouped = {i for i, _, _ in group}
+        if len(group) == 1:
+            grouped.clear()
+        for i, (d, n) in enumerate(zip(decoders, max_tokens, strict=True)):
+            if i not in grouped:
+                out[i] = d.prefill(n)
+        if len(group) > 1:
+            for (i, _, _), done in zip(group, self._prefill_together(group), strict=True):
+                out[i] = done
+        return out
+
+    def _prefill_together(self, group: Sequence[tuple[int, _TransformersDecoder, int]]) -> list[bool]:
+        """One forward pass running ``n`` more prompt tokens of each ``(_, decoder, n)``."""
+        t0 = time.perf_counter()
+        decoders = [d for _, d, _ in group]
+        news = [n for _, _, n in group]
+        pasts = [d._kv for d in decoders]
+        rows = len(group)
+        lengths = [c + n for c, n in zip(pasts, news, strict=True)]
+        width, slots = max(lengths), max(news)
+        device = self.device
+        shape = (rows, self._kv_heads, width, self._head_dim)
+        with torch.inference_mode():
+            # Zeros, not empty: masked-out columns are multiplied by zero weights (NaNs in
+            # uninitialised memory would survive that).
+            keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self._layers)]
+            values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self._layers)]
+            for r, d in enumerate(decoders):
+                assert d._cache is not None
+                for layer, k, v in zip(d._cache.layers, keys, values, strict=True):
+                    column = width - lengths[r]
+                    for piece_k, piece_v in _layer_pieces(layer):
+                        m = int(piece_k.shape[1])
+                        k[r, :, column : column + m] = piece_k
+                        v[r, :, column : column + m] = piece_v
+                        column += m
+                    assert column == width - news[r], "a decoder's cache is not its kv_tokens long"
+            # Row r's new tokens sit in its last news[r] query slots (left padding), so the
+            # last slot is real in every row and one logits row per request is enough.
+            slot = torch.arange(slots, device=device)
+            first_real = torch.tensor([slots - n for n in news], device=device)  # [rows]
+            real = slot[None, :] >= first_real[:, None]  # [rows, slots]
+            past = torch.tensor(pasts, device=device)
+            positions = (past[:, None] + slot[None, :] - first_real[:, None]).clamp(min=0)
+            ids = torch.zeros((rows, slots), dtype=torch.long, device=device)
+            for r, d in enumerate(decoders):
+                ids[r, slots - news[r] :] = torch.tensor(d._pending[: news[r]], dtype=torch.long)
+            column = torch.arange(width, device=device)
+            starts = torch.tensor([width - n for n in lengths], device=device)  # [rows]
+            # Slot j of a row sees its row's columns from the row's start up to its own column
+            # (width - slots + j); a padding slot sees at least the start (never an empty row,
+            # which would turn into NaNs), and its output is dropped.
+            own = torch.maximum(width - slots + slot[None, :], starts[:, None])  # [rows, slots]
+            visible = (column[None, None, :] >= starts[:, None, None]) & (
+                column[None, None, :] <= own[:, :, None]
+            )  # [rows, slots, width]
+            mask = visible.view(rows, 1, slots, width)
+            if not self._bool_mask:
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=device).masked_fill(
+                    ~mask, torch.finfo(self.dtype).min
+                )
+            cache = DynamicCache(config=self.model.config)
+            layers: list[Any] = cache.layers
+            write = real.view(rows, 1, slots, 1)
+            for i in range(len(layers)):
+                layers[i] = _PrefillLayer(keys[i], values[i], write, width - slots)
+            kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+            if self._logits_kw is not None:
+                kwargs[self._logits_kw] = 1
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **kwargs)
+            logits: torch.Tensor = out.logits[:, -1]  # [rows, vocab]
+        # The pass succeeded: only now does any decoder change. Each keeps views of its row
+        # (the next DynamicLayer update, or joining the decode batch, copies them).
+        elapsed = (time.perf_counter() - t0) / rows
+        done: list[bool] = []
+        for r, d in enumerate(decoders):
+            own_cache = DynamicCache(config=self.model.config)
+            start = width - lengths[r]
+            for layer, k, v in zip(own_cache.layers, keys, values, strict=True):
+                row_k, row_v = k[r : r + 1, :, start:], v[r : r + 1, :, start:]
+                layer.lazy_initialization(row_k, row_v)
+                layer.keys, layer.values = row_k, row_v
+            d._cache = own_cache
+            n = news[r]
+            del d._pending[:n]
+            d._kv += n
+            d._prompt_left -= n
+            if d._prompt_left == 0:
+                d._logits = logits[r]
+            d._prefill_s += elapsed
+            done.append(d._prompt_left == 0)
+        return done
+
     @property
     def _batchable(self) -> bool:
         # Batch rows are plain tensors standing in for DynamicLayers (checked at load).
@@ -721,6 +855,40 @@ def _transpose_linear_weights(model: Any) -> None:
                 module.weight = torch.nn.Parameter(
                     weight.detach().t().contiguous().t(), requires_grad=False
                 )
+
+
+def _layer_pieces(layer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A decoder cache layer's KV in order, as (keys, values) pieces ``[kv_heads, n, dim]``."""
+    if isinstance(layer, _ReusedPrefixLayer) and layer._pieces is not None:
+        return [(piece[0], piece[1]) for piece in layer._pieces]
+    if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+        return []
+    return [(layer.keys[0], layer.values[0])]
+
+
+class _PrefillLayer(DynamicLayer):
+    """One layer of a batched prefill's KV state: ``update`` writes the real query slots' new
+    states into the buffers' last columns (padding slots leave the row's older states there
+    untouched) and returns the whole buffers."""
+
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, write: torch.Tensor, past: int
+    ) -> None:
+        super().__init__()
+        self._keys, self._values, self._write, self._past = keys, values, write, past
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self._past
+        k, v = self._keys, self._values
+        k[:, :, p:] = torch.where(self._write, key_states, k[:, :, p:])
+        v[:, :, p:] = torch.where(self._write, value_states, v[:, :, p:])
+        return k, v
+
+    def get_seq_length(self) -> int:
+        return self._past
 
 
 class _ReusedPrefixLayer(DynamicLayer):
