@@ -62,6 +62,15 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
+#: ``--dtype`` (node, calibrate): peerinfer.engine.hf.DTYPE_CHOICES, without importing torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "hf engine: weights and KV precision. auto (the default): bfloat16 on CUDA (float16 where "
+    "unsupported); on a CPU, bfloat16 only with native bf16 arithmetic (AVX-512 BF16 or AMX "
+    "flags), else float32, since emulated bf16 is slower than float32 (docs/performance.md)"
+)
+
+
 def _add_node(sub: Any) -> None:
     p = sub.add_parser(
         "node",
@@ -79,6 +88,7 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
     _add_swarm_options(p, join=True)
     p.add_argument("--upnp", action="store_true", help="ask the home router to forward our port by UPnP (off by default: it opens a port on your router)")
@@ -130,16 +140,11 @@ def _run_node(args: argparse.Namespace) -> int:
         check_exposure(http_address[0], api_keys)
     swarm_key, joined = _swarm_options(args)
     trusted_ids = tuple(t for t in args.trust or () if t != "swarm")  # "swarm": trust_swarm
-    engine_options: dict[str, Any] = {}
-    if args.engine == "simulated":
-        engine_options["costs"] = costs
-    if args.threads is not None:
-        engine_options["threads"] = args.threads
     options = NodeOptions(
         engine=args.engine,
         model=args.model,
         device=args.device,
-        engine_options=engine_options,
+        engine_options=_engine_options(args, costs),
         listen=tuple(args.listen) if args.listen else NodeOptions().listen,
         bootstrap=tuple(args.bootstrap) + joined,
         mdns=not args.no_mdns,
@@ -197,6 +202,19 @@ def _run_node(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _engine_options(args: argparse.Namespace, costs: Any) -> dict[str, Any]:
+    """The engine's keyword arguments from ``peerinfer node``'s options (an engine that does
+    not take one of them is refused at load with a one-line ConfigError)."""
+    engine_options: dict[str, Any] = {}
+    if args.engine == "simulated":
+        engine_options["costs"] = costs
+    if args.threads is not None:
+        engine_options["threads"] = args.threads
+    if args.dtype is not None:
+        engine_options["dtype"] = args.dtype
+    return engine_options
 
 
 def _load_engine_verbosely(options: Any) -> Any:

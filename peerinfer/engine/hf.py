@@ -11,8 +11,10 @@ GGUF file; with no model it serves SmolLM2-135M-Instruct from the GGUF shipped i
 Transformers dequantizes a GGUF on load, which takes a while, so the first load saves a converted
 copy (safetensors weights + tokenizer) under ``$PEERINFER_HOME/models`` (default
 ``~/.cache/peerinfer/models``), keyed by the GGUF's path, size and mtime; later starts load that
-copy directly. The device is CUDA when available (bf16, or fp16 where bf16 is unsupported), else
-the CPU in float32; ``device=``/``dtype=`` override.
+copy directly. The device is CUDA when available, else the CPU; the dtype (``dtype="auto"``, the
+default) is bfloat16 on CUDA (float16 where bfloat16 is unsupported), bfloat16 on a CPU with native
+bfloat16 arithmetic (AVX-512 BF16 or AMX), else float32 (:func:`auto_dtype`);
+``device=``/``dtype=`` override.
 
 The **fingerprint** is a BLAKE2b digest of the model's files (weights, tokenizer, config without
 volatile keys); files over 256 MiB are sampled at 64 evenly spaced 1 MiB windows, so it is cheap
@@ -330,19 +332,58 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+#: The names ``--dtype`` offers (``auto``: :func:`auto_dtype`'s rule).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+#: CPU flags (Linux ``/proc/cpuinfo``) of native bfloat16 arithmetic: AVX-512 BF16 dot
+#: products, AMX tiles. Without them torch emulates bfloat16 matrix products by converting
+#: to float32, which is slower than float32 itself (docs/performance.md).
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty elsewhere, or if unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(device_type: str, *, cuda_bf16: bool = False, flags: frozenset[str] = frozenset()) -> torch.dtype:
+    """The dtype ``--dtype auto`` picks: the fastest one that computes safely on the device.
+
+    CUDA: bfloat16 where the GPU supports it (float16's range overflows on some models),
+    else float16. CPU: bfloat16 only when the CPU has native bfloat16 arithmetic (one of
+    ``NATIVE_BF16_CPU_FLAGS``): measured on such a CPU (Intel, AMX) it prefilled 3.3x and
+    decoded 1.1x faster than float32; on a CPU without (AMD Zen 3, AVX2 only) it was slower
+    than float32 (docs/performance.md, bench/dtype_bench.py). Anything else: float32.
+    """
+    if device_type == "cuda":
+        return torch.bfloat16 if cuda_bf16 else torch.float16
+    if device_type == "cpu" and flags & NATIVE_BF16_CPU_FLAGS:
+        return torch.bfloat16
+    return torch.float32
 
 
 def _pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        cuda = device.type == "cuda"
+        return auto_dtype(
+            device.type,
+            cuda_bf16=cuda and bool(torch.cuda.is_bf16_supported()),
+            flags=cpu_flags() if device.type == "cpu" else frozenset(),
+        )
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise ConfigError(f"unknown dtype {dtype!r}: use one of {sorted(_DTYPES)}") from None
+        raise ConfigError(
+            f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_CHOICES)}"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -1232,9 +1273,13 @@ __all__ = [
     "DEFAULT_CAPACITY_BYTES",
     "DEFAULT_MAX_BATCH_SIZE",
     "DEFAULT_MODEL_NAME",
+    "DTYPE_CHOICES",
+    "NATIVE_BF16_CPU_FLAGS",
     "RequestTimings",
     "TransformersEngine",
+    "auto_dtype",
     "convert_gguf",
+    "cpu_flags",
     "default_gguf_path",
     "directory_fingerprint",
     "models_home",
