@@ -444,7 +444,17 @@ def _open(engine: TransformersEngine, prompt: Sequence[int], max_tokens: int = 8
     return job
 
 
-def test_prefill_batch_runs_several_prompts_in_one_pass_exactly(tiny, monkeypatch):
+@pytest.fixture(params=["packed", "padded"])
+def prefill_layout(request: pytest.FixtureRequest, tiny: TransformersEngine) -> Iterator[str]:
+    """Both batched prefill layouts: packed (Llama, the tiny model) and padded (the others)."""
+    before = tiny._packed_prefill
+    assert before, "the tiny Llama model packs its batched prefill"
+    tiny._packed_prefill = request.param == "packed"
+    yield request.param
+    tiny._packed_prefill = before
+
+
+def test_prefill_batch_runs_several_prompts_in_one_pass_exactly(tiny, prefill_layout, monkeypatch):
     """Different cached prefixes (a hit, a miss, a part-prefilled prompt), different suffix
     lengths: one forward pass, and each request's logits and greedy tokens are a lone run's."""
     shared = _prompt(90, 17)
@@ -466,7 +476,9 @@ def test_prefill_batch_runs_several_prompts_in_one_pass_exactly(tiny, monkeypatc
         done = tiny.prefill_batch([j.decoder for j in jobs], [64, 64, 64, 10])
         monkeypatch.undo()
         assert done == [True, True, True, False]
-        assert len(calls) == 1 and tuple(calls[0]) == (4, 13)  # 4 rows, longest share 13
+        # One pass: 4 rows padded to the longest share (13), or the 10 + 13 + 4 + 10 packed.
+        expected_shape = (1, 37) if prefill_layout == "packed" else (4, 13)
+        assert len(calls) == 1 and tuple(calls[0]) == expected_shape
         assert [j.decoder.prefill_remaining for j in jobs] == [0, 0, 0, 13]
         assert tiny.prefill_batch([jobs[3].decoder], [64]) == [True]
         for job, prompt in zip(jobs, prompts, strict=True):
@@ -486,7 +498,7 @@ def test_prefill_batch_runs_several_prompts_in_one_pass_exactly(tiny, monkeypatc
             job.close()
 
 
-def test_prefill_batch_raises_before_changing_any_decoder(tiny, monkeypatch):
+def test_prefill_batch_raises_before_changing_any_decoder(tiny, prefill_layout, monkeypatch):
     jobs = [_open(tiny, _prompt(95 + k, 6 + k)) for k in range(3)]
     try:
         before = [(j.decoder.prefill_remaining, j.decoder.kv_tokens) for j in jobs]
@@ -494,7 +506,9 @@ def test_prefill_batch_raises_before_changing_any_decoder(tiny, monkeypatch):
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("out of memory, say")
 
-        monkeypatch.setattr(tiny.model, "forward", broken)
+        # It fails in the last layer: the earlier layers have already appended the new
+        # tokens' states, which must not reach the decoders.
+        monkeypatch.setattr(tiny.model.model.layers[-1].mlp, "forward", broken)
         with pytest.raises(RuntimeError, match="out of memory"):
             tiny.prefill_batch([j.decoder for j in jobs], [64] * 3)
         monkeypatch.undo()
@@ -508,7 +522,7 @@ def test_prefill_batch_raises_before_changing_any_decoder(tiny, monkeypatch):
             job.close()
 
 
-def test_the_scheduler_prefills_newcomers_together_on_the_engine_exactly(tiny):
+def test_the_scheduler_prefills_newcomers_together_on_the_engine_exactly(tiny, prefill_layout):
     """Under the BatchScheduler: newcomers arriving together are prefilled in one call (the
     statistics count fewer prefill batches than chunks), one is cancelled mid-prefill, and
     every other request is exact."""
