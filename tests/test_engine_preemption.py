@@ -150,24 +150,30 @@ def test_a_cancelled_suspended_request_ends_and_gives_everything_back() -> None:
     assert scheduler.idle and stats.suspended == 0 and stats.kv_reserved_bytes == 0
 
 
-def test_a_request_preempted_before_admission_starts_when_resumed() -> None:
+def test_a_yield_asked_before_admission_or_resume_counts_once_it_runs() -> None:
+    """The caller may ask a request to yield before the scheduler admitted it, or right after
+    asking for its resume (both in one step): it still runs its tokens first, then yields."""
     engine = sim_engine()
     scheduler = BatchScheduler(engine, max_running=1)
     prompt = [30 + i for i in range(7)]
-    scheduler.submit("first", [5, 6, 7], SamplingParams(max_tokens=3))
-    scheduler.submit("a", prompt, GREEDY)  # waits behind "first"
-    scheduler.preempt("a", 4)
-    events: dict[str, list[object]] = {"a": [], "first": []}
+    scheduler.submit("a", prompt, GREEDY)
+    scheduler.preempt("a", 4)  # not admitted yet
+    events: list[object] = []
+    resumed = False
     for _ in range(200):
         if scheduler.idle:
             break
-        for key, ev in scheduler.step():
-            assert isinstance(key, str)
-            events[key].append(ev)
-            if key == "first" and isinstance(ev, Finished):
+        for _key, ev in scheduler.step():
+            events.append(ev)
+            if isinstance(ev, Preempted) and not resumed:
+                resumed = True
                 scheduler.resume("a")
-    assert events["a"][0] == Preempted(0)
-    assert ids(events["a"]) == alone(engine, prompt)
+                scheduler.preempt("a", 6)  # asked again before the resume took effect
+            elif isinstance(ev, Preempted):
+                scheduler.resume("a")
+    pauses = [ev for ev in events if isinstance(ev, Preempted)]
+    assert pauses == [Preempted(4), Preempted(6)]
+    assert ids(events) == alone(engine, prompt)
 
 
 def test_a_request_that_ends_before_its_quantum_just_ends() -> None:

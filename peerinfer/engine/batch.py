@@ -209,14 +209,12 @@ class BatchScheduler:
         self._failed = 0
         self._cancelled = 0
         self._batch_retries = 0
-        #: preemption: running requests asked to yield (key -> tokens to make first), those
-        #: suspended (oldest first), those to resume (admitted first), Preempted events of
-        #: requests preempted before they were admitted (handed out at the next step)
+        #: preemption: requests asked to yield (key -> tokens to make first), those
+        #: suspended (oldest first), those to resume (admitted first)
         self.keep_preempted_kv = keep_preempted_kv
         self._yield_after: dict[Key, int] = {}
         self._suspended: dict[Key, _Running] = {}
         self._resuming: deque[Key] = deque()
-        self._pending: StepResult = []
         self._preempted = 0
         self._resumed = 0
         self._spilled = 0
@@ -260,21 +258,11 @@ class BatchScheduler:
 
     def preempt(self, key: Key, after_tokens: int) -> None:
         """Suspend the request once it has made ``after_tokens`` tokens since it last (re)
-        started (see the module docstring); one not yet admitted is suspended at once.
-        Unknown or suspended keys are ignored."""
-        job = self._keys.get(key)
-        if job is None or key in self._suspended:
-            return
-        if key in self._running:
+        started (see the module docstring). The mark holds for a request not admitted yet,
+        or suspended with its resume asked for: it counts once the request runs. Unknown
+        keys are ignored."""
+        if key in self._keys:
             self._yield_after[key] = max(0, after_tokens)
-            return
-        for i, (waiting_key, _) in enumerate(self._waiting):
-            if waiting_key == key:
-                del self._waiting[i]
-                self._suspended[key] = _Running(job)
-                self._preempted += 1
-                self._pending.append((key, Preempted(0)))
-                return
 
     def resume(self, key: Key) -> None:
         """Give a suspended request its slot back (admitted first at the next step)."""
@@ -295,10 +283,10 @@ class BatchScheduler:
 
     @property
     def idle(self) -> bool:
-        """Nothing to do: no request running, waiting or resuming, no event pending, and no
-        suspended request cancelled (it must end)."""
+        """Nothing to do: no request running, waiting or resuming, and no suspended request
+        cancelled (it must end)."""
         return not (
-            self._running or self._waiting or self._resuming or self._pending
+            self._running or self._waiting or self._resuming
             or any(e.job.cancelled for e in self._suspended.values())
         )
 
@@ -311,8 +299,6 @@ class BatchScheduler:
         if self.idle:
             return out
         self._steps += 1
-        out.extend(self._pending)
-        self._pending = []
         self._leave_cancelled(out)
         self._yield_asked(out)
         self._admit(out)
@@ -358,8 +344,9 @@ class BatchScheduler:
         """Suspend the running requests asked to yield that have made their tokens."""
         for key, after in list(self._yield_after.items()):
             entry = self._running.get(key)
-            if entry is None:
-                del self._yield_after[key]
+            if entry is None:  # not admitted yet, or about to resume: it counts once it runs
+                if key not in self._keys:
+                    del self._yield_after[key]
                 continue
             job = entry.job
             if job.done or not entry.ready or job.generated_this_run < after:
@@ -582,7 +569,6 @@ class BatchScheduler:
         self._suspended.clear()
         self._resuming.clear()
         self._yield_after.clear()
-        self._pending = []
         for job in jobs:
             job.close()
 

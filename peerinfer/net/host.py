@@ -80,6 +80,7 @@ at once (one sender and one receiver per ``FramedStream``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
@@ -446,6 +447,9 @@ class Host:
             mux = libp2p_host.get_mux()
             assert isinstance(mux, Multiselect)
             libp2p_host.multiselect = _AdmissionGate(mux.handlers, self)  # type: ignore[attr-defined]
+            # Nor is our identify pushed to it (py-libp2p pushes to every connected peer when
+            # a listen address appears): only to admitted peers.
+            libp2p_host._push_identify_to_all_peers = self._push_identify_to_admitted  # type: ignore[attr-defined]
 
     # -- identity and addresses ---------------------------------------------------------------
 
@@ -659,6 +663,14 @@ class Host:
             raise PeerUnavailableError(f"{peer_id} is not admitted to this swarm: {reason}")
         if not adm.ok:
             raise PeerUnavailableError(f"{peer_id} refused by swarm admission: {adm.reason}")
+
+    async def _push_identify_to_admitted(self) -> None:
+        from libp2p.identity.identify_push.identify_push import push_identify_to_peers
+
+        admitted = {p for p in self._h.get_connected_peers() if self.is_admitted(p.to_base58())}
+        if admitted:
+            with contextlib.suppress(Exception):  # best effort, as py-libp2p's own push
+                await push_identify_to_peers(self._h, admitted)
 
     async def _admitted_in_time(self, peer_id: str) -> bool:
         """Whether ``peer_id`` is admitted, waiting for its verdict if it is under way."""
