@@ -1,6 +1,7 @@
-"""Issue 11's attacks, measured: prints the figures docs/security.md reports.
+"""Issues 11 and 21's attacks, measured: prints the figures docs/security.md reports.
 
-    PYTHONPATH=. python bench/attack_bench.py [--flood-s 60] [--only dial,flood,forged,clock]
+    PYTHONPATH=. python bench/attack_bench.py [--flood-s 60] [--fair-s 60]
+        [--only dial,flood,forged,clock,slots,keys,jain]
 
 * ``dial``: how long a wrong-key and a keyless host take to be refused by a private member
   (10 tries each; the target is < 2 s).
@@ -14,6 +15,19 @@
   skewed by 15 minutes from the start; is it still a candidate everywhere 12 s later, and how
   many announcements did it take in meanwhile?
 
+* ``slots`` (issue 21): one peer opens 32 generate streams, each for the node's maximal
+  ``max_tokens`` (the default, 2,048), on a 4-slot node (simulated engine), and reads them; an
+  honest peer asks for 4 tokens once alone and then four at once. Prints the honest TTFT
+  against 2x its idle TTFT + 1 s, the flooder's running slots while the honest peer waited
+  (its yields made; and the raw maximum, the yield's own step included), what of the flood
+  was admitted, refused as busy or lost, and whether every preempted completion is the
+  engine's own. Then the same without preemption (``preempt_after_tokens=None``), the ratio.
+* ``keys``: the same flood through the HTTP API from one API key, the honest request from
+  another key.
+* ``jain``: 8 requesters x 8 requests of mixed lengths (64 to 2,048 tokens) at once on the same
+  4-slot node; the tokens streamed to each requester in the first ``--fair-s`` seconds (every
+  requester still has work then); Jain's index, with and without preemption.
+
 Prints one JSON object per figure. Every network address is 127.0.0.1.
 """
 
@@ -21,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -244,6 +259,233 @@ async def forged(count: int = 300) -> None:
         nursery.cancel_scope.cancel()
 
 
+# ---------------------------------------------------------------------------------- slots (21)
+
+FAIR_SLOTS = 4
+#: 4 slots, a decode step of about 10 ms: a maximal request (2,048 tokens) runs 20-30 s.
+FAIR_COSTS = CostModel(
+    prefill_s_per_token=0.0002, cached_s_per_token=0.00001, decode_s_per_token=0.01,
+    overhead_s=0.002, slots=FAIR_SLOTS,
+)
+FLOOD_STREAMS = 32
+
+
+class ShareWatch:
+    """After every core event: the flooder's running slots while another requester waits,
+    split into settled (no yield pending) and raw."""
+
+    def __init__(self, node: Node, flooder: str) -> None:
+        self.settled: list[int] = []
+        self.raw: list[int] = []
+        core = node.core
+        assert core is not None
+        handle = core.handle
+
+        def watched(event: object, now: float) -> object:
+            effects = handle(event, now)  # type: ignore[arg-type]
+            shares = core._shares
+            flood = next((s for (_, who), s in shares.items() if who == flooder), None)
+            if flood is not None and any(s.waiting for (_, who), s in shares.items() if who != flooder):
+                self.raw.append(flood.running)
+                if not flood.yielding:
+                    self.settled.append(flood.running)
+            return effects
+
+        core.handle = watched  # type: ignore[method-assign,assignment]
+
+
+def fair_options(**overrides: object) -> dict[str, object]:
+    base: dict[str, object] = {"costs": FAIR_COSTS, "peer_timeout_s": 20.0}
+    base.update(overrides)
+    return base
+
+
+async def flood_one(host: object, node: Node, i: int, max_tokens: int, out: dict[str, object]) -> None:
+    from peerinfer.core.messages import (
+        ErrorMessage,
+        GenerateDone,
+        GenerateRequest,
+        SamplingParams,
+        TokenChunk,
+        decode,
+    )
+    from peerinfer.errors import PeerInferError
+    from peerinfer.node import GENERATE_PROTOCOL
+
+    prompt = f"flood number {i} asks for everything"
+    try:
+        stream = await host.open_stream(node.peer_id, GENERATE_PROTOCOL, timeout=10)  # type: ignore[attr-defined]
+        await stream.send(encode(GenerateRequest(
+            request_id=f"flood{i}", params=SamplingParams(max_tokens=max_tokens), prompt=prompt)))
+        tokens: list[int] = []
+        while True:
+            msg = decode(await stream.receive(timeout=600), expected=(TokenChunk, GenerateDone, ErrorMessage))
+            if isinstance(msg, TokenChunk):
+                tokens.extend(msg.token_ids)
+            elif isinstance(msg, GenerateDone):
+                out["served"] = int(out["served"]) + 1  # type: ignore[call-overload]
+                engine = node.engine
+                assert isinstance(engine, SimulatedEngine)
+                expected = engine.completion_ids(engine.tokenize(prompt), SamplingParams(max_tokens=max_tokens), max_tokens)
+                out["exact"] = int(out["exact"]) + (tokens == expected)  # type: ignore[call-overload]
+                break
+            else:
+                key = "busy" if msg.code == "busy" else "other"
+                out[key] = int(out[key]) + 1  # type: ignore[call-overload]
+                if msg.code == "busy":
+                    out["retry_hint_s"] = msg.retry_after_s
+                break
+        await stream.aclose()
+    except PeerInferError as exc:
+        out["other"] = int(out["other"]) + 1  # type: ignore[call-overload]
+        out["errors"].append(type(exc).__name__)  # type: ignore[attr-defined]
+
+
+async def slot_flood(preempt: bool) -> None:
+    extra = {} if preempt else {"preempt_after_tokens": None}
+    async with trio.open_nursery() as nursery:
+        (node,) = await start_nodes_with(nursery, FAIR_COSTS, fair_options(**extra))
+        max_tokens = node.options.max_tokens
+        config = host_config(gossip_topics=(), stream_timeout_s=30.0)
+        async with open_host(config) as attacker, Client.connect(node.addresses()[0]) as honest:
+            async def ask(prompt: str) -> float:
+                return (await honest.generate(prompt, max_tokens=4)).ttft_s
+            idle = min([await ask(f"an idle question {i}") for i in range(3)])
+            await attacker.connect(node.addresses()[0])
+            watch = ShareWatch(node, attacker.peer_id)
+            out: dict[str, object] = {"served": 0, "exact": 0, "busy": 0, "other": 0, "errors": [],
+                                      "retry_hint_s": 0.0}
+            async with trio.open_nursery() as flood:
+                for i in range(FLOOD_STREAMS):
+                    flood.start_soon(flood_one, attacker, node, i, max_tokens, out)
+                await wait_until(lambda: node.core is not None and node.core.load().running >= FAIR_SLOTS, 20)
+                await trio.sleep(2.0)
+                ttft = await ask("an honest question")
+                batch: list[float] = []
+                async with trio.open_nursery() as four:
+                    for i in range(4):
+                        four.start_soon(lambda i=i: _append(batch, ask(f"honest batch {i}")))
+            assert node.core is not None
+            stats = node.core.statistics()
+            ended = int(out["served"]) + int(out["busy"]) + int(out["other"])  # type: ignore[call-overload]
+            emit(
+                "slot_flood_peer" + ("" if preempt else "_no_preemption"), slots=FAIR_SLOTS,
+                streams=FLOOD_STREAMS, max_tokens=max_tokens,
+                idle_ttft_s=round(idle, 4), honest_ttft_s=round(ttft, 4),
+                bound_s=round(2 * idle + 1.0, 4), within_bound=ttft <= 2 * idle + 1.0,
+                honest_batch_ttft_max_s=round(max(batch), 4),
+                flooder_slots_while_honest_waited_max=max(watch.settled, default=None),
+                flooder_slots_raw_max=max(watch.raw, default=None),
+                admitted=int(out["served"]), refused_busy=out["busy"], other=out["other"],  # type: ignore[call-overload]
+                errors=out["errors"], lost=FLOOD_STREAMS - ended, retry_hint_s=out["retry_hint_s"],
+                completions_exact=f"{out['exact']}/{out['served']}",
+                preempted=stats.preempted, resumed=stats.resumed,
+            )
+        nursery.cancel_scope.cancel()
+
+
+async def _append(into: list[float], value: object) -> None:
+    into.append(await value)  # type: ignore[misc]
+
+
+async def start_nodes_with(nursery: trio.Nursery, costs: CostModel, overrides: dict[str, object]) -> list[Node]:
+    node = Node(node_options(**overrides), engine=SimulatedEngine(costs=costs))
+    await nursery.start(node.serve)
+    return [node]
+
+
+async def key_flood() -> None:
+    import httpx
+
+    from peerinfer.http.app import requester_name
+
+    keys = ("flooder-key-0001", "honest-key-00002")
+    async with trio.open_nursery() as nursery:
+        (node,) = await start_nodes_with(nursery, FAIR_COSTS, fair_options(http="127.0.0.1:0", api_keys=keys))
+        max_tokens = node.options.max_tokens
+        out = {"served": 0, "busy": 0, "other": 0}
+
+        async def stream(http: httpx.AsyncClient, key: str, prompt: str, n: int, count: bool) -> float:
+            started = trio.current_time()
+            first = math.inf
+            body = {"model": "simulated", "prompt": prompt, "max_tokens": n, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"authorization": f"Bearer {key}"}) as response:
+                if response.status_code != 200:
+                    if count:
+                        out["busy" if response.status_code == 429 else "other"] += 1
+                    return first
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and first == math.inf:
+                        first = trio.current_time() - started
+                    if line == "data: [DONE]" and count:
+                        out["served"] += 1
+            return first
+
+        assert node.http_url is not None
+        async with httpx.AsyncClient(base_url=node.http_url, timeout=httpx.Timeout(900.0)) as http:
+            idle = min([await stream(http, keys[1], f"idle {i}", 4, False) for i in range(3)])
+            watch = ShareWatch(node, requester_name(keys[0].encode(), "127.0.0.1"))
+            async with trio.open_nursery() as flood:
+                for i in range(FLOOD_STREAMS):
+                    flood.start_soon(stream, http, keys[0], f"flood {i}", max_tokens, True)
+                await wait_until(lambda: node.core is not None and node.core.load().running >= FAIR_SLOTS, 20)
+                await trio.sleep(2.0)
+                ttft = await stream(http, keys[1], "an honest question", 4, False)
+                async with trio.open_nursery() as four:
+                    for i in range(4):
+                        four.start_soon(stream, http, keys[1], f"honest batch {i}", 4, False)
+        emit(
+            "slot_flood_api_key", slots=FAIR_SLOTS, streams=FLOOD_STREAMS, max_tokens=max_tokens,
+            idle_ttft_s=round(idle, 4), honest_ttft_s=round(ttft, 4), bound_s=round(2 * idle + 1.0, 4),
+            within_bound=ttft <= 2 * idle + 1.0,
+            flooder_slots_while_honest_waited_max=max(watch.settled, default=None),
+            flooder_slots_raw_max=max(watch.raw, default=None),
+            admitted=out["served"], refused_busy=out["busy"], other=out["other"],
+            lost=FLOOD_STREAMS - sum(out.values()),
+        )
+        nursery.cancel_scope.cancel()
+
+
+def jain_index(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0.0
+
+
+async def jain(window_s: float, preempt: bool) -> None:
+    extra: dict[str, object] = {"max_queued_per_requester": 8}
+    if not preempt:
+        extra["preempt_after_tokens"] = None
+    mix = (64, 256, 2048, 128, 1024, 512, 96, 1536)
+    served = dict.fromkeys(range(8), 0)
+    async with trio.open_nursery() as nursery:
+        (node,) = await start_nodes_with(nursery, FAIR_COSTS, fair_options(**extra))
+
+        async def requester(r: int) -> None:
+            def count(text: str) -> None:
+                served[r] += 1
+
+            async with Client.connect(node.addresses()[0], timeout_s=900) as client, trio.open_nursery() as n:
+                for k in range(8):
+                    n.start_soon(lambda k=k: client.generate(
+                        f"requester {r} request {k}", max_tokens=mix[(r + k) % 8], on_text=count))
+
+        async with trio.open_nursery() as users:
+            for r in range(8):
+                users.start_soon(requester, r)
+            await wait_until(lambda: node.core is not None and len(node.core._shares) == 8, 60)
+            start = dict(served)
+            await trio.sleep(window_s)
+            window = [float(served[r] - start[r]) for r in range(8)]
+            active = len(node.core._shares) if node.core is not None else 0
+            users.cancel_scope.cancel()
+        stats = node.core.statistics() if node.core is not None else None
+        emit("jain_8_requesters" + ("" if preempt else "_no_preemption"), window_s=window_s,
+             requests=64, tokens_per_requester=window, jain=round(jain_index(window), 4),
+             requesters_still_active_at_end=active,
+             preempted=stats.preempted if stats else None)
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------------------------- clock
 
 
@@ -284,6 +526,14 @@ async def clock(watch_s: float = 12.0) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     only = set(args.only.split(","))
+    if "slots" in only:
+        await slot_flood(preempt=True)
+        await slot_flood(preempt=False)
+    if "keys" in only:
+        await key_flood()
+    if "jain" in only:
+        await jain(args.fair_s, preempt=True)
+        await jain(args.fair_s, preempt=False)
     if "dial" in only:
         await dial_refusal()
     if "forged" in only:
@@ -298,5 +548,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flood-s", type=float, default=60.0)
     parser.add_argument("--per-message", type=int, default=100, help="fresh hashes per flood announcement")
-    parser.add_argument("--only", default="dial,forged,clock,flood")
+    parser.add_argument("--fair-s", type=float, default=60.0, help="the Jain window, seconds")
+    parser.add_argument("--only", default="dial,forged,clock,flood,slots,keys,jain")
     trio.run(main, parser.parse_args())

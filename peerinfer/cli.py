@@ -97,6 +97,14 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--announce-interval", type=float, default=1.0, metavar="S", help="seconds between digest announcements (default: 1)")
     p.add_argument("--costs", type=Path, help="cost model JSON from 'peerinfer calibrate' (for the cost policy and the simulated engine)")
     p.add_argument("--seed", type=int, help="seed of the routing tie-breaks (default: random)")
+    limits = p.add_argument_group("limits (docs/security.md)")
+    # Defaults: peerinfer.node.options (DEFAULT_MAX_TOKENS, DEFAULT_MAX_PROMPT_TOKENS), why there.
+    limits.add_argument("--max-tokens", type=int, metavar="N",
+                        help="refuse requests for more new tokens (default: 2048)")
+    limits.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                        help="refuse longer prompts (default: 4096)")
+    limits.add_argument("--max-queued-per-requester", type=int, metavar="N",
+                        help="requests one peer or API key may have waiting; more are refused as busy (default: the engine's batch size)")
     p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="serve the OpenAI-compatible HTTP API, /metrics and the dashboard here "
                    "(default 127.0.0.1:8000; port 0 picks a free one; 'none' turns it off)")
@@ -163,6 +171,9 @@ def _run_node(args: argparse.Namespace) -> int:
         relay_service=not args.no_relay_service,
         upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,
+        max_queued_per_requester=args.max_queued_per_requester,
+        **{k: v for k, v in (("max_tokens", args.max_tokens),
+                             ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None},
     )
     node = Node(options, engine=_load_engine_verbosely(options))
 

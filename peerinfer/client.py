@@ -78,7 +78,7 @@ class GenerationResult:
 
 
 def _raise_error(message: ErrorMessage) -> None:
-    raise error_from_code(message.code, message.message)
+    raise error_from_code(message.code, message.message, message.retry_after_s)
 
 
 def _build_request(

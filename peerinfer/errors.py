@@ -60,7 +60,10 @@ class PeerUnavailableError(RemoteError):
 
 
 class PeerBusyError(RemoteError):
-    """A peer refused the request because it is at capacity."""
+    """A peer refused the request because it is at capacity. ``retry_after_s``: when the node
+    suggests retrying (0: no hint)."""
+
+    retry_after_s: float = 0.0
 
 
 class RequestTimeoutError(RemoteError):
@@ -123,9 +126,13 @@ def error_kind(code: str) -> ErrorKind:
     return ERROR_TABLE.get(code) or ERROR_TABLE["internal"]
 
 
-def error_from_code(code: str, message: str) -> PeerInferError:
-    """The exception a client raises for an ``ErrorMessage(code, message)``."""
-    return error_kind(code).exception(f"{code}: {message}")
+def error_from_code(code: str, message: str, retry_after_s: float = 0.0) -> PeerInferError:
+    """The exception a client raises for an ``ErrorMessage(code, message)`` (a busy one keeps
+    the node's ``retry_after_s`` hint)."""
+    error = error_kind(code).exception(f"{code}: {message}")
+    if isinstance(error, PeerBusyError):
+        error.retry_after_s = retry_after_s
+    return error
 
 
 __all__ = [

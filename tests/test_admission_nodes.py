@@ -409,3 +409,79 @@ async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_
                 flood.cancel_scope.cancel()
             assert honest_ttft <= 2 * idle + service, (honest_ttft, idle, service)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stranger_gets_nothing_but_the_admission_challenge() -> None:
+    """Issue 21: before admission, a stranger without the key learns no protocol name and,
+    through identify, no listen address: while its (stalled) admission is under way and after,
+    every protocol it names is "na", and multistream's "ls" lists only the admission protocol.
+    A member asking the same gets answers."""
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.protocol_muxer.multiselect_client import MultiselectClient
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+    from multiaddr import Multiaddr
+
+    from peerinfer.net.admission import ADMIT_PROTOCOL
+    from peerinfer.node import STATUS_PROTOCOL
+
+    identify = "/ipfs/id/1.0.0"
+
+    async def ls(host: Host, peer: ID) -> list[str]:
+        (conn, *_) = host._h.get_network().get_connections(peer)
+        raw = await conn.muxed_conn.open_stream()
+        try:
+            return await MultiselectClient().query_multistream_command(
+                MultiselectCommunicator(raw), "ls", 10)
+        finally:
+            await raw.reset()
+
+    async def negotiated(host: Host, peer: ID, protocol: str) -> bool:
+        try:
+            stream = await host._h.new_stream(peer, [TProtocol(protocol)])
+        except Exception:
+            return False
+        await stream.reset()
+        return True
+
+    async with nodes({"swarm_key": KEY}) as (a,):
+        member_id = ID.from_base58(a.peer_id)
+        info = info_from_p2p_addr(Multiaddr(a.addresses()[0]))
+        async with raw_host(None, None) as stranger:
+            stalled = trio.Event()
+
+            async def never_answer(stream: object) -> None:  # holds its admission open
+                stalled.set()
+                await trio.sleep(30)
+
+            stranger._h.set_stream_handler(TProtocol(ADMIT_PROTOCOL), never_answer)
+            answered: dict[str, bool] = {}
+
+            async def ask(protocol: str) -> None:
+                answered[protocol] = await negotiated(stranger, member_id, protocol)
+
+            with trio.fail_after(15):
+                await stranger._h.connect(info)
+                listed = await ls(stranger, member_id)
+                async with trio.open_nursery() as asking:  # all while its admission stalls
+                    for protocol in (identify, STATUS_PROTOCOL, GENERATE_PROTOCOL, SYNC_PROTOCOL):
+                        asking.start_soon(ask, protocol)
+            assert stalled.is_set()  # it was challenged; its answer never came
+            assert listed == [ADMIT_PROTOCOL], listed
+            assert answered == dict.fromkeys(answered, False), answered
+            # Identify never answered it: nothing of ours in its peerstore but the address it
+            # dialed.
+            store = stranger._h.get_peerstore()
+            try:
+                protocols = set(store.get_protocols(member_id))
+            except Exception:
+                protocols = set()
+            assert not protocols & {identify, STATUS_PROTOCOL, GENERATE_PROTOCOL, SYNC_PROTOCOL,
+                                    PEERS_PROTOCOL}, protocols
+            assert [str(x) for x in store.addrs(member_id)] in ([], [str(info.addrs[0])])
+        assert a.host.statistics().unadmitted_protocols_refused >= 5  # type: ignore[union-attr]
+        # A member asking the same is answered (its admission done first).
+        async with raw_host(KEY, None) as member:
+            await member.connect(a.addresses()[0])
+            assert await negotiated(member, member_id, STATUS_PROTOCOL)
+            assert STATUS_PROTOCOL in await ls(member, member_id)

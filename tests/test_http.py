@@ -61,7 +61,7 @@ def options(**overrides: Any) -> NodeOptions:
     base: dict[str, Any] = dict(
         engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
         policy="longest_prefix", costs=COSTS, announce_interval_s=0.3, peer_timeout_s=4.0,
-        seed=1, http="127.0.0.1:0",
+        seed=1, http="127.0.0.1:0", max_tokens=8192,  # the cancel tests ask for 5,000
     )
     base.update(overrides)
     return NodeOptions(**base)
@@ -366,15 +366,18 @@ async def test_a_full_queue_is_429() -> None:
     async with nodes(1, costs=slow) as (node,), contextlib.AsyncExitStack() as stack:
         params = SamplingParams(max_tokens=1000)
         limit = node.core.config.hard_max_queue  # type: ignore[union-attr]
-        # One running and a full queue, submitted at the door directly (tokens: no tokenizer).
+        # One running and a full queue, submitted at the door directly (tokens: no tokenizer),
+        # each from its own requester (one requester may only queue its share).
         for i in range(limit + 1):
             await stack.enter_async_context(node.submit(
                 GenerateRequest(request_id=f"fill{i}", params=params, tokens=(5, 6, 7)),
-                requester="test", local=True))
+                requester=f"test{i}", local=True))
         with pytest.raises(openai.RateLimitError) as info:
             await in_thread(lambda: sdk(node).completions.create(
                 model="simulated", prompt="one more", max_tokens=2))
         assert info.value.status_code == 429 and info.value.code == "busy"
+        # The node's retry hint, as HTTP says it.
+        assert int(info.value.response.headers["retry-after"]) >= 1
 
 
 async def test_no_token_in_time_is_504(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,8 @@ from peerinfer.core.node import (
     _TRANSITIONS,
     AnnounceReceived,
     CacheChanged,
+    Cancel,
+    CancelLocal,
     ClientRequest,
     Effect,
     Forward,
@@ -20,12 +22,15 @@ from peerinfer.core.node import (
     ForwardFinished,
     ForwardFirstToken,
     LocalFinished,
+    LocalPreempted,
     NodeConfig,
     NodeCore,
     PeerSeen,
     Phase,
+    PreemptLocal,
     Publish,
     Reject,
+    ResumeLocal,
     RunLocal,
 )
 from peerinfer.core.prefix import PrefixHasher
@@ -120,35 +125,159 @@ def test_a_move_not_in_the_table_is_a_bug() -> None:
         a._transition(a._requests[RequestId("p/1")], Phase.FORWARDED, target=PeerId("B"))
 
 
+def yields(effects: Sequence[Effect]) -> list[str]:
+    return [e.request_id for e in effects if isinstance(e, PreemptLocal)]
+
+
+def resumes(effects: Sequence[Effect]) -> list[str]:
+    return [e.request_id for e in effects if isinstance(e, ResumeLocal)]
+
+
+def busy(effects: Sequence[Effect]) -> list[Reject]:
+    return [e for e in effects if isinstance(e, Reject) and e.code == "busy"]
+
+
+def preempted(core: NodeCore, rid: str, generated: int = 40) -> list[Effect]:
+    effects = core.handle(LocalPreempted(RequestId(rid), generated), 1.0)
+    core.check_invariants()
+    return effects
+
+
 def test_an_honest_requester_is_next_despite_a_flood() -> None:
-    """Issue 11's attack at the core: 32 maximal requests from one peer on a 4-slot node."""
+    """Issue 11's attack at the core: 32 maximal requests from one peer on a 4-slot node,
+    without preemption: the flooder's queue is bounded, and a freed slot goes to the honest."""
     size = 4096
-    a = make(slots=4, max_prompt_tokens=size, max_new_tokens=4096)
+    a = make(slots=4, max_prompt_tokens=size, max_new_tokens=4096, max_queued_per_peer=None)
     big = SamplingParams(max_tokens=4096)
     flood = [f"x{i}" for i in range(32)]
-    runs = []
+    runs, refused = [], []
     for rid in flood:
-        runs += started(send(a, rid, "flooder", tokens=prompt(int(rid[1:]), size), params=big))
+        effects = send(a, rid, "flooder", tokens=prompt(int(rid[1:]), size), params=big)
+        runs += started(effects)
+        refused += busy(effects)
+    # At most twice the slots admitted (running plus waiting); the rest refused with a hint.
     assert runs == flood[:4]
-    assert a.load() == Load(queued=28, running=4, slots=4)
+    assert a.load() == Load(queued=4, running=4, slots=4)
+    assert len(refused) == 24
+    assert all("max_queued_per_peer 4" in r.message and "retry in about" in r.message
+               and r.retry_after_s >= 1.0 for r in refused)
     assert not started(send(a, "h1", "honest-1"))
     assert not started(send(a, "h2", "honest-2"))
     # One free slot each: the honest requesters go first, before any more of the flood.
     assert finish(a, "x0") == ["h1"]
     assert finish(a, "x1") == ["h2"]
     assert finish(a, "x2") == ["x4"]
-    # A requester that already runs here yields to one with nothing running ...
+    # A requester that already runs its share yields to one with nothing running ...
     assert not started(send(a, "h1b", "honest-1"))
     assert not started(send(a, "h3", "honest-3"))
     assert finish(a, "x3") == ["h3"]
-    # ... and, running as many as the flooder (one each), goes first as the one served
-    # least recently.
     assert finish(a, "h2") == ["h1b"]
-    assert finish(a, "x4") == ["x5"]
+
+
+def test_a_flooder_over_its_share_yields_a_slot_and_resumes_later() -> None:
+    """Issue 21: the flood keeps every slot busy with endless generations; with preemption the
+    honest request gets a slot as soon as the flooder's longest-running one has made its
+    quantum of tokens, and the flooder's preempted generation resumes, never dropped."""
+    a = make(slots=4, max_new_tokens=65536, preempt_after_tokens=16, max_queued_per_peer=None)
+    endless = SamplingParams(max_tokens=65536)
+    for i in range(8):
+        send(a, f"x{i}", "flooder", params=endless)
+    assert a.load().running == 4 and a.load().queued == 4
+    arrival = send(a, "h", "honest")
+    # Not started yet: the slot it is entitled to is being freed by the oldest flood request.
+    assert not started(arrival) and yields(arrival) == ["x0"]
+    assert [e.after_tokens for e in arrival if isinstance(e, PreemptLocal)] == [16]
+    assert a.phase(RequestId("x0")) is Phase.RUNNING  # until the engine says it yielded
+    # Another event before the yield asks for no second one.
+    assert not yields(send(a, "x8", "flooder", params=endless))  # refused: its queue is full
+    assert started(preempted(a, "x0")) == ["h"]
+    assert a.phase(RequestId("x0")) is Phase.PREEMPTED
+    assert a.statistics().preempted == 1
+    # The honest peer runs, so the flooder may use the other slots (nobody else waits).
+    honest_2 = send(a, "h2", "honest-2")
+    # Three requesters: entitled to 4/3 each; the flooder runs 3: its next-oldest yields.
+    assert yields(honest_2) == ["x1"]
+    assert started(preempted(a, "x1")) == ["h2"]
+    # Both honest requests end: the preempted generations resume first, oldest first.
+    assert resumes(a.handle(LocalFinished(RequestId("h"), ok=True, generated=4), 2.0)) == ["x0"]
+    a.check_invariants()
+    assert resumes(a.handle(LocalFinished(RequestId("h2"), ok=True, generated=4), 2.0)) == ["x1"]
+    a.check_invariants()
+    assert a.statistics().resumed == 2
+    assert {a.phase(RequestId(f"x{i}")) for i in range(4)} == {Phase.RUNNING}
+
+
+def test_local_clients_come_first_but_cannot_keep_every_slot() -> None:
+    a = make(slots=4, preempt_after_tokens=8)
+    for i in range(8):
+        send(a, f"l{i}", "http:key-a", local=True)
+    assert a.load().running == 4
+    # A remote requester waits: the local one (weight 2 of 3: 2.67 slots) gives one back.
+    assert yields(send(a, "p", "peer")) == ["l0"]
+    assert started(preempted(a, "l0")) == ["p"]
+    # The remote request ends: the local requester gets every slot again.
+    assert resumes(a.handle(LocalFinished(RequestId("p"), ok=True), 1.0)) == ["l0"]
+
+
+def test_a_generation_that_ends_before_yielding_frees_its_slot_as_usual() -> None:
+    a = make(slots=1, preempt_after_tokens=32)
+    send(a, "x", "flooder")
+    assert yields(send(a, "h", "honest")) == ["x"]
+    # It reached its end first: the engine reports LocalFinished, not LocalPreempted.
+    assert finish(a, "x") == ["h"]
+    assert preempted(a, "x") == []  # a late report for a request gone: ignored
+    assert a.statistics().preempted == 0
+
+
+def test_a_preempted_request_cancelled_ends_through_the_engine() -> None:
+    a = make(slots=1, preempt_after_tokens=4)
+    send(a, "x", "flooder")
+    send(a, "h", "honest")
+    preempted(a, "x")
+    cancel = a.handle(Cancel(RequestId("x")), 1.0)
+    assert [type(e) for e in cancel] == [CancelLocal]  # the engine holds its state
+    assert a.phase(RequestId("x")) is Phase.PREEMPTED
+    a.handle(LocalFinished(RequestId("x"), ok=False, error="cancelled"), 1.0)
+    a.check_invariants()
+    assert a.phase(RequestId("x")) is None and a.phase(RequestId("h")) is Phase.RUNNING
+
+
+def test_one_slot_is_time_sliced_between_two_requesters() -> None:
+    """More requesters than slots: each runs a quantum of tokens in turn."""
+    a = make(slots=1, preempt_after_tokens=8)
+    send(a, "x", "one")
+    assert yields(send(a, "y", "two")) == ["x"]
+    order = []
+    running = "x"
+    for _ in range(4):
+        effects = preempted(a, running, generated=8)
+        (nxt,) = started(effects) + resumes(effects)
+        assert yields(effects) == [nxt]  # the other one waits: it yields after its quantum
+        order.append(nxt)
+        running = nxt
+    assert order == ["y", "x", "y", "x"]
+    assert a.statistics().preempted == 4 and a.statistics().resumed == 3
+
+
+def test_turns_follow_the_tokens_served() -> None:
+    """Among requesters below their share, the one served the fewest tokens goes first."""
+    a = make(slots=1)
+    send(a, "a1", "a")
+    send(a, "a2", "a")
+    send(a, "b1", "b")
+    send(a, "c1", "c")
+    a.handle(LocalFinished(RequestId("a1"), ok=True, generated=500), 1.0)  # b1 starts
+    a.check_invariants()
+    a.handle(LocalFinished(RequestId("b1"), ok=True, generated=10), 1.0)  # c1 (b left)
+    a.check_invariants()
+    send(a, "b2", "b")  # b comes back: its counter starts at the least one here (a's or c's)
+    assert a.handle(LocalFinished(RequestId("c1"), ok=True, generated=10), 1.0)
+    a.check_invariants()
+    assert a.phase(RequestId("b2")) is Phase.RUNNING  # a was served 500 tokens, b 0
 
 
 def test_equal_requesters_take_turns() -> None:
-    a = make(slots=1)
+    a = make(slots=1, max_queued_per_peer=4)
     assert started(send(a, "x1", "x")) == ["x1"]
     for rid, who in [("x2", "x"), ("x3", "x"), ("y1", "y"), ("y2", "y"), ("z1", "z")]:
         assert not started(send(a, rid, who))
@@ -182,7 +311,7 @@ def test_a_requester_over_its_share_is_refused_as_busy() -> None:
     for rid in ("s1", "s2", "s3"):
         assert not [e for e in send(a, rid, "") if isinstance(e, Reject)]
     full = [e for e in send(a, "s4", "") if isinstance(e, Reject)]
-    assert [r.message for r in full] == ["the local queue is full"]
+    assert [r.message.split(";")[0] for r in full] == ["the local queue is full (hard_max_queue 6)"]
     stats = a.statistics()
     assert stats.rejected == 2 and stats.queued == 6 and stats.running == 1
 

@@ -7,9 +7,11 @@ lost (the teardown drains the node and every request has ended); a request that 
 forwarded is never forwarded, and no request is forwarded twice to one peer or more often
 than the attempt limit; the local engine never runs more than its capacity; refusals happen
 only at a limit, and admissions never pass one; a resumed request runs its prompt plus the
-tokens already relayed; the fair share: this node's own front ends never wait while another
-requester starts, and a requester starts only when no waiting requester of its tier runs
-fewer requests here.
+tokens already relayed; the fair share: a requester at or above its entitlement never starts
+while one below its own waits, a request is asked to yield only while a requester below its
+entitlement waits, it yields at most once per run (``PreemptLocal`` once, then
+``LocalPreempted``) and resumes (``ResumeLocal``) exactly where the model paused it: no request
+is lost to a preemption, and none is in two places (running and paused, or paused twice).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from peerinfer.core.fairshare import weight
 from peerinfer.core.messages import SamplingParams
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -37,14 +40,17 @@ from peerinfer.core.node import (
     ForwardFinished,
     ForwardFirstToken,
     LocalFinished,
+    LocalPreempted,
     LocalStarted,
     NodeConfig,
     NodeCore,
     PeerLost,
     PeerSeen,
     Phase,
+    PreemptLocal,
     Publish,
     Reject,
+    ResumeLocal,
     RunLocal,
     SendSyncRequest,
     SyncResponseReceived,
@@ -76,6 +82,9 @@ class Req:
     #: failed mid-stream and resumes here: queued past every limit (the client is reading)
     resumed: bool = False
     cancel_asked: bool = False
+    #: RUNNING and asked to yield its slot (PreemptLocal seen, LocalPreempted not yet sent)
+    yielding: bool = False
+    preemptions: int = 0
 
 
 class NodeCoreMachine(RuleBasedStateMachine):
@@ -92,7 +101,8 @@ class NodeCoreMachine(RuleBasedStateMachine):
         slots=st.integers(1, 3),
         max_queue=st.integers(0, 3),
         hard_max_queue=st.integers(1, 8),
-        max_queued_per_peer=st.integers(1, 3),
+        max_queued_per_peer=st.none() | st.integers(1, 3),
+        preempt_after_tokens=st.none() | st.integers(1, 64),
         attempts=st.integers(0, 3),
         max_prompt_tokens=st.integers(40, 120),
         max_new_tokens=st.integers(8, 64),
@@ -105,7 +115,8 @@ class NodeCoreMachine(RuleBasedStateMachine):
         slots: int,
         max_queue: int,
         hard_max_queue: int,
-        max_queued_per_peer: int,
+        max_queued_per_peer: int | None,
+        preempt_after_tokens: int | None,
         attempts: int,
         max_prompt_tokens: int,
         max_new_tokens: int,
@@ -120,6 +131,7 @@ class NodeCoreMachine(RuleBasedStateMachine):
             max_queue=max_queue,
             hard_max_queue=hard_max_queue,
             max_queued_per_peer=max_queued_per_peer,
+            preempt_after_tokens=preempt_after_tokens,
             max_forward_attempts=attempts,
             max_prompt_tokens=max_prompt_tokens,
             max_new_tokens=max_new_tokens,
@@ -159,7 +171,11 @@ class NodeCoreMachine(RuleBasedStateMachine):
                 event(f"refused {eff.code}: {eff.message.split(' ')[-1]}")
                 self._ended(eff.request_id)
             elif isinstance(eff, CancelLocal):
-                assert self.open[eff.request_id].phase is Phase.RUNNING
+                assert self.open[eff.request_id].phase in (Phase.RUNNING, Phase.PREEMPTED)
+            elif isinstance(eff, PreemptLocal):
+                self._asked_to_yield(eff)
+            elif isinstance(eff, ResumeLocal):
+                self._resumed(eff.request_id)
             elif isinstance(eff, CancelForward):
                 req = self.open[eff.request_id]
                 assert req.phase in (Phase.FORWARDED, Phase.RELAYING) and req.target == eff.peer
@@ -177,32 +193,67 @@ class NodeCoreMachine(RuleBasedStateMachine):
         req = self.open[rid]
         req.phase, req.target = Phase.QUEUED, None
 
+    def _entitled(self) -> dict[tuple[bool, str], float]:
+        """Each requester's entitlement, recomputed naively from the open local requests."""
+        local = (Phase.QUEUED, Phase.RUNNING, Phase.PREEMPTED)
+        shares = {r.share for r in self.open.values() if r.phase in local}
+        total = sum(weight(k) for k in shares)
+        return {k: self.cfg.costs.slots * weight(k) / total for k in shares}
+
+    def _check_turn(self, req: Req) -> None:
+        """A requester at or above its entitlement does not start while one below waits."""
+        entitled = self._entitled()
+        running = Counter(r.share for r in self.open.values() if r.phase is Phase.RUNNING)
+        if running[req.share] < entitled[req.share]:
+            return
+        for other in self.open.values():
+            if other.phase in (Phase.QUEUED, Phase.PREEMPTED) and other.share != req.share:
+                assert running[other.share] >= entitled[other.share], (
+                    f"{req.share} (running {running[req.share]}, entitled "
+                    f"{entitled[req.share]:.2f}) started while {other.share} (running "
+                    f"{running[other.share]}, entitled {entitled[other.share]:.2f}) waited"
+                )
+
     def _started(self, eff: RunLocal) -> None:
         rid = eff.request_id
         req = self.open[rid]
         assert req.phase is Phase.QUEUED, f"{rid} started from {req.phase}"
         assert eff.tokens == req.tokens + req.relayed and eff.resume_after == req.relayed
         assert eff.params.max_tokens == max(1, req.max_tokens - len(req.relayed))
-        # Fair share: the own front ends first; then whoever runs the fewest requests here.
-        local, _ = req.share
-        running = Counter(r.share for r in self.open.values() if r.phase is Phase.RUNNING)
-        for other in self.open.values():
-            if other.phase is Phase.QUEUED and other.share != req.share:
-                assert local or not other.share[0], (
-                    f"{req.share} started while this node's own front end {other.share} waited"
-                )
-                if other.share[0] == local:
-                    assert running[other.share] >= running[req.share], (
-                        f"{req.share} (running {running[req.share]}) started before "
-                        f"{other.share} (running {running[other.share]})"
-                    )
+        self._check_turn(req)
         event("started a resumed request" if req.relayed else "started a request")
         req.phase = Phase.RUNNING
         running = sum(r.phase is Phase.RUNNING for r in self.open.values())
         assert running <= self.cfg.costs.slots, "capacity exceeded"
 
+    def _asked_to_yield(self, eff: PreemptLocal) -> None:
+        req = self.open[eff.request_id]
+        assert self.cfg.preempt_after_tokens is not None, "preempted with preemption off"
+        assert eff.after_tokens == self.cfg.preempt_after_tokens
+        assert req.phase is Phase.RUNNING and not req.yielding, (eff, req.phase, req.yielding)
+        entitled = self._entitled()
+        running = Counter(r.share for r in self.open.values() if r.phase is Phase.RUNNING)
+        assert running[req.share] > entitled[req.share], "asked to yield within its share"
+        assert any(
+            r.phase in (Phase.QUEUED, Phase.PREEMPTED) and running[r.share] < entitled[r.share]
+            for r in self.open.values()
+        ), "asked to yield while nobody below its share waits"
+        event("asked a request to yield")
+        req.yielding = True
+
+    def _resumed(self, rid: RequestId) -> None:
+        req = self.open[rid]
+        assert req.phase is Phase.PREEMPTED, f"{rid} resumed from {req.phase}"
+        self._check_turn(req)
+        event("resumed a preempted request")
+        req.phase = Phase.RUNNING
+        running = sum(r.phase is Phase.RUNNING for r in self.open.values())
+        assert running <= self.cfg.costs.slots, "capacity exceeded"
+
     def _ended(self, rid: RequestId) -> None:
-        self.open.pop(rid)
+        req = self.open.pop(rid)
+        if req.preemptions:
+            event("a preempted request ended")
         self.ends[rid] += 1
         assert self.ends[rid] == 1, f"{rid} ended twice"
 
@@ -226,13 +277,13 @@ class NodeCoreMachine(RuleBasedStateMachine):
     def _limits_hit(self, req: Req, max_outstanding: int | None) -> bool:
         """Whether a busy refusal of a new arrival ``req`` is justified by a limit."""
         cfg = self.cfg
-        queued = [r for r in self.open.values() if r.phase is Phase.QUEUED]
+        queued = [r for r in self.open.values() if r.phase in (Phase.QUEUED, Phase.PREEMPTED)]
         running = sum(r.phase is Phase.RUNNING for r in self.open.values())
-        local, requester = req.share
+        _, requester = req.share
         share_waiting = sum(r.share == req.share for r in queued)
         return (
             len(queued) >= cfg.hard_max_queue
-            or (not local and requester != SELF and share_waiting >= cfg.max_queued_per_peer)
+            or (requester != SELF and share_waiting >= cfg.queued_per_requester)
             or (req.arrived_forwarded and len(queued) >= cfg.max_queue
                 and running >= cfg.costs.slots)
             or (req.arrived_forwarded and max_outstanding is not None
@@ -350,14 +401,43 @@ class NodeCoreMachine(RuleBasedStateMachine):
         if rid is not None:
             assert self.core.handle(LocalStarted(rid, cached_tokens=0), self.now) == []
 
-    @rule(pick=st.integers(0, 1000), ok=st.booleans(), cache=st.booleans())
-    def local_finished(self, pick: int, ok: bool, cache: bool) -> None:
-        rid = self._pick(pick, Phase.RUNNING)
+    @rule(pick=st.integers(0, 1000), ok=st.booleans(), cache=st.booleans(),
+          generated=st.integers(0, 64))
+    def local_finished(self, pick: int, ok: bool, cache: bool, generated: int) -> None:
+        """The engine ends a running request (a yielding one may end before it yields), or
+        a preempted one that was cancelled or failed."""
+        rid = self._pick(pick, Phase.RUNNING, Phase.PREEMPTED)
         if rid is None:
             return
+        ok = ok and self.open[rid].phase is Phase.RUNNING
         added = tuple(HASHER.chain(self.open[rid].tokens)) if cache and ok else ()
-        effects = self.core.handle(LocalFinished(rid, ok, cache_added=added), self.now)
+        effects = self.core.handle(
+            LocalFinished(rid, ok, cache_added=added, generated=generated), self.now
+        )
         self._ended(rid)
+        self.feed(effects)
+
+    @rule(pick=st.integers(0, 1000), generated=st.integers(1, 64))
+    def stale_local_preempted(self, pick: int, generated: int) -> None:
+        """A yield reported for a request not running any more: ignored."""
+        rid = self._pick(pick, Phase.QUEUED, Phase.PREEMPTED, Phase.FORWARDED)
+        if rid is not None:
+            phase = self.open[rid].phase
+            assert self.core.handle(LocalPreempted(rid, generated), self.now) == []
+            assert self.core.phase(rid) is phase
+
+    @precondition(lambda self: any(q.yielding for q in getattr(self, "open", {}).values()))
+    @rule(pick=st.integers(0, 1000), generated=st.integers(1, 64))
+    def local_preempted(self, pick: int, generated: int) -> None:
+        """The engine yields a request it was asked to."""
+        rids = sorted(r for r, q in self.open.items() if q.yielding)
+        rid = rids[pick % len(rids)]
+        req = self.open[rid]
+        effects = self.core.handle(LocalPreempted(rid, generated), self.now)
+        req.yielding = False
+        req.preemptions += 1
+        req.phase = Phase.PREEMPTED
+        event("a request yielded its slot")
         self.feed(effects)
 
     # ------------------------------------------------------------------ rules: forwards
@@ -452,11 +532,15 @@ class NodeCoreMachine(RuleBasedStateMachine):
             r.share for r in self.open.values() if r.phase is Phase.QUEUED and not r.resumed
         )
         resumed = sum(r.phase is Phase.QUEUED and r.resumed for r in self.open.values())
-        assert load.queued == sum(queued.values()) + resumed
+        paused = sum(r.phase is Phase.PREEMPTED for r in self.open.values())
+        assert load.queued == sum(queued.values()) + resumed + paused
         assert sum(queued.values()) <= self.cfg.hard_max_queue
-        for (local, requester), n in queued.items():
-            if not local and requester != SELF:
-                assert n <= self.cfg.max_queued_per_peer, (requester, n)
+        for (_, requester), n in queued.items():
+            if requester != SELF:
+                assert n <= self.cfg.queued_per_requester, (requester, n)
+        # A request asked to yield is still running, until the engine says it yielded.
+        for rid, req in self.open.items():
+            assert not req.yielding or req.phase is Phase.RUNNING, (rid, req.phase)
 
     def teardown(self) -> None:
         if not hasattr(self, "core"):
@@ -486,8 +570,8 @@ class NodeCoreMachine(RuleBasedStateMachine):
 
 
 NodeCoreMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=120,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -589,16 +589,20 @@ class GenerateDone(Message):
 @_register(13)
 @dataclass(frozen=True, slots=True)
 class ErrorMessage(Message):
-    """A request (or a whole stream) failed. ``code`` says who must act."""
+    """A request (or a whole stream) failed. ``code`` says who must act; ``retry_after_s``:
+    for a ``busy`` refusal, when retrying may be worth it (0: no hint; older peers omit it)."""
 
     request_id: str
     code: str
     message: str
+    retry_after_s: float = 0.0
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         Text(MAX_ID_CHARS),
         Text(32, ERROR_CODES),
         Text(4096),
+        Float(0.0, 86_400.0),
     )
+    OPTIONAL_TAIL: ClassVar[int] = 1
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,18 +58,22 @@ What it decides
   A failure after tokens were streamed resumes locally from the prompt plus the tokens already
   relayed, so the client's stream continues instead of being lost.
 * **Admit, fair share.** The local engine runs ``slots`` requests at once (its capacity: the
-  engine's ``max_batch_size``); the rest wait, each in its *requester's* queue (the origin peer
-  of a forwarded request, the client's peer of a direct one). When a slot frees, the next
-  request comes from this node's own front ends (``local``) if one waits, else from the waiting
-  requester running the fewest requests here, and among those the one served least recently
-  (round robin, one request per requester in turn). So a flood from one requester delays the
-  request of a requester with nothing running here by at most the wait for one slot to free
-  (unless other such requesters wait too: then one turn each). Refused as ``busy``, with a
-  message naming the limit: a forwarded request when ``max_queue`` requests wait and every slot
-  runs, or when more than its ``max_outstanding`` are here (its origin has other options); a
-  requester other than this node and its front ends with ``max_queued_per_peer`` already
-  waiting; anything once ``hard_max_queue`` wait. A prompt longer than ``max_prompt_tokens`` or
-  a ``max_tokens`` above ``max_new_tokens`` is refused as ``invalid``. Nothing is dropped
+  engine's ``max_batch_size``); the rest wait, each in its *requester's* share (the origin peer
+  of a forwarded request, the client's peer of a direct one, an HTTP client's API key).
+  peerinfer.core.fairshare decides between requesters: each is entitled to a weighted part of
+  the slots (this node's own front ends weigh more); a free slot goes to a waiting requester
+  below its entitlement (own front ends first among those), by least service (tokens
+  generated here) per weight; and while one waits below its entitlement with no slot coming,
+  the requester furthest above its own yields one: its longest-running generation is
+  *preempted* (``PreemptLocal``) once it has made ``preempt_after_tokens`` tokens since it
+  (re)started, waits in ``PREEMPTED`` (the engine keeps its state) and resumes
+  (``ResumeLocal``) when its turn comes. It is never dropped. Refused as ``busy``, with a
+  message naming the limit and a retry hint: a forwarded request when ``max_queue`` requests
+  wait and every slot runs, or when more than its ``max_outstanding`` are here (its origin
+  has other options); a requester other than this node itself with ``max_queued_per_peer``
+  already waiting (default: ``slots``, so one requester has at most twice the slots admitted);
+  anything once ``hard_max_queue`` wait. A prompt longer than ``max_prompt_tokens`` or a
+  ``max_tokens`` above ``max_new_tokens`` is refused as ``invalid``. Nothing is dropped
   silently: every request ends in exactly one ``Reject`` or one finish.
 * **Trust.** Every forward's outcome (served within its digest's claim and the estimated first
   token, or short, slow, timed out, busy while announcing idle, a broken contract) feeds the
@@ -90,6 +94,9 @@ changes only in ``_transition``, so ``check_invariants()`` can recount all of it
 requests::
 
     ROUTING --> QUEUED --> RUNNING --> DONE            (served here)
+       |          ^         |  ^
+       |          |         v  |                        (over its share while another waits:
+       |          |       PREEMPTED --> DONE             yields, resumes later; cancelled)
        |          ^
        +----> FORWARDED --> RELAYING --> DONE          (served by a peer, relayed)
               |   ^  |         |
@@ -105,13 +112,20 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from peerinfer.core.antientropy import Reconciliation, Replica
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.digest import LocalDigest
+from peerinfer.core.fairshare import (
+    Share,
+    ShareKey,
+    newcomer_service,
+    next_turn,
+    yields_needed,
+)
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import (
     MAX_NEW_TOKENS,
@@ -141,6 +155,9 @@ class Phase(enum.Enum):
     QUEUED = "queued"
     #: on the local engine (holds a slot)
     RUNNING = "running"
+    #: yielded its slot mid-generation (over its requester's share while another waited);
+    #: waits in its requester's share to resume where it stopped (the engine keeps its state)
+    PREEMPTED = "preempted"
     #: sent to ``target``, no first token yet (``deadline`` set)
     FORWARDED = "forwarded"
     #: ``target`` streams tokens, relayed to the client
@@ -163,6 +180,12 @@ _TRANSITIONS: dict[Phase, dict[Phase, str]] = {
     },
     Phase.RUNNING: {
         Phase.DONE: "the engine finished, failed or was cancelled (LocalFinished)",
+        Phase.PREEMPTED: "over its share while another requester waits: yielded its slot "
+                         "after preempt_after_tokens tokens (LocalPreempted)",
+    },
+    Phase.PREEMPTED: {
+        Phase.RUNNING: "a slot freed and its requester's turn came: resumes (ResumeLocal)",
+        Phase.DONE: "cancelled or failed while preempted (LocalFinished)",
     },
     Phase.FORWARDED: {
         Phase.RELAYING: "the peer's first token",
@@ -177,7 +200,7 @@ _TRANSITIONS: dict[Phase, dict[Phase, str]] = {
     Phase.DONE: {},
 }
 
-_LOCAL_PHASES = (Phase.QUEUED, Phase.RUNNING)
+_LOCAL_PHASES = (Phase.QUEUED, Phase.RUNNING, Phase.PREEMPTED)
 _FORWARD_PHASES = (Phase.FORWARDED, Phase.RELAYING)
 
 # ---------------------------------------------------------------------------------------------
@@ -209,9 +232,15 @@ class NodeConfig:
     max_queue: int = 8
     #: client requests are refused beyond this many queued locally
     hard_max_queue: int = 1024
-    #: a requester (other than this node and its own front ends) with this many requests
-    #: waiting here is refused as busy: its fair share of the queue
-    max_queued_per_peer: int = 32
+    #: a requester (other than this node itself) with this many requests waiting here is
+    #: refused as busy: its fair share of the queue (None: the engine's ``slots``, so that a
+    #: requester has at most twice the slots admitted, running plus waiting: what a node
+    #: runs, peerinfer.node.options; the simulator keeps the older 32)
+    max_queued_per_peer: int | None = 32
+    #: a running generation of a requester over its share yields its slot to a requester
+    #: below its share once it made this many tokens since it (re)started (None: never; the
+    #: shell must then execute ``PreemptLocal`` and ``ResumeLocal``; see core.fairshare)
+    preempt_after_tokens: int | None = None
     #: per-request limits: longer prompts, or more tokens asked for, are refused as invalid
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
     max_new_tokens: int = MAX_NEW_TOKENS
@@ -238,8 +267,17 @@ class NodeConfig:
             raise ConfigError("queue and attempt limits must be non-negative")
         if not 0.0 <= self.audit_rate <= 1.0:
             raise ConfigError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
-        if self.max_queued_per_peer < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
+        if (self.max_queued_per_peer is not None and self.max_queued_per_peer < 1) or (
+            self.max_prompt_tokens < 1 or self.max_new_tokens < 1
+        ):
             raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
+        if self.preempt_after_tokens is not None and self.preempt_after_tokens < 1:
+            raise ConfigError(f"preempt_after_tokens must be >= 1, got {self.preempt_after_tokens}")
+
+    @property
+    def queued_per_requester(self) -> int:
+        """``max_queued_per_peer``, its default resolved."""
+        return self.costs.slots if self.max_queued_per_peer is None else self.max_queued_per_peer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +300,8 @@ class ClientRequest:
     #: client; "" means the origin for a forwarded request, else this node itself (an
     #: in-process caller, the simulator's users)
     requester: str = ""
-    #: from this node's own front ends (HTTP on this machine, the in-process API): served
-    #: before every other requester and not held to ``max_queued_per_peer``
+    #: from this node's own front ends (HTTP on this machine, the in-process API): entitled
+    #: to more of the engine than another requester, and first among those below their share
     local: bool = False
 
 
@@ -300,13 +338,24 @@ class LocalStarted:
 @dataclass(frozen=True, slots=True)
 class LocalFinished:
     """The local engine finished (or failed) a request; ``cache_added``/``cache_removed`` are
-    the engine's cache changes since its previous report."""
+    the engine's cache changes since its previous report. ``generated``: tokens it made since
+    it last (re)started (its requester's service; 0 when not known)."""
 
     request_id: RequestId
     ok: bool
     cache_added: tuple[BlockHash, ...] = ()
     cache_removed: tuple[BlockHash, ...] = ()
     error: str = ""
+    generated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPreempted:
+    """The local engine preempted a request as ``PreemptLocal`` asked: it left the running set
+    (its state kept, to resume) after making ``generated`` tokens since it last (re)started."""
+
+    request_id: RequestId
+    generated: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,6 +438,7 @@ Event = (
     | SyncFailed
     | LocalStarted
     | LocalFinished
+    | LocalPreempted
     | CacheChanged
     | ForwardFirstToken
     | ForwardFinished
@@ -447,11 +497,31 @@ class Forward:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    """Answer the request with an error (``code`` as in messages.ERROR_CODES)."""
+    """Answer the request with an error (``code`` as in messages.ERROR_CODES);
+    ``retry_after_s``: when a busy refusal may be worth retrying (0: no hint)."""
 
     request_id: RequestId
     code: str
     message: str
+    retry_after_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptLocal:
+    """Preempt the running request once it has made ``after_tokens`` tokens since it last
+    (re)started: take it out of the running set, keep its state (its KV where memory allows,
+    else its tokens so far, to recompute from the prefix cache), report ``LocalPreempted``.
+    A request that ends first reports ``LocalFinished`` as usual."""
+
+    request_id: RequestId
+    after_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeLocal:
+    """Give the preempted request a slot again: it continues where it yielded."""
+
+    request_id: RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,6 +574,8 @@ Effect = (
     | RunLocal
     | Forward
     | Reject
+    | PreemptLocal
+    | ResumeLocal
     | CancelLocal
     | CancelForward
     | PingPeer
@@ -516,10 +588,6 @@ Effect = (
 # Internal state
 
 
-#: A requester's share of the local engine: (from this node's own front ends, requester).
-_ShareKey = tuple[bool, str]
-
-
 @dataclass(slots=True)
 class _Request:
     request_id: RequestId
@@ -527,7 +595,7 @@ class _Request:
     params: SamplingParams
     forwarded: bool
     chain: tuple[BlockHash, ...]
-    share: _ShareKey
+    share: ShareKey
     phase: Phase = Phase.ROUTING
     decision: RouteDecision | None = None
     #: peers tried so far, in order
@@ -542,18 +610,10 @@ class _Request:
     #: the target claims to be faster than this node, not proven yet: it was estimated at no
     #: more than our speed, and a first token well inside that estimate counts as a proof
     speed_on_probation: bool = False
-
-
-@dataclass(slots=True)
-class _Share:
-    """One requester's part of the local engine: its waiting requests, oldest first."""
-
-    queue: deque[RequestId] = field(default_factory=deque)
-    #: its requests queued or running here (the share is forgotten at 0), and running
-    outstanding: int = 0
-    running: int = 0
-    #: the local start count when it last got a slot (0: none since it arrived)
-    last_start: int = 0
+    #: RUNNING: the local start count when it last (re)started (the smallest runs longest),
+    #: and whether it was asked to yield its slot (``PreemptLocal``) and has not yet
+    started_at: int = 0
+    yielding: bool = False
 
 
 @dataclass(slots=True)
@@ -676,6 +736,9 @@ class NodeStatistics:
     syncs_started: int
     syncs_converged: int
     syncs_failed: int
+    #: running generations that yielded their slot (fair share), and resumes of them
+    preempted: int
+    resumed: int
     queued: int
     running: int
 
@@ -718,8 +781,9 @@ class NodeCore:
         self._pulls_may_run = False
         self._peers: dict[PeerId, _PeerState] = {}
         self._requests: dict[RequestId, _Request] = {}
-        #: requesters with requests queued or running here, and the totals over them
-        self._shares: dict[_ShareKey, _Share] = {}
+        #: requesters with requests waiting or running here (peerinfer.core.fairshare), and
+        #: the totals over them (``_queued``: waiting, new or preempted)
+        self._shares: dict[ShareKey, Share] = {}
         self._queued = 0
         self._running = 0
         self._local_starts = 0
@@ -757,6 +821,8 @@ class NodeCore:
                 "syncs_started",
                 "syncs_converged",
                 "syncs_failed",
+                "preempted",
+                "resumed",
             ),
             0,
         )
@@ -903,18 +969,25 @@ class NodeCore:
         phases = Counter(r.phase for r in self._requests.values())
         check(not phases[Phase.ROUTING] and not phases[Phase.DONE], f"transient phases kept: {phases}")
         queued_ids = [rid for share in self._shares.values() for rid in share.queue]
+        paused_ids = [rid for share in self._shares.values() for rid in share.paused]
         held_queued = {rid for rid, r in self._requests.items() if r.phase is Phase.QUEUED}
-        check(len(queued_ids) == len(set(queued_ids)), "a request waits twice")
+        held_paused = {rid for rid, r in self._requests.items() if r.phase is Phase.PREEMPTED}
+        check(len(queued_ids) + len(paused_ids) == len(set(queued_ids) | set(paused_ids)),
+              "a request waits twice")
         check(set(queued_ids) == held_queued, "the queue does not hold exactly the QUEUED requests")
-        check(self._queued == len(held_queued), f"queued count {self._queued} != {len(held_queued)}")
+        check(set(paused_ids) == held_paused,
+              "the paused queues do not hold exactly the PREEMPTED requests")
+        waiting = len(held_queued) + len(held_paused)
+        check(self._queued == waiting, f"waiting count {self._queued} != {waiting}")
         check(self._running == phases[Phase.RUNNING], f"running count {self._running} != "
               f"{phases[Phase.RUNNING]} RUNNING requests")
         check(self._running <= slots, f"{self._running} running on {slots} slots")
         check(not self._queued or self._running == slots, "a request waits while a slot is free")
         inflight: Counter[PeerId] = Counter()
         pending: Counter[BlockHash] = Counter()
-        outstanding: Counter[_ShareKey] = Counter()
-        running: Counter[_ShareKey] = Counter()
+        outstanding: Counter[ShareKey] = Counter()
+        running: Counter[ShareKey] = Counter()
+        yielding: Counter[ShareKey] = Counter()
         attempts = self.config.max_forward_attempts
         for rid, req in self._requests.items():
             check(rid == req.request_id, f"request {rid!r} is filed under another id")
@@ -935,15 +1008,29 @@ class NodeCore:
                 outstanding[req.share] += 1
                 if req.phase is Phase.RUNNING:
                     running[req.share] += 1
+                    if req.yielding:
+                        yielding[req.share] += 1
+                    check(0 < req.started_at <= self._local_starts, f"{rid!r} started at "
+                          f"{req.started_at}, after the last start {self._local_starts}")
+                else:
+                    check(not req.yielding, f"{rid!r} yields but is {req.phase.value}")
                 if req.share in self._shares:
-                    check(req.phase is not Phase.QUEUED or rid in self._shares[req.share].queue,
+                    share = self._shares[req.share]
+                    check(req.phase is not Phase.QUEUED or rid in share.queue,
                           f"{rid!r} waits in another requester's queue")
+                    check(req.phase is not Phase.PREEMPTED or rid in share.paused,
+                          f"{rid!r} is paused in another requester's share")
         check(dict(inflight) == self._inflight, f"in-flight per peer {self._inflight} != {dict(inflight)}")
         check(dict(pending) == self._pending_local, "blocks pending locally != the local chains")
         check({k: s.outstanding for k, s in self._shares.items()} == dict(outstanding),
               "a share does not count its requests (or an empty share is kept)")
         check({k: s.running for k, s in self._shares.items() if s.running} == dict(running),
               "a share does not count its running requests")
+        check({k: s.yielding for k, s in self._shares.items() if s.yielding} == dict(yielding),
+              "a share does not count its yielding requests")
+        if self.config.preempt_after_tokens is not None:
+            check(not yields_needed(self._shares, slots, self._running),
+                  "a requester below its share waits with no slot coming")
         check(all(0 <= s.last_start <= self._local_starts for s in self._shares.values()),
               "a share started after the last start")
         st = self._stats
@@ -953,8 +1040,9 @@ class NodeCore:
         check(st["rejected_over_limit"] <= st["rejected"], "more over-limit refusals than refusals")
         check(st["forwarded"] >= st["failovers"] + sum(self._inflight.values()),
               "more forwards failed or in flight than were made")
-        check(st["served_locally"] == self._local_starts >= self._running,
-              "local starts disagree with served_locally or the running count")
+        check(st["served_locally"] + st["resumed"] == self._local_starts >= self._running,
+              "local starts disagree with served_locally, resumed or the running count")
+        check(st["resumed"] <= st["preempted"], "more resumes than preemptions")
 
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
               exclude: Sequence[PeerId] = ()) -> RouteDecision:
@@ -993,7 +1081,8 @@ class NodeCore:
             # before its prompt is hashed: a refusal costs little.
             outstanding = self._queued + self._running
             if self._queued >= cfg.max_queue and self._running >= cfg.costs.slots:
-                return self._refuse(rid, "busy", f"{self.peer_id} is at capacity")
+                return self._refuse(rid, "busy", f"{self.peer_id} is at capacity",
+                                    self._retry_hint(len(ev.tokens), ev.params))
             limit = ev.max_outstanding
             if limit is not None and outstanding > limit:
                 self._stats["rejected_over_limit"] += 1
@@ -1002,6 +1091,7 @@ class NodeCore:
                     "busy",
                     f"{self.peer_id} has {outstanding} requests outstanding, more than the "
                     f"{limit} the origin's routing assumed",
+                    self._retry_hint(len(ev.tokens), ev.params),
                 )
         chain = self.hasher.prompt_chain(ev.tokens)
         req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
@@ -1012,10 +1102,22 @@ class NodeCore:
         self._route_and_dispatch(req, now, effects)
         return effects
 
-    def _refuse(self, request_id: RequestId, code: str, message: str) -> list[Effect]:
+    def _refuse(
+        self, request_id: RequestId, code: str, message: str, retry_after_s: float = 0.0
+    ) -> list[Effect]:
         """Refuse an arrival before it is held."""
         self._stats["rejected"] += 1
-        return [Reject(request_id, code, message)]
+        return [Reject(request_id, code, message, retry_after_s)]
+
+    def _retry_hint(self, prompt_tokens: int, params: SamplingParams) -> float:
+        """When retrying a busy refusal is worth it: about the time for one slot's worth of
+        the waiting work ahead to be served (by the cost model), at least 1 s, at most 10
+        minutes. A hint, not a promise: it says "not at once" without telling a stranger more
+        than the load it announces anyway."""
+        costs = self.config.costs
+        one = costs.service_s(prompt_tokens, 0, params.max_tokens)
+        ahead = (self._queued + 1) / max(1, costs.slots)
+        return float(min(600.0, max(1.0, math.ceil(one * ahead))))
 
     def _decide(
         self,
@@ -1146,26 +1248,46 @@ class NodeCore:
         the queue, or its requester's share of it, is full."""
         cfg = self.config
         if self._queued >= cfg.hard_max_queue:
-            self._end(req, effects, Reject(req.request_id, "busy", "the local queue is full"))
+            hint = self._retry_hint(len(req.tokens), req.params)
+            self._end(req, effects, Reject(
+                req.request_id, "busy",
+                f"the local queue is full (hard_max_queue {cfg.hard_max_queue}); retry in "
+                f"about {hint:.0f} s", hint,
+            ))
             return
-        local, requester = req.share
+        _, requester = req.share
         share = self._shares.get(req.share)
-        waiting = len(share.queue) if share is not None else 0
-        if not local and requester != self.peer_id and waiting >= cfg.max_queued_per_peer:
+        waiting = share.waiting if share is not None else 0
+        bound = cfg.queued_per_requester
+        if requester != self.peer_id and waiting >= bound:
+            hint = self._retry_hint(len(req.tokens), req.params)
             message = (
                 f"{requester} already has {waiting} requests waiting at {self.peer_id}, its "
-                f"fair share (max_queued_per_peer {cfg.max_queued_per_peer})"
+                f"fair share (max_queued_per_peer {bound}); retry in about {hint:.0f} s"
             )
-            self._end(req, effects, Reject(req.request_id, "busy", message))
+            self._end(req, effects, Reject(req.request_id, "busy", message, hint))
             return
         req.decision = decision
         self._transition(req, Phase.QUEUED)
         self._start_queued(effects)
 
+    # ------------------------------------------------------------------ fair share of the engine
+    # Which requester's request runs, waits or yields: decided by peerinfer.core.fairshare
+    # from the shares' counts; here only the requests are moved (see "Admit, fair share").
+
     def _start_queued(self, effects: list[Effect]) -> None:
+        """Fill free slots, each with the request whose requester's turn it is (a preempted
+        one resumes before its requester's new ones); then ask for the yields the fair share
+        needs."""
         slots = self.config.costs.slots
         while self._queued and self._running < slots:
-            share = self._next_share()
+            share = self._shares[next_turn(self._shares, slots)]
+            if share.paused:
+                req = self._requests[share.paused[0]]
+                self._transition(req, Phase.RUNNING)
+                self._stats["resumed"] += 1
+                effects.append(ResumeLocal(req.request_id))
+                continue
             req = self._requests[share.queue[0]]
             self._transition(req, Phase.RUNNING)
             self._stats["served_locally"] += 1
@@ -1181,20 +1303,35 @@ class NodeCore:
                     resume_after=req.resume_after,
                 )
             )
+        self._ask_yields(effects)
 
-    def _next_share(self) -> _Share:
-        """Whose turn a free slot is: this node's own front ends first; then the waiting
-        requester running the fewest requests here, and among those the one that got a slot
-        least recently (ties: the one that came first)."""
-        best: _Share | None = None
-        best_key = (True, 0, 0)
-        for (local, _), share in self._shares.items():
-            if share.queue:
-                key = (not local, share.running, share.last_start)
-                if best is None or key < best_key:
-                    best, best_key = share, key
-        assert best is not None, "a request is counted as queued but no share holds one"
-        return best
+    def _ask_yields(self, effects: list[Effect]) -> None:
+        """While a requester below its share waits with no slot coming, the requester furthest
+        above its own yields one: its longest-running generation not yet asked to."""
+        after = self.config.preempt_after_tokens
+        if after is None or not self._queued:
+            return
+        for key in yields_needed(self._shares, self.config.costs.slots, self._running):
+            victim: _Request | None = None
+            for req in self._requests.values():
+                if (req.share == key and req.phase is Phase.RUNNING and not req.yielding
+                        and (victim is None or req.started_at < victim.started_at)):
+                    victim = req
+            assert victim is not None, f"{key} runs more than it is asked to yield"
+            victim.yielding = True
+            self._shares[key].yielding += 1
+            effects.append(PreemptLocal(victim.request_id, after))
+
+    def _on_local_preempted(self, ev: LocalPreempted, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        req = self._requests.get(ev.request_id)
+        if req is None or req.phase is not Phase.RUNNING:
+            return effects  # it ended meanwhile (LocalFinished came first)
+        self._shares[req.share].served += ev.generated
+        self._stats["preempted"] += 1
+        self._transition(req, Phase.PREEMPTED)
+        self._start_queued(effects)
+        return effects
 
     def _transition(
         self,
@@ -1214,8 +1351,9 @@ class NodeCore:
         if new is Phase.FORWARDED and (req.forwarded or target is None or target == self.peer_id):
             raise AssertionError(f"request {rid!r}: forwarding it to {target!r} is not allowed")
         # Leave the old phase.
-        if old is Phase.QUEUED:
-            queue = self._shares[req.share].queue
+        if old is Phase.QUEUED or old is Phase.PREEMPTED:
+            share = self._shares[req.share]
+            queue = share.queue if old is Phase.QUEUED else share.paused
             if queue[0] == rid:
                 queue.popleft()
             else:
@@ -1223,7 +1361,11 @@ class NodeCore:
             self._queued -= 1
         elif old is Phase.RUNNING:
             self._running -= 1
-            self._shares[req.share].running -= 1
+            share = self._shares[req.share]
+            share.running -= 1
+            if req.yielding:
+                req.yielding = False
+                share.yielding -= 1
         elif old in _FORWARD_PHASES and new is not Phase.RELAYING:
             assert req.target is not None
             self._forward_done(req.target)
@@ -1242,16 +1384,21 @@ class NodeCore:
                 pending[h] = pending.get(h, 0) + 1
             joined = self._shares.get(req.share)
             if joined is None:
-                joined = self._shares[req.share] = _Share()
+                joined = Share(served=newcomer_service(self._shares.values()))
+                self._shares[req.share] = joined
             joined.outstanding += 1
         # Enter the new one.
         req.phase = new
         if new is Phase.QUEUED:
             self._shares[req.share].queue.append(rid)
             self._queued += 1
+        elif new is Phase.PREEMPTED:
+            self._shares[req.share].paused.append(rid)
+            self._queued += 1
         elif new is Phase.RUNNING:
             self._running += 1
             self._local_starts += 1
+            req.started_at = self._local_starts
             share = self._shares[req.share]
             share.running += 1
             share.last_start = self._local_starts
@@ -1289,6 +1436,7 @@ class NodeCore:
         self._apply_local_changes(ev.cache_added, ev.cache_removed)
         req = self._requests.get(ev.request_id)
         if req is not None and req.phase in _LOCAL_PHASES:
+            self._shares[req.share].served += ev.generated
             self._end(req, effects)
         self._start_queued(effects)
         self._maybe_announce(now, effects)
@@ -1408,8 +1556,9 @@ class NodeCore:
         if req is None:
             return []
         effects: list[Effect] = []
-        if req.phase is Phase.RUNNING:
-            effects.append(CancelLocal(req.request_id))  # LocalFinished ends it
+        if req.phase is Phase.RUNNING or req.phase is Phase.PREEMPTED:
+            # LocalFinished ends it (the engine holds a preempted one's state too).
+            effects.append(CancelLocal(req.request_id))
         elif req.phase is Phase.QUEUED:
             self._end(req, effects)
         elif req.phase in _FORWARD_PHASES:
@@ -1912,6 +2061,7 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     SyncFailed: NodeCore._on_sync_failed,  # type: ignore[dict-item]
     LocalStarted: NodeCore._on_local_started,  # type: ignore[dict-item]
     LocalFinished: NodeCore._on_local_finished,  # type: ignore[dict-item]
+    LocalPreempted: NodeCore._on_local_preempted,  # type: ignore[dict-item]
     CacheChanged: NodeCore._on_cache_changed,  # type: ignore[dict-item]
     ForwardFirstToken: NodeCore._on_forward_first_token,  # type: ignore[dict-item]
     ForwardFinished: NodeCore._on_forward_finished,  # type: ignore[dict-item]

@@ -54,6 +54,7 @@ backend without a cache reports ``cached_tokens=0`` and empty changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import os
@@ -218,6 +219,11 @@ class DecodeRequest:
     rng: random.Random
     prefix: CachedPrefix = NO_PREFIX
     block_size: int = 16
+    #: the last ``continues`` tokens of ``tokens`` are this request's own output from before it
+    #: was preempted (its KV given up, recomputed now): a model needs nothing more (it
+    #: continues from the whole sequence); a backend whose output is a function of the prompt
+    #: alone (the simulated engine) continues the completion of ``tokens[:-continues]``
+    continues: int = 0
 
     @property
     def seed(self) -> int:
@@ -848,6 +854,9 @@ class RequestJob:
         "_aborted",
         "_counted",
         "_closed",
+        "_rng",
+        "_run_start",
+        "_first_cached",
     )
 
     def __init__(
@@ -871,6 +880,10 @@ class RequestJob:
         self._aborted = False
         self._counted = False
         self._closed = False
+        self._rng: random.Random | None = None
+        #: ``len(generated)`` when it last (re)started (preemption counts tokens from there)
+        self._run_start = 0
+        self._first_cached = 0
 
     # ------------------------------------------------------------ state
 
@@ -885,7 +898,26 @@ class RequestJob:
 
     @property
     def cached_tokens(self) -> int:
-        return self._prefix.tokens
+        return self._first_cached
+
+    @property
+    def generated_this_run(self) -> int:
+        """Tokens generated since it last (re)started (``mark_run_start``)."""
+        return len(self.generated) - self._run_start
+
+    def mark_run_start(self) -> None:
+        """It (re)takes a running slot now: count its tokens from here."""
+        self._run_start = len(self.generated)
+
+    @property
+    def started(self) -> bool:
+        """``start()`` ran (its decoder opened, or given up since: ``spilled``)."""
+        return self._text is not None
+
+    @property
+    def spilled(self) -> bool:
+        """Preempted and its decoder given up (``spill``): ``restart`` recomputes its KV."""
+        return self.decoder is None and self._text is not None and not self.done
 
     @property
     def prefill_remaining(self) -> int:
@@ -945,13 +977,57 @@ class RequestJob:
                 cache.lock(self._locked)
                 self._prefix = CachedPrefix(match.tokens, tuple(match.payloads))
         params = self.params
-        rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
+        rng = self._rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
         request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs)
         self.decoder = engine.open_decoder(request)
         counters.prompt_tokens += len(prompt)
         counters.cached_tokens += self._prefix.tokens
+        self._first_cached = self._prefix.tokens
         self._text = TextStream(engine.detokenize, prompt, params.stop)
         return Started(len(prompt), self._prefix.tokens)
+
+    def spill(self) -> None:
+        """A preempted request gives up its KV: its blocks so far (prompt and generated) go
+        into the prefix cache, its decoder closes, its prefix lock and KV reservation are given
+        back. Its tokens and text state stay; ``restart`` continues it."""
+        assert self.decoder is not None and not self.done, "spill() of a request not running"
+        cache = self._cache
+        decoder, self.decoder = self.decoder, None
+        try:
+            if cache is not None:
+                self.engine._store(cache, decoder, self.prompt, self.generated, self._prefix)
+        finally:
+            try:
+                decoder.close()
+            finally:
+                locked, self._locked = self._locked, None
+                if locked is not None and cache is not None and not locked.evicted:
+                    cache.unlock(locked)
+                self._prefix = NO_PREFIX
+                if self.kv_reserved and cache is not None:
+                    cache.release(self.kv_reserved)
+                self.kv_reserved = 0
+
+    def restart(self) -> None:
+        """Continue a spilled request: a new decoder over the prompt plus the tokens generated
+        so far, reusing whatever of them the prefix cache still holds (``reserve_kv`` first)."""
+        assert self.spilled, "restart() of a request that was not spilled"
+        engine = self.engine
+        cache = self._cache
+        bs = cache.block_size if cache is not None else engine.default_block_size
+        seq = self.prompt + tuple(self.generated)
+        if cache is not None:
+            match = cache.match(seq[: len(seq) - 1])
+            if match.nodes:
+                self._locked = match.last_node
+                cache.lock(self._locked)
+                self._prefix = CachedPrefix(match.tokens, tuple(match.payloads))
+        params = dataclasses.replace(self.params, max_tokens=max(1, self.limit - len(self.generated)))
+        assert self._rng is not None
+        request = DecodeRequest(seq, params, self.cancel, self._rng, self._prefix, bs,
+                                continues=len(self.generated))
+        self.decoder = engine.open_decoder(request)
+        self.mark_run_start()
 
     def cancel_unstarted(self) -> list[EngineEvent]:
         """End a request cancelled before it started: no cache lookup, no decoder."""
@@ -1002,13 +1078,13 @@ class RequestJob:
         return events
 
     def _end(self, reason: FinishReason) -> list[EngineEvent]:
-        assert self._text is not None and self.decoder is not None
+        assert self._text is not None
         self.done = True
         events: list[EngineEvent] = []
         tail = self._text.finish()
         if tail:
             events.append(Tokens((), tail))
-        if self._cache is not None:
+        if self._cache is not None and self.decoder is not None:  # a spilled one stored already
             self.engine._store(self._cache, self.decoder, self.prompt, self.generated, self._prefix)
         changes = self.engine.take_cache_changes()
         events.append(
@@ -1016,7 +1092,7 @@ class RequestJob:
                 reason,
                 len(self.prompt),
                 len(self.generated),
-                self._prefix.tokens,
+                self._first_cached,
                 changes.added,
                 changes.removed,
             )

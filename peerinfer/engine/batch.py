@@ -39,6 +39,20 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    a request that reaches its end (eos, stop sequence, ``max_tokens``, context, cancelled in
    the meantime) leaves in this same step, and its place is offered at the next one.
 
+**Preemption** (the caller's fair share: peerinfer.core.fairshare). ``preempt(key, n)`` asks a
+running request to yield its slot once it has made ``n`` tokens since it last (re)started: at
+the start of the first step where it has, it leaves the running set and is *suspended*, with a
+``Preempted`` event (a request that ends first just ends). A suspended request keeps its
+decoder, so its KV stays in memory, and its reservation, as long as memory allows: when a
+request waiting for admission (or one resuming) does not fit, suspended requests *spill*,
+oldest first: their blocks so far go into the prefix cache, their decoders close and their
+reservations are given back (``keep_preempted_kv=False`` spills at once). ``resume(key)`` puts
+it back: it is admitted before any waiting request, its KV reserved again and, if it spilled,
+recomputed through a new decoder over its prompt plus the tokens it generated, which the
+prefix cache mostly holds (``RequestJob.restart``). Either way it continues the same job: its
+stop sequences, text and token count carry on, and a greedy request gives the tokens it would
+have given without the pause. A suspended request that is cancelled ends at the next step.
+
 **Failures stay local.** An exception in one request's start, prefill or store ends that request
 with the error (translated by the job: backend exceptions become EngineError) and nothing
 else. If ``decode_batch`` raises, every decoder of the batch is retried alone
@@ -74,8 +88,18 @@ from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, Peer
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 Key = Hashable
-StepResult = list[tuple[Key, EngineEvent | PeerInferError]]
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """The request yielded its running slot as ``preempt`` asked, after ``generated`` tokens
+    since it last (re)started; it waits, suspended, for ``resume``."""
+
+    generated: int
+
+
+StepResult = list[tuple[Key, EngineEvent | Preempted | PeerInferError]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +136,12 @@ class SchedulerStatistics:
     batch_retries: int
     prefill_batches: int = 0
     prefill_batch_retries: int = 0
+    #: requests suspended now (preempted, waiting to resume), and lifetime counts of
+    #: preemptions, resumes and spills (a suspended request's KV given up)
+    suspended: int = 0
+    preempted: int = 0
+    resumed: int = 0
+    spilled: int = 0
 
 
 class _Failed(enum.Enum):
@@ -156,6 +186,7 @@ class BatchScheduler:
         *,
         max_running: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        keep_preempted_kv: bool = True,
     ) -> None:
         if max_running is None:
             max_running = engine.max_batch_size
@@ -192,6 +223,15 @@ class BatchScheduler:
         self._failed = 0
         self._cancelled = 0
         self._batch_retries = 0
+        #: preemption: requests asked to yield (key -> tokens to make first), those
+        #: suspended (oldest first), those to resume (admitted first)
+        self.keep_preempted_kv = keep_preempted_kv
+        self._yield_after: dict[Key, int] = {}
+        self._suspended: dict[Key, _Running] = {}
+        self._resuming: deque[Key] = deque()
+        self._preempted = 0
+        self._resumed = 0
+        self._spilled = 0
 
     # ------------------------------------------------------------ requests
 
@@ -230,6 +270,23 @@ class BatchScheduler:
         if job is not None:
             job.abort()
 
+    def preempt(self, key: Key, after_tokens: int) -> None:
+        """Suspend the request once it has made ``after_tokens`` tokens since it last (re)
+        started (see the module docstring). The mark holds for a request not admitted yet,
+        or suspended with its resume asked for: it counts once the request runs. Unknown
+        keys are ignored."""
+        if key in self._keys:
+            self._yield_after[key] = max(0, after_tokens)
+
+    def resume(self, key: Key) -> None:
+        """Give a suspended request its slot back (admitted first at the next step)."""
+        if key in self._suspended and key not in self._resuming:
+            self._resuming.append(key)
+
+    @property
+    def suspended(self) -> int:
+        return len(self._suspended)
+
     @property
     def running(self) -> int:
         return len(self._running)
@@ -240,8 +297,12 @@ class BatchScheduler:
 
     @property
     def idle(self) -> bool:
-        """Nothing to do: no request running or waiting."""
-        return not self._running and not self._waiting
+        """Nothing to do: no request running, waiting or resuming, and no suspended request
+        cancelled (it must end)."""
+        return not (
+            self._running or self._waiting or self._resuming
+            or any(e.job.cancelled for e in self._suspended.values())
+        )
 
     # ------------------------------------------------------------ one iteration
 
@@ -253,6 +314,7 @@ class BatchScheduler:
             return out
         self._steps += 1
         self._leave_cancelled(out)
+        self._yield_asked(out)
         self._admit(out)
         completed = self._prefill(out)
         if completed and not self._deferred_decode:
@@ -273,6 +335,11 @@ class BatchScheduler:
         for key, entry in list(self._running.items()):
             job = entry.job
             self._emit(out, key, job, self._attempt(out, key, job, job.before_step))
+        for key, entry in list(self._suspended.items()):
+            job = entry.job
+            if self._attempt(out, key, job, lambda job=job: job.cancelled) is True:
+                end = job.before_step if job.started else job.cancel_unstarted
+                self._emit(out, key, job, self._attempt(out, key, job, end))
         kept: deque[tuple[Key, RequestJob]] = deque()
         for key, job in self._waiting:
             cancelled = self._attempt(out, key, job, lambda job=job: job.cancelled)
@@ -282,10 +349,90 @@ class BatchScheduler:
                 kept.append((key, job))
         self._waiting = kept
 
+    def _yield_asked(self, out: StepResult) -> None:
+        """Suspend the running requests asked to yield that have made their tokens."""
+        for key, after in list(self._yield_after.items()):
+            entry = self._running.get(key)
+            if entry is None:  # not admitted yet, or about to resume: it counts once it runs
+                if key not in self._keys:
+                    del self._yield_after[key]
+                continue
+            job = entry.job
+            if job.done or not entry.ready or job.generated_this_run < after:
+                continue
+            del self._yield_after[key]
+            del self._running[key]
+            self._suspended[key] = entry
+            self._preempted += 1
+            out.append((key, Preempted(job.generated_this_run)))
+            if not self.keep_preempted_kv:
+                self._spill(out, key, entry)
+
+    def _spill(self, out: StepResult, key: Key, entry: _Running) -> None:
+        job = entry.job
+        if job.decoder is None:
+            return
+        self._spilled += 1
+        entry.ready = False
+        self._attempt(out, key, job, job.spill)
+        if job.done:  # the spill failed: it ended with the error
+            self._suspended.pop(key, None)
+
+    def _spill_for(self, out: StepResult, keep: Key | None = None) -> bool:
+        """Spill the oldest suspended request still holding KV (not ``keep``, nor one about
+        to resume); whether there was one."""
+        for key, entry in self._suspended.items():
+            if key != keep and key not in self._resuming and entry.job.decoder is not None:
+                self._spill(out, key, entry)
+                return True
+        return False
+
+    def _resume_suspended(self, out: StepResult) -> bool:
+        """Admit the requests to resume (before any waiting one); False while the next one's
+        KV does not fit yet (it waits for running requests to give memory back)."""
+        while self._resuming and len(self._running) < self.max_running:
+            key = self._resuming[0]
+            entry = self._suspended.get(key)
+            if entry is None:  # it ended meanwhile
+                self._resuming.popleft()
+                continue
+            job = entry.job
+            if not job.started:  # preempted before it was admitted: admitted as usual, first
+                self._resuming.popleft()
+                del self._suspended[key]
+                self._waiting.appendleft((key, job))
+                self._resumed += 1
+                continue
+            if job.decoder is None:
+                fits = self._attempt(out, key, job, job.reserve_kv)
+                while fits is False and self._spill_for(out, keep=key):
+                    fits = self._attempt(out, key, job, job.reserve_kv)
+                if fits is _FAILED:
+                    self._resuming.popleft()
+                    self._suspended.pop(key, None)
+                    continue
+                if not fits:
+                    return False
+                if self._attempt(out, key, job, job.restart) is _FAILED:
+                    self._resuming.popleft()
+                    self._suspended.pop(key, None)
+                    continue
+            else:
+                job.mark_run_start()
+            self._resuming.popleft()
+            del self._suspended[key]
+            self._running[key] = entry
+            self._resumed += 1
+        return True
+
     def _admit(self, out: StepResult) -> None:
+        if not self._resume_suspended(out):
+            return
         while self._waiting and len(self._running) < self.max_running:
             key, job = self._waiting[0]
             fits = self._attempt(out, key, job, job.reserve_kv)
+            while fits is False and self._spill_for(out):
+                fits = self._attempt(out, key, job, job.reserve_kv)
             if fits is _FAILED:
                 self._waiting.popleft()
                 continue
@@ -447,6 +594,8 @@ class BatchScheduler:
             return  # already ended
         del self._keys[key]
         self._running.pop(key, None)
+        self._suspended.pop(key, None)
+        self._yield_after.pop(key, None)
         try:
             job.close()
         except Exception as exc:
@@ -474,6 +623,9 @@ class BatchScheduler:
         self._keys.clear()
         self._running.clear()
         self._waiting.clear()
+        self._suspended.clear()
+        self._resuming.clear()
+        self._yield_after.clear()
         for job in jobs:
             job.close()
 
@@ -502,7 +654,11 @@ class BatchScheduler:
             batch_retries=self._batch_retries,
             prefill_batches=self._prefill_batches,
             prefill_batch_retries=self._prefill_batch_retries,
+            suspended=len(self._suspended),
+            preempted=self._preempted,
+            resumed=self._resumed,
+            spilled=self._spilled,
         )
 
 
-__all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "BatchScheduler", "SchedulerStatistics"]
+__all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "BatchScheduler", "Preempted", "SchedulerStatistics"]

@@ -256,10 +256,17 @@ class SimulatedEngine(Engine):
         if params.temperature > 0 and params.seed is None:
             params = _with_seed(params, request.seed)
         n = min(params.max_tokens, self._max_context - len(request.tokens))
+        done = request.continues
+        # A preempted request recomputed after giving up its KV continues its own completion
+        # (this engine's output is a function of the prompt, not of the whole sequence).
+        completion = (
+            self.completion_ids(request.tokens[: len(request.tokens) - done], params, done + n)[done:]
+            if done else self.completion_ids(request.tokens, params, n)
+        )
         return _SimulatedDecoder(
             self,
             request.tokens,
-            self.completion_ids(request.tokens, params, n),
+            completion,
             min(request.prefix.tokens, len(request.tokens)),
             request.cancel,
             self.kv_bytes_per_token * request.block_size,

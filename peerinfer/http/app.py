@@ -16,9 +16,11 @@ one, so the time taken does not tell which key nearly matched.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
@@ -87,8 +89,15 @@ class HttpApi:
         return str(engine.model_name)
 
     def authorized(self, headers: Mapping[bytes, bytes] | Sequence[tuple[bytes, bytes]]) -> bool:
+        return self.api_key_of(headers) is not None
+
+    def api_key_of(
+        self, headers: Mapping[bytes, bytes] | Sequence[tuple[bytes, bytes]]
+    ) -> bytes | None:
+        """The API key the request carries, if it is one of ours (b"" when the API has no
+        keys); None: not authorized."""
         if not self._keys:
-            return True
+            return b""
         value = b""
         items = headers.items() if isinstance(headers, Mapping) else headers
         for name, v in items:
@@ -98,10 +107,11 @@ class HttpApi:
         if scheme.lower() != b"bearer":
             token = b""
         token = token.strip()
-        ok = False
+        found: bytes | None = None
         for key in self._keys:  # every key, so the time does not depend on which matched
-            ok |= hmac.compare_digest(token, key)
-        return ok
+            if hmac.compare_digest(token, key):
+                found = key
+        return found
 
     def _unauthorized(self) -> JSONResponse:
         return JSONResponse(
@@ -175,7 +185,8 @@ class _Completions:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
-        if not api.authorized(scope["headers"]):
+        key = api.api_key_of(scope["headers"])
+        if key is None:
             await _send_json(send, 401, oa.error_body(
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
                 "invalid_request_error", None, "invalid_api_key"),
@@ -194,9 +205,11 @@ class _Completions:
                                                       "invalid_request_error"))
             return
         client = scope.get("client") or ("unknown", 0)
-        # Fair share per client address; a client on this machine is the node's own user
-        # (served first), one from the network (a key-holding LAN user) is not.
-        requester = f"http:{client[0]}"
+        # Fair share per API key (every user behind one proxy or chat UI has its own), per
+        # client address only when the API has no keys; a client on this machine is the
+        # node's own user (entitled to more, first among those below their share), one from
+        # the network (a key-holding LAN user) is not.
+        requester = requester_name(key, str(client[0]))
         local = is_loopback(str(client[0]))
         async with trio.open_nursery() as nursery:
             # The client hanging up cancels the request: leaving submit() tells the network.
@@ -216,7 +229,7 @@ class _Completions:
                 parts.append(ev.text)
             elif isinstance(ev, ErrorMessage):
                 err = oa.api_error_from(ev)
-                await _send_json(send, err.status, err.body(), rid=rid)
+                await _send_json(send, err.status, err.body(), rid=rid, extra=_retry_after(ev))
                 return
             else:
                 assert isinstance(ev, GenerateDone)
@@ -229,7 +242,7 @@ class _Completions:
         first = await events.__anext__()
         if isinstance(first, ErrorMessage):
             err = oa.api_error_from(first)
-            await _send_json(send, err.status, err.body(), rid=rid)
+            await _send_json(send, err.status, err.body(), rid=rid, extra=_retry_after(first))
             return
         served_by = first.served_by if isinstance(first, GenerateDone) else events.serving_peer
         await send({
@@ -303,6 +316,22 @@ async def _read_body(receive: Receive) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def requester_name(api_key: bytes, address: str) -> str:
+    """Who an HTTP request counts as for the node's fair share: its API key (a digest of it,
+    which refusal messages may name without giving the key away), or its address when the
+    API has no keys."""
+    if api_key:
+        return "http-key:" + hashlib.blake2b(api_key, digest_size=8, person=b"peerinfer-key").hexdigest()
+    return f"http:{address}"
+
+
+def _retry_after(error: ErrorMessage) -> list[tuple[bytes, bytes]]:
+    """A busy refusal's retry hint as HTTP's Retry-After (whole seconds)."""
+    if error.retry_after_s <= 0:
+        return []
+    return [(b"retry-after", str(math.ceil(error.retry_after_s)).encode())]
 
 
 async def _send_json(send: Send, status: int, payload: Any, *, rid: str | None = None,

@@ -80,6 +80,7 @@ at once (one sender and one receiver per ``FramedStream``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
@@ -89,7 +90,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import multiaddr
 import trio
@@ -102,6 +103,12 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError, MultiselectError
+from libp2p.protocol_muxer.multiselect import (
+    DEFAULT_NEGOTIATE_TIMEOUT,
+    PROTOCOL_NOT_FOUND_MSG,
+    Multiselect,
+)
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.rpc_queue import OutBoundQueueSize
 from libp2p.rcmgr import ResourceLimits, ResourceManager
@@ -234,6 +241,8 @@ class HostStatistics:
     #: admitted that were reset unserved
     admissions_refused: int = 0
     unadmitted_streams_refused: int = 0
+    #: protocols (or protocol lists) asked for by peers not admitted, answered "na"
+    unadmitted_protocols_refused: int = 0
 
 
 @dataclass
@@ -258,6 +267,8 @@ class _Counters:
     unresponsive_disconnects: int = 0
     admissions_refused: int = 0
     unadmitted_streams_refused: int = 0
+    #: protocols (or protocol lists) asked for by peers not admitted, answered "na"
+    unadmitted_protocols_refused: int = 0
 
 
 @dataclass
@@ -319,6 +330,61 @@ class _ConnectionNotifee(INotifee):
         return None
 
 
+class _AdmissionGate(Multiselect):
+    """py-libp2p's multistream-select listener, for a private swarm: a peer not admitted (yet)
+    is offered only ``ADMIT_PROTOCOL``. Any other protocol it names waits for its verdict
+    (``admission_timeout_s`` at most, like our handlers) and is then served if it was
+    admitted, else answered "na" (or its connection is closed first), exactly as a protocol
+    we do not speak; "ls" lists only the admission protocol to it (answered at once). So a stranger without the key learns neither our protocol names
+    nor, through identify, our listen addresses. (It shares the host's multiselect's handlers
+    dict: handlers set later are seen here.)"""
+
+    def __init__(self, handlers: dict[Any, Any], host: Host) -> None:
+        super().__init__(handlers)
+        self._host = host
+
+    async def negotiate(
+        self, communicator: Any, negotiate_timeout: int = DEFAULT_NEGOTIATE_TIMEOUT
+    ) -> tuple[Any, Any]:
+        try:
+            peer: str | None = peer_id_text(communicator.read_writer)
+        except Exception:
+            peer = None
+        host = self._host
+        if peer is not None and host.is_admitted(peer):
+            return await super().negotiate(communicator, negotiate_timeout)
+        try:
+            with trio.fail_after(negotiate_timeout):
+                await self.handshake(communicator)
+                while True:
+                    try:
+                        command = await communicator.read()
+                    except MultiselectCommunicatorError as error:
+                        raise MultiselectError() from error
+                    try:
+                        if command == "ls":  # at once (a refusal closes the connection)
+                            admitted = peer is not None and host.is_admitted(peer)
+                            if not admitted:
+                                host._counters.unadmitted_protocols_refused += 1
+                            listed = ([p for p in self.handlers if p is not None] if admitted
+                                      else [ADMIT_PROTOCOL])
+                            await communicator.write("\n".join(listed) + "\n")
+                            continue
+                        admitted = command == ADMIT_PROTOCOL or (
+                            peer is not None and await host._admitted_in_time(peer)
+                        )
+                        if admitted and command and TProtocol(command) in self.handlers:
+                            await communicator.write(command)
+                            return TProtocol(command), self.handlers[TProtocol(command)]
+                        if not admitted:
+                            host._counters.unadmitted_protocols_refused += 1
+                        await communicator.write(PROTOCOL_NOT_FOUND_MSG)
+                    except MultiselectCommunicatorError as error:
+                        raise MultiselectError() from error
+        except trio.TooSlowError:
+            raise MultiselectError("handshake read timeout") from None
+
+
 class Host:
     """A running peerinfer network host. Created only by ``open_host``."""
 
@@ -375,6 +441,15 @@ class Host:
         self.set_handler(PING_PROTOCOL, self._serve_ping)
         if self._admission_key is not None:
             self.set_handler(ADMIT_PROTOCOL, self._serve_admit)
+            # Before admission a stranger gets nothing from protocol negotiation but the
+            # admission protocol: not our protocol names (multistream "ls"), not identify's
+            # listen addresses and protocols (issue 21).
+            mux = libp2p_host.get_mux()
+            assert isinstance(mux, Multiselect)
+            libp2p_host.multiselect = _AdmissionGate(mux.handlers, self)  # type: ignore[attr-defined]
+            # Nor is our identify pushed to it (py-libp2p pushes to every connected peer when
+            # a listen address appears): only to admitted peers.
+            libp2p_host._push_identify_to_all_peers = self._push_identify_to_admitted  # type: ignore[attr-defined]
 
     # -- identity and addresses ---------------------------------------------------------------
 
@@ -588,6 +663,19 @@ class Host:
             raise PeerUnavailableError(f"{peer_id} is not admitted to this swarm: {reason}")
         if not adm.ok:
             raise PeerUnavailableError(f"{peer_id} refused by swarm admission: {adm.reason}")
+
+    async def _push_identify_to_admitted(self) -> None:
+        from libp2p.identity.identify_push.identify_push import push_identify_to_peers
+
+        admitted = {p for p in self._h.get_connected_peers() if self.is_admitted(p.to_base58())}
+        if admitted:
+            with contextlib.suppress(Exception):  # best effort, as py-libp2p's own push
+                await push_identify_to_peers(self._h, admitted)
+
+    async def _admitted_in_time(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is admitted, waiting for its verdict if it is under way."""
+        adm = await self._wait_admitted(peer_id)
+        return adm is not None and adm.done.is_set() and adm.ok
 
     async def _pubsub_admitted(self, pid: ID) -> bool:
         adm = await self._wait_admitted(pid.to_base58())
@@ -1452,6 +1540,7 @@ class Host:
             unresponsive_disconnects=c.unresponsive_disconnects,
             admissions_refused=c.admissions_refused,
             unadmitted_streams_refused=c.unadmitted_streams_refused,
+            unadmitted_protocols_refused=c.unadmitted_protocols_refused,
         )
 
     # -- discovery ----------------------------------------------------------------------------

@@ -59,6 +59,20 @@ MIN_REPLICA_BUDGET_BLOCKS = 1 << 16
 EPOCH_STRIDE = 1 << 32
 #: How many routing decisions a node remembers for its dashboard.
 RECENT_DECISIONS = 64
+#: Per-request limits a home node can afford (``--max-tokens``, ``--max-prompt-tokens``; see
+#: docs/security.md, "Limits"). The running requests' KV is reserved up front, (prompt +
+#: max_tokens) x the model's KV per token: 6,144 tokens of SmolLM2-135M (46 KB per token in
+#: float32) is 283 MB per request, 1.1 GB for a 4-slot batch, which a 8-16 GB machine holds
+#: beside the model; 2,048 new tokens is a long answer (OpenAI-style clients ask for 256 when
+#: they name no max_tokens here) and about a minute of decoding on a laptop CPU; 4,096 prompt
+#: tokens hold a long conversation and stay within every supported model's context.
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+#: A running generation of a requester over its share yields its slot after this many tokens
+#: when a requester below its share waits (peerinfer.core.fairshare): a few decode steps, so
+#: an honest request waits at most about this many tokens' time for a slot, while the flooder
+#: pays one pause per quantum.
+DEFAULT_PREEMPT_AFTER_TOKENS = 32
 
 
 def announce_topic(fingerprint: bytes, swarm_secret: bytes | None = None) -> str:
@@ -91,6 +105,13 @@ class NodeOptions:
     first_token_timeout_s: float = 30.0
     peer_timeout_s: float = 6.0
     max_queue: int = 8
+    #: per-request limits: longer prompts, or more new tokens asked for, are refused as invalid
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    #: requests one requester may have waiting here (None: the engine's slots), and the tokens
+    #: after which an over-share generation yields its slot (None: never preempt)
+    max_queued_per_requester: int | None = None
+    preempt_after_tokens: int | None = DEFAULT_PREEMPT_AFTER_TOKENS
     seed: int | None = None
     expected_peers: int = 64
     #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
@@ -116,6 +137,11 @@ class NodeOptions:
     trust_swarm: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_prompt_tokens", "max_queued_per_requester",
+                     "preempt_after_tokens"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.trust_swarm and self.swarm_key is None:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"

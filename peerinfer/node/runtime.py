@@ -30,8 +30,10 @@ from peerinfer.core.node import (
     NodeConfig,
     NodeCore,
     PingPeer,
+    PreemptLocal,
     Publish,
     Reject,
+    ResumeLocal,
     RunLocal,
     SendSyncRequest,
 )
@@ -65,7 +67,7 @@ from peerinfer.node.options import (
     logger,
 )
 from peerinfer.node.peers import LostNode, PeersMixin
-from peerinfer.node.worker import EngineWorkerMixin, _LocalRun
+from peerinfer.node.worker import EngineWorkerMixin, _Control, _LocalRun
 from peerinfer.trust import TrustKeeper
 from peerinfer.types import PeerId, RequestId
 
@@ -86,6 +88,11 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         #: Requests for the engine worker: handed over, and running in its scheduler.
         self._local_new: list[_LocalRun] = []
         self._local_runs: set[_LocalRun] = set()
+        #: the runs by request id, preemptions and resumes for the worker's next step, and
+        #: preemptions asked for runs not handed over yet (engine worker: worker.py)
+        self._runs_by_id: dict[RequestId, _LocalRun] = {}
+        self._local_control: list[_Control] = []
+        self._preempt_asked: dict[RequestId, int] = {}
         self._engine_wake = trio.Event()
         self._sinks: dict[RequestId, _Sink] = {}
         self._nursery: trio.Nursery | None = None
@@ -204,6 +211,10 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
                     peer_timeout_s=opts.peer_timeout_s,
                     ping_after_s=max(0.5, opts.peer_timeout_s / 3),
                     max_queue=opts.max_queue,
+                    max_new_tokens=opts.max_tokens,
+                    max_prompt_tokens=opts.max_prompt_tokens,
+                    max_queued_per_peer=opts.max_queued_per_requester,
+                    preempt_after_tokens=opts.preempt_after_tokens,
                     audit_rate=opts.audit_rate,
                     trusted_peers=(
                         None if opts.trusted_peers is None
@@ -341,11 +352,15 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
             elif isinstance(eff, Reject):
                 sink = self._sinks.get(eff.request_id)
                 if sink is not None:
-                    self._finish_sink(sink, ErrorMessage(sink.request_id, eff.code, eff.message))
+                    self._finish_sink(sink, ErrorMessage(sink.request_id, eff.code, eff.message,
+                                                         eff.retry_after_s))
             elif isinstance(eff, CancelLocal):
                 sink = self._sinks.get(eff.request_id)
                 if sink is not None:
                     sink.cancel.set()
+                self._control_local(None)  # a preempted request is not stepped: wake the worker
+            elif isinstance(eff, PreemptLocal | ResumeLocal):
+                self._control_local(eff)
             elif isinstance(eff, CancelForward):
                 sink = self._sinks.get(eff.request_id)
                 if sink is not None and sink.forward_scope is not None:

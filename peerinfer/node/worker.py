@@ -1,9 +1,11 @@
 """The engine worker: one task owns the ``BatchScheduler`` and is the only caller into the
-engine (one worker thread); it runs what the core starts and routes the events to each request."""
+engine (one worker thread); it runs what the core starts, preempts and resumes what the core's
+fair share says (``PreemptLocal``, ``ResumeLocal``: handed to the scheduler at its next step),
+and routes the events to each request."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +18,14 @@ from peerinfer.core.messages import (
 from peerinfer.core.node import (
     CacheChanged,
     LocalFinished,
+    LocalPreempted,
     LocalStarted,
+    PreemptLocal,
+    ResumeLocal,
     RunLocal,
 )
 from peerinfer.engine.base import Finished, Started, Tokens
-from peerinfer.engine.batch import BatchScheduler, StepResult
+from peerinfer.engine.batch import BatchScheduler, Preempted, StepResult
 from peerinfer.errors import (
     EngineError,
     InvalidRequestError,
@@ -32,10 +37,16 @@ from peerinfer.node.options import logger
 
 @dataclass(eq=False, slots=True)
 class _LocalRun:
-    """A request the core runs here; the engine worker's key for it in the scheduler."""
+    """A request the core runs here; the engine worker's key for it in the scheduler.
+    ``reported``: its tokens already reported to the core as service (``LocalPreempted``)."""
 
     effect: RunLocal
     sink: _Sink
+    reported: int = 0
+
+
+#: What the core asked of a run, for the scheduler's next step: preempt (after n tokens), resume.
+_Control = tuple[str, "_LocalRun", int]
 
 
 class EngineWorkerMixin:
@@ -55,7 +66,27 @@ class EngineWorkerMixin:
             logger.info("request %s served here: %s", eff.request_id, eff.decision.reason)
         # The engine worker submits it at its next step; the client's going away sets
         # sink.cancel, which the scheduler sees at every step.
-        self._local_new.append(_LocalRun(eff, sink))
+        run = _LocalRun(eff, sink)
+        self._local_new.append(run)
+        self._runs_by_id[eff.request_id] = run
+        after = self._preempt_asked.pop(eff.request_id, None)
+        if after is not None:  # asked to yield before it was handed over
+            self._local_control.append(("preempt", run, after))
+        self._engine_wake.set()
+
+    def _control_local(self, eff: PreemptLocal | ResumeLocal | None) -> None:
+        """Hand a preemption or a resume to the engine worker (at its next step); a preempt
+        for a run not handed over yet waits for it (``_run_local``). ``None``: only wake the
+        worker (a cancel: a suspended request must end)."""
+        if eff is not None:
+            run = self._runs_by_id.get(eff.request_id)
+            if isinstance(eff, PreemptLocal):
+                if run is None:
+                    self._preempt_asked[eff.request_id] = eff.after_tokens
+                else:
+                    self._local_control.append(("preempt", run, eff.after_tokens))
+            elif run is not None:
+                self._local_control.append(("resume", run, 0))
         self._engine_wake.set()
 
     async def _engine_worker(self, scheduler: BatchScheduler) -> None:
@@ -63,16 +94,17 @@ class EngineWorkerMixin:
         step the scheduler in the worker thread while anything runs, route the events."""
         try:
             while True:
-                if not self._local_new and scheduler.idle:
+                if not self._local_new and not self._local_control and scheduler.idle:
                     self._engine_wake = trio.Event()
                     await self._engine_wake.wait()
                     continue
                 new, self._local_new = self._local_new, []
+                control, self._local_control = self._local_control, []
                 self._local_runs.update(new)
                 try:
                     async with self._engine_lock:
                         results, changes = await trio.to_thread.run_sync(
-                            self._engine_step, scheduler, new
+                            self._engine_step, scheduler, new, control
                         )
                 except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
                     logger.exception("the batch scheduler failed")
@@ -97,15 +129,23 @@ class EngineWorkerMixin:
                 async with self._engine_lock:
                     await trio.to_thread.run_sync(scheduler.close)
 
-    def _engine_step(self, scheduler: BatchScheduler, new: list[_LocalRun]) -> tuple[StepResult, Any]:
-        """Worker thread: submit ``new``, run one scheduling step; the events, and the cache
-        changes left unreported when a request failed (None otherwise)."""
+    def _engine_step(
+        self, scheduler: BatchScheduler, new: list[_LocalRun], control: Sequence[_Control] = ()
+    ) -> tuple[StepResult, Any]:
+        """Worker thread: submit ``new``, hand over ``control`` (preempt, resume), run one
+        scheduling step; the events, and the cache changes left unreported when a request
+        failed (None otherwise)."""
         out: StepResult = []
         for run in new:
             try:
                 scheduler.submit(run, run.effect.tokens, run.effect.params, run.sink.cancel)
             except PeerInferError as exc:
                 out.append((run, exc))
+        for what, run, after in control:
+            if what == "preempt":
+                scheduler.preempt(run, after)
+            else:
+                scheduler.resume(run)
         out.extend(scheduler.step())
         changes = None
         if any(isinstance(item, PeerInferError) for _, item in out):
@@ -118,16 +158,20 @@ class EngineWorkerMixin:
         eff, sink = run.effect, run.sink
         if isinstance(item, Started):
             self._feed(LocalStarted(eff.request_id, item.cached_tokens))
+        elif isinstance(item, Preempted):
+            run.reported += item.generated
+            self._feed(LocalPreempted(eff.request_id, item.generated))
         elif isinstance(item, Tokens):
             self._relay_tokens(sink, item.token_ids, item.text)
         elif isinstance(item, Finished):
-            self._local_runs.discard(run)
+            self._forget_run(run)
             # Fed here, in the order the engine made them: the digest applies every report in
             # the engine's order.
             self._feed(
                 LocalFinished(
                     eff.request_id, ok=True, cache_added=item.cache_added,
                     cache_removed=item.cache_removed,
+                    generated=max(0, item.completion_tokens - run.reported),
                 )
             )
             now = trio.current_time()
@@ -146,9 +190,16 @@ class EngineWorkerMixin:
             )
         else:
             assert isinstance(item, PeerInferError)
-            self._local_runs.discard(run)
+            self._forget_run(run)
             code = "invalid" if isinstance(item, InvalidRequestError) else "internal"
             if not isinstance(item, InvalidRequestError | EngineError):
                 logger.warning("request %s failed in the engine: %r", eff.request_id, item)
             self._feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
             self._finish_sink(sink, ErrorMessage(sink.request_id, code, str(item)))
+
+    def _forget_run(self, run: _LocalRun) -> None:
+        self._local_runs.discard(run)
+        rid = run.effect.request_id
+        if self._runs_by_id.get(rid) is run:
+            del self._runs_by_id[rid]
+        self._preempt_asked.pop(rid, None)
