@@ -62,9 +62,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from peerinfer.core.messages import MAX_PROMPT_TOKENS, ChatMessage, SamplingParams
+from peerinfer.core.messages import (
+    MAX_PROMPT_TOKENS,
+    MAX_TOP_LOGPROBS,
+    ChatMessage,
+    SamplingParams,
+    TokenLogprob,
+)
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.radix import CacheStats, RadixCache, RadixNode
 from peerinfer.errors import (
@@ -75,6 +81,9 @@ from peerinfer.errors import (
     PeerInferError,
 )
 from peerinfer.types import BlockHash
+
+if TYPE_CHECKING:
+    from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -111,6 +120,8 @@ class Tokens:
 
     token_ids: tuple[int, ...]
     text: str
+    #: one entry per token of ``token_ids`` (not for end of sequence) when logprobs were asked
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +220,10 @@ class DecodeRequest:
     ``tokens``: the prompt (non-empty, every id in ``[0, vocab_size)``, shorter than the
     context). ``rng``: seeded from ``params.seed`` when given (repeatable sampling), else from
     the OS. ``prefix``: the cached prefix to reuse (always empty unless the backend supports the
-    prefix cache). ``block_size``: the cache's block size.
+    prefix cache). ``block_size``: the cache's block size. ``guide``: set when the request is
+    constrained or wants logprobs (``params.constraint``, ``params.logprobs``): before sampling
+    each token the backend masks the logits to ``guide.allowed()`` and, with logprobs, reports
+    them with ``guide.note``/``guide.note_logits`` (``peerinfer.engine.constraints``).
     """
 
     tokens: tuple[int, ...]
@@ -218,6 +232,7 @@ class DecodeRequest:
     rng: random.Random
     prefix: CachedPrefix = NO_PREFIX
     block_size: int = 16
+    guide: TokenGuide | None = None
 
     @property
     def seed(self) -> int:
@@ -318,6 +333,11 @@ def validate_sampling_params(params: object) -> SamplingParams:
                 f"each stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters, "
                 f"got {item!r}"
             )
+    k = params.top_logprobs
+    if type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if k and not params.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs")
     return params
 
 
@@ -524,6 +544,8 @@ class Engine(ABC):
     #: scheduler reserves ``(prompt + max_tokens) * kv_bytes_per_token`` per running request
     #: out of the cache's byte budget.
     kv_bytes_per_token: int = 0
+    #: Whether the backend reports logprobs through ``DecodeRequest.guide``.
+    supports_logprobs: bool = False
 
     _cache: RadixCache | None = None
     _changes: _ChangeLog | None = None
@@ -583,6 +605,24 @@ class Engine(ABC):
         lines = [f"{m.role}: {m.content}" for m in messages]
         lines.append("assistant:")
         return self.tokenize("\n".join(lines))
+
+    def chat_prompt_tokens(self, messages: Sequence[ChatMessage], tools: str = "") -> list[int]:
+        """The prompt for a chat that may offer ``tools`` (the JSON text of OpenAI's list) and
+        hold tool calls and results: the node's one entry point for chats.
+
+        The default renders tools, calls and results in peerinfer's generic tool format
+        (``peerinfer.engine.tools``) as plain messages, then ``chat_tokens``; a backend whose
+        chat template renders tools itself overrides this.
+        """
+        from peerinfer.engine.tools import generic_messages
+
+        return self.chat_tokens(generic_messages(messages, tools))
+
+    def grammar_tokenizer(self) -> GrammarTokenizer | None:
+        """This engine's vocabulary for constrained decoding (built once, then cached), or None
+        when the backend does not apply ``DecodeRequest.guide``'s mask (constrained requests
+        are then refused)."""
+        return None
 
     # ------------------------------------------------------------ backend hooks
 
@@ -703,7 +743,30 @@ class Engine(ABC):
     def validate_request(self, tokens: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
         """The prompt as a tuple, or InvalidRequestError for bad tokens or parameters."""
         validate_sampling_params(params)
+        if params.logprobs and not self.supports_logprobs:
+            raise InvalidRequestError(f"{type(self).__name__} does not report logprobs")
+        if params.constraint is not None and self.grammar_tokenizer() is None:
+            raise InvalidRequestError(
+                f"{type(self).__name__} does not support constrained decoding "
+                "(response_format, tool_choice 'required' or a named tool)"
+            )
         return validate_prompt(tokens, self.vocab_size, self.max_context_tokens)
+
+    def open_guide(self, params: SamplingParams) -> TokenGuide | None:
+        """The per-request sampling helper for ``params`` (None: unconstrained, no logprobs)."""
+        if params.constraint is None and not params.logprobs:
+            return None
+        from peerinfer.engine.constraints import TokenGuide
+
+        state = None
+        if params.constraint is not None:
+            grammar = self.grammar_tokenizer()
+            if grammar is None:
+                raise InvalidRequestError(
+                    f"{type(self).__name__} does not support constrained decoding"
+                )
+            state = grammar.matcher(params.constraint)
+        return TokenGuide(state, params.logprobs, params.top_logprobs, self.detokenize)
 
     def generate(
         self,
@@ -836,6 +899,7 @@ class RequestJob:
         "_aborted",
         "_counted",
         "_closed",
+        "guide",
     )
 
     def __init__(
@@ -859,6 +923,8 @@ class RequestJob:
         self._aborted = False
         self._counted = False
         self._closed = False
+        #: the constraint state and logprobs wish (None: neither), made in ``start()``
+        self.guide: TokenGuide | None = None
 
     # ------------------------------------------------------------ state
 
@@ -934,7 +1000,8 @@ class RequestJob:
                 self._prefix = CachedPrefix(match.tokens, tuple(match.payloads))
         params = self.params
         rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
-        request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs)
+        self.guide = engine.open_guide(params)
+        request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs, self.guide)
         self.decoder = engine.open_decoder(request)
         counters.prompt_tokens += len(prompt)
         counters.cached_tokens += self._prefix.tokens
@@ -979,12 +1046,20 @@ class RequestJob:
         if token is None:
             return self._end("stop")
         assert self._text is not None
+        guide = self.guide
+        eos = token in self.engine.eos_token_ids
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if guide is not None:
+            entry = guide.take_logprob(token)
+            if entry is not None and not eos:
+                logprobs = (entry,)
+            guide.advance(token)
         self.generated.append(token)
         counters = self._count()
         counters.completion_tokens += 1
-        if token in self.engine.eos_token_ids:  # reported, never spelled out
+        if eos:  # reported, never spelled out
             return [Tokens((token,), ""), *self._end("stop")]
-        events: list[EngineEvent] = [Tokens((token,), self._text.push(token))]
+        events: list[EngineEvent] = [Tokens((token,), self._text.push(token), logprobs)]
         if self._text.stopped:
             events.extend(self._end("stop"))
         return events

@@ -119,7 +119,7 @@ class EngineWorkerMixin:
         if isinstance(item, Started):
             self._feed(LocalStarted(eff.request_id, item.cached_tokens))
         elif isinstance(item, Tokens):
-            self._relay_tokens(sink, item.token_ids, item.text)
+            self._relay_tokens(sink, item.token_ids, item.text, item.logprobs)
         elif isinstance(item, Finished):
             self._local_runs.discard(run)
             # Fed here, in the order the engine made them: the digest applies every report in
