@@ -270,3 +270,49 @@ async def test_agents_on_the_default_model() -> None:
         honest_verdict, free_verdict = await node._in_engine(audits)
         assert honest_verdict.ok, honest_verdict.describe()
         assert not free_verdict.ok and free_verdict.broke_constraint, free_verdict.describe()
+
+
+@pytest.mark.slow
+async def test_constrained_requests_are_forwarded_audited_and_served_to_the_client() -> None:
+    """Two nodes with the default model, round-robin routing: the peerinfer client's JSON-schema
+    and logprobs requests go to both; the forwarded ones carry the constraint on the wire (the
+    answer is schema-valid JSON with logprobs) and the origin audits them under it, honestly."""
+    import torch
+
+    from peerinfer.client import Client
+    from peerinfer.engine.hf import TransformersEngine
+
+    threads = torch.get_num_threads()
+    engines = [TransformersEngine(device="cpu", dtype="float32", threads=1) for _ in range(2)]
+    schema = City.model_json_schema()
+    try:
+        async with trio.open_nursery() as nursery:
+            a = Node(options(engine="hf", policy="round_robin", audit_rate=1.0), engine=engines[0])
+            await nursery.start(a.serve)
+            b = Node(options(engine="hf", policy="round_robin", audit_rate=1.0,
+                             bootstrap=(a.addresses()[0],)), engine=engines[1])
+            await nursery.start(b.serve)
+            with trio.fail_after(60):
+                while not b.status().peers:
+                    await trio.sleep(0.05)
+            served: set[str] = set()
+            async with Client.connect(b.addresses()[0]) as client:
+                for i in range(4):
+                    result = await client.generate(
+                        [{"role": "user", "content": f"Describe city number {i} as JSON."}],
+                        max_tokens=100, json_schema=schema, logprobs=2)
+                    jsonschema.validate(json.loads(result.text), schema)
+                    assert result.finish_reason == "stop"
+                    assert result.logprobs and all(len(e.top) == 2 for e in result.logprobs)
+                    assert "".join(e.text for e in result.logprobs) == result.text
+                    served.add(result.served_by)
+            assert served == {a.peer_id, b.peer_id}
+            with trio.fail_after(120):
+                while b._trust.audits_run < 1:
+                    await trio.sleep(0.05)
+            assert b._trust.audits_failed == 0
+            nursery.cancel_scope.cancel()
+    finally:
+        for engine in engines:
+            engine.close()
+        torch.set_num_threads(threads)
