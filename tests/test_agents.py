@@ -147,7 +147,7 @@ class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=30)
     country: Literal["France", "Germany", "Italy", "Spain"]
     population_millions: float = pydantic.Field(ge=0, le=50)
-    landmarks: list[str] = pydantic.Field(max_length=3)
+    landmarks: list[Annotated[str, pydantic.Field(max_length=40)]] = pydantic.Field(max_length=3)
 
 
 def _chat(text: str) -> list[Any]:
