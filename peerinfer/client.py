@@ -21,6 +21,7 @@ From synchronous code (a trio loop runs in a background thread)::
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import secrets
 import threading
@@ -34,6 +35,7 @@ import trio
 
 from peerinfer.core.messages import (
     ChatMessage,
+    Constraint,
     ErrorMessage,
     GenerateDone,
     GenerateRequest,
@@ -42,9 +44,11 @@ from peerinfer.core.messages import (
     StatusRequest,
     StatusResponse,
     TokenChunk,
+    TokenLogprob,
     decode,
     encode,
 )
+from peerinfer.engine.constraints import check_constraint
 from peerinfer.errors import (
     ClosedError,
     InvalidRequestError,
@@ -57,7 +61,7 @@ from peerinfer.net import Host, HostConfig, open_host
 GENERATE_PROTOCOL = "/peerinfer/generate/1.0.0"
 STATUS_PROTOCOL = "/peerinfer/status/1.0.0"
 
-Prompt = str | Sequence[Mapping[str, str]]
+Prompt = str | Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,8 @@ class GenerationResult:
     ttft_s: float
     latency_s: float
     finish_reason: str = "stop"
+    #: per generated token, when asked for with ``logprobs=``
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +85,24 @@ class GenerationResult:
 
 def _raise_error(message: ErrorMessage) -> None:
     raise error_from_code(message.code, message.message, message.retry_after_s)
+
+
+def _constraint(json_schema: Mapping[str, Any] | None,
+                constraint: Constraint | None) -> Constraint | None:
+    if json_schema is not None and constraint is not None:
+        raise InvalidRequestError("give json_schema or constraint, not both")
+    if json_schema is not None:
+        constraint = Constraint("json_schema", json.dumps(dict(json_schema)))
+    if constraint is not None:
+        check_constraint(constraint)  # InvalidRequestError naming the problem, before sending
+    return constraint
+
+
+def _message(m: Mapping[str, Any]) -> ChatMessage:
+    calls = m.get("tool_calls")
+    return ChatMessage(str(m["role"]), str(m.get("content") or ""),
+                       json.dumps(list(calls)) if calls else "",
+                       str(m.get("tool_call_id") or ""), str(m.get("name") or ""))
 
 
 def _build_request(
@@ -89,25 +113,34 @@ def _build_request(
     top_p: float,
     seed: int | None,
     stop: Sequence[str],
+    *,
+    json_schema: Mapping[str, Any] | None = None,
+    constraint: Constraint | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
+    logprobs: int | None = None,
 ) -> GenerateRequest:
     params = SamplingParams(
         max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-        seed=seed, stop=tuple(stop),
+        seed=seed, stop=tuple(stop), constraint=_constraint(json_schema, constraint),
+        logprobs=logprobs is not None, top_logprobs=logprobs or 0,
     )
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
+        if tools:
+            raise InvalidRequestError("tools need a chat (a list of messages), not a text prompt")
         request = GenerateRequest(request_id=request_id, params=params, prompt=prompt)
     else:
         try:
-            messages = tuple(ChatMessage(str(m["role"]), str(m["content"])) for m in prompt)
+            messages = tuple(_message(m) for m in prompt)
         except (KeyError, TypeError) as exc:
             raise InvalidRequestError(
                 "chat messages must be dicts with 'role' and 'content'"
             ) from exc
         if not messages:
             raise InvalidRequestError("a chat needs at least one message")
-        request = GenerateRequest(request_id=request_id, params=params, messages=messages)
+        request = GenerateRequest(request_id=request_id, params=params, messages=messages,
+                                  tools=json.dumps(list(tools)) if tools else "")
     # Validate locally what the node would refuse, so the caller gets a LocalError.
     try:
         decode(encode(request), expected=GenerateRequest)
@@ -187,22 +220,36 @@ class Client:
         seed: int | None = None,
         stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        json_schema: Mapping[str, Any] | None = None,
+        constraint: Constraint | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
+        logprobs: int | None = None,
     ) -> GenerationResult:
-        """Generate a completion of ``prompt`` (text, or chat messages as role/content dicts).
+        """Generate a completion of ``prompt`` (text, or chat messages as role/content dicts,
+        which may hold OpenAI's ``tool_calls`` and ``tool`` messages).
 
         ``ttft_s`` and ``latency_s`` are measured here, as the caller experiences them.
         ``on_text`` is called with each text chunk as it arrives (for streaming displays).
+        ``json_schema``: the answer is JSON matching it (constrained decoding); ``constraint``:
+        any other constraint (``peerinfer.core.messages.Constraint``: a Lark grammar, a regex,
+        any JSON object). ``tools``: OpenAI's tool list, rendered into the chat's prompt (read
+        the calls back with ``peerinfer.engine.tools.parse_tool_calls``). ``logprobs``: report
+        each token's log-probability with that many top alternatives (0 to 20).
         """
-        request = _build_request(self._next_id(), prompt, max_tokens, temperature, top_p, seed, stop)
+        request = _build_request(self._next_id(), prompt, max_tokens, temperature, top_p, seed,
+                                 stop, json_schema=json_schema, constraint=constraint,
+                                 tools=tools, logprobs=logprobs)
         started = time.perf_counter()
         first: float | None = None
         parts: list[str] = []
+        logprob_entries: list[TokenLogprob] = []
         done: GenerateDone | None = None
         async for msg in self._events(request):
             if isinstance(msg, TokenChunk):
                 if first is None and (msg.token_ids or msg.text):
                     first = time.perf_counter()
                 parts.append(msg.text)
+                logprob_entries.extend(msg.logprobs)
                 if on_text is not None and msg.text:
                     on_text(msg.text)
             else:
@@ -218,6 +265,7 @@ class Client:
             ttft_s=(first if first is not None else end) - started,
             latency_s=end - started,
             finish_reason=done.finish_reason,
+            logprobs=tuple(logprob_entries),
         )
 
     async def stream(
@@ -229,9 +277,14 @@ class Client:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        json_schema: Mapping[str, Any] | None = None,
+        constraint: Constraint | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> AsyncIterator[str]:
-        """The completion of ``prompt`` as text chunks, as they arrive."""
-        request = _build_request(self._next_id(), prompt, max_tokens, temperature, top_p, seed, stop)
+        """The completion of ``prompt`` as text chunks, as they arrive (the options as in
+        ``generate``)."""
+        request = _build_request(self._next_id(), prompt, max_tokens, temperature, top_p, seed,
+                                 stop, json_schema=json_schema, constraint=constraint, tools=tools)
         async for msg in self._events(request):
             if isinstance(msg, TokenChunk) and msg.text:
                 yield msg.text

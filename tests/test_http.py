@@ -293,10 +293,9 @@ async def test_unsupported_parameters_are_refused_by_name() -> None:
         base: dict[str, Any] = dict(model="simulated", messages=[{"role": "user", "content": "hi"}])
         cases: list[tuple[dict[str, Any], str]] = [
             ({"n": 2}, "n > 1"),
-            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-             "tool and function calling"),
-            ({"logprobs": True}, "logprobs"),
+            ({"functions": [{"name": "f", "parameters": {}}]}, "legacy 'functions'"),
             ({"presence_penalty": 0.5}, "presence penalty"),
+            ({"logit_bias": {"5": 1}}, "logit_bias"),
         ]
         for extra, what in cases:
             with pytest.raises(openai.BadRequestError) as info:
@@ -304,6 +303,15 @@ async def test_unsupported_parameters_are_refused_by_name() -> None:
             assert info.value.status_code == 400
             assert what in info.value.message and "not supported" in info.value.message
             assert info.value.code == "unsupported_parameter"
+        # The simulated engine has no distribution and no text to constrain: it says so.
+        engine_cases: list[tuple[dict[str, Any], str]] = [
+            ({"logprobs": True}, "does not report logprobs"),
+            ({"response_format": {"type": "json_object"}}, "does not support constrained decoding"),
+        ]
+        for extra, what in engine_cases:
+            with pytest.raises(openai.BadRequestError) as info:
+                await in_thread(lambda extra=extra: client.chat.completions.create(**base, **extra))
+            assert what in info.value.message
 
 
 async def test_invalid_requests_get_400_in_openai_shape() -> None:

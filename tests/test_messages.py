@@ -198,7 +198,8 @@ def bad_values(check: Any, wire_value: Any, path: str) -> Iterator[tuple[Any, st
                 yield [env["maximum"] + 1], f"{path}[0]"
     elif kind == "Nested":
         yield [], path  # wrong number of fields
-        yield [*wire_value, 0], path
+        if wire_value is not None:  # an Optional record left out has no fields to add to
+            yield [*wire_value, 0], path
 
 
 def mutations(cls: type[Record], wire_fields: list[Any], path: str) -> Iterator[Mutation]:
@@ -211,7 +212,7 @@ def mutations(cls: type[Record], wire_fields: list[Any], path: str) -> Iterator[
         kind, env = validator_kind(check)
         if kind == "Optional":
             kind, env = validator_kind(env["inner"])
-        if kind == "Nested":
+        if kind == "Nested" and value is not None:
             for sub, bad, named in mutations(env["cls"], value, field_path):
                 yield (index, *sub), bad, named
         if kind == "ListOf" and value:

@@ -318,29 +318,110 @@ class Load(Record):
     )
 
 
+#: Kinds of output constraint (``Constraint.kind``); see ``peerinfer.engine.constraints``.
+CONSTRAINT_KINDS = frozenset({"json_object", "json_schema", "lark", "regex"})
+#: The longest constraint specification (a JSON schema, a grammar), in characters.
+MAX_CONSTRAINT_CHARS = 262_144
+#: The most alternatives ``top_logprobs`` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint(Record):
+    """What the output must match, enforced token by token while sampling (constrained decoding).
+
+    ``kind``: ``json_object`` (any JSON object; ``spec`` empty), ``json_schema`` (``spec``: the
+    schema as JSON text), ``lark`` (``spec``: a Lark grammar in llguidance's dialect, which may
+    embed ``%json {...}`` schemas), ``regex``. ``consumed``: tokens already generated under this
+    constraint (a request resumed after its first server failed mid-stream, or an audit of such
+    an answer): the state starts after them.
+    """
+
+    kind: str
+    spec: str = ""
+    consumed: tuple[int, ...] = ()
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        Text(32, CONSTRAINT_KINDS),
+        Text(MAX_CONSTRAINT_CHARS),
+        UIntList(U32, MAX_NEW_TOKENS),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams(Record):
-    """How to generate. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
+    """How to generate. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable.
+
+    ``constraint``: the output must match it (None: free text). ``logprobs``: report each
+    generated token's log-probability under the model (its raw log-softmax, before temperature,
+    top-p or the constraint's mask), with the ``top_logprobs`` most likely alternatives.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    OPTIONAL_TAIL: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(MAX_NEW_TOKENS, minimum=1),
         Float(0.0, 100.0),
         Float(1e-6, 1.0),
         Optional(UInt(U64)),
         ListOf(Text(256), 16),
+        Optional(Nested(Constraint)),
+        Bool(),
+        UInt(MAX_TOP_LOGPROBS),
     )
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage(Record):
+    """One message of a chat. ``tool_calls``: an assistant's calls, as the JSON text of
+    OpenAI's ``tool_calls`` list; ``tool_call_id`` (role ``tool``): the call this answers;
+    ``name``: the tool's name for a ``tool`` message (optional)."""
+
     role: str
     content: str
-    SCHEMA: ClassVar[tuple[Validator, ...]] = (Text(32), Text(MAX_PROMPT_CHARS))
+    tool_calls: str = ""
+    tool_call_id: str = ""
+    name: str = ""
+    OPTIONAL_TAIL: ClassVar[int] = 3
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        Text(32),
+        Text(MAX_PROMPT_CHARS),
+        Text(MAX_PROMPT_CHARS),
+        Text(MAX_ID_CHARS),
+        Text(MAX_ID_CHARS),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob(Record):
+    """One of the most likely tokens at a position: its id, text and log-probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (UInt(U32), Text(256), Float(-1e9, 0.0))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob(Record):
+    """A generated token's log-probability, and the ``top`` alternatives at its position."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(U32),
+        Text(256),
+        Float(-1e9, 0.0),
+        ListOf(Nested(TopLogprob), MAX_TOP_LOGPROBS),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,6 +600,8 @@ class GenerateRequest(Message):
     A client sends ``prompt`` (text) or ``messages`` (chat). A node forwarding to a peer sends
     ``tokens`` (already tokenized, so the target's cache is matched on exactly these ids) and
     ``forwarded=True``: a forwarded request is served where it lands, never forwarded again.
+    ``tools`` (with ``messages``): the JSON text of OpenAI's ``tools`` list, rendered into the
+    prompt (``Engine.chat_prompt_tokens``), so a forwarded request's tokens include them.
     ``deadline_ms`` is a relative budget for the first token. ``max_outstanding`` (forwarded
     requests only): refuse it as busy if more requests than this are queued or running when it
     arrives (the origin's routing assumed no more; None: no limit).
@@ -533,6 +616,8 @@ class GenerateRequest(Message):
     origin: str = ""
     deadline_ms: int = 0
     max_outstanding: int | None = None
+    tools: str = ""
+    OPTIONAL_TAIL: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         REQUEST_ID,
         Nested(SamplingParams),
@@ -543,6 +628,7 @@ class GenerateRequest(Message):
         PEER_ID,
         UInt(U32),
         Optional(UInt(U32)),
+        Text(MAX_PROMPT_CHARS),
     )
 
 
@@ -554,10 +640,14 @@ class TokenChunk(Message):
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    #: one per token of ``token_ids`` (end of sequence excepted) when the request asked for them
+    logprobs: tuple[TokenLogprob, ...] = ()
+    OPTIONAL_TAIL: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         REQUEST_ID,
         UIntList(U32, 65_536),
         Text(MAX_TEXT_CHARS),
+        ListOf(Nested(TokenLogprob), 65_536),
     )
 
 
@@ -725,6 +815,6 @@ def _check_schemas(classes: Sequence[type[Record]]) -> None:
 
 
 _check_schemas(
-    [Load, SamplingParams, ChatMessage, SyncQuery, SyncNode, PeerStatus, CacheStatus, PeerAddrs]
+    [Load, Constraint, SamplingParams, ChatMessage, TopLogprob, TokenLogprob, SyncQuery, SyncNode, PeerStatus, CacheStatus, PeerAddrs]
     + list(_REGISTRY.values())
 )

@@ -743,6 +743,16 @@ class NodeStatistics:
     running: int
 
 
+def _after(params: SamplingParams, generated: tuple[int, ...]) -> SamplingParams:
+    """``params`` for the rest of an answer whose first ``generated`` tokens were served
+    elsewhere: fewer tokens left, and a constraint that starts after them."""
+    constraint = params.constraint
+    if constraint is not None:
+        constraint = replace(constraint, consumed=constraint.consumed + generated)
+    return replace(params, max_tokens=max(1, params.max_tokens - len(generated)),
+                   constraint=constraint)
+
+
 class NodeCore:
     """The sans-IO node. Feed it ``handle(event, now)`` and ``tick(now)``; execute what they return.
 
@@ -1293,7 +1303,7 @@ class NodeCore:
             self._stats["served_locally"] += 1
             params = req.params
             if req.resume_after:
-                params = replace(params, max_tokens=max(1, params.max_tokens - len(req.resume_after)))
+                params = _after(params, req.resume_after)
             effects.append(
                 RunLocal(
                     request_id=req.request_id,
@@ -1494,8 +1504,15 @@ class NodeCore:
             ):
                 # Greedy answers must be the argmax, sampled ones inside the top-p nucleus
                 # (peerinfer.engine.audit); the params say which.
+                # A constrained answer is re-scored under its constraint, from where it began.
+                params = req.params
+                if req.resume_after and params.constraint is not None:
+                    params = replace(params, constraint=replace(
+                        params.constraint,
+                        consumed=params.constraint.consumed + req.resume_after,
+                    ))
                 effects.append(
-                    AuditForward(ev.peer, req.tokens + req.resume_after, req.params, ev.completion)
+                    AuditForward(ev.peer, req.tokens + req.resume_after, params, ev.completion)
                 )
         return effects
 

@@ -34,6 +34,14 @@ from lying token by token.
 The end of sequence: a completion that ends in an end-of-sequence id is checked like any other
 token (the argmax, or inside the nucleus, there); one cut short by ``max_tokens`` needs nothing
 more.
+
+**Constrained** answers (``params.constraint``: a JSON schema, a tool-call grammar) are
+re-scored under the same constraint, as the engine sampled them: the constraint's state is
+walked along the completion, each position's logits are masked to the tokens it allows, and
+the rules above apply to the masked logits. A token the grammar forced is then the only
+candidate, so it is never judged a lie however unlikely the bare model finds it; a token the
+constraint forbids fails the audit outright (no share of positions is forgiven for that: no
+rounding makes an honest peer break a grammar).
 """
 
 from __future__ import annotations
@@ -66,10 +74,14 @@ class AuditVerdict:
     scored_tokens: int = 0
     sampled: bool = False
     checked: bool = True
+    #: the answer holds a token its constraint forbids (at ``position``)
+    broke_constraint: bool = False
 
     def describe(self) -> str:
         if not self.checked:
             return "not checked: a sampled answer from a seed this node does not know"
+        if self.broke_constraint:
+            return f"token {self.position} breaks the request's constraint"
         where = "inside the model's top-p nucleus" if self.sampled else "the model's argmax"
         if self.ok:
             return f"every token is {where}" if self.sampled else f"the answer is {where} everywhere"
@@ -142,16 +154,26 @@ def _audit_transformers(
     model = engine.model  # type: ignore[attr-defined]
     device = engine.device  # type: ignore[attr-defined]
     seq = list(prompt) + list(completion)
+    sampled = params is not None and params.temperature > 0
+    allowed = None
+    if params is not None and params.constraint is not None:
+        walked = _walk_constraint(engine, params, completion)
+        if isinstance(walked, int):
+            return AuditVerdict(False, walked, float("inf"), 0, sampled=sampled,
+                                broke_constraint=True)
+        allowed = walked
     ids = torch.tensor([seq], dtype=torch.long, device=device)  # [1, P + C]
     with torch.inference_mode():
         logits = model(input_ids=ids, use_cache=False).logits[0]  # [P + C, vocab]
         # The logits that predicted completion[i] sit at position P - 1 + i.
         start = len(prompt) - 1
         scored = logits[start : start + len(completion)].float()  # [C, vocab]
+        if allowed is not None:  # what the engine sampled from: the constraint's mask applied
+            keep = torch.from_numpy(allowed).to(scored.device)
+            scored = scored.masked_fill(~keep[:, : scored.shape[1]], float("-inf"))
         chosen = torch.tensor(list(completion), dtype=torch.long, device=scored.device)
         best = scored.max(dim=-1).values  # [C]
         got = scored.gather(1, chosen[:, None])[:, 0]  # [C]
-        sampled = params is not None and params.temperature > 0
         if sampled:
             assert params is not None
             edge = _nucleus_edge(torch, scored, params)  # [C] the nucleus's lowest logit
@@ -163,6 +185,24 @@ def _audit_transformers(
         i = int(off[0])
         return AuditVerdict(False, i, float(gaps[i]), len(seq), sampled=sampled)
     return AuditVerdict(True, scored_tokens=len(seq), sampled=sampled)
+
+
+def _walk_constraint(engine: Engine, params: SamplingParams,
+                     completion: Sequence[int]) -> Any:
+    """The constraint's allowed tokens at each position of ``completion`` (a boolean array
+    ``[C, vocab]``), or the first position whose token it forbids (an int)."""
+    import numpy as np
+
+    grammar = engine.grammar_tokenizer()
+    assert grammar is not None and params.constraint is not None
+    state = grammar.matcher(params.constraint)
+    rows = []
+    for i, token in enumerate(completion):
+        if not state.allows(token):
+            return i
+        rows.append(state.allowed())
+        state.advance(token)
+    return np.stack(rows)
 
 
 def _nucleus_edge(torch: Any, logits: Any, params: SamplingParams) -> Any:

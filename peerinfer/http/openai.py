@@ -1,9 +1,24 @@
 """OpenAI's API shapes <-> peerinfer messages: pure functions, no I/O.
 
 Requests: :func:`parse_chat` and :func:`parse_completion` turn a decoded JSON body into a
-``GenerateRequest`` plus the few response options (``stream``, ``include_usage``), or raise
-:class:`ApiError` with OpenAI's error fields. What peerinfer cannot do (``n`` > 1, tools,
-logprobs, penalties, ``echo``, ``suffix``...) is refused by name, never silently ignored.
+``GenerateRequest`` plus the few response options (``stream``, ``include_usage``, the tools
+offered, logprobs), or raise :class:`ApiError` with OpenAI's error fields. What peerinfer cannot
+do (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``suffix``, the legacy ``functions``...) is
+refused by name, never silently ignored.
+
+Agents' features map onto the request like this:
+
+* ``tools`` travel as JSON text in ``GenerateRequest.tools`` and are rendered into the prompt by
+  the engine (``Engine.chat_prompt_tokens``: the model's template if it renders tools, else
+  peerinfer's generic format, ``peerinfer.engine.tools``), unless ``tool_choice`` is ``none``.
+  ``required`` or a named function adds a ``lark`` constraint (``tool_call_grammar``), so the
+  call parses and matches its parameter schema; ``auto`` leaves the model free and the answer
+  is a call when it parses as one.
+* ``response_format`` ``json_object``/``json_schema`` becomes a ``Constraint`` checked here (an
+  invalid or unsupported schema: 400 with the grammar library's message).
+* ``logprobs``/``top_logprobs`` (chat) or ``logprobs: k`` (completions) ask the engine for the
+  raw log-softmax of each token; they come back in ``TokenChunk.logprobs``.
+
 Responses: ``*_response`` (the whole answer), ``*_chunk`` (one SSE event), :func:`usage`,
 :func:`error_body`. Error statuses come from the one error table (``peerinfer.errors``).
 """
@@ -11,21 +26,28 @@ Responses: ``*_response`` (the whole answer), ``*_chunk`` (one SSE event), :func
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from peerinfer.core.messages import (
+    MAX_TOP_LOGPROBS,
     ChatMessage,
+    Constraint,
     ErrorMessage,
     GenerateDone,
     GenerateRequest,
     SamplingParams,
+    TokenLogprob,
     decode,
     encode,
 )
-from peerinfer.errors import ProtocolError, error_kind
+from peerinfer.engine.constraints import check_constraint
+from peerinfer.engine.tools import ToolCall, parse_tool_calls, tool_call_grammar
+from peerinfer.errors import InvalidRequestError, ProtocolError, error_kind
 
 #: Completion length when the request names none (OpenAI's default is "up to the context").
 DEFAULT_MAX_TOKENS = 256
@@ -69,6 +91,9 @@ class ParsedRequest:
     model: str
     stream: bool
     include_usage: bool
+    #: names of the tools whose calls the answer may hold (empty: the answer is text)
+    tool_names: tuple[str, ...] = ()
+    logprobs: bool = False
 
 
 def _invalid(message: str, param: str | None = None) -> ApiError:
@@ -98,28 +123,23 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     n = body.get("n")
     if n is not None and n != 1:
         raise _unsupported("n", "n > 1 (several choices per request)")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _unsupported(name, "tool and function calling")
-    if body.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice", "tool and function calling")
+    if body.get("functions"):
+        raise _unsupported("functions", "the legacy 'functions' parameter (use 'tools')")
     if body.get("function_call") not in (None, "none"):
-        raise _unsupported("function_call", "tool and function calling")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
-        raise _unsupported("logprobs", "logprobs")
+        raise _unsupported("function_call", "the legacy 'function_call' parameter (use 'tool_choice')")
+    if not chat:
+        for name in ("tools", "tool_choice", "response_format"):
+            if body.get(name) is not None:
+                raise _unsupported(name, f"{name} on /v1/completions (use /v1/chat/completions)")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise _unsupported(name, name.replace("_", " "))
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "a response_format other than text")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "best_of > 1")
@@ -129,7 +149,8 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise _unsupported("suffix", "suffix (insertion)")
 
 
-def _params(body: Mapping[str, Any]) -> SamplingParams:
+def _params(body: Mapping[str, Any], constraint: Constraint | None = None,
+            logprobs: tuple[bool, int] = (False, 0)) -> SamplingParams:
     max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
@@ -160,8 +181,136 @@ def _params(body: Mapping[str, Any]) -> SamplingParams:
     if any(not s for s in stop):
         raise _invalid("stop sequences must not be empty", "stop")
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+        constraint=constraint, logprobs=logprobs[0], top_logprobs=logprobs[1],
     )
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> tuple[bool, int]:
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _invalid("logprobs must be a boolean", "logprobs")
+    top = _integer(body, "top_logprobs")
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if not logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return bool(logprobs), top or 0
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> tuple[bool, int]:
+    top = _integer(body, "logprobs")
+    if top is None:
+        return False, 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _invalid(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
+    return True, top
+
+
+def _checked(constraint: Constraint, param: str) -> Constraint:
+    try:
+        check_constraint(constraint)
+    except InvalidRequestError as exc:
+        raise _invalid(str(exc), param) from None
+    return constraint
+
+
+def _response_format(body: Mapping[str, Any]) -> Constraint | None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping) or not isinstance(fmt.get("type"), str):
+        raise _invalid("response_format must be an object with a 'type'", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise _invalid("response_format.json_schema must be an object with a 'schema' object",
+                           "response_format")
+        name = spec.get("name")
+        if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise _invalid("response_format.json_schema.name must match ^[a-zA-Z0-9_-]{1,64}$",
+                           "response_format")
+        schema = spec.get("schema") or {"type": "object"}
+        return _checked(Constraint("json_schema", json.dumps(schema)), "response_format")
+    raise _unsupported("response_format", f"response_format type {kind!r}")
+
+
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tools:
+    text: str  # the JSON list for the wire ("" when no tools are offered)
+    names: tuple[str, ...]
+    constraint: Constraint | None
+
+
+def _tools(body: Mapping[str, Any]) -> _Tools:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _invalid("tool_choice needs tools", "tool_choice")
+        return _Tools("", (), None)
+    if not isinstance(tools, list):
+        raise _invalid("tools must be a list", "tools")
+    functions: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise _unsupported(where, "tools other than functions")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise _invalid("a tool needs a 'function' object", where)
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _invalid("a function's name must match ^[a-zA-Z0-9_-]{1,64}$", where)
+        if any(f["name"] == name for f in functions):
+            raise _invalid(f"two tools are named {name!r}", where)
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, Mapping):
+            raise _invalid("a function's parameters must be a JSON schema object", where)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _invalid("a function's description must be a string", where)
+        entry: dict[str, Any] = {"name": name}
+        if description:
+            entry["description"] = description
+        entry["parameters"] = dict(parameters)
+        functions.append(entry)
+        # Each schema is checked alone, so the error names the function.
+        _checked(Constraint("json_schema", json.dumps(dict(parameters))), f"{where}.function.parameters")
+    if choice is None or choice == "auto":
+        wanted: list[dict[str, Any]] | None = None
+    elif choice == "none":
+        return _Tools("", (), None)
+    elif choice == "required":
+        wanted = functions
+    elif (isinstance(choice, Mapping) and choice.get("type") == "function"
+          and isinstance(choice.get("function"), Mapping)):
+        named = choice["function"].get("name")
+        wanted = [f for f in functions if f["name"] == named]
+        if not wanted:
+            raise _invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+    else:
+        raise _invalid("tool_choice must be 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    constraint = None
+    if wanted is not None:
+        # A named function is called once; 'required' may call several when parallel.
+        grammar = tool_call_grammar(wanted, parallel=parallel and choice == "required")
+        constraint = _checked(Constraint("lark", grammar), "tools")
+    text = json.dumps([{"type": "function", "function": f} for f in functions])
+    return _Tools(text, tuple(f["name"] for f in functions), constraint)
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -198,6 +347,23 @@ def _validated(request: GenerateRequest) -> GenerateRequest:
     return request
 
 
+def _tool_calls_text(calls: Any, index: int) -> str:
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _invalid("tool_calls must be a list", where)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise _invalid("each tool call needs a 'function' with a 'name'", where)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return json.dumps(out)
+
+
 def _content_text(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
@@ -224,7 +390,7 @@ def parse_chat(body: Any, request_id: str, served_model: str) -> ParsedRequest:
     if not isinstance(body, Mapping):
         raise _invalid("the request body must be a JSON object")
     model = _check_model(body, served_model)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages must be a non-empty list", "messages")
@@ -232,13 +398,24 @@ def parse_chat(body: Any, request_id: str, served_model: str) -> ParsedRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise _invalid("each message needs a 'role' and a 'content'", f"messages[{i}]")
-        if m.get("tool_calls") or m["role"] in ("tool", "function"):
-            raise _unsupported(f"messages[{i}]", "tool and function calling")
+        if m["role"] == "function":
+            raise _unsupported(f"messages[{i}]", "the legacy 'function' role (use 'tool')")
         role = "system" if m["role"] == "developer" else m["role"]
-        chat.append(ChatMessage(role, _content_text(m.get("content"), i)))
+        calls = _tool_calls_text(m["tool_calls"], i) if m.get("tool_calls") else ""
+        call_id = m.get("tool_call_id", "")
+        if role == "tool" and not isinstance(call_id, str):
+            raise _invalid("a tool message needs a string 'tool_call_id'", f"messages[{i}]")
+        name = m.get("name", "")
+        chat.append(ChatMessage(role, _content_text(m.get("content"), i), calls,
+                                str(call_id or "")[:128], name if isinstance(name, str) else ""))
+    tools = _tools(body)
+    constraint = tools.constraint or _response_format(body)
+    logprobs = _chat_logprobs(body)
     stream, include_usage = _stream_options(body)
-    request = GenerateRequest(request_id=request_id, params=_params(body), messages=tuple(chat))
-    return ParsedRequest(_validated(request), model, stream, include_usage)
+    request = GenerateRequest(request_id=request_id, params=_params(body, constraint, logprobs),
+                              messages=tuple(chat), tools=tools.text)
+    return ParsedRequest(_validated(request), model, stream, include_usage, tools.names,
+                         logprobs[0])
 
 
 def parse_completion(body: Any, request_id: str, served_model: str) -> ParsedRequest:
@@ -246,12 +423,13 @@ def parse_completion(body: Any, request_id: str, served_model: str) -> ParsedReq
     if not isinstance(body, Mapping):
         raise _invalid("the request body must be a JSON object")
     model = _check_model(body, served_model)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     stream, include_usage = _stream_options(body)
-    params = _params(body)
+    logprobs = _completion_logprobs(body)
+    params = _params(body, None, logprobs)
     if isinstance(prompt, str):
         if not prompt:
             raise _invalid("the prompt is empty", "prompt")
@@ -264,15 +442,62 @@ def parse_completion(body: Any, request_id: str, served_model: str) -> ParsedReq
         raise _unsupported("prompt", "several prompts in one request")
     else:
         raise _invalid("prompt must be a string or a list of token ids", "prompt")
-    return ParsedRequest(_validated(request), model, stream, include_usage)
+    return ParsedRequest(_validated(request), model, stream, include_usage, (), logprobs[0])
 
 
 # -------------------------------------------------------------------------------- responses
 
 
-def finish_reason(reason: str) -> str:
+def finish_reason(reason: str, tool_calls: bool = False) -> str:
     # "cancelled" never reaches a client that is still listening; anything else stopped early.
-    return "length" if reason == "length" else "stop"
+    if reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def read_answer(text: str, tool_names: Sequence[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of a chat answer: calls only when tools were offered and the
+    text parses as calls of them (content then None when nothing came before the calls)."""
+    if tool_names:
+        parsed = parse_tool_calls(text, tool_names)
+        if parsed is not None:
+            return parsed[0] or None, parsed[1]
+    return text, []
+
+
+def tool_call_objects(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object for ``entries``."""
+    return {
+        "content": [
+            {**_token_entry(e.text, e.logprob),
+             "top_logprobs": [_token_entry(t.text, t.logprob) for t in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset``: characters before these tokens."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def usage(done: GenerateDone) -> dict[str, Any]:
@@ -285,7 +510,12 @@ def usage(done: GenerateDone) -> dict[str, Any]:
 
 
 def chat_response(rid: str, model: str, text: str, done: GenerateDone,
-                  created: int | None = None) -> dict[str, Any]:
+                  created: int | None = None, *, tool_names: Sequence[str] = (),
+                  logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+    content, calls = read_answer(text, tool_names)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = tool_call_objects(calls)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -293,9 +523,9 @@ def chat_response(rid: str, model: str, text: str, done: GenerateDone,
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason(done.finish_reason),
+            "message": message,
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+            "finish_reason": finish_reason(done.finish_reason, bool(calls)),
         }],
         "usage": usage(done),
         "system_fingerprint": None,
@@ -303,7 +533,8 @@ def chat_response(rid: str, model: str, text: str, done: GenerateDone,
 
 
 def completion_response(rid: str, model: str, text: str, done: GenerateDone,
-                        created: int | None = None) -> dict[str, Any]:
+                        created: int | None = None, *,
+                        logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
@@ -312,7 +543,7 @@ def completion_response(rid: str, model: str, text: str, done: GenerateDone,
         "choices": [{
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": None if logprobs is None else completion_logprobs(logprobs),
             "finish_reason": finish_reason(done.finish_reason),
         }],
         "usage": usage(done),
@@ -321,23 +552,46 @@ def completion_response(rid: str, model: str, text: str, done: GenerateDone,
 
 
 def chat_chunk(rid: str, model: str, created: int, *, content: str | None = None,
-               role: bool = False, finish: str | None = None) -> dict[str, Any]:
+               role: bool = False, finish: str | None = None,
+               tool_calls: list[dict[str, Any]] | None = None,
+               logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     return {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "delta": delta,
+                     "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                     "finish_reason": finish}],
     }
 
 
+def tool_call_chunks(calls: Sequence[ToolCall]) -> list[list[dict[str, Any]]]:
+    """The ``delta.tool_calls`` of the chunks that stream ``calls``, as OpenAI sends them: per
+    call, one delta with its index, id, type and name (empty arguments), then one with the
+    arguments (a client concatenates the argument pieces of each index)."""
+    out = []
+    for i, call in enumerate(tool_call_objects(calls)):
+        head = {"index": i, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""}}
+        out.append([head])
+        out.append([{"index": i, "function": {"arguments": call["function"]["arguments"]}}])
+    return out
+
+
 def completion_chunk(rid: str, model: str, created: int, *, text: str = "",
-                     finish: str | None = None) -> dict[str, Any]:
+                     finish: str | None = None,
+                     logprobs: Sequence[TokenLogprob] | None = None,
+                     offset: int = 0) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text,
+                     "logprobs": None if logprobs is None else completion_logprobs(logprobs, offset),
+                     "finish_reason": finish}],
     }
 
 
@@ -371,15 +625,20 @@ __all__ = [
     "ParsedRequest",
     "api_error_from",
     "chat_chunk",
+    "chat_logprobs",
     "chat_response",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "error_body",
     "finish_reason",
     "models_list",
     "parse_chat",
     "parse_completion",
+    "read_answer",
     "sse",
+    "tool_call_chunks",
+    "tool_call_objects",
     "usage",
     "usage_chunk",
 ]

@@ -18,6 +18,7 @@ from peerinfer.core.messages import (
     GenerateRequest,
     Message,
     TokenChunk,
+    TokenLogprob,
     decode,
     encode,
 )
@@ -267,7 +268,7 @@ class DoorMixin:
         if req.forwarded or req.tokens:
             tokens = list(req.tokens)
         elif req.messages:
-            tokens = await run(engine.chat_tokens, list(req.messages))
+            tokens = await run(engine.chat_prompt_tokens, list(req.messages), req.tools)
         elif req.prompt:
             tokens = await run(engine.tokenize, req.prompt)
         else:
@@ -294,11 +295,12 @@ class DoorMixin:
             if s is sink:
                 del self._sinks[rid]
 
-    def _relay_tokens(self, sink: _Sink, ids: Sequence[int], text: str) -> None:
+    def _relay_tokens(self, sink: _Sink, ids: Sequence[int], text: str,
+                      logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if sink.done:
             return
         if sink.first_token_at is None and (ids or text):
             sink.first_token_at = trio.current_time()
         sink.completion_ids.extend(ids)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            sink.send.send_nowait(TokenChunk(sink.request_id, tuple(ids), text))
+            sink.send.send_nowait(TokenChunk(sink.request_id, tuple(ids), text, logprobs))

@@ -292,7 +292,7 @@ class ForwardingMixin:
                         logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
                         return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
                     generated.extend(msg.token_ids)
-                    self._relay_tokens(sink, msg.token_ids, msg.text)
+                    self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
                     if first_at is None and (msg.token_ids or msg.text):
                         first_at = trio.current_time()
                         self._feed(ForwardFirstToken(eff.request_id, eff.peer))

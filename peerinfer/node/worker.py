@@ -162,7 +162,7 @@ class EngineWorkerMixin:
             run.reported += item.generated
             self._feed(LocalPreempted(eff.request_id, item.generated))
         elif isinstance(item, Tokens):
-            self._relay_tokens(sink, item.token_ids, item.text)
+            self._relay_tokens(sink, item.token_ids, item.text, item.logprobs)
         elif isinstance(item, Finished):
             self._forget_run(run)
             # Fed here, in the order the engine made them: the digest applies every report in
