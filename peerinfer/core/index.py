@@ -395,6 +395,7 @@ class PeerIndex:
         wants: list[int] = []
         given: list[int] = []
         pending_get = pending.get if pending else None
+        wanting_more = False
         for st in states:
             replica = st.replica
             assert replica is not None
@@ -404,7 +405,9 @@ class PeerIndex:
                 if news is not None and (announced is None or news[0] >= announced[0]):
                     announced = (news[0], 0, news[1])
             claimed = announced[2] if announced is not None else 0
-            size = len(replica.digest)
+            digest = replica.digest
+            flat = digest._flat  # (a flat digest's size without its method call: every peer)
+            size = len(flat) if flat is not None else len(digest)
             sizes.append(size)
             # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
             want = 2 * (size if size > claimed else claimed)
@@ -413,10 +416,15 @@ class PeerIndex:
             if want > cap:
                 want = cap
             wants.append(want)
-            given.append(want if want < share else share)
+            if want < share:
+                given.append(want)
+            else:
+                given.append(share)
+                if want > share:
+                    wanting_more = True
         spare = budget - reserve * share - sum(given)
         # The spare goes to peers wanting more than their share; none: nothing to order.
-        hungry = spare > 0 and any(w > g for w, g in zip(wants, given, strict=True))
+        hungry = spare > 0 and wanting_more
 
         def freshness(s: _PeerState) -> float:
             news = pending_get(s.peer) if pending_get is not None else None
