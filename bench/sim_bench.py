@@ -26,7 +26,10 @@ Announcements that change nothing wait until the recipient next reads its index
 (``AnnounceRun``: a node following it is not handed them one by one); ``--eager`` takes every
 one in at once and ``--no-share`` hands every one to every node, for comparisons (the
 decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
-``--profile`` prints the top functions of the largest run.
+``--profile`` prints the top functions of the largest run. ``cpu_s`` is the run's CPU time
+(``time.process_time``) and ``cpu_us_per_request_per_node`` that divided by requests x nodes:
+on a shared machine the CPU figures are the ones to compare. ``--no-holders`` routes over
+every peer (``NodeConfig.route_among_holders=False``; the same decisions).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import json
 import pstats
 import resource
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +61,9 @@ def bench_one(
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
+    cpu_started = time.process_time()
     _, s = simulate(config)
+    cpu_s = time.process_time() - cpu_started
     text = ""
     if prof:
         prof.disable()
@@ -76,6 +82,9 @@ def bench_one(
         "events_per_wall_s": round(s["events"] / s["wall_s"]),
         "announce_deliveries": s["anti_entropy"]["announce_deliveries"],
         "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
+        # CPU time of the whole run (set-up, loop, summary), the fairer figure on a shared machine
+        "cpu_s": round(cpu_s, 2),
+        "cpu_us_per_request_per_node": round(1e6 * cpu_s / requests / nodes, 2),
         "ttft_mean_s": s["ttft_mean_s"],
         "hit_ratio": s["hit_ratio"],
         # with churn (--crash-rate, --join-rate): requests lost must be 0
@@ -109,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-rate", type=float, default=0.0,
                         help="churn: joins per node-hour")
     parser.add_argument(
+        "--no-holders", action="store_true",
+        help="route over every peer (NodeConfig.route_among_holders=False)",
+    )
+    parser.add_argument(
         "--no-share", action="store_true",
         help="hand every announcement to every node (Simulation.share_runs=False)",
     )
@@ -116,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     churn = {"crash_rate": args.crash_rate, "join_rate": args.join_rate}
     sizes = [int(x) for x in args.nodes.split(",")]
     plan = [(n, args.requests or n * args.requests_per_node) for n in sizes]
-    if args.eager:
+    if args.eager or args.no_holders:
         from peerinfer.core.node import NodeConfig
         from peerinfer.sim import simulator
 
         simulator.NodeConfig = functools.partial(  # type: ignore[misc]
-            NodeConfig, lazy_announcements=False
+            NodeConfig, lazy_announcements=not args.eager,
+            route_among_holders=not args.no_holders,
         )
     if args.no_share:
         from peerinfer.sim import simulator as sim_module
@@ -149,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
                    **churn,
                    "share_runs": not args.no_share,
+                   "route_among_holders": not args.no_holders,
                    "requests": args.requests or "nodes x per-node"},
     }
     r64 = [r for r in rows if r["nodes"] == 64]

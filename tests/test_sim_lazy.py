@@ -15,13 +15,16 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 import peerinfer
-from peerinfer.core import antientropy, node
+from peerinfer.core import antientropy, node, routing
+from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS
 from peerinfer.core.digest import LocalDigest
+from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import Announce, Load
 from peerinfer.core.node import AnnounceReceived
 from peerinfer.core.prefix import PrefixHasher
@@ -70,6 +73,9 @@ def _decisions(sim: sim_module.Simulation) -> dict[str, object]:
                   for c in sim.cores],
         # Each replica's own state as well, what only later pulls would show (their sizing).
         "replicas": [[_replica_state(c, p) for p in c.index.peers()] for c in sim.cores],
+        # Every node's dice: a decision that drew otherwise (a tie broken among other peers)
+        # leaves another state, whatever it chose.
+        "rng": [c.rng.getstate() for c in sim.cores],
     }
 
 
@@ -82,10 +88,12 @@ def _replica_state(core: node.NodeCore, peer: object) -> tuple[object, ...]:
 def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch,
          share: bool = True, sets: list[int] | None = None) -> dict[str, object]:
     """The run's decisions; ``share``: shared runs and shared delta results (else neither).
-    ``sets``, if given, gets the number of replicas and of distinct set objects they hold."""
+    ``sets``, if given, gets the number of replicas and of distinct set objects they hold.
+    An eager run also routes over every peer (``route_among_holders=False``), a lazy one over
+    the holders and stand-ins (``PeerIndex.holder_candidates``)."""
     with monkeypatch.context() as m:
         m.setattr(sim_module, "NodeConfig", functools.partial(
-            node.NodeConfig, lazy_announcements=lazy,
+            node.NodeConfig, lazy_announcements=lazy, route_among_holders=lazy,
             replica_budget_blocks=_replica_budget(config.seed)))
         m.setattr(sim_module.Simulation, "share_runs", share)
         m.setattr(sim_module.Simulation, "share_deltas", share)
@@ -287,3 +295,66 @@ def test_a_rebalance_that_empties_a_replica_takes_its_waiting_announcements_in_f
         assert replica is not None and replica.count == 0 and replica.epoch == 0
     assert _core_state(cores[0], 5.0) == _core_state(cores[1], 5.0)
     assert math.isinf(cores[1].index.digest_age(big, 5.0))  # emptied: not confirmed since
+
+
+def _holders_config(seed: int) -> SimConfig:
+    """Larger swarms than above (12-40 nodes), loaded enough that the nearest peers are busy
+    at times, with batched nodes (a batch at work is estimated otherwise) and mixed machines
+    (other speeds) in some."""
+    rng = random.Random(f"holders-equivalence:{seed}")
+    return SimConfig(
+        nodes=rng.randint(12, 32),
+        requests=rng.randint(100, 200),
+        policy="cost",
+        delay_ms=rng.choice(["5", "5", "uniform:1:30", "lognormal:10:0.5"]),
+        cache_tokens=rng.choice([2048, 8192]),
+        skew=rng.choice(["zipf:1.0", "hot:2"]),
+        rate=rng.choice([0.25, 1.0, 2.0]),
+        costs=rng.choice([DEFAULT_COSTS, DEFAULT_COSTS, BATCHED_COSTS]),
+        mix=rng.choice(["", "", "gpu:0.25,default:0.75"]),
+        seed=seed,
+    )
+
+
+@pytest.mark.slow
+def test_routing_among_holders_gives_every_peers_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routing over the peers holding part of the prompt and stand-ins for the rest
+    (``PeerIndex.holder_candidates``, ``CostPolicy.choose_among_holders``) decides as routing
+    over every peer, to the bit and to the dice, on 8 random loaded swarms; the pruned lists,
+    the nearest-first search for stand-ins, its fall-back to every plain non-holder, and the
+    fall-back to every candidate all ran."""
+    counts = Counter[str]()
+    among = routing.CostPolicy.choose_among_holders
+    near = PeerIndex._near_candidates
+
+    def counting_among(self: routing.CostPolicy, request: object, candidates: list[object],
+                       rng: random.Random, stand_ins: set[int]) -> object:
+        decision = among(self, request, candidates, rng, stand_ins)  # type: ignore[arg-type]
+        counts["every candidate" if decision is None else "pruned"] += 1
+        counts["pruned candidates"] += len(candidates)
+        return decision
+
+    def counting_near(self: PeerIndex, *args: object) -> object:
+        found = near(self, *args)  # type: ignore[arg-type]
+        counts["nearest" if found is not None else "every plain non-holder"] += 1
+        return found
+
+    monkeypatch.setattr(routing.CostPolicy, "choose_among_holders", counting_among)
+    monkeypatch.setattr(PeerIndex, "_near_candidates", counting_near)
+    for seed in range(8):
+        config = _holders_config(seed)
+        runs = []
+        for among_holders in (False, True):
+            with monkeypatch.context() as m:
+                m.setattr(sim_module, "NodeConfig", functools.partial(
+                    node.NodeConfig, route_among_holders=among_holders))
+                sim, _ = simulate(config, check=True)
+            runs.append(_decisions(sim))
+        every, pruned = runs
+        for key in every:
+            assert pruned[key] == every[key], f"seed {seed} ({config}): {key} differs"
+    assert counts["pruned"] > 1000, counts
+    assert counts["every candidate"] > 10, counts  # a stand-in tied or won: all were asked
+    assert counts["nearest"] > 100, counts
+    assert counts["every plain non-holder"] > 50, counts  # busy nearest peers, other machines
+    print(dict(counts))

@@ -335,6 +335,8 @@ def under(s: int, level: int, prefix: int) -> bool:
 #: stay theirs while it lives. Cleared when full.
 _SHARED_DELTAS: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 _SHARED_DELTAS_MAX = 1 << 12
+#: ``root_of`` by ``(pair, count)`` while sharing is on (a pure function; cleared when full)
+_SHARED_ROOTS: dict[tuple[int, int], int] = {}
 _sharing = False
 
 
@@ -346,6 +348,7 @@ def share_applied_deltas(on: bool) -> None:
     _sharing = on
     if not on:
         _SHARED_DELTAS.clear()
+        _SHARED_ROOTS.clear()
 
 
 #: Memo of ``contribution(mix(h))`` per element ``h`` (a pure function), cleared when full.
@@ -582,7 +585,16 @@ class MerkleDigest:
         memo = self._root_memo
         if memo[0] == pair and memo[1] == count:
             return memo[2]
-        root = root_of(pair, count)
+        if _sharing:  # the replicas holding one shared set ask for the same root
+            key = (pair, count)
+            found = _SHARED_ROOTS.get(key)
+            if found is None:
+                if len(_SHARED_ROOTS) >= _SHARED_DELTAS_MAX:
+                    _SHARED_ROOTS.clear()
+                found = _SHARED_ROOTS[key] = root_of(pair, count)
+            root = found
+        else:
+            root = root_of(pair, count)
         self._root_memo = (pair, count, root)
         return root
 

@@ -196,6 +196,33 @@ _NONZERO = bytes([0] + [1] * 255)
 _BYTE_TABLES: list[tuple[tuple[int, ...], ...]] = []
 
 
+def _first(item: tuple[int, Candidate]) -> int:
+    return item[0]
+
+
+def _rtt_and_seq(item: tuple[float, int, _PeerState]) -> tuple[float, int]:
+    return item[0], item[1]
+
+
+#: ``PeerIndex.holder_candidates``: the most busy plain non-holders visited, nearest first,
+#: before the first idle one (beyond it, every peer is visited)
+NEAR_SCAN = 32
+
+
+class HolderCandidates:
+    """``PeerIndex.holder_candidates``'s answer: the pruned list, the positions of its
+    stand-ins in it, and ``every()``, the full list of ``candidates()`` (built on demand)."""
+
+    __slots__ = ("candidates", "stand_ins", "every")
+
+    def __init__(
+        self, candidates: list[Candidate], stand_ins: set[int], every: Callable[[], list[Candidate]]
+    ) -> None:
+        self.candidates = candidates
+        self.stand_ins = stand_ins
+        self.every = every
+
+
 class PeerIndex:
     """All known peers' replicas, combined so that one chain walk matches every peer."""
 
@@ -250,6 +277,10 @@ class PeerIndex:
         #: the peers whose queue of speculative entries is not empty (``has_speculative``)
         self._spec_holders: dict[PeerId, _PeerState] = {}
         self._pending_rescan: dict[PeerId, _PeerState] = {}
+        #: grows when a peer is added or removed (``holder_candidates``' rtt order then goes)
+        self._membership_changes = 0
+        self._rtt_order: list[tuple[float, int, _PeerState]] = []
+        self._rtt_order_key: tuple[object, int] = (None, -1)
 
     # ---------------------------------------------------------------------------- peers
 
@@ -272,6 +303,7 @@ class PeerIndex:
             self._next_slot += 1
         self._added_seq += 1
         self.allowance_changes += 1
+        self._membership_changes += 1
         state = _PeerState(peer, slot, self._added_seq)
         observer = _PeerObserver(self, state)
         self._states[peer] = state
@@ -363,6 +395,7 @@ class PeerIndex:
         wants: list[int] = []
         given: list[int] = []
         pending_get = pending.get if pending else None
+        wanting_more = False
         for st in states:
             replica = st.replica
             assert replica is not None
@@ -372,7 +405,9 @@ class PeerIndex:
                 if news is not None and (announced is None or news[0] >= announced[0]):
                     announced = (news[0], 0, news[1])
             claimed = announced[2] if announced is not None else 0
-            size = len(replica.digest)
+            digest = replica.digest
+            flat = digest._flat  # (a flat digest's size without its method call: every peer)
+            size = len(flat) if flat is not None else len(digest)
             sizes.append(size)
             # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
             want = 2 * (size if size > claimed else claimed)
@@ -381,10 +416,15 @@ class PeerIndex:
             if want > cap:
                 want = cap
             wants.append(want)
-            given.append(want if want < share else share)
+            if want < share:
+                given.append(want)
+            else:
+                given.append(share)
+                if want > share:
+                    wanting_more = True
         spare = budget - reserve * share - sum(given)
         # The spare goes to peers wanting more than their share; none: nothing to order.
-        hungry = spare > 0 and any(w > g for w, g in zip(wants, given, strict=True))
+        hungry = spare > 0 and wanting_more
 
         def freshness(s: _PeerState) -> float:
             news = pending_get(s.peer) if pending_get is not None else None
@@ -437,6 +477,7 @@ class PeerIndex:
         if state is None:
             return
         self.allowance_changes += 1
+        self._membership_changes += 1
         self._observers.pop(peer).armed = False
         bit = state.bit
         masks = self._masks
@@ -611,15 +652,46 @@ class PeerIndex:
         been (``announced(peer, load, at, fresh=True)``), the index itself is left as it is.
         """
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
+        matched = self._matched_by_slot(chain, block_size, cap)
+        return self._every_candidate(
+            matched, cap, local_peer, local_matched_tokens, local_load, now, rtt_s,
+            default_rtt_s, inflight, exclude, max_digest_age_s, heard,
+        )
+
+    def _matched_by_slot(
+        self, chain: Sequence[BlockHash], block_size: int, cap: float, holders: list[int] | None = None
+    ) -> list[int]:
+        """Per slot, the prompt tokens its peer holds (0: none), counting a hit for each holder
+        (whose slots are appended to ``holders``, if given)."""
         matched = [0] * self._next_slot
         for depth, mask in self._walk(chain):
             tokens = depth * block_size
             if tokens > cap:
                 tokens = int(cap)
-            for slot in self._slots_in(mask):
+            slots = self._slots_in(mask)
+            if holders is not None:
+                holders.extend(slots)
+            for slot in slots:
                 matched[slot] = tokens
                 # A hit for the replica budget: this peer's replica helped route a prompt.
                 self._by_slot[slot].hits += 1.0
+        return matched
+
+    def _every_candidate(
+        self,
+        matched: list[int],
+        cap: float,
+        local_peer: PeerId,
+        local_matched_tokens: int,
+        local_load: Load,
+        now: float,
+        rtt_s: Mapping[PeerId, float],
+        default_rtt_s: float,
+        inflight: Mapping[PeerId, int] | None,
+        exclude: Container[PeerId],
+        max_digest_age_s: float,
+        heard: Mapping[PeerId, tuple[Load, float]] | None,
+    ) -> list[Candidate]:
         inflight = inflight or {}
         get_inflight = inflight.get
         make = make_candidate
@@ -663,6 +735,228 @@ class PeerIndex:
                 )
             )
         return out
+
+    def holder_candidates(
+        self,
+        chain: Sequence[BlockHash],
+        *,
+        block_size: int,
+        local_peer: PeerId,
+        local_matched_tokens: int,
+        local_load: Load,
+        now: float,
+        rtt_s: Mapping[PeerId, float],
+        default_rtt_s: float = 0.05,
+        inflight: Mapping[PeerId, int] | None = None,
+        exclude: Container[PeerId] = (),
+        max_digest_age_s: float = math.inf,
+        max_matched_tokens: int | None = None,
+        heard: Mapping[PeerId, tuple[Load, float]] | None = None,
+        own_speed: tuple[int, ...] = (),
+        plain_loads: bool = False,
+        rtt_version: object = None,
+    ) -> HolderCandidates:
+        """``candidates()`` pruned for a policy that estimates a plain non-holder by its load and
+        round trip alone (``CostPolicy.choose_among_holders``), with the full list at hand.
+
+        Kept, in ``candidates()``'s order: the local candidate, every peer that holds part of
+        the prompt (its replica or a speculative entry), and every peer announcing another
+        speed than ``own_speed`` or a batch at work (more than one slot, something running:
+        estimated otherwise). The rest, the *plain non-holders*, are keyed by ``(outstanding,
+        rtt)`` (outstanding: the larger of announced queued + running and ``inflight``); of
+        each key on the keys' Pareto front (no other key is at most as large in both and
+        smaller in one) the first peer in order is kept as a *stand-in* (its position is in
+        ``stand_ins``). An estimate that does not decrease as either grows puts every plain
+        non-holder left out at or above some stand-in. The same hits are counted as by
+        ``candidates()``, once: ``every()`` builds the full list from the same walk.
+
+        With ``plain_loads`` (the caller knows that no peer announced another speed or more
+        than one slot) and ``rtt_version`` (changed whenever ``rtt_s`` changes), the plain
+        non-holders are not all visited: in the order of (rtt, position), kept per index and
+        rebuilt only when ``rtt_version`` or the peers change, they are taken until the first
+        idle one (outstanding 0), at most ``NEAR_SCAN`` of them, and each is a stand-in. Every
+        one left out then has at least the last one's rtt and outstanding count (the same
+        front, found without visiting the rest). When no idle one comes within the bound, all
+        are visited as above."""
+        cap = math.inf if max_matched_tokens is None else max_matched_tokens
+        holders: list[int] | None = [] if plain_loads and rtt_version is not None else None
+        matched = self._matched_by_slot(chain, block_size, cap, holders)
+        get_inflight = inflight.get if inflight else None
+
+        def every() -> list[Candidate]:
+            return self._every_candidate(
+                matched, cap, local_peer, local_matched_tokens, local_load, now, rtt_s,
+                default_rtt_s, inflight, exclude, max_digest_age_s, heard,
+            )
+
+        if holders is not None:
+            near = self._near_candidates(
+                holders, matched, local_peer, local_matched_tokens, local_load, now, rtt_s,
+                default_rtt_s, inflight, exclude, max_digest_age_s, heard, cap, rtt_version,
+            )
+            if near is not None:
+                return HolderCandidates(near[0], near[1], every)
+        make = make_candidate
+        kept: list[tuple[int, Candidate]] = [
+            (
+                -1,
+                make(
+                    local_peer,
+                    True,
+                    int(min(local_matched_tokens, cap)),
+                    local_load,
+                    0.0,
+                    0.0,
+                    get_inflight(local_peer, 0) if get_inflight is not None else 0,
+                ),
+            )
+        ]
+        append = kept.append
+        get_rtt = rtt_s.get
+        oldest = now - max_digest_age_s
+        heard_get = heard.get if heard else None
+        excluding = bool(exclude)
+        # per plain key (outstanding, rtt): the first peer's position, state, load and age
+        plain: dict[tuple[int, float], tuple[int, _PeerState, Load, float]] = {}
+        position = -1
+        for peer, state in self._states.items():
+            fresh_at = state.fresh_at
+            load = state.load
+            if heard_get is not None:
+                news = heard_get(peer)
+                if news is not None:
+                    load = news[0]
+                    if news[1] > fresh_at:
+                        fresh_at = news[1]
+            if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
+                continue
+            position += 1
+            n = load.queued + load.running
+            sent = get_inflight(peer, 0) if get_inflight is not None else 0
+            if sent > n:
+                n = sent
+            tokens = matched[state.slot]
+            speed = load.speed
+            if tokens or (speed and speed != own_speed) or (n and load.slots > 1):
+                age = now - fresh_at
+                append((position, make(peer, False, tokens, load, get_rtt(peer, default_rtt_s),
+                                       age if age > 0.0 else 0.0, sent)))
+                continue
+            key = (n, get_rtt(peer, default_rtt_s))
+            if key not in plain:
+                age = now - fresh_at
+                plain[key] = (position, state, load, age if age > 0.0 else 0.0)
+        stand_in_positions: set[int] = set()
+        best_rtt = math.inf
+        for key in sorted(plain):  # by outstanding, then rtt: the front's rtts fall
+            rtt = key[1]
+            if rtt < best_rtt:
+                best_rtt = rtt
+                pos, state, load, age = plain[key]
+                stand_in_positions.add(pos)
+                sent = get_inflight(state.peer, 0) if get_inflight is not None else 0
+                append((pos, make(state.peer, False, 0, load, rtt, age, sent)))
+        kept.sort(key=_first)
+        stand_ins = {i for i, (pos, _) in enumerate(kept) if pos in stand_in_positions}
+        return HolderCandidates([c for _, c in kept], stand_ins, every)
+
+    def _near_candidates(
+        self,
+        holders: list[int],
+        matched: list[int],
+        local_peer: PeerId,
+        local_matched_tokens: int,
+        local_load: Load,
+        now: float,
+        rtt_s: Mapping[PeerId, float],
+        default_rtt_s: float,
+        inflight: Mapping[PeerId, int] | None,
+        exclude: Container[PeerId],
+        max_digest_age_s: float,
+        heard: Mapping[PeerId, tuple[Load, float]] | None,
+        cap: float,
+        rtt_version: object,
+    ) -> tuple[list[Candidate], set[int]] | None:
+        """``holder_candidates``' bounded form (see there); None when no idle plain non-holder
+        comes within ``NEAR_SCAN``. Positions here are the peers' ``added_seq``, which grows
+        in ``_states``' order."""
+        get_inflight = inflight.get if inflight else None
+        make = make_candidate
+        get_rtt = rtt_s.get
+        oldest = now - max_digest_age_s
+        heard_get = heard.get if heard else None
+        excluding = bool(exclude)
+        kept: list[tuple[int, Candidate]] = []
+        append = kept.append
+        by_slot = self._by_slot
+        for slot in holders:
+            if not matched[slot]:
+                continue  # capped to nothing (a one-token prompt): a plain non-holder below
+            state = by_slot[slot]
+            peer = state.peer
+            fresh_at = state.fresh_at
+            load = state.load
+            if heard_get is not None:
+                news = heard_get(peer)
+                if news is not None:
+                    load = news[0]
+                    if news[1] > fresh_at:
+                        fresh_at = news[1]
+            if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
+                continue
+            age = now - fresh_at
+            append((state.added_seq, make(
+                peer, False, matched[slot], load, get_rtt(peer, default_rtt_s),
+                age if age > 0.0 else 0.0, get_inflight(peer, 0) if get_inflight is not None else 0,
+            )))
+        order = self._rtt_order
+        if self._rtt_order_key != (rtt_version, self._membership_changes):
+            order = self._rtt_order = sorted(
+                ((get_rtt(p, default_rtt_s), st.added_seq, st) for p, st in self._states.items()),
+                key=_rtt_and_seq,
+            )
+            self._rtt_order_key = (rtt_version, self._membership_changes)
+        stand_in_seqs: set[int] = set()
+        visited = 0
+        found = False
+        for rtt, seq, state in order:
+            if matched[state.slot]:
+                continue  # a holder: taken above
+            peer = state.peer
+            fresh_at = state.fresh_at
+            load = state.load
+            if heard_get is not None:
+                news = heard_get(peer)
+                if news is not None:
+                    load = news[0]
+                    if news[1] > fresh_at:
+                        fresh_at = news[1]
+            if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
+                continue
+            n = load.queued + load.running
+            sent = get_inflight(peer, 0) if get_inflight is not None else 0
+            if sent > n:
+                n = sent
+            age = now - fresh_at
+            append((seq, make(peer, False, 0, load, rtt, age if age > 0.0 else 0.0, sent)))
+            stand_in_seqs.add(seq)
+            if n == 0:
+                found = True
+                break
+            visited += 1
+            if visited >= NEAR_SCAN:
+                break
+        if not found:
+            return None
+        kept.sort(key=_first)
+        local = make(
+            local_peer, True, int(min(local_matched_tokens, cap)), local_load, 0.0, 0.0,
+            get_inflight(local_peer, 0) if get_inflight is not None else 0,
+        )
+        out = [local]
+        out.extend(c for _, c in kept)
+        stand_ins = {i + 1 for i, (seq, _) in enumerate(kept) if seq in stand_in_seqs}
+        return out, stand_ins
 
     # ---------------------------------------------------------------------- speculation
 
@@ -939,4 +1233,4 @@ class PeerIndex:
         assert expected_masks == self._spec_masks
 
 
-__all__ = ["PeerIndex", "ReplicaFactory"]
+__all__ = ["HolderCandidates", "PeerIndex", "ReplicaFactory"]

@@ -112,9 +112,10 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from peerinfer.core.antientropy import Reconciliation, Replica
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
@@ -259,6 +260,9 @@ class NodeConfig:
     #: take in announcements that change nothing but a peer's epoch, load and freshness only
     #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
     lazy_announcements: bool = True
+    #: route over the peers holding part of the prompt and stand-ins for the rest, where the
+    #: policy can (``CostPolicy.choose_among_holders``: the same decisions as over every peer)
+    route_among_holders: bool = True
 
     def __post_init__(self) -> None:
         if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
@@ -669,6 +673,9 @@ class AnnounceRun:
             and a.count == self.count
             and a.sender == self.sender
             and not (a.added or a.removed or a.truncated)
+            # (a recipient notes another speed or slot count when it is handed one)
+            and a.load.slots == self.load.slots
+            and a.load.speed == self.load.speed
         )
 
     def push(self, a: Announce, at: float) -> None:
@@ -805,6 +812,11 @@ class NodeCore:
         self._last_epochs: dict[PeerId, int] = {}
         #: smoothed round trips, and requests we forwarded that have not finished, per peer
         self._rtt: dict[PeerId, float] = {}
+        #: grows whenever ``_rtt`` changes (the index keeps peers in rtt order for routing)
+        self._rtt_version = 0
+        #: no peer has announced another speed than this node's or more than one slot (then
+        #: routing finds the best non-holders among the nearest: ``PeerIndex.holder_candidates``)
+        self._plain_loads = True
         self._inflight: dict[PeerId, int] = {}
         self.reputation = Reputation(config.reputation)
         # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
@@ -1140,8 +1152,8 @@ class NodeCore:
         bs = self.hasher.block_size
         cfg = self.config
         index, heard = self._routing_index()
-        candidates = index.candidates(
-            chain,
+        request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
+        options = dict(
             block_size=bs,
             local_peer=self.peer_id,
             local_matched_tokens=self._local_match_blocks(chain) * bs,
@@ -1156,6 +1168,26 @@ class NodeCore:
             max_matched_tokens=max(0, prompt_tokens - 1),
             heard=heard,
         )
+        among_holders = getattr(self.policy, "choose_among_holders", None)
+        if among_holders is None or not self.config.route_among_holders:
+            candidates = index.candidates(chain, **options)  # type: ignore[arg-type]
+            return self.policy.choose(request, self._believed(candidates, now), self.rng)
+        # Only the peers holding part of the prompt, and the plain non-holders' stand-ins
+        # (PeerIndex.holder_candidates); every candidate only when a stand-in could win.
+        pruned = index.holder_candidates(
+            chain, own_speed=self._speed, plain_loads=self._plain_loads,
+            rtt_version=self._rtt_version, **options,  # type: ignore[arg-type]
+        )
+        decision: RouteDecision | None = among_holders(
+            request, self._believed(pruned.candidates, now), self.rng, pruned.stand_ins
+        )
+        if decision is None:
+            decision = self.policy.choose(request, self._believed(pruned.every(), now), self.rng)
+        return decision
+
+    def _believed(self, candidates: list[Candidate], now: float) -> list[Candidate]:
+        """``candidates`` as routing believes them: a demoted peer's cache promises count for
+        nothing, and a claim to be faster than this node only once proven."""
         demoted = self.reputation.demoted()
         if demoted:
             # A peer whose claims did not hold: its cache promises count for nothing in the
@@ -1169,8 +1201,7 @@ class NodeCore:
             # A claim to be faster than this node is believed only once proven (reputation.py,
             # "Speed claims"): announcing speed 0 would otherwise win every choice.
             candidates = [self._with_believed_speed(c, now) for c in candidates]
-        request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
-        return self.policy.choose(request, candidates, self.rng)
+        return candidates
 
     def _believed_speed(self, peer: PeerId, speed: tuple[int, ...], now: float) -> tuple[int, ...] | None:
         """What routing believes of ``peer``'s announced ``speed`` when that differs from the
@@ -1683,6 +1714,9 @@ class NodeCore:
             self._refuse_announce(ev.sender, "stale epoch", f"epoch {a.epoch} <= {last_epoch} (a replay?)")
             return []
         self._remember_epoch(ev.sender, a.epoch)
+        load = a.load
+        if load.slots > 1 or load.speed and load.speed != self._speed:
+            self._plain_loads = False
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         st.last_seen = now
@@ -1784,7 +1818,7 @@ class NodeCore:
         self._kept[peer] = kept
         return kept
 
-    def _routing_index(self) -> tuple[PeerIndex, dict[PeerId, tuple[Load, float]] | None]:
+    def _routing_index(self) -> tuple[PeerIndex, Mapping[PeerId, tuple[Load, float]] | None]:
         """The index for a routing decision, and the newer loads and freshness of the peers
         with announcements received but not taken in (kept ones, and followed runs'
         announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``):
@@ -1800,13 +1834,7 @@ class NodeCore:
                     self._take_unapplied(peer)
         if not (following or unapplied):
             return index, None
-        # A kept announcement is older than its peer's followed run's news: the run's wins.
-        heard = {peer: (kept.load, kept.at) for peer, kept in unapplied.items()}
-        for peer, kept in following.items():
-            run = kept.run
-            if run is not None and run.length != kept.cursor:
-                heard[peer] = (run.load, run.at)
-        return index, heard
+        return index, _Heard(following, unapplied)
 
     def _rebalance(self) -> list[PeerId]:
         """``self.index.rebalance()`` without taking in first what waits (kept announcements,
@@ -1876,6 +1904,10 @@ class NodeCore:
                 and index.replica(peer) is replica
             ):
                 self._unfollow(peer)
+
+    def _note_load(self, load: Load) -> None:
+        if load.slots > 1 or load.speed and load.speed != self._speed:
+            self._plain_loads = False
 
     def _take_unapplied(self, peer: PeerId) -> None:
         """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
@@ -2010,6 +2042,9 @@ class NodeCore:
             # Smoothed like TCP's SRTT so one slow ping does not swing routing.
             old = self._rtt.get(ev.peer)
             self._rtt[ev.peer] = ev.rtt_s if old is None else 0.8 * old + 0.2 * ev.rtt_s
+            self._rtt_version += 1
+        if ev.load is not None:
+            self._note_load(ev.load)
         if ev.load is not None and ev.peer in self.index:
             self.index.set_load(ev.peer, ev.load, now)
         return []
@@ -2024,6 +2059,7 @@ class NodeCore:
         self._unfollow(peer)
         del self._peers[peer]
         self._rtt.pop(peer, None)
+        self._rtt_version += 1
         self.index.remove_peer(peer)
         self._kept.pop(peer, None)
         effects.append(DropPeer(peer))
@@ -2088,6 +2124,44 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     Cancel: NodeCore._on_cancel,  # type: ignore[dict-item]
     AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
 }
+
+
+class _Heard(Mapping[PeerId, tuple[Load, float]]):
+    """What routing reads of the announcements a node received and has not taken in, per
+    peer: the newest load and arrival time, from its followed run if that moved since the
+    node last looked (newer), else from its kept announcement. A view, read per peer asked
+    (routing asks only the peers it considers), not a dict built per decision."""
+
+    __slots__ = ("_following", "_unapplied")
+
+    def __init__(self, following: dict[PeerId, _Kept], unapplied: dict[PeerId, _Kept]) -> None:
+        self._following, self._unapplied = following, unapplied
+
+    def get(self, peer: PeerId, default: object = None) -> Any:
+        kept = self._following.get(peer)
+        if kept is not None:
+            run = kept.run
+            if run is not None and run.length != kept.cursor:
+                return run.load, run.at
+        kept = self._unapplied.get(peer)
+        if kept is not None:
+            return kept.load, kept.at
+        return default
+
+    def __getitem__(self, peer: PeerId) -> tuple[Load, float]:
+        news = self.get(peer)
+        if news is None:
+            raise KeyError(peer)
+        return news  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[PeerId]:
+        return (p for p in {**self._unapplied, **self._following} if self.get(p) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return bool(self._following or self._unapplied)
 
 
 class _Excluded:

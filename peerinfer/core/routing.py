@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -517,8 +517,56 @@ class CostPolicy:
         self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
     ) -> RouteDecision:
         local_i = _local_index(candidates)
-        prompt = request.prompt_tokens
         memo: _Memo = {}
+        ttfts = self._ttfts(request, candidates, memo)
+        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+
+    def choose_among_holders(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        stand_ins: Container[int],
+    ) -> RouteDecision | None:
+        """``choose`` over a pruned candidate list, or None when only every candidate decides.
+
+        The list (a subsequence of the full one, in its order) holds the local candidate, every
+        peer holding part of the prompt and every peer estimated otherwise than by its load
+        alone; of the *plain non-holders* (no match, this node's speed, idle or one slot, whose
+        estimate is ``rtt + wait(outstanding) + prefill(prompt, 0)``, non-decreasing in both the
+        round trip and the outstanding count), only ``stand_ins``: at the positions given, the
+        first of each (outstanding, rtt) pair on the pairs' Pareto front
+        (``PeerIndex.holder_candidates``). Every plain non-holder left out is then estimated at
+        no less than some stand-in. So when the best remote estimate beats every stand-in's,
+        the target, its estimate, the runner-up (``max_outstanding``) and the reason are those
+        of the full list; when a stand-in ties it or is it and a remote wins, the left-out ones
+        could tie too, and the tie-break draws among all of them: None, before ``rng`` is
+        touched (the caller asks ``choose`` with every candidate). When the local node wins,
+        every field is the full list's (the best remote estimate, the only one it reads, is
+        the same), but for ``ranked``, which ranks the candidates given, and the peer the
+        reason names as the best remote where left-out peers estimate the same to the bit."""
+        local_i = _local_index(candidates)
+        memo: _Memo = {}
+        ttfts = self._ttfts(request, candidates, memo)
+        best_remote = -1
+        best = math.inf
+        floor = math.inf  # the best stand-in's estimate
+        for i, t in enumerate(ttfts):
+            if i != local_i and t < best:
+                best, best_remote = t, i
+            if t < floor and i in stand_ins:
+                floor = t
+        if best_remote >= 0 and best >= floor:
+            local_ttft = ttfts[local_i]
+            if local_ttft - best > max(self.min_gain_s, self.min_gain_fraction * local_ttft):
+                return None  # a remote wins, and left-out peers may tie with it
+        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+
+    def _ttfts(
+        self, request: RouteRequest, candidates: Sequence[Candidate], memo: _Memo
+    ) -> list[float]:
+        """Every candidate's estimated TTFT, in order (``_estimate``'s arithmetic, inlined)."""
+        prompt = request.prompt_tokens
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
         saving = costs.prefill_s_per_token - costs.cached_s_per_token
@@ -580,6 +628,18 @@ class CostPolicy:
                     + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
                 )
             append(rtt + wait + prefill)
+        return ttfts
+
+    def _choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        local_i: int,
+        ttfts: list[float],
+        memo: _Memo,
+    ) -> RouteDecision:
+        prompt = request.prompt_tokens
         # Stable: equal estimates keep the caller's order in the failover list.
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]

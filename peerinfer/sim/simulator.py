@@ -639,7 +639,9 @@ class Simulation:
         if run is not None and run.extends(a):
             run.push(a, now)
             followers = run.followers
-            if followers:
+            if len(followers) == len(recipients):
+                recipients = []  # every one follows (only the group's recipients can)
+            elif followers:
                 ids = self.peer_ids
                 recipients = [r for r in recipients if ids[r] not in followers]
         else:

@@ -1,0 +1,101 @@
+"""Routing over the holders of a prompt and stand-ins for the rest decides as over every peer.
+
+``PeerIndex.holder_candidates`` keeps the local node, the peers holding part of the prompt,
+the peers estimated otherwise than by load (another speed, a batch at work) and, of the plain
+non-holders, stand-ins on the (outstanding, rtt) front; ``CostPolicy.choose_among_holders``
+decides over them, or asks for every candidate when a stand-in ties or wins. Here random
+indexes (loads, round trips, holders, exclusions, stale digests, kept loads) are routed both
+ways with a policy whose queue term is small (``mean_service_s``), so that a busy near peer
+can beat an idle far one: every field of the decision but ``ranked`` and the dice after it
+must be the same.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from peerinfer.core.costmodel import DEFAULT_COSTS
+from peerinfer.core.index import PeerIndex
+from peerinfer.core.messages import Load
+from peerinfer.core.routing import CostPolicy, RouteRequest
+from peerinfer.types import BlockHash, PeerId
+
+BS = 16
+OTHER_SPEED = DEFAULT_COSTS.at_speed(tuple(x // 2 or 1 for x in DEFAULT_COSTS.speed())).speed()
+
+
+def _peer(i: int) -> PeerId:
+    return PeerId(f"12D3KooW{i:044d}")
+
+
+def _random_index(rng: random.Random, plain: bool) -> tuple[PeerIndex, dict[str, object]]:
+    index = PeerIndex()
+    peers = [_peer(i) for i in range(1, rng.randint(2, 40))]
+    chain = [BlockHash(rng.getrandbits(62) + 1) for _ in range(rng.randint(1, 6))]
+    rtts = [0.01, 0.02, 0.05, 0.1]
+    rtt: dict[PeerId, float] = {}
+    inflight: dict[PeerId, int] = {}
+    heard: dict[PeerId, tuple[Load, float]] = {}
+    for p in peers:
+        replica = index.add_peer(p)
+        if rng.random() < 0.3:
+            for h in chain[: rng.randint(1, len(chain))]:
+                replica.digest.add(h)
+        slots = 1 if plain or rng.random() < 0.7 else 4
+        speed = () if plain or rng.random() < 0.8 else OTHER_SPEED
+        busy = rng.choice([0, 0, 0, 1, 2, 3, 5])
+        index.set_load(p, Load(queued=max(0, busy - slots), running=min(busy, slots),
+                               slots=slots, speed=speed), 1.0)
+        if rng.random() < 0.9:
+            index.mark_fresh(p, rng.uniform(0.0, 9.0))
+        if rng.random() < 0.8:
+            rtt[p] = rng.choice(rtts) if rng.random() < 0.7 else rng.uniform(0.005, 0.1)
+        if rng.random() < 0.1:
+            inflight[p] = rng.randint(1, 3)
+        if rng.random() < 0.2:
+            heard[p] = (Load(running=rng.randint(0, 1)), rng.uniform(5.0, 10.0))
+    exclude = {p for p in peers if rng.random() < 0.1}
+    options: dict[str, object] = dict(
+        block_size=BS, local_peer=_peer(0), local_matched_tokens=BS * rng.randint(0, len(chain)),
+        local_load=Load(running=rng.randint(0, 1), queued=rng.randint(0, 3)), now=10.0,
+        rtt_s=rtt, default_rtt_s=0.03, inflight=inflight, exclude=exclude,
+        max_digest_age_s=rng.choice([60.0, 5.0]), max_matched_tokens=len(chain) * BS - 1,
+        heard=heard or None,
+    )
+    options["chain"] = chain
+    return index, options
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_holder_candidates_decide_as_every_candidate(plain: bool) -> None:
+    asked_every = pruned = 0
+    for trial in range(600):
+        rng = random.Random(f"holders:{plain}:{trial}")
+        index, options = _random_index(rng, plain)
+        chain = options.pop("chain")
+        policy = CostPolicy(DEFAULT_COSTS, mean_service_s=rng.choice([0.005, 0.02, 0.1, None]))
+        request = RouteRequest(prompt_tokens=len(chain) * BS, max_tokens=8, chain=tuple(chain))
+        every = index.candidates(chain, **options)  # type: ignore[arg-type]
+        dice = random.Random(trial)
+        want = policy.choose(request, every, dice)
+        want_dice = dice.getstate()
+        held = index.holder_candidates(
+            chain, own_speed=DEFAULT_COSTS.speed(), plain_loads=plain, rtt_version=1,
+            **options,  # type: ignore[arg-type]
+        )
+        assert [c.peer for c in held.candidates] == [c.peer for c in every if c in held.candidates]
+        dice = random.Random(trial)
+        got = policy.choose_among_holders(request, held.candidates, dice, held.stand_ins)
+        if got is None:
+            asked_every += 1
+            assert held.every() == every
+            got = policy.choose(request, held.every(), dice)
+        else:
+            pruned += 1
+        assert dice.getstate() == want_dice, trial
+        assert (got.target, got.is_local, got.expected_cached_tokens, got.estimated_ttft_s,
+                got.max_outstanding) == (want.target, want.is_local, want.expected_cached_tokens,
+                                         want.estimated_ttft_s, want.max_outstanding), trial
+    assert pruned > 300 and asked_every > 30, (pruned, asked_every)
