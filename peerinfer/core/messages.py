@@ -308,14 +308,26 @@ class Load(Record):
     running: int = 0
     slots: int = 1
     speed: tuple[int, ...] = field(default=(), compare=False)
-    OPTIONAL_TAIL: ClassVar[int] = 1
+    #: the scaffold hashes of the prompts this node served lately, newest last: the cache
+    #: hints of the ``scaffold_hash`` policy (Mesh LLM's model: at most
+    #: 128, ``routing.MAX_SCAFFOLD_HINTS``, none older than its lifetime). Empty unless that policy runs,
+    #: and then left off the wire, so other swarms' loads are byte for byte as before.
+    scaffolds: tuple[int, ...] = field(default=(), compare=False)
+    OPTIONAL_TAIL: ClassVar[int] = 2
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(U32),
         UInt(U32),
         UInt(U32, minimum=1),
         # below 10**15 ns (a million seconds): what a CostModel accepts
         UIntList(10**15 - 1, 4),
+        UIntList(U64, 128),
     )
+
+    def _to_fields(self) -> list[Any]:
+        out = [self.queued, self.running, self.slots, list(self.speed)]
+        if self.scaffolds:
+            out.append(list(self.scaffolds))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,6 +545,10 @@ class GenerateRequest(Message):
     origin: str = ""
     deadline_ms: int = 0
     max_outstanding: int | None = None
+    #: forwarded requests: the salted hash of the prompt's scaffold (``PrefixHasher.
+    #: scaffold_hash``), which the target records as a cache hint (``scaffold_hash`` policy)
+    scaffold: int | None = None
+    OPTIONAL_TAIL: ClassVar[int] = 1
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         REQUEST_ID,
         Nested(SamplingParams),
@@ -543,7 +559,14 @@ class GenerateRequest(Message):
         PEER_ID,
         UInt(U32),
         Optional(UInt(U32)),
+        Optional(UInt(U64)),
     )
+
+    def _to_fields(self) -> list[Any]:
+        out = Record._to_fields(self)
+        if self.scaffold is None:
+            out.pop()  # as an older node sends it: the hint is only for scaffold_hash swarms
+        return out
 
 
 @_register(11)

@@ -124,7 +124,13 @@ from peerinfer.core.messages import (
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
-from peerinfer.core.routing import Candidate, RouteDecision, RouteRequest, make_policy
+from peerinfer.core.routing import (
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    ScaffoldHints,
+    make_policy,
+)
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
 
@@ -265,6 +271,9 @@ class ClientRequest:
     #: from this node's own front ends (HTTP on this machine, the in-process API): served
     #: before every other requester and not held to ``max_queued_per_peer``
     local: bool = False
+    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``; None: none
+    #: known): what the ``scaffold_hash`` policy routes by and a server advertises
+    scaffold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +452,8 @@ class Forward:
     decision: RouteDecision
     first_token_timeout_s: float
     attempt: int
+    #: the request's scaffold hash, for the target to advertise (``ClientRequest.scaffold``)
+    scaffold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,6 +553,8 @@ class _Request:
     #: the target claims to be faster than this node, not proven yet: it was estimated at no
     #: more than our speed, and a first token well inside that estimate counts as a proof
     speed_on_probation: bool = False
+    #: the prompt's scaffold hash (``ClientRequest.scaffold``)
+    scaffold: int | None = None
 
 
 @dataclass(slots=True)
@@ -700,6 +713,10 @@ class NodeCore:
         self.hasher = hasher
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
+        #: the scaffolds this node served lately, advertised in its load (only for the
+        #: ``scaffold_hash`` policy, whose hints they are), and the live ones as last read
+        self._hints = ScaffoldHints() if config.policy == "scaffold_hash" else None
+        self._scaffolds: tuple[int, ...] = ()
         #: announced in every load, so that peers estimate this node at its own speed
         self._speed: tuple[int, ...] = config.costs.speed()
         self.local = LocalDigest(epoch_base=epoch_base)
@@ -792,8 +809,13 @@ class NodeCore:
     def load(self) -> Load:
         return Load(
             queued=self._queued, running=self._running, slots=self.config.costs.slots,
-            speed=self._speed,
+            speed=self._speed, scaffolds=self._scaffolds,
         )
+
+    def _refresh_hints(self, now: float) -> None:
+        """Forget the scaffold hints that aged out by ``now`` (``load()`` advertises the rest)."""
+        if self._hints is not None:
+            self._scaffolds = self._hints.current(now)
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         """Process one event; return the effects to execute, in order."""
@@ -957,10 +979,11 @@ class NodeCore:
               "local starts disagree with served_locally or the running count")
 
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
-              exclude: Sequence[PeerId] = ()) -> RouteDecision:
-        """Ask the routing policy where ``tokens`` would go now (no side effects)."""
+              exclude: Sequence[PeerId] = (), scaffold: int | None = None) -> RouteDecision:
+        """Ask the routing policy where ``tokens`` would go now (no side effects but the
+        expiry of this node's own scaffold hints)."""
         chain = self.hasher.prompt_chain(tokens)
-        return self._decide(len(tokens), params, chain, now, exclude)
+        return self._decide(len(tokens), params, chain, now, exclude, scaffold)
 
     # ------------------------------------------------------------------ requests
 
@@ -1005,9 +1028,10 @@ class NodeCore:
                 )
         chain = self.hasher.prompt_chain(ev.tokens)
         req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
+        req.scaffold = ev.scaffold
         self._requests[rid] = req
         if ev.forwarded:
-            self._admit_local(req, None, effects)
+            self._admit_local(req, None, effects, now)
             return effects
         self._route_and_dispatch(req, now, effects)
         return effects
@@ -1024,9 +1048,12 @@ class NodeCore:
         chain: tuple[BlockHash, ...],
         now: float,
         exclude: Sequence[PeerId],
+        scaffold: int | None = None,
     ) -> RouteDecision:
         bs = self.hasher.block_size
         cfg = self.config
+        if self._hints is not None:
+            self._refresh_hints(now)  # the local candidate's load: its live hints
         index, heard = self._routing_index()
         candidates = index.candidates(
             chain,
@@ -1057,7 +1084,9 @@ class NodeCore:
             # A claim to be faster than this node is believed only once proven (reputation.py,
             # "Speed claims"): announcing speed 0 would otherwise win every choice.
             candidates = [self._with_believed_speed(c, now) for c in candidates]
-        request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
+        request = RouteRequest(
+            prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain, scaffold=scaffold
+        )
         return self.policy.choose(request, candidates, self.rng)
 
     def _believed_speed(self, peer: PeerId, speed: tuple[int, ...], now: float) -> tuple[int, ...] | None:
@@ -1082,12 +1111,14 @@ class NodeCore:
     def _route_and_dispatch(self, req: _Request, now: float, effects: list[Effect]) -> None:
         attempts_left = self.config.max_forward_attempts - len(req.tried)
         if attempts_left > 0:
-            decision = self._decide(len(req.tokens), req.params, req.chain, now, req.tried)
+            decision = self._decide(
+                len(req.tokens), req.params, req.chain, now, req.tried, req.scaffold
+            )
         else:
             decision = self._local_decision(req, "failover: forward attempts exhausted")
         req.decision = decision
         if decision.is_local:
-            self._admit_local(req, decision, effects)
+            self._admit_local(req, decision, effects, now)
             return
         peer = decision.target
         req.tried.append(peer)
@@ -1109,6 +1140,7 @@ class NodeCore:
                 decision=decision,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 attempt=len(req.tried),
+                scaffold=req.scaffold,
             )
         )
 
@@ -1140,7 +1172,7 @@ class NodeCore:
         return n
 
     def _admit_local(
-        self, req: _Request, decision: RouteDecision | None, effects: list[Effect]
+        self, req: _Request, decision: RouteDecision | None, effects: list[Effect], now: float
     ) -> None:
         """Queue ``req`` here (it starts at once if a slot is free), or refuse it as busy when
         the queue, or its requester's share of it, is full."""
@@ -1160,6 +1192,10 @@ class NodeCore:
             return
         req.decision = decision
         self._transition(req, Phase.QUEUED)
+        if self._hints is not None and req.scaffold is not None:
+            # Served here from now on: advertised as a hint (Mesh LLM's, at admission).
+            self._hints.served(req.scaffold, now)
+            self._refresh_hints(now)
         self._start_queued(effects)
 
     def _start_queued(self, effects: list[Effect]) -> None:
@@ -1442,6 +1478,7 @@ class NodeCore:
         if not (due or early):
             return
         delta = self.local.seal_epoch()
+        self._refresh_hints(now)
         self._last_announce = now
         self._next_announce = now + cfg.announce_interval_s
         self._stats["announces_sent"] += 1
