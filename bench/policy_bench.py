@@ -87,9 +87,11 @@ def _cpu(results: list[dict]) -> float:
 # ------------------------------------------------------------------------------- compare
 
 
-def compare_configs(nodes: int, requests: int, seed: int) -> list[SimConfig]:
+def compare_configs(
+    nodes: int, requests: int, seed: int, workloads: tuple[str, ...] = WORKLOADS
+) -> list[SimConfig]:
     base = replace(BASE, nodes=nodes, requests=requests, seed=seed, skew=COMPARE_SKEW)
-    return [replace(base, workload=w, policy=p) for w in WORKLOADS for p in COMPARE_POLICIES]
+    return [replace(base, workload=w, policy=p) for w in workloads for p in COMPARE_POLICIES]
 
 
 def compare_table(results: list[dict]) -> tuple[list[str], dict[str, float]]:
@@ -100,7 +102,7 @@ def compare_table(results: list[dict]) -> tuple[list[str], dict[str, float]]:
         "|---|---|---:|---:|---:|---:|",
     ]
     ratios: dict[str, float] = {}
-    for w in WORKLOADS:
+    for w in dict.fromkeys(r["params"]["workload"] for r in results):
         rival = by[(w, "scaffold_hash")]["ttft_mean_s"]
         for p in COMPARE_POLICIES:
             r = by[(w, p)]
@@ -116,13 +118,16 @@ def compare_table(results: list[dict]) -> tuple[list[str], dict[str, float]]:
 
 
 def run_compare(args: argparse.Namespace) -> dict:
-    configs = compare_configs(args.nodes, args.requests, args.seed)
+    workloads = tuple(args.workloads.split(","))
+    configs = compare_configs(args.nodes, args.requests, args.seed, workloads)
     results = run_all(configs, jobs=args.jobs, log=_log)
     lines, ratios = compare_table(results)
     targets = {"multiturn": 0.7, "rag": 0.7, "mmlu": 1.0}
     for line in lines:
         _log(line)
     for w, limit in targets.items():
+        if w not in ratios:
+            continue
         _log(f"cost / scaffold_hash mean TTFT on {w}: {ratios[w]:.3f} (target <= {limit}: "
              f"{'met' if ratios[w] <= limit else 'MISSED'})")
     return {"runs": results, "table_lines": lines, "cost_over_scaffold_hash": ratios}
@@ -270,11 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=UNSEEN_SEED,
                         help=f"seed (default {UNSEEN_SEED}, one no policy was tuned on)")
     parser.add_argument("--entries", default="1,2,8,64", help="dilution: entry-node counts")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="compare: the workloads (default %(default)s)")
     parser.add_argument("--policies", default="cost", help="dilution: policies (comma list)")
     parser.add_argument("--workload", default="multiturn", help="dilution: the workload")
     parser.add_argument("--jobs", type=int, default=1, help="simulations at once (default 1)")
+    parser.add_argument(
+        "--data", metavar="DIR",
+        help="MMLU directory (e.g. ../shared/data/mmlu; default: peerinfer.workload's default, "
+        "the packaged excerpt in a checkout without ../shared)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every run's figures to FILE")
     args = parser.parse_args(argv)
+    global BASE
+    if args.data:
+        BASE = replace(BASE, data=args.data)
     defaults = {"compare": (16, 3000), "dilution": (64, 6400), "delay": (16, 2000),
                 "mix": (16, 3000)}[args.what]
     args.nodes = args.nodes or defaults[0]

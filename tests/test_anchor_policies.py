@@ -259,3 +259,25 @@ def test_cost_beats_scaffold_hash_on_rag_and_the_oracle_bounds_it_on_an_unseen_s
     assert got["cost"]["ttft_mean_s"] < got["scaffold_hash"]["ttft_mean_s"]
     assert got["cost"]["hit_ratio"] > got["scaffold_hash"]["hit_ratio"]
     assert got["oracle"]["hit_ratio"] >= 0.95 * got["cost"]["hit_ratio"]
+
+
+def test_the_door_hashes_a_chats_scaffold_only_for_scaffold_hash_nodes() -> None:
+    from types import SimpleNamespace
+
+    from peerinfer.core.messages import ChatMessage
+    from peerinfer.node.door import DoorMixin
+
+    hasher = PrefixHasher(b"model")
+    chat = (ChatMessage("system", "S"), ChatMessage("user", "Q"))
+    req = GenerateRequest("r", SamplingParams(), messages=chat)
+
+    def node(policy: str) -> object:
+        return SimpleNamespace(core=SimpleNamespace(config=SimpleNamespace(policy=policy), hasher=hasher))
+
+    expected = hasher.scaffold_hash((("system", "S"),))
+    assert DoorMixin._scaffold_of(node("scaffold_hash"), req) == expected  # type: ignore[arg-type]
+    assert DoorMixin._scaffold_of(node("cost"), req) is None  # type: ignore[arg-type]
+    forwarded = GenerateRequest("r", SamplingParams(), tokens=(1, 2), forwarded=True, scaffold=5)
+    assert DoorMixin._scaffold_of(node("scaffold_hash"), forwarded) == 5  # type: ignore[arg-type]
+    plain = GenerateRequest("r", SamplingParams(), prompt="text")
+    assert DoorMixin._scaffold_of(node("scaffold_hash"), plain) is None  # type: ignore[arg-type]

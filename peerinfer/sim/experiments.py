@@ -119,6 +119,7 @@ def command_line(config: SimConfig) -> str:
         ("gossip", "--gossip"),
         ("mesh_degree", "--mesh-degree"),
         ("entries", "--entries"),
+        ("data", "--data"),
         ("max_tokens", "--max-tokens"),
         ("seed", "--seed"),
     )
