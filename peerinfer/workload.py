@@ -23,6 +23,19 @@ Multi-turn chat (``multiturn_workload``)
     by a deterministic placeholder answer (the model's real reply is not known in advance), and
     the new user message as its suffix.
 
+RAG-style prompts (``rag_workload``)
+    Synthetic retrieval-augmented prompts: one of a few system prompts (the application), then
+    a long retrieved document drawn by a skew over a pool of documents, then a question. The
+    same documents come back under every system prompt, so the long shared prefixes are the
+    (system prompt, document) pairs, while a request's scaffold is its system prompt alone.
+
+Scaffolds
+    Every item carries its prompt's *scaffold* (``WorkloadItem.scaffold``), the (role, content)
+    messages that Mesh LLM's cache hints hash (``peerinfer.core.prefix.scaffold_messages``):
+    the system prompt of a chat or a RAG prompt; for MMLU, its 5-shot block, taken as the
+    system message of a chat whose user message is the question (the rival's best case: one
+    exact scaffold per subject).
+
 Arrivals are a Poisson process of the given ``rate`` (requests per second) or ``None`` for a
 closed loop. Everything is deterministic from ``seed``: each independent choice (ranking,
 subjects, questions, arrival gaps) draws from its own ``random.Random`` seeded from one master
@@ -64,6 +77,7 @@ __all__ = [
     "multiturn_workload",
     "parse_skew",
     "question_suffix",
+    "rag_workload",
     "save_workload",
 ]
 
@@ -307,6 +321,8 @@ class WorkloadItem:
     max_tokens: int
     conversation: int | None = None
     turn: int | None = None
+    #: the prompt's scaffold as (role, content) messages (see the module docstring); () none
+    scaffold: tuple[tuple[str, str], ...] = ()
 
     @property
     def prompt(self) -> str:
@@ -438,6 +454,7 @@ def mmlu_workload(
                 prefix=prefixes[subject],
                 suffix=question_suffix(question),
                 max_tokens=max_tokens,
+                scaffold=(("system", prefixes[subject]),),
             )
         )
     return items
@@ -518,6 +535,7 @@ def multiturn_workload(
                 max_tokens=max_tokens,
                 conversation=conversation,
                 turn=turn,
+                scaffold=(("system", CHAT_SYSTEM_PROMPT),),
             )
         )
         if turn + 1 >= turns:
@@ -526,6 +544,80 @@ def multiturn_workload(
             next_id += 1
         else:
             open_chats[conversation] = (turn + 1, prefix + suffix)
+    return items
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic RAG: long shared documents under different system prompts.
+
+RAG_SYSTEM_PROMPTS = (
+    "You are a support assistant. Answer the customer's question from the document below.",
+    "You are a research assistant. Summarize what the document below says about the question.",
+    "You are a legal reviewer. Quote the passages of the document below that bear on the question.",
+    "You are a tutor. Explain the document below to a student, then answer the question.",
+)
+
+
+def rag_workload(
+    n: int,
+    *,
+    documents: int,
+    seed: int,
+    skew: str | Skew = "zipf:1.0",
+    system_prompts: int = len(RAG_SYSTEM_PROMPTS),
+    rate: float | None = None,
+    max_tokens: int = 16,
+    document_words: tuple[int, int] = (300, 600),
+    question_words: tuple[int, int] = (8, 20),
+) -> list[WorkloadItem]:
+    """``n`` RAG-style requests: a system prompt (uniform over the first ``system_prompts`` of
+    ``RAG_SYSTEM_PROMPTS``), then one of ``documents`` synthetic documents of
+    ``document_words`` words (drawn by ``skew`` over a seeded ranking), then a question.
+
+    The prefix is the system prompt and the document (key ``rag:<system>:<document>``); the
+    scaffold is the system prompt alone. Same arguments, same list.
+    """
+    _check_common(n, rate, max_tokens)
+    if isinstance(documents, bool) or not isinstance(documents, int) or documents < 1:
+        raise ConfigError(f"documents must be an integer >= 1, got {documents!r}")
+    if not 1 <= system_prompts <= len(RAG_SYSTEM_PROMPTS):
+        raise ConfigError(f"system_prompts must be in [1, {len(RAG_SYSTEM_PROMPTS)}]")
+    for name, (low, high) in (("document_words", document_words), ("question_words", question_words)):
+        if not 1 <= low <= high:
+            raise ConfigError(f"{name} must be (low, high) with 1 <= low <= high")
+    parsed = parse_skew(skew)
+    master = random.Random(seed)
+    doc_rng, rank_rng, pick_rng, text_rng, arrival_rng = (_child(master) for _ in range(5))
+    texts = []
+    for d in range(documents):
+        words = doc_rng.randint(*document_words)
+        sentences = []
+        while words > 0:
+            sentence = _sentence(doc_rng, 6, min(18, max(6, words)))
+            sentences.append(sentence)
+            words -= sentence.count(" ") + 1
+        texts.append(f"Document {d}:\n" + " ".join(sentences) + "\n\n")
+    ranking = list(range(documents))
+    rank_rng.shuffle(ranking)
+    cumulative = list(accumulate(parsed.weights(documents)))
+    arrivals = _arrivals(n, rate, arrival_rng)
+    items: list[WorkloadItem] = []
+    for index in range(n):
+        system = pick_rng.randrange(system_prompts)
+        pick = pick_rng.random() * cumulative[-1]
+        doc = ranking[min(bisect_left(cumulative, pick), documents - 1)]
+        system_text = RAG_SYSTEM_PROMPTS[system] + "\n\n"
+        items.append(
+            WorkloadItem(
+                id=index,
+                arrival_s=arrivals[index],
+                prefix_key=f"rag:{system}:{doc}",
+                prefix=system_text + texts[doc],
+                suffix=f"Question: {_sentence(text_rng, *question_words)}\nAnswer:",
+                max_tokens=max_tokens,
+                scaffold=(("system", system_text),),
+            )
+        )
     return items
 
 
@@ -596,6 +688,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _item_from(row: dict[str, Any], where: str) -> WorkloadItem:
+    row.setdefault("scaffold", [])  # files written before scaffolds
     if set(row) != set(_FIELD_NAMES):
         raise ConfigError(f"{where}: expected the fields {sorted(_FIELD_NAMES)}, got {sorted(row)}")
     if not _is_int(row["id"]) or row["id"] < 0:
@@ -617,6 +710,11 @@ def _item_from(row: dict[str, Any], where: str) -> WorkloadItem:
     for name in ("conversation", "turn"):
         if row[name] is not None and (not _is_int(row[name]) or row[name] < 0):
             raise ConfigError(f"{where}: {name} must be an integer >= 0 or null")
+    scaffold = row["scaffold"]
+    if not isinstance(scaffold, list) or not all(
+        isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in scaffold
+    ):
+        raise ConfigError(f"{where}: scaffold must be a list of [role, content] pairs")
     return WorkloadItem(
         id=row["id"],
         arrival_s=arrival,
@@ -626,4 +724,5 @@ def _item_from(row: dict[str, Any], where: str) -> WorkloadItem:
         max_tokens=row["max_tokens"],
         conversation=row["conversation"],
         turn=row["turn"],
+        scaffold=tuple((role, content) for role, content in scaffold),
     )

@@ -308,14 +308,26 @@ class Load(Record):
     running: int = 0
     slots: int = 1
     speed: tuple[int, ...] = field(default=(), compare=False)
-    OPTIONAL_TAIL: ClassVar[int] = 1
+    #: the scaffold hashes of the prompts this node served lately, newest last: the cache
+    #: hints of the ``scaffold_hash`` policy (Mesh LLM's model: at most
+    #: 128, ``routing.MAX_SCAFFOLD_HINTS``, none older than its lifetime). Empty unless that policy runs,
+    #: and then left off the wire, so other swarms' loads are byte for byte as before.
+    scaffolds: tuple[int, ...] = field(default=(), compare=False)
+    OPTIONAL_TAIL: ClassVar[int] = 2
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(U32),
         UInt(U32),
         UInt(U32, minimum=1),
         # below 10**15 ns (a million seconds): what a CostModel accepts
         UIntList(10**15 - 1, 4),
+        UIntList(U64, 128),
     )
+
+    def _to_fields(self) -> list[Any]:
+        out = [self.queued, self.running, self.slots, list(self.speed)]
+        if self.scaffolds:
+            out.append(list(self.scaffolds))
+        return out
 
 
 #: Kinds of output constraint (``Constraint.kind``); see ``peerinfer.engine.constraints``.
@@ -617,7 +629,10 @@ class GenerateRequest(Message):
     deadline_ms: int = 0
     max_outstanding: int | None = None
     tools: str = ""
-    OPTIONAL_TAIL: ClassVar[int] = 1
+    #: forwarded requests: the salted hash of the prompt's scaffold (``PrefixHasher.
+    #: scaffold_hash``), which the target records as a cache hint (``scaffold_hash`` policy)
+    scaffold: int | None = None
+    OPTIONAL_TAIL: ClassVar[int] = 2
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         REQUEST_ID,
         Nested(SamplingParams),
@@ -629,7 +644,18 @@ class GenerateRequest(Message):
         UInt(U32),
         Optional(UInt(U32)),
         Text(MAX_PROMPT_CHARS),
+        Optional(UInt(U64)),
     )
+
+    def _to_fields(self) -> list[Any]:
+        # The optional tail at its defaults is left out, as an older node sends it: the
+        # scaffold hint is only for scaffold_hash swarms, tools only for tool-calling chats.
+        out = Record._to_fields(self)
+        if self.scaffold is None:
+            out.pop()
+            if not self.tools:
+                out.pop()
+        return out
 
 
 @_register(11)

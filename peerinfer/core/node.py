@@ -112,7 +112,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -139,7 +139,13 @@ from peerinfer.core.messages import (
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
-from peerinfer.core.routing import Candidate, RouteDecision, RouteRequest, make_policy
+from peerinfer.core.routing import (
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    ScaffoldHints,
+    make_policy,
+)
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
 
@@ -307,6 +313,9 @@ class ClientRequest:
     #: from this node's own front ends (HTTP on this machine, the in-process API): entitled
     #: to more of the engine than another requester, and first among those below their share
     local: bool = False
+    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``; None: none
+    #: known): what the ``scaffold_hash`` policy routes by and a server advertises
+    scaffold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +506,8 @@ class Forward:
     decision: RouteDecision
     first_token_timeout_s: float
     attempt: int
+    #: the request's scaffold hash, for the target to advertise (``ClientRequest.scaffold``)
+    scaffold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,6 +629,8 @@ class _Request:
     #: and whether it was asked to yield its slot (``PreemptLocal``) and has not yet
     started_at: int = 0
     yielding: bool = False
+    #: the prompt's scaffold hash (``ClientRequest.scaffold``)
+    scaffold: int | None = None
 
 
 @dataclass(slots=True)
@@ -780,6 +793,10 @@ class NodeCore:
         self.hasher = hasher
         self.rng = rng
         self.policy = make_policy(config.policy, costs=config.costs)
+        #: the scaffolds this node served lately, advertised in its load (only for the
+        #: ``scaffold_hash`` policy, whose hints they are), and the live ones as last read
+        self._hints = ScaffoldHints() if config.policy == "scaffold_hash" else None
+        self._scaffolds: tuple[int, ...] = ()
         #: announced in every load, so that peers estimate this node at its own speed
         self._speed: tuple[int, ...] = config.costs.speed()
         self.local = LocalDigest(epoch_base=epoch_base)
@@ -880,8 +897,13 @@ class NodeCore:
     def load(self) -> Load:
         return Load(
             queued=self._queued, running=self._running, slots=self.config.costs.slots,
-            speed=self._speed,
+            speed=self._speed, scaffolds=self._scaffolds,
         )
+
+    def _refresh_hints(self, now: float) -> None:
+        """Forget the scaffold hints that aged out by ``now`` (``load()`` advertises the rest)."""
+        if self._hints is not None:
+            self._scaffolds = self._hints.current(now)
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         """Process one event; return the effects to execute, in order."""
@@ -1067,10 +1089,11 @@ class NodeCore:
         check(st["resumed"] <= st["preempted"], "more resumes than preemptions")
 
     def route(self, tokens: Sequence[int], params: SamplingParams, now: float,
-              exclude: Sequence[PeerId] = ()) -> RouteDecision:
-        """Ask the routing policy where ``tokens`` would go now (no side effects)."""
+              exclude: Sequence[PeerId] = (), scaffold: int | None = None) -> RouteDecision:
+        """Ask the routing policy where ``tokens`` would go now (no side effects but the
+        expiry of this node's own scaffold hints)."""
         chain = self.hasher.prompt_chain(tokens)
-        return self._decide(len(tokens), params, chain, now, exclude)
+        return self._decide(len(tokens), params, chain, now, exclude, scaffold)
 
     # ------------------------------------------------------------------ requests
 
@@ -1117,9 +1140,10 @@ class NodeCore:
                 )
         chain = self.hasher.prompt_chain(ev.tokens)
         req = _Request(rid, ev.tokens, ev.params, ev.forwarded, chain, (ev.local, requester))
+        req.scaffold = ev.scaffold
         self._requests[rid] = req
         if ev.forwarded:
-            self._admit_local(req, None, effects)
+            self._admit_local(req, None, effects, now)
             return effects
         self._route_and_dispatch(req, now, effects)
         return effects
@@ -1148,11 +1172,16 @@ class NodeCore:
         chain: tuple[BlockHash, ...],
         now: float,
         exclude: Sequence[PeerId],
+        scaffold: int | None = None,
     ) -> RouteDecision:
         bs = self.hasher.block_size
         cfg = self.config
+        if self._hints is not None:
+            self._refresh_hints(now)  # the local candidate's load: its live hints
         index, heard = self._routing_index()
-        request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain)
+        request = RouteRequest(
+            prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain, scaffold=scaffold
+        )
         options = dict(
             block_size=bs,
             local_peer=self.peer_id,
@@ -1225,12 +1254,14 @@ class NodeCore:
     def _route_and_dispatch(self, req: _Request, now: float, effects: list[Effect]) -> None:
         attempts_left = self.config.max_forward_attempts - len(req.tried)
         if attempts_left > 0:
-            decision = self._decide(len(req.tokens), req.params, req.chain, now, req.tried)
+            decision = self._decide(
+                len(req.tokens), req.params, req.chain, now, req.tried, req.scaffold
+            )
         else:
             decision = self._local_decision(req, "failover: forward attempts exhausted")
         req.decision = decision
         if decision.is_local:
-            self._admit_local(req, decision, effects)
+            self._admit_local(req, decision, effects, now)
             return
         peer = decision.target
         req.tried.append(peer)
@@ -1252,6 +1283,7 @@ class NodeCore:
                 decision=decision,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 attempt=len(req.tried),
+                scaffold=req.scaffold,
             )
         )
 
@@ -1283,7 +1315,7 @@ class NodeCore:
         return n
 
     def _admit_local(
-        self, req: _Request, decision: RouteDecision | None, effects: list[Effect]
+        self, req: _Request, decision: RouteDecision | None, effects: list[Effect], now: float
     ) -> None:
         """Queue ``req`` here (it starts at once if a slot is free), or refuse it as busy when
         the queue, or its requester's share of it, is full."""
@@ -1310,6 +1342,10 @@ class NodeCore:
             return
         req.decision = decision
         self._transition(req, Phase.QUEUED)
+        if self._hints is not None and req.scaffold is not None:
+            # Served here from now on: advertised as a hint (Mesh LLM's, at admission).
+            self._hints.served(req.scaffold, now)
+            self._refresh_hints(now)
         self._start_queued(effects)
 
     # ------------------------------------------------------------------ fair share of the engine
@@ -1639,6 +1675,7 @@ class NodeCore:
         if not (due or early):
             return
         delta = self.local.seal_epoch()
+        self._refresh_hints(now)
         self._last_announce = now
         self._next_announce = now + cfg.announce_interval_s
         self._stats["announces_sent"] += 1

@@ -21,6 +21,15 @@ A whole prompt's chain is a pure function of its tokens, and the same prompt is 
 twice close together (the origin routes it, then the peer it was forwarded to admits it; in the
 simulator every node shares one hasher): ``prompt_chain`` keeps the last ``PROMPT_MEMO_SIZE``
 prompts' chains (a tuple of tokens is the key; the memo starts over when full).
+
+Scaffold hashes
+---------------
+The ``scaffold_hash`` routing policy (``peerinfer.core.routing``) models Mesh LLM's cache
+hints, which name a prompt by one hash of its *scaffold*: the system, developer and tool
+messages of a chat, or else its first user message (``scaffold_messages``). The hash is
+``BLAKE2b-64(key=K, person="peerinfer-scaf", data=...)`` over the scaffold's (role, content)
+pairs, each length-prefixed, so it is salted with the same swarm key as the block hashes and
+two scaffolds match only when every byte of them does (no partial match, unlike a chain).
 """
 
 from __future__ import annotations
@@ -136,9 +145,43 @@ class PrefixHasher:
         memo[tokens] = (tokens, chain)
         return chain
 
+    def scaffold_hash(self, parts: Sequence[tuple[str, str]]) -> int | None:
+        """The salted 64-bit hash of a prompt scaffold, ``(role, content)`` pairs as
+        ``scaffold_messages`` returns them; None for an empty scaffold (no hint)."""
+        if not parts:
+            return None
+        h = hashlib.blake2b(digest_size=8, key=self.key, person=b"peerinfer-scaf")
+        for role, content in parts:
+            for text in (role, content):
+                data = text.encode("utf-8", "surrogatepass")
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+        return int.from_bytes(h.digest(), "little")
+
     def full_blocks(self, n_tokens: int) -> int:
         """How many full blocks ``n_tokens`` tokens make."""
         return n_tokens // self.block_size
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "PROMPT_MEMO_SIZE", "PrefixHasher", "derive_swarm_key"]
+#: The roles whose messages make a chat's scaffold (Mesh LLM's cache hints).
+SCAFFOLD_ROLES = frozenset({"system", "developer", "tool"})
+
+
+def scaffold_messages(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """A chat's scaffold as Mesh LLM's cache hints define it: its system, developer and tool
+    messages, in order, or else (none of them) its first user message; ``()`` if neither."""
+    scaffold = tuple((role, content) for role, content in messages if role in SCAFFOLD_ROLES)
+    if scaffold:
+        return scaffold
+    first_user = next(((r, c) for r, c in messages if r == "user"), None)
+    return (first_user,) if first_user is not None else ()
+
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "PROMPT_MEMO_SIZE",
+    "SCAFFOLD_ROLES",
+    "PrefixHasher",
+    "derive_swarm_key",
+    "scaffold_messages",
+]

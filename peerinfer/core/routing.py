@@ -6,7 +6,8 @@ load, round trip, digest age, requests we already sent there), randomness comes 
 and the decision carries a human-readable ``reason`` and ``ranked``, the failover order (best
 first, every candidate exactly once, the target first). Exactly one candidate is the local node,
 and serving locally is always possible. ``round_robin`` keeps a turn counter; the others keep no
-state between calls.
+state between calls (``scaffold_hash``'s hints are the node's, ``ScaffoldHints``, read through
+the candidates' loads).
 
 Load below means ``outstanding / slots`` where ``outstanding = max(queued + running, inflight)``:
 a peer's announced load already counts the requests we sent it once the announcement catches
@@ -89,6 +90,21 @@ The policies
       over its limit as busy (one round trip) and the origin routes it again without that
       peer. The other policies set no limit (only the node's ``max_queue`` applies).
 
+``scaffold_hash``
+    The rival's rule, modelled on Mesh LLM's cache hints, with their limits: a request is named
+    by one salted hash of its exact prompt *scaffold* (the system, developer and tool messages,
+    or else the first user message: ``peerinfer.core.prefix.scaffold_messages``), carried in
+    ``RouteRequest.scaffold``. Each node advertises, in its announced load
+    (``Load.scaffolds``), the scaffolds of the prompts it served lately: at most
+    ``MAX_SCAFFOLD_HINTS`` (128) of them, none older than ``SCAFFOLD_HINT_LIFETIME_S`` (120 s)
+    (``ScaffoldHints``, kept by the node core). No digest, no partial match, no repair: a
+    candidate holds the prompt only if its hints carry exactly that hash; ``matched_tokens``
+    is ignored. Among the holders the least loaded with a free slot wins (ties: local, then
+    at random); with no holder, or every holder's slots full, the least loaded candidate (ties:
+    a holder, then local, then at random), the way a hint-aware load balancer spills. A
+    request without a scaffold (a plain completion prompt) has no hint: least loaded.
+    Failover order: the holders by load, then the others by load.
+
 Ranked lists are deterministic given the inputs: remaining ties keep the order of the
 candidates as given (``cost``) or go by peer id (the others).
 """
@@ -106,7 +122,13 @@ from peerinfer.core.messages import Load
 from peerinfer.errors import ConfigError
 from peerinfer.types import BlockHash, PeerId
 
-POLICY_NAMES = ("local", "random", "round_robin", "least_loaded", "longest_prefix", "cost")
+POLICY_NAMES = (
+    "local", "random", "round_robin", "least_loaded", "longest_prefix", "cost", "scaffold_hash"
+)
+#: Mesh LLM's cache-hint limits, which the ``scaffold_hash`` policy keeps: the most scaffold
+#: hashes a node advertises, and how long after serving one it still does.
+MAX_SCAFFOLD_HINTS = 128
+SCAFFOLD_HINT_LIFETIME_S = 120.0
 DEFAULT_POLICY = "cost"
 
 
@@ -171,6 +193,9 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     chain: tuple[BlockHash, ...] = ()
+    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``), None if it
+    #: has none; only ``scaffold_hash`` reads it
+    scaffold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,6 +756,93 @@ class CostPolicy:
         return 0
 
 
+class ScaffoldHints:
+    """What a node advertises for the ``scaffold_hash`` policy: the scaffold hashes of the
+    prompts it served, newest last, at most ``capacity`` (the oldest is forgotten first), each
+    for ``lifetime_s`` after it was last served. Nothing else: a hint is not withdrawn when the
+    cache evicts the prompt (no repair), only when it ages out or is pushed out."""
+
+    __slots__ = ("capacity", "lifetime_s", "_served")
+
+    def __init__(
+        self, capacity: int = MAX_SCAFFOLD_HINTS, lifetime_s: float = SCAFFOLD_HINT_LIFETIME_S
+    ) -> None:
+        if capacity < 1 or not lifetime_s > 0:
+            raise ConfigError("scaffold hints need a capacity >= 1 and a positive lifetime")
+        self.capacity = capacity
+        self.lifetime_s = lifetime_s
+        #: hash -> when last served, oldest first (dicts keep insertion order)
+        self._served: dict[int, float] = {}
+
+    def served(self, scaffold: int, now: float) -> None:
+        """This node served (admitted) a prompt of ``scaffold``."""
+        served = self._served
+        served.pop(scaffold, None)
+        served[scaffold] = now
+        if len(served) > self.capacity:
+            del served[next(iter(served))]
+
+    def current(self, now: float) -> tuple[int, ...]:
+        """The hints alive at ``now``, oldest first (expired ones are forgotten)."""
+        served = self._served
+        horizon = now - self.lifetime_s
+        while served:
+            oldest = next(iter(served))
+            if served[oldest] >= horizon:
+                break
+            del served[oldest]
+        return tuple(served)
+
+    def __len__(self) -> int:
+        return len(self._served)
+
+
+class ScaffoldHashPolicy:
+    """Mesh LLM's cache hints as a routing policy: exact scaffold-hash holders first, by load."""
+
+    name = "scaffold_hash"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        _local_index(candidates)
+        key = request.scaffold
+        holders = (
+            [c for c in candidates if key in c.load.scaffolds] if key is not None else []
+        )
+        holder_ids = {c.peer for c in holders}
+
+        def order_key(c: Candidate) -> tuple[float, bool, bool, PeerId]:
+            return (_load_ratio(c), c.peer not in holder_ids, not c.is_local, c.peer)
+
+        free = sorted((c for c in holders if _outstanding(c) < max(1, c.load.slots)), key=order_key)
+        if free:
+            pool = free
+            why = "holds the scaffold and has a free slot"
+        else:
+            pool = sorted(candidates, key=order_key)
+            why = (
+                "no candidate advertises the scaffold" if not holders
+                else "every holder of the scaffold is busy; least loaded"
+            )
+            if key is None:
+                why = "the prompt has no scaffold; least loaded"
+        best = pool[0]
+        first = order_key(best)[:2]
+        tied = [c for c in pool if order_key(c)[:2] == first]
+        if len(tied) > 1 and not best.is_local:
+            best = tied[rng.randrange(len(tied))]
+        ordered = sorted(candidates, key=lambda c: (c.peer not in holder_ids, *order_key(c)))
+        return RouteDecision(
+            best.peer,
+            best.is_local,
+            0,
+            f"scaffold_hash: {_who(best)} {why} ({len(holders)} holder(s) of "
+            f"{len(candidates)}; {_load_text(best)})",
+            ranked=_ranked(best, ordered),
+        )
+
+
 #: The most distinct peer speeds a ``cost`` policy keeps a cost model for (then it starts over).
 _PEER_COSTS_MAX = 256
 #: A decision's memo of service and backlog times, by slots (this node's model) or by
@@ -754,12 +866,13 @@ def make_policy(name: str, *, costs: CostModel = DEFAULT_COSTS, **options: float
         except TypeError as exc:
             raise ConfigError(f"routing policy 'cost': {exc}") from exc
     classes: dict[str, type[LocalPolicy | RandomPolicy | RoundRobinPolicy | LeastLoadedPolicy
-                                 | LongestPrefixPolicy]] = {
+                                 | LongestPrefixPolicy | ScaffoldHashPolicy]] = {
         "local": LocalPolicy,
         "random": RandomPolicy,
         "round_robin": RoundRobinPolicy,
         "least_loaded": LeastLoadedPolicy,
         "longest_prefix": LongestPrefixPolicy,
+        "scaffold_hash": ScaffoldHashPolicy,
     }
     cls = classes.get(name)
     if cls is None:
@@ -784,6 +897,10 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "MAX_SCAFFOLD_HINTS",
+    "SCAFFOLD_HINT_LIFETIME_S",
+    "ScaffoldHashPolicy",
+    "ScaffoldHints",
     "describe_peer",
     "make_candidate",
     "make_policy",

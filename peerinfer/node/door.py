@@ -28,6 +28,7 @@ from peerinfer.core.node import (
     Forward,
     RunLocal,
 )
+from peerinfer.core.prefix import scaffold_messages
 from peerinfer.errors import (
     InvalidRequestError,
     PeerInferError,
@@ -219,6 +220,7 @@ class DoorMixin:
                 max_outstanding=req.max_outstanding if req.forwarded else None,
                 requester=requester,
                 local=local,
+                scaffold=self._scaffold_of(req),
             )
         )
         try:
@@ -257,6 +259,19 @@ class DoorMixin:
                 local=isinstance(eff, RunLocal),
                 reason=decision.reason if decision is not None else "",
             )
+        )
+
+    def _scaffold_of(self, req: GenerateRequest) -> int | None:
+        """The request's scaffold hash (the ``scaffold_hash`` policy's key): as the origin
+        sent it for a forwarded request, else from a chat's messages (a plain prompt has
+        none). Only a node running that policy hashes anything."""
+        core = self.core
+        if core is None or core.config.policy != "scaffold_hash":
+            return None
+        if req.forwarded:
+            return req.scaffold
+        return core.hasher.scaffold_hash(
+            scaffold_messages([(m.role, m.content) for m in req.messages])
         )
 
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:

@@ -276,6 +276,7 @@ class ForwardingMixin:
                         forwarded=True,
                         origin=self.peer_id,
                         max_outstanding=eff.decision.max_outstanding,
+                        scaffold=eff.scaffold,
                     )
                 ),
                 timeout=max(0.01, deadline - trio.current_time()),

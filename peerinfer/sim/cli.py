@@ -7,9 +7,8 @@ import json
 import sys
 from typing import Any
 
-from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError, PeerInferError
-from peerinfer.sim.config import SimConfig, load_costs
+from peerinfer.sim.config import SIM_POLICY_NAMES, SimConfig, load_costs
 
 _D = SimConfig()
 
@@ -32,10 +31,18 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nodes", type=int, default=_D.nodes, help="number of nodes (default %(default)s)")
     g.add_argument(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=SIM_POLICY_NAMES,
         default=_D.policy,
         help="routing policy of every node (default %(default)s; 'local' is the paper's "
-        "no-routing baseline, 'longest_prefix' the paper's router)",
+        "no-routing baseline, 'longest_prefix' the paper's router, 'scaffold_hash' Mesh LLM's "
+        "cache hints, 'oracle' a central router with exact, instant knowledge: simulator only)",
+    )
+    g.add_argument(
+        "--entries",
+        type=int,
+        default=_D.entries,
+        metavar="E",
+        help="arrivals enter at the first E nodes only (0: every node; default %(default)s)",
     )
     g.add_argument(
         "--delay-ms",
@@ -174,9 +181,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         default=_D.workload,
-        metavar="mmlu|multiturn|FILE",
+        metavar="mmlu|multiturn|rag|FILE",
         help="MMLU 5-shot prompts (prefix: a subject's dev examples, suffix: a test question), "
-        "synthetic multi-turn conversations, or a workload file saved by peerinfer.workload "
+        "synthetic multi-turn conversations, RAG-style prompts (long documents, drawn by "
+        "--skew, under four system prompts), or a workload file saved by peerinfer.workload "
         "(default %(default)s)",
     )
     g.add_argument(
@@ -279,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         nodes=args.nodes,
         requests=args.requests,
         policy=args.policy,
+        entries=args.entries,
         delay_ms=str(args.delay_ms),
         forward_overhead_ms=args.forward_overhead_ms,
         announce_interval_s=args.announce_interval,

@@ -14,6 +14,10 @@ from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError
 from peerinfer.sim.network import DelayModel
 
+#: The policies a simulated node may run: the core's, and the simulator-only oracle router
+#: (``peerinfer.sim.oracle``: exact, instant knowledge of every node; the upper bound).
+SIM_POLICY_NAMES = (*POLICY_NAMES, "oracle")
+
 
 def _node_default(name: str) -> Any:
     """NodeConfig's default for ``name``: the simulated nodes are tuned like real ones."""
@@ -79,6 +83,9 @@ class SimConfig:
     #: the mesh's degree D and heartbeat interval (gossipsub's defaults: 6 and 1 s)
     mesh_degree: int = 6
     mesh_heartbeat_s: float = 1.0
+    #: arrivals enter at the first ``entries`` nodes only (0: at every node): fewer entry
+    #: nodes, fewer routers; the dilution experiment (bench/policy_bench.py dilution)
+    entries: int = 0
     seed: int = 0
     #: moving window (requests) and stride for the per-node subject share series
     share_window: int = 300
@@ -89,8 +96,14 @@ class SimConfig:
             raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
         if self.requests < 0:
             raise ConfigError(f"requests must be >= 0, got {self.requests}")
-        if self.policy not in POLICY_NAMES:
-            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {POLICY_NAMES}")
+        if self.policy not in SIM_POLICY_NAMES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {SIM_POLICY_NAMES}")
+        if not 0 <= self.entries <= self.nodes:
+            raise ConfigError(f"entries must be in [0, nodes={self.nodes}], got {self.entries}")
+        if self.policy == "oracle" and self.churn:
+            raise ConfigError("the oracle router does not support churn")
+        if self.entries and self.churn:
+            raise ConfigError("entries (arrivals at the first nodes only) does not support churn")
         DelayModel.parse(self.delay_ms)
         if not (0.0 <= self.forward_overhead_ms < math.inf):
             raise ConfigError(
@@ -180,6 +193,25 @@ COST_PRESETS: dict[str, CostModel] = {
         overhead_s=0.015,
         slots=1,
     ),
+    # Issue 25's mixed engines: SmolLM2-135M-Instruct on one CPU thread, from the probes of
+    # /work/shared/probes/README.md and issue 20 (llama.cpp, Q4_1 GGUF: ~150 prompt tokens/s,
+    # ~45 generated tokens/s; Transformers, float32: ~380 prompt tokens/s, 15.7 generated
+    # tokens/s). To be replaced by ``peerinfer calibrate --engine llamacpp`` figures once that
+    # engine lands. The per-request overhead and cached-token cost are the default model's.
+    "llamacpp": CostModel(
+        prefill_s_per_token=1 / 150,
+        cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,
+        decode_s_per_token=1 / 45,
+        overhead_s=DEFAULT_COSTS.overhead_s,
+        slots=1,
+    ),
+    "transformers": CostModel(
+        prefill_s_per_token=1 / 380,
+        cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,
+        decode_s_per_token=1 / 15.7,
+        overhead_s=DEFAULT_COSTS.overhead_s,
+        slots=1,
+    ),
 }
 
 
@@ -205,4 +237,4 @@ def load_costs(path: str | Path) -> CostModel:
     return CostModel.from_dict(data)
 
 
-__all__ = ["COST_PRESETS", "SimConfig", "load_costs"]
+__all__ = ["COST_PRESETS", "SIM_POLICY_NAMES", "SimConfig", "load_costs"]

@@ -118,6 +118,9 @@ def command_line(config: SimConfig) -> str:
         ("mix", "--mix"),
         ("gossip", "--gossip"),
         ("mesh_degree", "--mesh-degree"),
+        ("entries", "--entries"),
+        ("data", "--data"),
+        ("max_tokens", "--max-tokens"),
         ("seed", "--seed"),
     )
     for attr, flag in flags:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from peerinfer.core.messages import SamplingParams
-from peerinfer.core.prefix import DEFAULT_BLOCK_SIZE, PrefixHasher
+from peerinfer.core.prefix import DEFAULT_BLOCK_SIZE, PrefixHasher, scaffold_messages
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
@@ -22,11 +22,14 @@ from peerinfer.workload import (
     load_workload,
     mmlu_workload,
     multiturn_workload,
+    rag_workload,
 )
 
 #: Synthetic multi-turn conversations open at once, and turns per conversation.
 MULTITURN_CONVERSATIONS = 64
 MULTITURN_TURNS = 8
+#: Synthetic RAG: documents in the pool (drawn by the run's skew) under the four system prompts.
+RAG_DOCUMENTS = 200
 
 _MMLU_CACHE: dict[str | None, MMLU] = {}
 
@@ -55,6 +58,8 @@ def workload_items(config: SimConfig) -> list[WorkloadItem]:
             seed=config.seed,
             **kw,
         )
+    if config.workload == "rag":
+        return rag_workload(n, documents=RAG_DOCUMENTS, skew=config.skew, seed=config.seed, **kw)
     items = load_workload(config.workload)
     if config.max_tokens is not None:
         from dataclasses import replace
@@ -102,11 +107,21 @@ class _Tokens:
 
 
 def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]:
-    """The workload as the simulator's requests (token ids, sampling, label)."""
+    """The workload as the simulator's requests (token ids, sampling, label, scaffold hash)."""
     tokens = _Tokens(engine)
+    # The swarm's hasher (engine_factory builds the same from the same fingerprint): the
+    # scaffold hashes are salted with its key, as a real node's door salts them.
+    hasher = PrefixHasher(engine.fingerprint)
+    scaffolds: dict[tuple[tuple[str, str], ...], int | None] = {}
     params: dict[int, SamplingParams] = {}
     out = []
     for item in workload_items(config):
+        if item.scaffold in scaffolds:
+            scaffold = scaffolds[item.scaffold]
+        else:
+            scaffold = scaffolds[item.scaffold] = hasher.scaffold_hash(
+                scaffold_messages(item.scaffold)
+            )
         p = params.get(item.max_tokens)
         if p is None:
             p = params[item.max_tokens] = SamplingParams(max_tokens=item.max_tokens)
@@ -115,7 +130,7 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
         # safe; otherwise the residency probe is skipped for it).
         prefix = tokens.part(item.prefix) if item.prefix else ()
         shared = len(prefix) // DEFAULT_BLOCK_SIZE if prompt[: len(prefix)] == prefix else 0
-        out.append(SimRequest(prompt, p, _label(item), item.conversation, shared))
+        out.append(SimRequest(prompt, p, _label(item), item.conversation, shared, scaffold))
     if config.requests and not out:
         raise ConfigError(f"the workload {config.workload!r} holds no requests")
     return out

@@ -122,6 +122,7 @@ from peerinfer.sim.churn import Churn, GoneCore, join_capacity
 from peerinfer.sim.config import SimConfig
 from peerinfer.sim.gossip import Mesh
 from peerinfer.sim.mix import node_costs
+from peerinfer.sim.oracle import ORACLE, OracleRouter
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 _NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN, _MESH, _MESH_BEAT = range(10)
@@ -143,6 +144,9 @@ class SimRequest:
     home: int | None = None
     #: full blocks of the prompt that are the label's shared prefix (for residency probes)
     prefix_blocks: int = 0
+    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``), the key of
+    #: the ``scaffold_hash`` policy; None: the prompt has none
+    scaffold: int | None = None
 
 
 class PlanLike(Protocol):
@@ -281,6 +285,8 @@ class Simulation:
         self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
         self._next_request = 0
         self._live_events = 0  # events other than ticks in the heap
+        #: forwarded requests on their way to each node (the oracle router counts them)
+        self.in_transit = [0] * n
 
         # per-node figures
         self.served = [0] * n
@@ -333,7 +339,7 @@ class Simulation:
         config = self.config
         node_config = NodeConfig(
             peer_id=self.peer_ids[i],
-            policy=config.policy,
+            policy="cost" if config.policy == ORACLE else config.policy,
             costs=node_costs(config, i),
             announce_interval_s=config.announce_interval_s,
             min_announce_gap_s=config.min_announce_gap_s,
@@ -343,7 +349,12 @@ class Simulation:
             max_peers=max(4096, self.slots),
         )
         rng = random.Random(f"{config.seed}:node:{i}")
-        return NodeCore(node_config, self.hasher, rng=rng, now=now)
+        core = NodeCore(node_config, self.hasher, rng=rng, now=now)
+        if config.policy == ORACLE:
+            # The simulator-only upper bound: the core's decisions read the swarm's exact
+            # state instead of its own view (peerinfer.sim.oracle).
+            core.policy = OracleRouter(self, i, node_costs(config, i))
+        return core
 
     # ------------------------------------------------------------------ scheduling
 
@@ -464,6 +475,8 @@ class Simulation:
     def _deliver(self, n: int, event: Any, now: float) -> None:
         t = type(event)
         churn = self.churn
+        if t is ClientRequest and event.forwarded:
+            self.in_transit[n] -= 1
         if churn is not None and t is ClientRequest and event.forwarded:
             if not churn.live(n):  # a machine off or shutting down refuses it
                 churn.deliver_to_gone(n, event, now)
@@ -517,7 +530,10 @@ class Simulation:
             if self.churn is not None:  # a live node, drawn among those live now
                 self.origin[i] = self.churn.entry_node(home % n if home is not None else -1, self._arrival_rng)
             else:
-                self.origin[i] = home % n if home is not None else self._arrival_rng.randrange(n)
+                # Arrivals enter at the first ``entries`` nodes only (the dilution
+                # experiment: fewer entry nodes, fewer routers), all nodes by default.
+                e = self.config.entries or n
+                self.origin[i] = home % e if home is not None else self._arrival_rng.randrange(e)
         self._client_of[i] = client
         self.arrival[i] = t
         self._push(t, _ARRIVAL, i)
@@ -537,7 +553,7 @@ class Simulation:
         if self.churn is not None:  # its node may have gone since it was drawn: the user moves
             self.origin[i] = self.churn.entry_node(self.origin[i], self._arrival_rng)
         n = self.origin[i]
-        self._deliver(n, ClientRequest(rid, item.tokens, item.params), now)
+        self._deliver(n, ClientRequest(rid, item.tokens, item.params, scaffold=item.scaffold), now)
 
     def _complete(self, i: int, now: float, ok: bool) -> None:
         if self.status[i] != 0:
@@ -680,8 +696,10 @@ class Simulation:
                 True,
                 self.peer_ids[n],
                 eff.decision.max_outstanding,
+                scaffold=eff.scaffold,
             ),
         )
+        self.in_transit[p] += 1
 
     def _reject(self, n: int, eff: Reject, now: float) -> None:
         i = self._rid_index[eff.request_id]
