@@ -364,7 +364,10 @@ async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_
     all queued ones; without preemption, behind one service."""
     costs = replace(COSTS, slots=4, decode_s_per_token=0.0005)
     async with trio.open_nursery() as nursery:
-        node = Node(options(costs=costs, policy="local"), engine=SimulatedEngine(costs=costs))
+        # Liveness pings of 10 s, not 3: the flood's token streams share this one event loop,
+        # and a ping missed makes the node replace the flooder's connection as stalled.
+        node = Node(options(costs=costs, policy="local", peer_timeout_s=20.0),
+                    engine=SimulatedEngine(costs=costs))
         await nursery.start(node.serve)
         async with raw_host(None, None) as attacker, raw_host(None, None) as honest:
             await attacker.connect(node.addresses()[0])
