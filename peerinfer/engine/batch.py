@@ -103,8 +103,8 @@ class SchedulerStatistics:
     ``steps``: ``step()`` calls that had work; ``decode_steps``/``prefill_chunks``: decode
     batches and prefill chunks run. ``batch_sizes``: (batch size, decode steps of that size),
     ascending; ``mean_batch``: decoders per decode step. ``kv_reserved_bytes``: the running
-    requests' reservations; ``kv_budget_bytes``: the cache's byte budget they share with it
-    (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
+    and suspended requests' reservations; ``kv_budget_bytes``: the cache's byte budget they
+    share with it (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
     (``cancelled`` is part of ``finished``); ``batch_retries``: decode batches that raised and
     were retried one by one.
     """
@@ -588,7 +588,8 @@ class BatchScheduler:
             prefill_chunks=self._prefill_chunks,
             batch_sizes=tuple(sorted(self._batch_sizes.items())),
             mean_batch=decoded / self._decode_steps if self._decode_steps else 0.0,
-            kv_reserved_bytes=sum(e.job.kv_reserved for e in self._running.values()),
+            kv_reserved_bytes=sum(e.job.kv_reserved for e in self._running.values())
+            + sum(e.job.kv_reserved for e in self._suspended.values()),
             kv_budget_bytes=budget,
             admitted=self._admitted,
             finished=self._finished,
