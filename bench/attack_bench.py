@@ -451,10 +451,12 @@ def jain_index(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0.0
 
 
-async def jain(window_s: float, preempt: bool) -> None:
+async def jain(window_s: float, preempt: bool, quantum: int | None = None) -> None:
     extra: dict[str, object] = {"max_queued_per_requester": 8}
     if not preempt:
         extra["preempt_after_tokens"] = None
+    elif quantum is not None:
+        extra["preempt_after_tokens"] = quantum
     mix = (64, 256, 2048, 128, 1024, 512, 96, 1536)
     served = dict.fromkeys(range(8), 0)
     async with trio.open_nursery() as nursery:
@@ -480,7 +482,9 @@ async def jain(window_s: float, preempt: bool) -> None:
             users.cancel_scope.cancel()
         stats = node.core.statistics() if node.core is not None else None
         emit("jain_8_requesters" + ("" if preempt else "_no_preemption"), window_s=window_s,
-             requests=64, tokens_per_requester=window, jain=round(jain_index(window), 4),
+             quantum=node.options.preempt_after_tokens if preempt else None,
+             requests=64, tokens_per_requester=window, tokens=sum(window),
+             jain=round(jain_index(window), 4),
              requesters_still_active_at_end=active,
              preempted=stats.preempted if stats else None)
         nursery.cancel_scope.cancel()
@@ -532,8 +536,9 @@ async def main(args: argparse.Namespace) -> None:
     if "keys" in only:
         await key_flood()
     if "jain" in only:
-        await jain(args.fair_s, preempt=True)
-        await jain(args.fair_s, preempt=False)
+        await jain(args.fair_s, preempt=True, quantum=args.quantum)
+        if args.quantum is None:
+            await jain(args.fair_s, preempt=False)
     if "dial" in only:
         await dial_refusal()
     if "forged" in only:
@@ -549,5 +554,6 @@ if __name__ == "__main__":
     parser.add_argument("--flood-s", type=float, default=60.0)
     parser.add_argument("--per-message", type=int, default=100, help="fresh hashes per flood announcement")
     parser.add_argument("--fair-s", type=float, default=60.0, help="the Jain window, seconds")
+    parser.add_argument("--quantum", type=int, help="jain: only the preemption run, with this preempt_after_tokens")
     parser.add_argument("--only", default="dial,forged,clock,flood,slots,keys,jain")
     trio.run(main, parser.parse_args())

@@ -105,6 +105,8 @@ def _add_node(sub: Any) -> None:
                         help="refuse longer prompts (default: 4096)")
     limits.add_argument("--max-queued-per-requester", type=int, metavar="N",
                         help="requests one peer or API key may have waiting; more are refused as busy (default: the engine's batch size)")
+    limits.add_argument("--preempt-after-tokens", type=int, metavar="N",
+                        help="a generation over its requester's share yields its slot to a waiting requester after N tokens (default: 32; 0: never)")
     p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="serve the OpenAI-compatible HTTP API, /metrics and the dashboard here "
                    "(default 127.0.0.1:8000; port 0 picks a free one; 'none' turns it off)")
@@ -172,6 +174,8 @@ def _run_node(args: argparse.Namespace) -> int:
         upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,
         max_queued_per_requester=args.max_queued_per_requester,
+        **({} if args.preempt_after_tokens is None
+           else {"preempt_after_tokens": args.preempt_after_tokens or None}),
         **{k: v for k, v in (("max_tokens", args.max_tokens),
                              ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None},
     )

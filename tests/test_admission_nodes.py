@@ -357,13 +357,17 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path,
 
 
 async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most() -> None:
-    """32 maximal requests from one peer to a 4-slot node; an honest peer's request then gets
-    its first token within 2x its idle time plus one request's service (issue 11's target; the
-    fair share itself is the core's, see core/node.py). Without the per-requester share it
-    would wait behind all 28 queued ones (7 services)."""
+    """32 long requests from one peer to a 4-slot node; an honest peer's request then gets
+    its first token within 2x its idle time plus one request's service (issue 11's target),
+    here within 2x idle + 1 s (issue 21's, met by preemption: tests/test_fairness_nodes.py
+    has the rest of issue 21's flood). Without the per-requester share it would wait behind
+    all queued ones; without preemption, behind one service."""
     costs = replace(COSTS, slots=4, decode_s_per_token=0.0005)
     async with trio.open_nursery() as nursery:
-        node = Node(options(costs=costs, policy="local"), engine=SimulatedEngine(costs=costs))
+        # Liveness pings of 10 s, not 3: the flood's token streams share this one event loop,
+        # and a ping missed makes the node replace the flooder's connection as stalled.
+        node = Node(options(costs=costs, policy="local", peer_timeout_s=20.0),
+                    engine=SimulatedEngine(costs=costs))
         await nursery.start(node.serve)
         async with raw_host(None, None) as attacker, raw_host(None, None) as honest:
             await attacker.connect(node.addresses()[0])
@@ -384,8 +388,10 @@ async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_
                         msg = decode(await stream.receive(timeout=120))
                         if isinstance(msg, TokenChunk) and ttft < 0:
                             ttft = trio.current_time() - started
-                        if isinstance(msg, GenerateDone | ErrorMessage):
-                            assert isinstance(msg, GenerateDone), msg
+                        if isinstance(msg, ErrorMessage):
+                            assert msg.code == "busy", msg  # beyond the flooder's share
+                            return ttft
+                        if isinstance(msg, GenerateDone):
                             done.append(trio.current_time() - started)
                             return ttft
 
@@ -396,7 +402,8 @@ async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_
                 for i in range(32):
                     flood.start_soon(first_token, attacker, f"flood{i}", 1000, flood_done)
                 c = core(node)
-                await wait_until(lambda: c.load().running == 4 and c.load().queued >= 20, 20)
+                await wait_until(lambda: c.load().running == 4 and c.load().queued >= 4, 20)
+                await trio.sleep(0.5)  # the flood has made its quantum of tokens
                 # Give up (and fail) well before a FIFO would serve it: 4x the service the cost
                 # model predicts for one flood request sharing the engine with three others.
                 predicted = 4 * 1000 * costs.decode_s_per_token + 1.0
@@ -405,9 +412,9 @@ async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_
                     honest_ttft = await first_token(honest, "honest", 1, [])
                 await wait_until(lambda: len(flood_done) >= 4, 60)
                 service = min(flood_done)  # one maximal request's service under this load
-                assert len(flood_done) <= 8  # the rest of the flood was still waiting
+                assert len(flood_done) <= 8  # at most twice the slots were admitted
                 flood.cancel_scope.cancel()
-            assert honest_ttft <= 2 * idle + service, (honest_ttft, idle, service)
+            assert honest_ttft <= 2 * idle + min(service, 1.0), (honest_ttft, idle, service)
         nursery.cancel_scope.cancel()
 
 

@@ -387,8 +387,9 @@ class NodeCoreMachine(RuleBasedStateMachine):
         if phase is Phase.QUEUED:
             assert effects == []
             self._ended(rid)
-        elif phase is Phase.RUNNING:
-            assert [type(e) for e in effects] == [CancelLocal]  # ends at LocalFinished
+        elif phase in (Phase.RUNNING, Phase.PREEMPTED):
+            # Ends at LocalFinished (the engine holds a preempted request's state too).
+            assert [type(e) for e in effects] == [CancelLocal]
         else:
             assert [type(e) for e in effects] == [CancelForward]
             self.feed(effects)

@@ -997,12 +997,14 @@ class NodeCore:
     def check_invariants(self) -> None:
         """Raise AssertionError if any count disagrees with the requests it counts.
 
-        Recounted from the requests: every request is in one phase and one place (the queue
-        holds exactly the QUEUED ones, each once, in its requester's share), the running count
-        is the RUNNING ones and within capacity, no request waits while a slot is free, the
+        Recounted from the requests: every request is in one phase and one place (the queues
+        hold exactly the QUEUED ones and the paused queues the PREEMPTED ones, each once, in
+        its requester's share), the running count is the RUNNING ones and within capacity, no
+        request waits while a slot is free, with preemption on no requester below its share
+        waits without a slot coming (free or yielding), only RUNNING requests yield, the
         in-flight count per peer is the FORWARDED/RELAYING ones sent there, the blocks pending
-        locally are those of the QUEUED and RUNNING chains, each share counts its requests, no
-        done request is kept, and the statistics add up. O(requests + their blocks).
+        locally are those of the local chains, each share counts its requests, no done
+        request is kept, and the statistics add up. O(requests + their blocks).
         """
 
         def check(cond: bool, msg: str) -> None:

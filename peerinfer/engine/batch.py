@@ -112,8 +112,8 @@ class SchedulerStatistics:
     ``prefill_batches``: ``prefill_batch`` calls (several chunks each when newcomers are
     prefilled together). ``batch_sizes``: (batch size, decode steps of that size),
     ascending; ``mean_batch``: decoders per decode step. ``kv_reserved_bytes``: the running
-    requests' reservations; ``kv_budget_bytes``: the cache's byte budget they share with it
-    (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
+    and suspended requests' reservations; ``kv_budget_bytes``: the cache's byte budget they
+    share with it (None: not accounted). ``admitted``/``finished``/``failed``/``cancelled``: lifetime counts
     (``cancelled`` is part of ``finished``); ``batch_retries``: decode batches that raised and
     were retried one by one; ``prefill_batch_retries``: the same for prefill batches.
     """
@@ -645,7 +645,8 @@ class BatchScheduler:
             prefill_chunks=self._prefill_chunks,
             batch_sizes=tuple(sorted(self._batch_sizes.items())),
             mean_batch=decoded / self._decode_steps if self._decode_steps else 0.0,
-            kv_reserved_bytes=sum(e.job.kv_reserved for e in self._running.values()),
+            kv_reserved_bytes=sum(e.job.kv_reserved for e in self._running.values())
+            + sum(e.job.kv_reserved for e in self._suspended.values()),
             kv_budget_bytes=budget,
             admitted=self._admitted,
             finished=self._finished,

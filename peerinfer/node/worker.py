@@ -60,6 +60,7 @@ class EngineWorkerMixin:
     async def _run_local(self, eff: RunLocal) -> None:
         sink = self._sinks.get(eff.request_id)
         if sink is None:  # the client left while the request was queued
+            self._preempt_asked.pop(eff.request_id, None)
             self._feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
             return
         if eff.decision is not None:
