@@ -1,8 +1,14 @@
-"""Batched serving benchmark: many requests at once on one Transformers engine.
+"""Batched serving benchmark: many requests at once on one engine.
 
 Run ``python bench/batch_bench.py`` for a table on stderr and ``--json`` for one JSON object on
-stdout. Model: the engine's default (SmolLM2-135M-Instruct), float32 on the CPU, one torch
-thread for every figure (``--threads``). Workload: MMLU 5-shot **chat** prompts of two subjects
+stdout. Engine: ``--engine`` (default ``hf``, the Transformers engine; any name
+``peerinfer node --engine`` takes), given the options of its constructor that it has among
+``device`` (cpu), ``dtype`` (``--dtype``, hf: float32 by default, the exact one),
+``threads`` and ``max_batch_size`` (8). Model: the engine's default (SmolLM2-135M-Instruct),
+one thread for every figure (``--threads``). Figures that compare with transformers' own
+``generate`` (``vs_hf_*``, the near-tie test of ``exact_share``) need the Transformers engine;
+on another engine ``exact_share`` compares with the engine's own lone run (``engine.generate``
+with an empty cache) and counts every difference as a mismatch. Workload: MMLU 5-shot **chat** prompts of two subjects
 (``--subjects``, default astronomy and virology; the data from ``../shared/data/mmlu`` when
 present, else the excerpt shipped in peerinfer/data): one user message holding the subject's
 five-shot block and a test question, through the model's chat template. Every timed phase
@@ -14,6 +20,8 @@ Figures (keys of the JSON object)
 ---------------------------------
 * ``throughput_x_8``: 8 requests (4 per subject) submitted at once to a ``BatchScheduler``,
   aggregate generated tokens/s, over the same 8 through ``engine.generate`` one after another.
+* ``throughput_x_8_one_prefill_per_step``: the same with the scheduler prefilling one
+  newcomer per step (as before ``prefill_batch``), for the before/after ratio in one run.
 * ``vs_hf_padded_8``: the same aggregate over transformers' own left-padded batch
   ``generate`` of the 8 full prompts (no prefix cache; its own KV cache as always).
 * ``vs_hf_cb_8``: ... over transformers' ``generate_batch`` (continuous batching) of the 8.
@@ -27,6 +35,9 @@ Figures (keys of the JSON object)
   ``generate`` of the prompt alone with no prefix cache; ``tie_flips`` counts the differing
   ones whose first differing token scored within 1e-4 of the lone run's best logit (float
   rounding of a near tie), ``mismatches`` the others (bugs).
+* ``rss_after_load_mb`` / ``rss_after_64_mb``: the process's resident memory after loading
+  the engine and after the exactness phase's requests (``--exact-requests``, 64), with
+  ``kv_budget_mb`` (the cache's byte budget) beside it.
 * ``node_x_16``: 16 concurrent clients (``Client.connect``, the client behind ``peerinfer.connect``)
   on one real node (libp2p on 127.0.0.1), generated tokens/s over the
   same 16 one after another, if this checkout's node serves batches (else ``node_level``
@@ -135,15 +146,20 @@ def run_serial(engine: Any, prompts: Sequence[list[int]], tokens: int) -> tuple[
 
 
 def run_scheduler(
-    engine: Any, prompts: Sequence[list[int]], tokens: int, max_running: int
+    engine: Any, prompts: Sequence[list[int]], tokens: int, max_running: int,
+    one_prefill_per_step: bool = False,
 ) -> tuple[float, list[list[int]], list[int]]:
-    """All ``prompts`` submitted at once; (seconds, tokens per request, cached tokens)."""
+    """All ``prompts`` submitted at once; (seconds, tokens per request, cached tokens).
+    ``one_prefill_per_step``: the scheduler as it was before batched prefill (one request's
+    chunk per step, as it still runs engines without their own ``prefill_batch``)."""
     from peerinfer.core.messages import SamplingParams
     from peerinfer.engine import Started, Tokens
     from peerinfer.engine.batch import BatchScheduler
     from peerinfer.errors import PeerInferError
 
     sched = BatchScheduler(engine, max_running=max_running)
+    if one_prefill_per_step:
+        sched._prefill_one_by_one = True  # the bench's before/after comparison only
     outs: list[list[int]] = [[] for _ in prompts]
     cached = [0] * len(prompts)
     t0 = clock()
@@ -201,8 +217,25 @@ def _until_eos(engine: Any, ids: list[int]) -> list[int]:
     return ids
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (Linux), in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
 def reference(engine: Any, prompt: Sequence[int], n: int) -> tuple[list[int], list[Any]]:
     import torch
+
+    if not hasattr(engine, "model"):  # not the Transformers engine: its own lone run
+        from peerinfer.core.messages import SamplingParams
+        from peerinfer.core.prefix import PrefixHasher
+        from peerinfer.engine import Tokens
+
+        engine.configure_cache(PrefixHasher(engine.fingerprint))  # nothing cached
+        alone = [t for ev in engine.generate(list(prompt), SamplingParams(max_tokens=n))
+                 if isinstance(ev, Tokens) for t in ev.token_ids]
+        return alone, []
 
     ids = torch.tensor([list(prompt)], device=engine.device)
     with torch.inference_mode():
@@ -219,7 +252,7 @@ def compare(engine: Any, prompt: Sequence[int], got: Sequence[int], n: int) -> s
     if list(got) == expected:
         return "equal"
     for i, (a, b) in enumerate(zip(got, expected, strict=False)):
-        if a != b:
+        if a != b and i < len(logits):
             gap = float(logits[i].max() - logits[i][a])
             return "tie" if gap <= TIE else "mismatch"
     return "mismatch"  # one is a prefix of the other: a length difference
@@ -362,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--subjects", default="astronomy,virology")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per request (32)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--engine", default="hf", help="engine name, as for peerinfer node --engine (default hf)")
+    parser.add_argument("--dtype", default="float32", help="hf engine: float32 (default), bfloat16, float16, auto")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--exact-requests", type=int, default=64)
     parser.add_argument("--ttft-repeats", type=int, default=4)
@@ -377,19 +412,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tokens, args.exact_requests, args.ttft_repeats, args.steps = 4, 4, 1, 2
         args.step_sizes = "1,2"
 
+    import inspect
+
     import torch
 
-    from peerinfer.engine.hf import TransformersEngine
+    from peerinfer.engine.registry import load_engine, resolve_engine_class
 
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.step_sizes.split(",")]
-    engine = TransformersEngine(device="cpu", threads=args.threads, max_batch_size=8)
+    wanted = {"device": "cpu", "dtype": args.dtype, "threads": args.threads, "max_batch_size": 8}
+    accepted = inspect.signature(resolve_engine_class(args.engine)).parameters
+    engine = load_engine(args.engine, **{k: v for k, v in wanted.items() if k in accepted})
+    rss_after_load = rss_mb()
+    hf = hasattr(engine, "model")
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()]
     # The TTFT figures take prompts from offset 15 on (past the throughput runs' prompts).
     needed = max(sizes + [args.exact_requests, 15 + args.ttft_repeats])
     per_subject = max(8, -(-needed // len(subjects)))
     work = Workload(engine, args.data, subjects, per_subject)
     result: dict[str, Any] = {
+        "engine": args.engine, "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch."),
         "model": engine.model_name, "threads": args.threads, "clock": args.clock,
         "tokens": args.tokens, "data": work.source, "subjects": subjects,
     }
@@ -412,14 +454,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     say(f"8 requests, {n_tokens} tokens: one by one {t_serial:.2f} s, batched {t_batch:.2f} s "
         f"-> x{result['throughput_x_8']} (cached {cached})")
+    fresh_cache(engine, work)
+    t_old, old, _ = run_scheduler(engine, eight, args.tokens, 8, one_prefill_per_step=True)
+    result.update(
+        batched_8_one_prefill_per_step_s=round(t_old, 3),
+        throughput_x_8_one_prefill_per_step=round(
+            (sum(map(len, old)) / t_old) / (sum(map(len, serial)) / t_serial), 3),
+    )
+    say(f"  the same, one newcomer prefilled per step (before batched prefill): {t_old:.2f} s "
+        f"-> x{result['throughput_x_8_one_prefill_per_step']}")
 
-    t_pad, padded = run_hf_padded(engine, eight, args.tokens)
-    result.update(hf_padded_8_s=round(t_pad, 3),
-                  vs_hf_padded_8=round(rate / (sum(map(len, padded)) / t_pad), 3),
-                  hf_padded_equal=sum(a == b for a, b in zip(padded, batched, strict=True)))
-    say(f"transformers padded generate: {t_pad:.2f} s -> x{result['vs_hf_padded_8']} "
-        f"({result['hf_padded_equal']}/8 outputs equal)")
-    if not args.skip_cb:
+    t_pad, padded = run_hf_padded(engine, eight, args.tokens) if hf else (0.0, [])
+    if hf:
+        result.update(hf_padded_8_s=round(t_pad, 3),
+                      vs_hf_padded_8=round(rate / (sum(map(len, padded)) / t_pad), 3),
+                      hf_padded_equal=sum(a == b for a, b in zip(padded, batched, strict=True)))
+        say(f"transformers padded generate: {t_pad:.2f} s -> x{result['vs_hf_padded_8']} "
+            f"({result['hf_padded_equal']}/8 outputs equal)")
+    if hf and not args.skip_cb:
         t_cb, cb = run_hf_cb(engine, eight, args.tokens)
         result.update(hf_cb_8_s=round(t_cb, 3),
                       vs_hf_cb_8=round(rate / (sum(map(len, cb)) / t_cb), 3),
@@ -447,6 +499,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fresh_cache(engine, work)
     prompts = work.mixed(args.exact_requests)
     _, outs, _ = run_scheduler(engine, prompts, args.tokens, 8)
+    cache = engine.radix_cache
+    result.update(rss_after_load_mb=rss_after_load, rss_after_64_mb=rss_mb(),
+                  kv_budget_mb=round(cache.capacity_bytes / 2**20, 1) if cache is not None and cache.capacity_bytes else None)
+    say(f"resident memory: {rss_after_load} MiB after load, {result['rss_after_64_mb']} MiB after "
+        f"{len(prompts)} more requests (KV budget {result['kv_budget_mb']} MiB)")
     verdicts = [compare(engine, p, o, args.tokens) for p, o in zip(prompts, outs, strict=True)]
     result.update(
         exact_requests=len(prompts), exact_share=round(verdicts.count("equal") / len(prompts), 4),

@@ -25,6 +25,13 @@ What is timed (medians over subjects x repetitions)
   once its converted copy exists (imports included).
 * ``hit TTFT against prefix length``: 1- to 5-shot prefixes cached.
 
+``--engine NAME`` measures another engine (any name ``peerinfer node --engine`` takes, given
+``device``, ``dtype`` and ``threads`` where its constructor has them); the figures that need the
+Transformers engine's internals (``suffix_floor_s``, ``cache_build_s``,
+``decode_tokens_per_s_hf`` and their ratios) are then left out, and prompts are tokenized with
+``engine.tokenize`` (a leading special token it adds to every text is kept only on the prefix).
+``--dtype`` (hf) picks the precision: float32 by default, the exact one.
+
 ``--clock cpu`` times everything but the second load with the process's CPU time instead of the
 wall clock. With ``--threads 1`` that is what the wall clock would read on an idle machine: use it
 on a machine shared with other work, and say so when quoting the figures.
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -124,14 +132,26 @@ def _fresh_cache(engine: Any) -> None:
     engine.configure_cache(PrefixHasher(engine.fingerprint))
 
 
-def second_load_s(device: str, threads: int | None) -> tuple[float, float]:
+def _engine_kwargs(name: str, device: str, dtype: str | None, threads: int | None) -> dict[str, Any]:
+    """The options among device, dtype and threads that engine ``name``'s constructor takes."""
+    import inspect
+
+    from peerinfer.engine.registry import resolve_engine_class
+
+    wanted = {"device": device, "dtype": dtype, "threads": threads}
+    accepted = inspect.signature(resolve_engine_class(name)).parameters
+    return {k: v for k, v in wanted.items() if k in accepted and v is not None}
+
+
+def second_load_s(name: str, kwargs: dict[str, Any]) -> tuple[float, float]:
     """Wall and CPU seconds of a fresh process loading the default model."""
+    threads = kwargs.get("threads")
     code = (
         "import time; t = time.perf_counter();"
         "import torch;"
         + (f"torch.set_num_threads({threads});" if threads else "")
-        + "from peerinfer.engine.hf import TransformersEngine;"
-        f"TransformersEngine(device={device!r});"
+        + "from peerinfer.engine.registry import load_engine;"
+        f"load_engine({name!r}, **{kwargs!r});"
         "print(time.perf_counter() - t)"
     )
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -150,26 +170,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     from peerinfer.core.messages import SamplingParams
     from peerinfer.engine import Tokens
-    from peerinfer.engine.hf import TransformersEngine
+    from peerinfer.engine.registry import load_engine
 
     say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    engine = TransformersEngine(device=args.device)  # converts the GGUF once if needed
-    load_runs = [second_load_s(args.device, args.threads) for _ in range(args.load_repeats)]
+    kwargs = _engine_kwargs(args.engine, args.device, args.dtype, args.threads)
+    engine = load_engine(args.engine, **kwargs)  # hf: converts the GGUF once if needed
+    hf = hasattr(engine, "kv_cache_from_segments") and hasattr(engine, "model")
+    load_runs = [second_load_s(args.engine, kwargs) for _ in range(args.load_repeats)]
     loads = [wall for wall, _ in load_runs]
     load_cpu = [cpu for _, cpu in load_runs]
     say(f"second load: wall {[round(x, 2) for x in loads]} s, cpu {[round(x, 2) for x in load_cpu]} s")
 
-    tokenizer = engine.tokenizer
+    tokenizer = getattr(engine, "tokenizer", None) if hf else None
+    special = [] if tokenizer is not None else engine.tokenize("")
 
     def ids(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokenizer is not None:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        out = engine.tokenize(text)
+        return out[len(special):] if out[: len(special)] == special else out
 
     workload = mmlu_prompts(Path(args.data), args.subjects, args.repeats + 1)
     _first_token_s(engine, ids("Warm-up: the quick brown fox.") * 4)
 
     miss, hit, floor, build, prefix_lens, suffix_lens, ran = [], [], [], [], [], [], []
     for subject, prefix_text, questions in workload:
-        prefix = ids(prefix_text)
+        prefix = special + ids(prefix_text)
         prefix_lens.append(len(prefix))
         for q in questions[1 : args.repeats + 1]:
             prompt = prefix + ids(q)
@@ -177,44 +203,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _fresh_cache(engine)
             _first_token_s(engine, prefix + ids(questions[0]))  # caches the prefix
             t_hit, cached = _first_token_s(engine, prompt)
-            timings = engine.last_timings
-            assert timings is not None and timings.cached_tokens == cached > 0
+            assert cached > 0, "the prefix was not cached"
             assert cached <= len(prefix), "the suffix must not be cached"
-            # The floor: a forward pass over the same uncached tokens after a ready-made cache.
-            segments = engine.radix_cache.match(prompt[:cached], touch=False).payloads
-            cache = engine.kv_cache_from_segments(segments, contiguous=True)
-            t0 = clock()
-            logits = engine.forward(prompt[cached:], cache)
-            int(torch.argmax(logits))
-            t_floor = clock() - t0
-            del cache
+            t_floor, build_s = math.nan, math.nan
+            if hf:
+                timings = engine.last_timings
+                assert timings is not None and timings.cached_tokens == cached
+                build_s = timings.build_s
+                # The floor: a forward pass over the same uncached tokens after a ready-made
+                # cache.
+                segments = engine.radix_cache.match(prompt[:cached], touch=False).payloads
+                cache = engine.kv_cache_from_segments(segments, contiguous=True)
+                t0 = clock()
+                logits = engine.forward(prompt[cached:], cache)
+                int(torch.argmax(logits))
+                t_floor = clock() - t0
+                del cache
             _fresh_cache(engine)
             t_miss, nothing = _first_token_s(engine, prompt)
             assert nothing == 0
             miss.append(t_miss)
             hit.append(t_hit)
             floor.append(t_floor)
-            build.append(timings.build_s)
+            build.append(build_s)
             ran.append(len(prompt) - cached)
             say(
                 f"{subject:28s} prefix {len(prefix):4d} suffix {len(prompt) - len(prefix):3d} "
                 f"cached {cached:4d}: miss {t_miss * 1000:7.1f} ms  hit {t_hit * 1000:6.1f} ms  "
-                f"floor {t_floor * 1000:6.1f} ms  build {timings.build_s * 1000:5.2f} ms"
+                f"floor {t_floor * 1000:6.1f} ms  build {build_s * 1000:5.2f} ms"
             )
 
     # Decode throughput, same prompt and token count through the engine and model.generate.
     subject, prefix_text, questions = workload[0]
-    prompt = ids(prefix_text) + ids(questions[1])
+    prompt = special + ids(prefix_text) + ids(questions[1])
     rates_reuse, rates_hf = [], []
     for _ in range(args.decode_repeats):
         _fresh_cache(engine)
-        _first_token_s(engine, ids(prefix_text) + ids(questions[0]))
+        _first_token_s(engine, special + ids(prefix_text) + ids(questions[0]))
         stamps: list[float] = []
         for ev in engine.generate(prompt, SamplingParams(max_tokens=args.decode_tokens)):
             if isinstance(ev, Tokens) and ev.token_ids:
                 stamps.append(clock())
         n = len(stamps)
         rates_reuse.append((n - 1) / (stamps[-1] - stamps[0]))
+        if not hf:
+            say(f"decode {n} tokens: engine {rates_reuse[-1]:.1f} tok/s")
+            continue
         streamer = _Stamps()
         input_ids = torch.tensor([prompt], device=engine.device)
         with torch.inference_mode():
@@ -236,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = Path(args.data)
     for shots in range(1, 6):
         subject, prefix_text, questions = mmlu_prompts(data, 1, args.repeats + 1, shots)[0]
-        prefix = ids(prefix_text)
+        prefix = special + ids(prefix_text)
         _fresh_cache(engine)
         _first_token_s(engine, prefix + ids(questions[0]))
         times = [_first_token_s(engine, prefix + ids(q))[0] for q in questions[1:]]
@@ -247,24 +281,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "ttft_miss_s": med(miss),
         "ttft_hit_s": med(hit),
-        "suffix_floor_s": med(floor),
+        "suffix_floor_s": med(floor) if hf else None,
         "decode_tokens_per_s_reuse": med(rates_reuse),
-        "decode_tokens_per_s_hf": med(rates_hf),
-        "cache_build_s": med(build),
+        "decode_tokens_per_s_hf": med(rates_hf) if rates_hf else None,
+        "cache_build_s": med(build) if hf else None,
         "second_load_s": med(loads),
         "second_load_cpu_s": med(load_cpu),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "miss_over_hit": med(m / h for m, h in zip(miss, hit, strict=True)),
-        "hit_over_floor": med(h / f for h, f in zip(hit, floor, strict=True)),
-        "build_over_hit": med(b / h for b, h in zip(build, hit, strict=True)),
-        "decode_reuse_over_hf": med(rates_reuse) / med(rates_hf),
+        "hit_over_floor": med(h / f for h, f in zip(hit, floor, strict=True)) if hf else None,
+        "build_over_hit": med(b / h for b, h in zip(build, hit, strict=True)) if hf else None,
+        "decode_reuse_over_hf": med(rates_reuse) / med(rates_hf) if rates_hf else None,
         "prefix_tokens_median": med(prefix_lens),
         "suffix_tokens_median": med(suffix_lens),
         "uncached_tokens_run_median": med(ran),
         "hit_ttft_s_by_prefix_tokens": {str(k): v for k, v in by_prefix.items()},
         "samples": len(hit),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).replace("torch.", ""),
+        "engine": args.engine,
+        "device": str(getattr(engine, "device", args.device)),
+        "dtype": str(getattr(engine, "dtype", "")).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "model": engine.model_name,
@@ -285,18 +320,22 @@ def _table(r: dict[str, Any]) -> None:
         ("TTFT, nothing cached", f"{r['ttft_miss_s'] * 1000:.1f} ms", ""),
         ("TTFT, prefix cached", f"{r['ttft_hit_s'] * 1000:.1f} ms",
          f"{r['miss_over_hit']:.1f}x lower (target >= 4x: {ok(r['miss_over_hit'] >= 4)})"),
-        ("suffix forward floor", f"{r['suffix_floor_s'] * 1000:.1f} ms",
-         f"hit/floor {r['hit_over_floor']:.2f} (target <= 1.2: {ok(r['hit_over_floor'] <= 1.2)})"),
-        ("cache build", f"{r['cache_build_s'] * 1000:.2f} ms",
-         f"{r['build_over_hit'] * 100:.1f}% of hit TTFT (target < 10%: {ok(r['build_over_hit'] < 0.1)})"),
-        ("decode, engine w/ reuse", f"{r['decode_tokens_per_s_reuse']:.1f} tok/s",
-         f"{r['decode_reuse_over_hf'] * 100:.0f}% of model.generate "
-         f"(target >= 95%: {ok(r['decode_reuse_over_hf'] >= 0.95)})"),
-        ("decode, model.generate", f"{r['decode_tokens_per_s_hf']:.1f} tok/s", ""),
+        ("decode, engine w/ reuse", f"{r['decode_tokens_per_s_reuse']:.1f} tok/s", ""),
         ("second load", f"{r['second_load_s']:.2f} s",
          f"target < 5 s: {ok(r['second_load_s'] < 5)} ({r['second_load_cpu_s']:.2f} s of CPU)"),
         ("KV bytes per token", f"{r['kv_bytes_per_token']}", ""),
     ]
+    if r["suffix_floor_s"] is not None:  # the Transformers engine's own figures
+        rows[2:2] = [
+            ("suffix forward floor", f"{r['suffix_floor_s'] * 1000:.1f} ms",
+             f"hit/floor {r['hit_over_floor']:.2f} (target <= 1.2: {ok(r['hit_over_floor'] <= 1.2)})"),
+            ("cache build", f"{r['cache_build_s'] * 1000:.2f} ms",
+             f"{r['build_over_hit'] * 100:.1f}% of hit TTFT (target < 10%: {ok(r['build_over_hit'] < 0.1)})"),
+        ]
+        rows[4] = ("decode, engine w/ reuse", f"{r['decode_tokens_per_s_reuse']:.1f} tok/s",
+                   f"{r['decode_reuse_over_hf'] * 100:.0f}% of model.generate "
+                   f"(target >= 95%: {ok(r['decode_reuse_over_hf'] >= 0.95)})")
+        rows.insert(5, ("decode, model.generate", f"{r['decode_tokens_per_s_hf']:.1f} tok/s", ""))
     for name, value, note in rows:
         print(f"  {name:26s} {value:>14s}  {note}")
     print("  hit TTFT by cached prefix length:")
@@ -313,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--engine", default="hf", help="engine name, as for peerinfer node --engine (default hf)")
+    parser.add_argument("--dtype", default="float32", help="hf engine: float32 (default), bfloat16, float16, auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
