@@ -81,6 +81,12 @@ def test_tool_calls_are_read_back_only_when_they_parse() -> None:
     assert parse_tool_calls("no call here", names) is None
     assert parse_tool_calls('<tool_call>{"name": "other", "arguments": {}}</tool_call>', names) is None
     assert parse_tool_calls("<tool_call>{broken</tool_call>", names) is None
+    # A closing tag inside an argument string does not end the call.
+    tricky = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>'
+    assert json.loads(parse_tool_calls(tricky, names)[1][0].arguments) == {"city": "a</tool_call>b"}  # type: ignore[index]
+    two = tricky + "\n" + tricky
+    assert len(parse_tool_calls(two, names)[1]) == 2  # type: ignore[index]
+    assert parse_tool_calls(tricky + " and then some text", names) is None
 
 
 def test_bad_schemas_and_grammars_are_named() -> None:
@@ -221,6 +227,15 @@ async def test_agents_on_the_default_model() -> None:
             assert len(tops) == 5 and tops == sorted(tops, reverse=True)
             assert entry.logprob == pytest.approx(tops[0], abs=1e-6)  # greedy: the best token
             assert entry.bytes == list(entry.token.encode())
+        streamed = await in_thread(lambda: list(client.chat.completions.create(
+            model=model, messages=_chat("Say hello."), max_tokens=8, temperature=0,
+            logprobs=True, top_logprobs=5, stream=True)))
+        streamed_entries = [e for c in streamed if c.choices and c.choices[0].logprobs
+                            for e in c.choices[0].logprobs.content or []]
+        # (the second run reuses the cached prompt: the same numbers up to rounding)
+        assert [e.token for e in streamed_entries] == [e.token for e in content]
+        assert [e.logprob for e in streamed_entries] == pytest.approx(
+            [e.logprob for e in content], abs=1e-4)
         done_c = await in_thread(lambda: client.completions.create(
             model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
             logprobs=3))
@@ -266,6 +281,48 @@ async def test_agents_on_the_default_model() -> None:
                     if isinstance(ev, Tokens) for t in ev.token_ids]
             return (audit_answer(engine, prompt, constrained, honest),
                     audit_answer(engine, prompt, constrained, free))
+
+        # A request resumed after tokens served elsewhere: its constraint starts after them.
+        def resumed() -> tuple[list[int], list[int]]:
+            engine: Any = node.engine
+            prompt = engine.chat_prompt_tokens([ChatMessage("user", "Describe Rome as JSON.")])
+            params = SamplingParams(max_tokens=60, constraint=Constraint(
+                "json_schema", json.dumps(City.model_json_schema())))
+            whole = [t for ev in engine.generate(prompt, params) if isinstance(ev, Tokens)
+                     for t in ev.token_ids]
+            k = len(whole) // 2
+            later = SamplingParams(max_tokens=60 - k, constraint=Constraint(
+                "json_schema", json.dumps(City.model_json_schema()), consumed=tuple(whole[:k])))
+            rest = [t for ev in engine.generate(prompt + whole[:k], later)
+                    if isinstance(ev, Tokens) for t in ev.token_ids]
+            return whole[k:], rest
+
+        expected_rest, rest = await node._in_engine(resumed)
+        assert rest == expected_rest
+
+        # A chat template that renders tools itself is used as is (Hermes/Qwen convention).
+        def native() -> str:
+            engine: Any = node.engine
+            saved = engine.tokenizer.chat_template
+            engine.tokenizer.chat_template = (
+                "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                "</tools> use <tool_call>{% endif %}{% for m in messages %}[{{ m.role }}]"
+                "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}"
+                "{{ c.function.arguments.city }}{% endfor %}{% endif %}{{ m.content }}"
+                "{% endfor %}[assistant]")
+            try:
+                calls = json.dumps([{"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}])
+                ids = engine.chat_prompt_tokens([
+                    ChatMessage("user", "Weather?"), ChatMessage("assistant", "", calls),
+                    ChatMessage("tool", "sunny", tool_call_id="c1")], json.dumps([WEATHER]))
+                return str(engine.detokenize(ids))
+            finally:
+                engine.tokenizer.chat_template = saved
+
+        rendered = await node._in_engine(native)
+        assert rendered == ("<tools>get_weather;</tools> use <tool_call>[user]Weather?"
+                            "[assistant]CALL get_weatherOslo[tool]sunny[assistant]")
 
         honest_verdict, free_verdict = await node._in_engine(audits)
         assert honest_verdict.ok, honest_verdict.describe()

@@ -20,7 +20,6 @@ the model is free and its output is a call only if it parses as one.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +40,6 @@ TOOLS_PREAMBLE = (
     "<tool_call></tool_call> XML tags:\n"
     '<tool_call>{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>'
 )
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,23 +133,41 @@ def tool_call_grammar(functions: Sequence[Mapping[str, Any]], *, parallel: bool)
 
 def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCall]] | None:
     """``(content before the calls, calls)`` if ``text`` holds tool calls of known functions
-    whose arguments are JSON objects; None when it is an ordinary answer."""
+    whose arguments are JSON objects; None when it is an ordinary answer.
+
+    Each call is read as JSON right after its ``<tool_call>`` tag (so a ``</tool_call>`` inside
+    an argument string does not end it), then its closing tag; calls may be separated by
+    whitespace; a last call whose closing tag is missing (the model ended there) is accepted.
+    """
     start = text.find(CALL_OPEN)
     if start < 0:
         return None
+    decoder = json.JSONDecoder()
     calls = []
-    for match in _CALL.finditer(text, start):
+    at = start
+    while at < len(text):
+        if not text.startswith(CALL_OPEN, at):
+            return None
         try:
-            call = json.loads(match.group(1))
+            call, end = decoder.raw_decode(text, _skip_space(text, at + len(CALL_OPEN)))
         except ValueError:
             return None
         if (not isinstance(call, dict) or call.get("name") not in names
                 or not isinstance(call.get("arguments", {}), dict)):
             return None
         calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}))))
-    if not calls:
-        return None
+        at = _skip_space(text, end)
+        if text.startswith(CALL_CLOSE, at):
+            at = _skip_space(text, at + len(CALL_CLOSE))
+        elif at < len(text):
+            return None
     return text[:start].strip(), calls
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def could_become_call(text: str) -> bool:
