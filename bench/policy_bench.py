@@ -137,13 +137,15 @@ def run_compare(args: argparse.Namespace) -> dict:
 
 
 def dilution_configs(
-    nodes: int, requests: int, seed: int, entries: list[int], workload: str, policies: list[str]
+    nodes: int, requests: int, seed: int, entries: list[int], workload: str, policies: list[str],
+    oracle: bool = True,
 ) -> list[SimConfig]:
     base = replace(
         BASE, nodes=nodes, requests=requests, seed=seed, workload=workload, skew=COMPARE_SKEW
     )
     out = [replace(base, policy=p, entries=e) for p in policies for e in entries]
-    out.append(replace(base, policy="oracle", entries=0))
+    if oracle:
+        out.append(replace(base, policy="oracle", entries=0))
     return out
 
 
@@ -179,7 +181,7 @@ def run_dilution(args: argparse.Namespace) -> dict:
     entries = [int(x) for x in args.entries.split(",")]
     policies = args.policies.split(",")
     configs = dilution_configs(
-        args.nodes, args.requests, args.seed, entries, args.workload, policies
+        args.nodes, args.requests, args.seed, entries, args.workload, policies, not args.no_oracle
     )
     results = run_all(configs, jobs=args.jobs, log=_log)
     lines, ratios = dilution_table(results)
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare: the workloads (default %(default)s)")
     parser.add_argument("--policies", default="cost", help="dilution: policies (comma list)")
     parser.add_argument("--workload", default="multiturn", help="dilution: the workload")
+    parser.add_argument("--no-oracle", action="store_true", help="dilution: no oracle run")
     parser.add_argument("--jobs", type=int, default=1, help="simulations at once (default 1)")
     parser.add_argument(
         "--data", metavar="DIR",
