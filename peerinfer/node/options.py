@@ -103,6 +103,9 @@ class NodeOptions:
     costs: CostModel = DEFAULT_COSTS
     announce_interval_s: float = 1.0
     first_token_timeout_s: float = 30.0
+    #: a request served (running, or streaming from a peer) that gives its client no event
+    #: this long ends with a timeout; waiting its turn does not count (NodeCore.silence)
+    token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
     peer_timeout_s: float = 6.0
     max_queue: int = 8
     #: per-request limits: longer prompts, or more new tokens asked for, are refused as invalid
