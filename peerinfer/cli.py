@@ -20,10 +20,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError, PeerInferError
+
+if TYPE_CHECKING:
+    from peerinfer.node import NodeOptions
 
 
 def _bytes_amount(text: str) -> int:
@@ -137,12 +140,15 @@ def _load_costs(path: Path | None) -> Any:
     return CostModel.from_dict(data)
 
 
-def _run_node(args: argparse.Namespace) -> int:
-    import trio
-
+def node_options(args: argparse.Namespace) -> NodeOptions:
+    """``peerinfer node``'s flags as the node's options; a bad value raises ConfigError (one
+    line naming the flag)."""
     from peerinfer.http import check_exposure, parse_http_address
-    from peerinfer.node import Node, NodeOptions
+    from peerinfer.node import NodeOptions
 
+    if args.preempt_after_tokens is not None and args.preempt_after_tokens < 0:
+        raise ConfigError(f"--preempt-after-tokens must be >= 0 (0: never preempt), got "
+                          f"{args.preempt_after_tokens}")
     costs = _load_costs(args.costs)
     api_keys = _api_keys(args)
     http_address = parse_http_address(args.http)
@@ -150,7 +156,7 @@ def _run_node(args: argparse.Namespace) -> int:
         check_exposure(http_address[0], api_keys)
     swarm_key, joined = _swarm_options(args)
     trusted_ids = tuple(t for t in args.trust or () if t != "swarm")  # "swarm": trust_swarm
-    options = NodeOptions(
+    return NodeOptions(
         engine=args.engine,
         model=args.model,
         device=args.device,
@@ -179,6 +185,14 @@ def _run_node(args: argparse.Namespace) -> int:
         **{k: v for k, v in (("max_tokens", args.max_tokens),
                              ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None},
     )
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    import trio
+
+    from peerinfer.node import Node
+
+    options = node_options(args)
     node = Node(options, engine=_load_engine_verbosely(options))
 
     async def main() -> None:

@@ -74,8 +74,9 @@ def preempted_run(engine: Engine, prompt: list[int], other: list[int], *, keep: 
 
 
 def check_preempted_like_alone(engine: Engine, prompt: list[int], other: list[int],
-                               keep: bool) -> BatchScheduler:
-    expected = alone(engine, prompt)
+                               keep: bool, expected: list[int] | None = None) -> BatchScheduler:
+    """``expected``: ``alone(engine, prompt)`` when already known."""
+    expected = alone(engine, prompt) if expected is None else expected
     assert len(expected) == GREEDY.max_tokens
     events, scheduler = preempted_run(engine, prompt, other, keep=keep)
     (pause,) = [ev for ev in events["a"] if isinstance(ev, Preempted)]
@@ -219,3 +220,41 @@ def test_a_preempted_greedy_request_gives_the_same_tokens_on_a_real_model(
     prompt = [40 + (7 * i) % 200 for i in range(21)]
     other = [33 + (11 * i) % 200 for i in range(13)]
     check_preempted_like_alone(tiny, prompt, other, keep)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[Engine]:
+    """The default model, SmolLM2-135M-Instruct (its packaged GGUF), float32 on the CPU."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from peerinfer.engine.hf import TransformersEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = TransformersEngine(device="cpu", max_batch_size=2)
+    engine.configure_cache(PrefixHasher(engine.fingerprint))
+    yield engine
+    engine.close()
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [True, False], ids=["kv-kept", "recomputed"])
+def test_a_preempted_greedy_request_gives_the_same_tokens_on_the_default_model(
+    smol: Engine, keep: bool
+) -> None:
+    """Issue 21's target on the model a node serves by default: preempted mid-generation
+    (its KV kept, or spilled to the prefix cache and recomputed), a greedy request gives
+    exactly the tokens it gives unpreempted."""
+    from peerinfer.core.messages import ChatMessage
+
+    assert str(smol.dtype) == "torch.float32"  # type: ignore[attr-defined]
+    prompt = smol.chat_tokens([ChatMessage("user", "Name three rivers in Europe and say why.")])
+    other = smol.chat_tokens([ChatMessage("user", "What is two plus two?")])
+    key = tuple(prompt)
+    if key not in _SMOL_ALONE:  # one unpreempted reference for both ways of preempting
+        _SMOL_ALONE[key] = alone(smol, prompt)
+    check_preempted_like_alone(smol, prompt, other, keep, expected=_SMOL_ALONE[key])
+
+
+_SMOL_ALONE: dict[tuple[int, ...], list[int]] = {}

@@ -18,7 +18,6 @@ import openai
 import pytest
 import trio
 
-import peerinfer.node.door as node_door
 from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
 from peerinfer.core.messages import ERROR_CODES, ErrorMessage, GenerateRequest, SamplingParams
@@ -388,12 +387,11 @@ async def test_a_full_queue_is_429() -> None:
         assert int(info.value.response.headers["retry-after"]) >= 1
 
 
-async def test_no_token_in_time_is_504(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_no_token_in_time_is_504() -> None:
     # A prefill of ~3 s against a 0.3 s gap limit at the door.
     slow = CostModel(prefill_s_per_token=0.01, cached_s_per_token=0.00001,
                      decode_s_per_token=0.002, overhead_s=0.002, slots=1)
-    monkeypatch.setattr(node_door, "TOKEN_GAP_TIMEOUT_S", 0.3)
-    async with nodes(1, costs=slow) as (node,):
+    async with nodes(1, costs=slow, token_gap_timeout_s=0.3) as (node,):
         with pytest.raises(openai.APIStatusError) as info:
             await in_thread(lambda: sdk(node).completions.create(
                 model="simulated", prompt=SHARED, max_tokens=2))

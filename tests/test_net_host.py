@@ -354,6 +354,22 @@ async def test_ping_measures_a_round_trip() -> None:
         assert a.last_rtt(b.peer_id) == rtt
 
 
+async def test_a_ping_stream_ended_without_an_echo_is_a_remote_failure() -> None:
+    """A peer (hostile, or going away) that accepts a ping stream and closes it unanswered:
+    the ping fails with peerinfer's error, which liveness and the node handle (a bare
+    trio.EndOfChannel escaped them and ended the pinging node: seen once, test_node_inprocess)."""
+
+    async def close_unanswered(stream: FramedStream) -> None:
+        await stream.close_write()  # a clean end of stream, no echo
+
+    async with open_host(config()) as a, open_host(config()) as b:
+        b.set_handler(net.host.PING_PROTOCOL, close_unanswered)
+        await a.connect(b.listen_addrs()[0])
+        with pytest.raises(PeerUnavailableError, match="without answering"):
+            await a.ping(b.peer_id, timeout=5.0)
+        assert a.is_connected(b.peer_id)  # the host itself carries on
+
+
 async def test_gossip_is_relayed_signed_and_not_echoed_to_its_sender() -> None:
     topic = "peerinfer/test/announce"
     async with open_host(config()) as a, open_host(config()) as b, open_host(config()) as c:

@@ -234,6 +234,10 @@ class NodeConfig:
     rebalance_interval_s: float = 5.0
     #: a forwarded request must produce its first token within this budget, or we fail over
     first_token_timeout_s: float = 30.0
+    #: a request being served (running here, or with a peer once it streams) that gives its
+    #: client no event this long ends with a timeout; waiting its turn does not count (see
+    #: ``NodeCore.silence``)
+    token_gap_timeout_s: float = 120.0
     max_forward_attempts: int = 3
     #: forwarded requests are refused as busy beyond this many queued locally
     max_queue: int = 8
@@ -281,6 +285,8 @@ class NodeConfig:
             self.max_prompt_tokens < 1 or self.max_new_tokens < 1
         ):
             raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
+        if not self.token_gap_timeout_s > 0:
+            raise ConfigError(f"token_gap_timeout_s must be > 0, got {self.token_gap_timeout_s}")
         if self.preempt_after_tokens is not None and self.preempt_after_tokens < 1:
             raise ConfigError(f"preempt_after_tokens must be >= 1, got {self.preempt_after_tokens}")
 
@@ -599,6 +605,17 @@ Effect = (
     | BanPeer
 )
 
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """``NodeCore.silence``'s answer: past ``deadline`` the request ends with a timeout error
+    saying ``message``; ``waiting``: it waits its turn here (its client may be told it is
+    still there: the shell's heartbeat)."""
+
+    deadline: float
+    waiting: bool
+    message: str
+
+
 # ---------------------------------------------------------------------------------------------
 # Internal state
 
@@ -631,6 +648,8 @@ class _Request:
     yielding: bool = False
     #: the prompt's scaffold hash (``ClientRequest.scaffold``)
     scaffold: int | None = None
+    #: when it entered its phase (the time of the event that moved it)
+    phase_since: float = 0.0
 
 
 @dataclass(slots=True)
@@ -821,6 +840,8 @@ class NodeCore:
         self._queued = 0
         self._running = 0
         self._local_starts = 0
+        #: the time of the event (or tick) being handled: when a phase change happens
+        self._clock = now
         # Blocks of requests queued or running here: the local engine will hold them soon.
         self._pending_local: dict[BlockHash, int] = {}
         self._next_announce = now
@@ -911,6 +932,7 @@ class NodeCore:
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
         changes = self._index.allowance_changes
+        self._clock = now
         effects: list[Effect] = handler(self, event, now)
         if self._following and self._index.allowance_changes != changes:
             self._recheck_following()
@@ -920,6 +942,7 @@ class NodeCore:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
         changes = self._index.allowance_changes
+        self._clock = now
         self._check_forward_deadlines(now, effects)
         self._check_sync_deadlines(now, effects)
         self._check_liveness(now, effects)
@@ -993,6 +1016,38 @@ class NodeCore:
         """The phase of a request this node holds (None: not held, e.g. done)."""
         req = self._requests.get(request_id)
         return None if req is None else req.phase
+
+    def silence(self, request_id: RequestId, last_event: float, engine_progress: float) -> Silence:
+        """How long the client of ``request_id``, which had its last event at ``last_event``,
+        may go on hearing nothing; ``engine_progress``: when the local engine last completed
+        a step. Silence counts only while the request is served, never while it waits its
+        turn (the shell's gap clock asks this whenever its deadline passes):
+
+        * running here (or not held: ending): ``token_gap_timeout_s`` after the later of its
+          last event and its (re)start;
+        * waiting here, new or preempted: as long as its turn takes, provided the engine makes
+          progress (the slots' holders stream, finish, yield): ``token_gap_timeout_s`` after
+          the later of its last event, its entry and the engine's last step. An engine stuck
+          in a step, or a queue that no longer moves, still ends it;
+        * with a peer: the forward's own deadlines (first token, token gap) bound each wait
+          and fail over rather than end the request; the backstop is twice
+          ``token_gap_timeout_s``, so it never races them.
+        """
+        gap = self.config.token_gap_timeout_s
+        req = self._requests.get(request_id)
+        if req is None or req.phase in (Phase.ROUTING, Phase.RUNNING):
+            since = last_event if req is None else max(last_event, req.phase_since)
+            return Silence(since + gap, False, f"no token for {gap:.0f} s while running")
+        if req.phase in (Phase.QUEUED, Phase.PREEMPTED):
+            since = max(last_event, req.phase_since, engine_progress)
+            return Silence(
+                since + gap, True,
+                f"waited for a slot ({req.phase.value}) while the engine made no progress "
+                f"for {gap:.0f} s",
+            )
+        since = max(last_event, req.phase_since)
+        return Silence(since + 2 * gap, False,
+                       f"no token from {req.target} for {2 * gap:.0f} s")
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any count disagrees with the requests it counts.
@@ -1468,6 +1523,7 @@ class NodeCore:
             joined.outstanding += 1
         # Enter the new one.
         req.phase = new
+        req.phase_since = self._clock
         if new is Phase.QUEUED:
             self._shares[req.share].queue.append(rid)
             self._queued += 1

@@ -1693,7 +1693,12 @@ async def _echo_nonce(stream: FramedStream, peer_id: str, left: Callable[[], flo
     nonce = secrets.token_bytes(8)
     started = trio.current_time()
     await stream.send(nonce, timeout=left())
-    echo = await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+    try:
+        echo = await stream.receive(timeout=left(), max_bytes=PING_MAX_BYTES)
+    except trio.EndOfChannel:
+        # A remote failure like any other: escaping as EndOfChannel it ended the node that
+        # pinged (its ping and liveness tasks catch peerinfer's errors only).
+        raise PeerUnavailableError(f"{peer_id} ended a ping stream without answering") from None
     rtt = trio.current_time() - started
     if echo != nonce:
         raise ProtocolError(f"{peer_id} answered a ping with the wrong bytes")

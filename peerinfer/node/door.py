@@ -27,6 +27,7 @@ from peerinfer.core.node import (
     ClientRequest,
     Forward,
     RunLocal,
+    Silence,
 )
 from peerinfer.core.prefix import scaffold_messages
 from peerinfer.errors import (
@@ -42,6 +43,15 @@ from peerinfer.types import PeerId, RequestId
 #: How long a generate stream waits for its next request once one ended (well above
 #: ``peerinfer.net.host.IDLE_STREAM_TTL_S``, how long a forwarding peer keeps it).
 GENERATE_IDLE_TIMEOUT_S = 15.0
+#: A request waiting its turn tells its client it is still there this often (an empty
+#: ``TokenChunk``): well within every receiver's own gap timeout (a client's 120 s, a
+#: forwarding peer's ``TOKEN_GAP_TIMEOUT_S``), so a long wait is not taken for a dead stream.
+WAITING_HEARTBEAT_S = TOKEN_GAP_TIMEOUT_S / 4
+
+
+def _plain_silence(last_event: float) -> Silence:
+    return Silence(last_event + TOKEN_GAP_TIMEOUT_S, False,
+                   f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
 
 
 @dataclass(slots=True)
@@ -75,8 +85,11 @@ class Submission:
     """The events of one request submitted through :meth:`Node.submit`, in order.
 
     ``TokenChunk`` events, then exactly one ``GenerateDone`` or ``ErrorMessage`` (also kept as
-    ``final``); iteration stops after it. A gap of ``TOKEN_GAP_TIMEOUT_S`` without an event ends
-    it with a ``timeout`` error. ``serving_peer``: where the request runs now ("" before it is
+    ``final``); iteration stops after it. Silence ends it with a ``timeout`` error when the
+    core says so (``silence``: ``NodeCore.silence`` for this request): while it is served, after
+    ``TOKEN_GAP_TIMEOUT_S`` without an event; while it waits its turn, only once the engine
+    stops making progress. While it waits, an empty ``TokenChunk`` (no ids, no text: a
+    heartbeat) comes every ``WAITING_HEARTBEAT_S``. ``serving_peer``: where the request runs now ("" before it is
     routed). ``on_end`` runs once, as the final event is handed out (before the front end can
     answer its client, so a scrape after the answer sees the request) or, for a request left
     early, when the door closes.
@@ -85,11 +98,15 @@ class Submission:
     def __init__(
         self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
         sink: _Sink | None, final: ErrorMessage | None = None,
+        silence: Callable[[float], Silence] = _plain_silence,
     ) -> None:
         self.request_id = request_id
         self._receive = receive
         self._sink = sink
         self._pending = final
+        self._silence = silence
+        #: the last event from the request (not a heartbeat), and the last one handed out
+        self._last_event = self._last_out = trio.current_time()
         self.final: GenerateDone | ErrorMessage | None = None
         self.on_end: Callable[[Submission], None] | None = None
 
@@ -116,19 +133,38 @@ class Submission:
         if self._pending is not None or self._receive is None:
             item = self._pending or ErrorMessage(self.request_id, "internal", "no result")
         else:
-            try:
-                with trio.fail_after(TOKEN_GAP_TIMEOUT_S):
-                    item = await self._receive.receive()
-            except trio.TooSlowError:
-                item = ErrorMessage(self.request_id, "timeout",
-                                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                item = ErrorMessage(self.request_id, "internal", "the request ended without a result")
+            item = await self._next_event(self._receive)
         if isinstance(item, GenerateDone | ErrorMessage):
             self.final = item
             self.end()
         assert isinstance(item, TokenChunk | GenerateDone | ErrorMessage)
         return item
+
+    async def _next_event(self, receive: trio.MemoryReceiveChannel[Message]) -> Message:
+        """The request's next event, a heartbeat while it waits its turn, or the timeout the
+        core's ``silence`` calls for."""
+        silence = self._silence(self._last_event)
+        while True:
+            # Looked at again every heartbeat period at least: a request preempted since its
+            # last token is told it waits before its client's own gap timeout passes.
+            wake = min(silence.deadline, self._last_out + WAITING_HEARTBEAT_S)
+            with trio.move_on_at(wake):
+                try:
+                    item = await receive.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return ErrorMessage(self.request_id, "internal",
+                                        "the request ended without a result")
+                self._last_event = self._last_out = trio.current_time()
+                return item
+            now = trio.current_time()
+            silence = self._silence(self._last_event)
+            if now >= silence.deadline:
+                return ErrorMessage(self.request_id, "timeout", silence.message)
+            if now >= self._last_out + WAITING_HEARTBEAT_S:
+                if silence.waiting:
+                    self._last_out = now
+                    return TokenChunk(self.request_id, (), "")
+                self._last_out = now  # not waiting: no heartbeat, look again a period later
 
 
 class DoorMixin:
@@ -208,7 +244,8 @@ class DoorMixin:
         sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
         self._sinks[rid] = sink
         self._open_handlers += 1
-        submission = Submission(req.request_id, receive, sink)
+        submission = Submission(req.request_id, receive, sink,
+                                silence=lambda last: self._silence_of(rid, last))
         submission.on_end = lambda sub: self._notify_listeners(sub, local)
         self._feed(
             ClientRequest(
@@ -236,6 +273,13 @@ class DoorMixin:
                     sink.forward_scope.cancel()
                 self._sinks.pop(rid, None)
             submission.end()
+
+    def _silence_of(self, rid: RequestId, last_event: float) -> Silence:
+        """The core decides how long a request's client may hear nothing (its phase)."""
+        core = self.core
+        if core is None:
+            return _plain_silence(last_event)
+        return core.silence(rid, last_event, self._engine_progress_at)
 
     def _notify_listeners(self, submission: Submission, local: bool) -> None:
         for listener in self.request_listeners:

@@ -282,8 +282,10 @@ class ForwardingMixin:
                 timeout=max(0.01, deadline - trio.current_time()),
             )
             first_at: float | None = None
+            # The core's gap (NodeCore.silence gives the door twice this for a forward).
+            gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
             while True:
-                timeout = max(0.01, deadline - trio.current_time()) if first_at is None else TOKEN_GAP_TIMEOUT_S
+                timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
                 frame = await stream.receive(timeout=timeout)
                 use.answered = True
                 msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.messages import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 from peerinfer.engine.base import Engine
 from peerinfer.errors import ConfigError
 from peerinfer.net.config import DEFAULT_PORT
@@ -103,6 +104,9 @@ class NodeOptions:
     costs: CostModel = DEFAULT_COSTS
     announce_interval_s: float = 1.0
     first_token_timeout_s: float = 30.0
+    #: a request served (running, or streaming from a peer) that gives its client no event
+    #: this long ends with a timeout; waiting its turn does not count (NodeCore.silence)
+    token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
     peer_timeout_s: float = 6.0
     max_queue: int = 8
     #: per-request limits: longer prompts, or more new tokens asked for, are refused as invalid
@@ -142,6 +146,11 @@ class NodeOptions:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        # Above the protocol's own limits a flag would silently change nothing.
+        for name, most in (("max_tokens", MAX_NEW_TOKENS), ("max_prompt_tokens", MAX_PROMPT_TOKENS)):
+            if getattr(self, name) > most:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at most {most} (the "
+                                  f"protocol's limit), got {getattr(self, name)}")
         if self.trust_swarm and self.swarm_key is None:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import os
 import random
 import time
@@ -94,6 +95,8 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         self._local_control: list[_Control] = []
         self._preempt_asked: dict[RequestId, int] = {}
         self._engine_wake = trio.Event()
+        #: when the engine worker last completed a step (waiting requests wait while it moves)
+        self._engine_progress_at = -math.inf
         self._sinks: dict[RequestId, _Sink] = {}
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
@@ -208,6 +211,7 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
                     costs=costs,
                     announce_interval_s=opts.announce_interval_s,
                     first_token_timeout_s=opts.first_token_timeout_s,
+                    token_gap_timeout_s=opts.token_gap_timeout_s,
                     peer_timeout_s=opts.peer_timeout_s,
                     ping_after_s=max(0.5, opts.peer_timeout_s / 3),
                     max_queue=opts.max_queue,

@@ -118,6 +118,8 @@ class EngineWorkerMixin:
                         logger.exception("the batch scheduler failed to close")
                     failure = EngineError(f"engine failure: {type(exc).__name__}")
                     results = [(run, failure) for run in list(self._local_runs)]
+                # Waiting requests wait as long as this moves (NodeCore.silence).
+                self._engine_progress_at = trio.current_time()
                 for run, item in results:
                     assert isinstance(run, _LocalRun)
                     self._route_local(run, item)
