@@ -179,8 +179,8 @@ async def test_agents_on_the_default_model() -> None:
 
         # json_object, streamed: the pieces make one JSON object.
         stream = await in_thread(lambda: list(client.chat.completions.create(
-            model=model, messages=_chat("Give a JSON object with a key 'a'."), max_tokens=60,
-            response_format={"type": "json_object"}, stream=True)))
+            model=model, messages=_chat("Give a JSON object with a key 'a'."), max_tokens=100,
+            temperature=0, response_format={"type": "json_object"}, stream=True)))
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert isinstance(json.loads(text), dict), text
 
