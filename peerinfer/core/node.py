@@ -1608,8 +1608,6 @@ class NodeCore:
         index.announced(ev.sender, a.load, now, fresh=replica.epoch == a.epoch)
         effects: list[Effect] = []
         if not needs_pull:
-            if ev.run is not None and self.config.lazy_announcements:
-                self._follow_from_here(ev.sender, a, ev.run, st, replica, now)
             return effects
         st.pull_wanted = True
         if st.sync is None:
@@ -1653,47 +1651,6 @@ class NodeCore:
         kept = _Kept(replica, summary, epoch, a.root, a.count, epoch, a.load, 0.0)
         self._kept[peer] = kept
         return kept
-
-    def _follow_from_here(
-        self, peer: PeerId, a: Announce, run: AnnounceRun, st: _PeerState, replica: Replica,
-        now: float,
-    ) -> None:
-        """After taking in ``a`` (with changes) from the start of a shared ``run``: follow the
-        run at once if the replica is now in step, so that the run's next announcements, which
-        change nothing, are not handed to this node one by one.
-
-        The record is the one ``_defer_unchanged`` would make for the next of them, made now:
-        each announcement the run gets chains from the replica's epoch and announces its root
-        and count (``AnnounceRun.extends``), so each would wait, as long as no pull runs or is
-        wanted, the count fits the allowance and the replica stays this one, at this epoch,
-        with this set; ``_recheck_following`` leaves the run when any of that changes, and
-        taking the run in (``_catch_up``) does what receiving each would have. Why: after
-        every announcement with changes, every recipient was handed the sender's next one
-        only to start following again (a call per recipient and change)."""
-        if not (
-            run.epoch == a.epoch
-            and run.sender == peer
-            and replica.epoch == a.epoch
-            and st.sync is None
-            and not st.pull_wanted
-            and peer not in self._unapplied
-            and self._index.replica(peer) is replica
-        ):
-            return
-        summary = replica.digest.flat_summary()
-        if (
-            summary is None
-            or a.count != summary[1]
-            or a.count > replica.max_elements
-            or a.count > self._index.allowance(peer)
-            or a.root != replica.digest.root
-        ):
-            return
-        kept = _Kept(replica, summary, a.epoch, a.root, a.count, a.epoch, a.load, now)
-        kept.run, kept.cursor = run, run.length
-        self._kept[peer] = kept
-        run.followers.add(self.peer_id)
-        self._following[peer] = kept
 
     def _routing_index(self) -> tuple[PeerIndex, Mapping[PeerId, tuple[Load, float]] | None]:
         """The index for a routing decision, and the newer loads and freshness of the peers
