@@ -47,10 +47,19 @@ def _tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return load_engine("hf", model=str(_TINY[0]), device="cpu")
 
 
+def _llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    pytest.importorskip("llama_cpp")
+    # The default model's GGUF (SmolLM2-135M Q4_1), small context, one thread; the extra
+    # buffer types' probe is the subject of tests/test_engine_llamacpp.py, not of these.
+    return load_engine("llamacpp", threads=1, capacity_bytes=64 << 20, max_batch_size=4,
+                       extra_buffers=False)
+
+
 ENGINES: dict[str, Callable[[pytest.TempPathFactory], Engine]] = {
     "echo": lambda _: _echo(),
     "simulated": lambda _: _simulated(),
     "hf-tiny": _tiny_hf,
+    "llamacpp": _llamacpp,
     "batch-recording": lambda _: BatchRecordingEngine(kv_bytes_per_token=64),
 }
 
@@ -274,6 +283,20 @@ def test_cancellation_mid_batch_leaves_the_neighbours_alone(engine):
     assert cache is None or cache.stats().locked_blocks == 0
 
 
+def _configure_cache_capacity(engine: Engine, capacity: int) -> None:
+    """Configure the cache so that its own byte budget (what running requests reserve from) is
+    ``capacity``: an engine may keep part of the configured budget for itself (the llama.cpp
+    engine's context), so the configured figure is scaled until the cache gets ``capacity``."""
+    configured = capacity
+    for _ in range(4):
+        engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=configured)
+        got = engine.radix_cache.capacity_bytes
+        if got == capacity:
+            return
+        configured = configured * capacity // max(1, got) + (1 if got > capacity else 0)
+    assert abs(engine.radix_cache.capacity_bytes - capacity) <= 1, engine.radix_cache.capacity_bytes
+
+
 class _ExplodingToken:
     """A cancel token that raises once the request has been polled ``after`` times: a failure
     inside one request, mid-batch, that works the same on every engine."""
@@ -337,7 +360,7 @@ def test_running_requests_and_the_cache_stay_within_the_kv_budget(engine):
         return
     need = (len(prompts[0]) + 6) * kv
     budget = 2 * need + need // 2  # two requests at a time, never three
-    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4), capacity_bytes=budget)
+    _configure_cache_capacity(engine, budget)
     with pytest.raises(InvalidRequestError, match="KV memory"):
         BatchScheduler(engine).submit("huge", prompts[0], SamplingParams(max_tokens=budget // kv))
     scheduler = BatchScheduler(engine, max_running=5)

@@ -617,6 +617,13 @@ class Engine(ABC):
         """
         return [d.step() for d in decoders]
 
+    def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
+        """Run up to ``max_tokens[i]`` more prompt tokens of each ``decoders[i]``, in as few
+        forward passes as the backend can; entry ``i`` is True once that decoder's prompt is
+        complete (as ``Decoder.prefill``). The default prefills them one by one. If it raises,
+        the scheduler retries each decoder alone."""
+        return [d.prefill(n) for d, n in zip(decoders, max_tokens, strict=True)]
+
     # ------------------------------------------------------------ cache
 
     def configure_cache(
