@@ -53,13 +53,15 @@ KV-tier issue's disk format).
 
 The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
 and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected
-(``bench/llamacpp_reuse_probe.py``, SmolLM2 Q4_1, 1 thread, figures in docs/performance.md,
-section "The llama.cpp engine"): every cell kept in the context widens the attention of *every*
-decode step (llama.cpp attends over all cells up to the highest one in use, masked), so a decode
-step of 8 sequences cost 1.35x as much with 4,096 cached cells beside it and 2.5x with 16,384;
-restoring a 512-token prefix from saved state took 13 ms against 3.6 s to prefill it. Sharing also
-needs a sequence id per cached branch (at most 256 in all) and cannot export a block. Saved state
-costs one memcpy per hit and keeps the context as small as the running requests.
+(``bench/llamacpp_reuse_probe.py``: SmolLM2 Q4_1, 1 thread, wall clock on the 2-core machine at
+load 10-12, so only the ratios mean much): every cell kept in the context widens the attention
+of *every* decode step (llama.cpp attends over all cells up to the highest one in use, masked),
+so one decode step of 8 sequences took 475 ms with no other cells in the context, 606 ms (1.28x)
+with 4,096 cached cells beside them and 763 ms (1.61x) with 16,384: a cache of useful size would
+tax every token of every request. Saved state costs one copy per hit: restoring a 512-token
+prefix (32 blocks of 361 KiB) took 32 ms and exporting it 70 ms, against 23.9 s to prefill it
+(``seq_cp`` of the same prefix: 0.05 ms). Sharing would also need a sequence id per cached branch
+(llama.cpp allows 256 in all) and could not export a block.
 
 Sliding-window models (Gemma 3): the context is created with ``swa_full`` (the sliding-window
 layers keep every cell, as full attention does), and llama.cpp may still reuse a sliding-window
