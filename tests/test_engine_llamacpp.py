@@ -262,14 +262,14 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(smol) -> None:
 
 
 def test_a_failed_llama_decode_fails_only_that_step(smol, monkeypatch) -> None:
-    prompts = [smol.tokenize(_suffix(q)) for q in QUESTIONS[:3]]
-    params = SamplingParams(max_tokens=6)
+    prompts = [smol.tokenize(f"{q}: " + TEXT[:120]) for q in QUESTIONS[:3]]  # they keep going
+    params = SamplingParams(max_tokens=12)
     alone = [_ids(list(smol.generate(p, params))) for p in prompts]
     real = L.llama_decode
     state = {"n": 0}
 
-    def flaky(ctx, batch):  # the first batched decode step of three rows fails
-        if batch.n_tokens == 3 and state["n"] == 0:
+    def flaky(ctx, batch):  # the first batched decode step (several rows, each sampled) fails
+        if batch.n_tokens >= 2 and batch.logits[0] and batch.logits[1] and state["n"] == 0:
             state["n"] += 1
             return -1
         return real(ctx, batch)
