@@ -248,14 +248,17 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(smol) -> None:
     scheduler = BatchScheduler(smol, max_running=4)
     scheduler.submit("me", prompt, params)
     for k in range(3):
-        scheduler.submit(k, smol.tokenize(_suffix(QUESTIONS[3 + k])), SamplingParams(max_tokens=12, temperature=1.0))
+        # Long enough to be still decoding when the longer "me" has finished its prefill.
+        scheduler.submit(k, smol.tokenize(_suffix(QUESTIONS[3 + k])), SamplingParams(max_tokens=64, temperature=1.0, seed=7 + k))
     events: dict[object, list[object]] = {}
     for _ in range(300):
         if scheduler.idle:
             break
         for key, item in scheduler.step():
             events.setdefault(key, []).append(item)
-    assert max(size for size, _ in scheduler.statistics().batch_sizes) >= 3
+    # "me" really shared decode steps with a neighbour (the first tokens, taken right after
+    # the joint prefill, are not counted as a decode step)
+    assert max(size for size, _ in scheduler.statistics().batch_sizes) >= 2
     assert _ids(events["me"]) == alone
     other = _ids(list(smol.generate(prompt, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=99))))
     assert other != alone  # the seed matters (the check could fail)
@@ -268,7 +271,7 @@ def test_a_failed_llama_decode_fails_only_that_step(smol, monkeypatch) -> None:
     real = L.llama_decode
     state = {"n": 0}
 
-    def flaky(ctx, batch):  # the first batched decode step (several rows, each sampled) fails
+    def flaky(ctx, batch):  # the first batched call with several rows, each sampled, fails
         if batch.n_tokens >= 2 and batch.logits[0] and batch.logits[1] and state["n"] == 0:
             state["n"] += 1
             return -1
@@ -284,7 +287,10 @@ def test_a_failed_llama_decode_fails_only_that_step(smol, monkeypatch) -> None:
             break
         for key, item in scheduler.step():
             events.setdefault(key, []).append(item)
-    assert state["n"] == 1 and scheduler.statistics().batch_retries == 1
+    # The first call with several sampled rows is a batched prefill of the newcomers or a
+    # batched decode step, whichever the scheduler runs first: either is retried one by one.
+    stats = scheduler.statistics()
+    assert state["n"] == 1 and stats.batch_retries + stats.prefill_batch_retries == 1
     for i in range(3):  # retried one by one, nothing lost or repeated
         assert _ids(events[i]) == alone[i]
     monkeypatch.setattr(L, "llama_decode", real)
