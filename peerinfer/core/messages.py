@@ -648,13 +648,9 @@ class GenerateRequest(Message):
     )
 
     def _to_fields(self) -> list[Any]:
-        # The optional tail at its defaults is left out, as an older node sends it: the
-        # scaffold hint is only for scaffold_hash swarms, tools only for tool-calling chats.
         out = Record._to_fields(self)
         if self.scaffold is None:
-            out.pop()
-            if not self.tools:
-                out.pop()
+            out.pop()  # as an older node sends it: the hint is only for scaffold_hash swarms
         return out
 
 
