@@ -2,7 +2,10 @@
 
 Run ``python bench/agents_bench.py`` (the default model, SmolLM2-135M-Instruct, on the CPU in
 float32, one thread) for every section, or name some: ``masks schemas tools audit logprobs
-overhead``. ``--json`` prints one JSON object at the end. Each section prints its figures:
+overhead``. ``--json`` prints one JSON object at the end. ``--engine llamacpp`` runs the same
+sections (but ``masks``, which compares libraries on the Hugging Face tokenizer) on the llama.cpp
+engine (the default model's GGUF, one thread; logprobs against llama.cpp's own teacher-forced
+logits). Each section prints its figures:
 
 * ``masks``: per-token mask cost of the grammar libraries on the same schemas (llguidance, the
   one peerinfer uses; xgrammar and outlines-core when installed), replaying a valid JSON
@@ -110,10 +113,35 @@ QUESTIONS = [f"What is the weather in {c}?" for c in ("Paris", "Oslo", "Lima", "
 clock: Callable[[], float] = time.process_time
 
 
-def load_engine() -> Any:
+def load_engine(name: str = "hf") -> Any:
+    if name == "llamacpp":
+        from peerinfer.core.prefix import PrefixHasher
+        from peerinfer.engine.llamacpp import LlamaCppEngine
+
+        engine = LlamaCppEngine(threads=1, capacity_bytes=256 << 20)
+        engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=16))
+        return engine
     from peerinfer.engine.hf import TransformersEngine
 
     return TransformersEngine(device="cpu", dtype="float32", threads=1)
+
+
+def reference_log_softmax(engine: Any, prompt: list[int], ids: list[int]) -> Any:
+    """The engine's own teacher-forced log-softmax after each of ``ids``' predecessors
+    (``[len(ids), vocab]``): float32 logits of a forward pass (Transformers), or llama.cpp's
+    logits (``scored_logits``) log-softmaxed in float64."""
+    import numpy as np
+
+    if hasattr(engine, "scored_logits"):
+        from peerinfer.engine.constraints import log_softmax_numpy
+
+        logits = engine.scored_logits(prompt + ids, len(prompt))
+        return np.stack([log_softmax_numpy(row) for row in logits])
+    import torch
+
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt + ids])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1).numpy()
 
 
 def schema_prompt(engine: Any, schema: dict[str, Any], what: str) -> list[int]:
@@ -393,15 +421,11 @@ def bench_audit(engine: Any, figures: dict[str, Any], answers: list[dict[str, An
 
 
 def bench_logprobs(engine: Any, figures: dict[str, Any], answers: list[dict[str, Any]]) -> None:
-    import torch
-
     worst = 0.0
     checked = 0
     for a in [a for a in answers if a["logprobs"]][:20]:
         ids = a["ids"]
-        with torch.inference_mode():
-            logits = engine.model(input_ids=torch.tensor([a["prompt"] + ids])).logits[0]
-        reference = torch.log_softmax(logits[len(a["prompt"]) - 1 : -1].float(), dim=-1)
+        reference = reference_log_softmax(engine, a["prompt"], ids)
         entries = a["logprobs"]
         positions = [i for i, t in enumerate(ids) if t not in engine.eos_token_ids]
         for i, e in zip(positions, entries, strict=True):
@@ -419,7 +443,6 @@ def bench_logprobs(engine: Any, figures: dict[str, Any], answers: list[dict[str,
 def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
     """CPU time per decode step, unconstrained vs constrained, and the grammar's own time."""
     import peerinfer.engine.constraints as constraints
-    import peerinfer.engine.hf as hf
 
     spent = {"grammar": 0.0}
 
@@ -433,6 +456,10 @@ def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
         return wrapper
 
     original = (constraints.ConstraintState.allowed, constraints.ConstraintState.advance)
+    llama = None
+    if hasattr(engine, "scored_logits"):  # the llama.cpp engine masks with NumPy: time that too
+        import peerinfer.engine.llamacpp as llama
+    apply_mask = None if llama is None else llama.mask_logits_numpy
     schema = SCHEMAS[27][1]  # recipe: strings, numbers, arrays, enums
     results: dict[str, Any] = {}
     steps_wanted = 40
@@ -456,6 +483,8 @@ def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
                         started.add(key)
             constraints.ConstraintState.allowed = timed(original[0])  # type: ignore[method-assign]
             constraints.ConstraintState.advance = timed(original[1])  # type: ignore[method-assign]
+            if llama is not None:
+                llama.mask_logits_numpy = timed(apply_mask)  # type: ignore[arg-type]
             spent["grammar"] = 0.0
             steps = 0
             t0 = clock()
@@ -466,6 +495,8 @@ def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
                 finished = sum(isinstance(ev, Finished) for _, ev in events)
             elapsed = clock() - t0
             constraints.ConstraintState.allowed, constraints.ConstraintState.advance = original  # type: ignore[method-assign]
+            if llama is not None:
+                llama.mask_logits_numpy = apply_mask
             scheduler.close()
             row["constrained" if constrained else "free"] = {
                 "step_ms": 1e3 * elapsed / steps, "grammar_ms": 1e3 * spent["grammar"] / steps,
@@ -478,7 +509,6 @@ def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
               f"constrained ({100 * (row['step_ratio'] - 1):+.1f} %); grammar (mask + advance) "
               f"{con['grammar_ms']:.2f} ms/step = {100 * row['grammar_share']:.1f} % of a free step "
               f"({con['steps']} steps)")
-    _ = hf
     figures["overhead"] = results
 
 
@@ -489,10 +519,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--parallel-tools", action="store_true",
                         help="tools: allow several calls per answer (parallel_tool_calls)")
+    parser.add_argument("--engine", choices=["hf", "llamacpp"], default="hf",
+                        help="hf: the default model in float32; llamacpp: its GGUF (Q4), 1 thread")
     args = parser.parse_args(argv)
     wanted = args.sections or sections
-    engine = load_engine()
-    figures: dict[str, Any] = {"schema_count": len(SCHEMAS)}
+    if args.engine == "llamacpp" and "masks" in wanted:
+        if args.sections:
+            parser.error("the masks section compares libraries on the Hugging Face tokenizer: "
+                         "run it with --engine hf")
+        wanted = [s for s in wanted if s != "masks"]
+    engine = load_engine(args.engine)
+    figures: dict[str, Any] = {"engine": args.engine, "schema_count": len(SCHEMAS)}
     answers: list[dict[str, Any]] = []
     if "masks" in wanted:
         bench_masks(engine, figures)

@@ -29,6 +29,8 @@ from lying token by token.
   own seed, so it is *not checked*: ``AuditVerdict.checked`` is False).
 * ``TransformersEngine``: the teacher-forced pass above, on ``engine.model`` directly (in the
   engine's thread, like every engine call; it does not touch the engine's prefix cache).
+* ``LlamaCppEngine``: the same pass through llama.cpp (``LlamaCppEngine.scored_logits``, in a
+  sequence of its own, removed afterwards), judged by the same rules in NumPy.
 * any other engine: ``None`` (cannot audit; the node then does not count it either way).
 
 The end of sequence: a completion that ends in an end-of-sequence id is checked like any other
@@ -109,6 +111,8 @@ def audit_answer(
         return _audit_simulated(engine, prompt, params, completion)
     if type(engine).__name__ == "TransformersEngine" and hasattr(engine, "model"):
         return _audit_transformers(engine, prompt, completion, tolerance, params)
+    if type(engine).__name__ == "LlamaCppEngine" and hasattr(engine, "scored_logits"):
+        return _audit_llamacpp(engine, prompt, completion, tolerance, params)
     return None
 
 
@@ -185,6 +189,61 @@ def _audit_transformers(
         i = int(off[0])
         return AuditVerdict(False, i, float(gaps[i]), len(seq), sampled=sampled)
     return AuditVerdict(True, scored_tokens=len(seq), sampled=sampled)
+
+
+def _audit_llamacpp(
+    engine: Engine,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    tolerance: float,
+    params: SamplingParams,
+) -> AuditVerdict:
+    import numpy as np
+
+    seq = list(prompt) + list(completion)
+    sampled = params.temperature > 0
+    allowed = None
+    if params.constraint is not None:
+        walked = _walk_constraint(engine, params, completion)
+        if isinstance(walked, int):
+            return AuditVerdict(False, walked, float("inf"), 0, sampled=sampled,
+                                broke_constraint=True)
+        allowed = walked
+    # The logits that predicted completion[i] sit at position P - 1 + i.
+    scored = engine.scored_logits(seq, len(prompt)).astype(np.float64)  # type: ignore[attr-defined]
+    if allowed is not None:  # what the engine sampled from: the constraint's mask applied
+        n = min(scored.shape[1], allowed.shape[1])
+        keep = np.zeros(scored.shape, dtype=bool)
+        keep[:, :n] = allowed[:, :n]
+        scored[~keep] = -np.inf
+    chosen = np.asarray(completion, dtype=np.int64)
+    best = scored.max(axis=-1)  # [C]
+    got = scored[np.arange(len(chosen)), chosen]  # [C]
+    edge = _nucleus_edge_numpy(scored, params) if sampled else best
+    with np.errstate(invalid="ignore"):
+        gaps = edge - got
+    off = np.nonzero(~(gaps <= tolerance + DEFAULT_REL_TOLERANCE * np.abs(best)))[0].tolist()
+    if len(off) > int(MAX_OFF_FRACTION * len(completion)):
+        i = int(off[0])
+        return AuditVerdict(False, i, float(gaps[i]), len(seq), sampled=sampled)
+    return AuditVerdict(True, scored_tokens=len(seq), sampled=sampled)
+
+
+def _nucleus_edge_numpy(logits: Any, params: SamplingParams) -> Any:
+    """``_nucleus_edge`` for NumPy logits ``[C, vocab]`` (masked entries at -inf)."""
+    import numpy as np
+
+    top_p = min(1.0, params.top_p + NUCLEUS_P_SLACK)
+    sorted_logits = -np.sort(-logits, axis=-1)  # descending
+    if top_p >= 1.0:
+        return sorted_logits[:, -1]
+    z = sorted_logits / params.temperature
+    z = z - z[:, :1]
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    inside = (np.cumsum(probs, axis=-1) - probs) < top_p
+    last = np.maximum(inside.sum(axis=-1), 1) - 1
+    return sorted_logits[np.arange(len(last)), last]
 
 
 def _walk_constraint(engine: Engine, params: SamplingParams,

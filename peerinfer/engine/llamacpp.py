@@ -98,6 +98,7 @@ import numpy as np
 
 from peerinfer.core.messages import ChatMessage, SamplingParams
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
+from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide, mask_logits_numpy
 from peerinfer.engine.modelfiles import (
     DEFAULT_MODEL_NAME,
     default_gguf_path,
@@ -383,6 +384,21 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     return min(i, len(p) - 1)
 
 
+def guided_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
+                 guide: TokenGuide | None) -> int:
+    """``sample_token`` under the request's guide: the constraint's mask applied to a copy of
+    the row (``logits`` may be llama.cpp's own buffer), and the raw row's log-softmax noted when
+    logprobs are wanted. Without a guide it is ``sample_token`` on the row as is (no copy)."""
+    if guide is None:
+        return sample_token(logits, params, rng)
+    allowed = guide.allowed()
+    masked = logits if allowed is None else mask_logits_numpy(logits.copy(), allowed)
+    token = sample_token(masked, params, rng)
+    if guide.logprobs:
+        guide.note_logits(logits, token)
+    return token
+
+
 # --------------------------------------------------------------------------------------------
 # The engine.
 
@@ -402,6 +418,8 @@ class LlamaCppEngine(Engine):
     """Serves a GGUF model through llama.cpp, batched, reusing cached KV blocks exactly."""
 
     supports_prefix_cache = True
+    #: Logprobs are the raw llama.cpp logits' log-softmax (``guided_token``).
+    supports_logprobs = True
     #: Tokenizing only reads the vocabulary; detokenize and tokenize hold a lock anyway.
     thread_safe_tokenizer = True
 
@@ -489,6 +507,7 @@ class LlamaCppEngine(Engine):
         template = L.llama_model_chat_template(self._model, None)
         self._chat_template: str | None = template.decode("utf-8", "replace") if template else None
         self._template_fn: Any = None
+        self._grammar: GrammarTokenizer | None = None
         self.prefill_chunk_tokens = prefill_chunk_tokens
         if self._swa:
             # A chunk longer than the window could let llama.cpp reuse a sliding-window cell of
@@ -678,6 +697,19 @@ class LlamaCppEngine(Engine):
             raise InvalidRequestError(f"the model's chat template rejected the chat: {exc}") from exc
         return self._tokenize(str(text), False)
 
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        if self._grammar is None:
+            import warnings
+
+            with self._lock, warnings.catch_warnings():
+                # llguidance reads every token's attributes through a function that
+                # llama-cpp-python 0.3.x marks deprecated: one warning per token otherwise.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                if self._grammar is None:
+                    self._grammar = GrammarTokenizer.from_llamacpp(
+                        self._vocab, self._n_vocab, self._eos)
+        return self._grammar
+
     def _piece(self, token: int) -> str:
         if not 0 <= token < self._n_vocab:
             return ""
@@ -714,6 +746,28 @@ class LlamaCppEngine(Engine):
         if not ptr:
             raise EngineError(f"llama.cpp has no logits for batch row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def scored_logits(self, tokens: Sequence[int], first: int) -> np.ndarray:
+        """Teacher forcing for audits: the logits after each of ``tokens[first:]``'s
+        predecessors, i.e. row ``i`` predicts ``tokens[first + i]`` (``[len - first, vocab]``,
+        float32). Runs in a sequence of its own, removed afterwards: the prefix cache and the
+        running requests are untouched."""
+        self._check_open()
+        if not 1 <= first <= len(tokens):
+            raise ValueError("scored_logits needs 1 <= first <= len(tokens)")
+        out = np.empty((len(tokens) - first, self._n_vocab), dtype=np.float32)
+        seq = self._take_seq()
+        try:
+            feed = len(tokens) - 1  # the last token predicts nothing asked for
+            for start in range(0, feed, self._n_batch):
+                stop = min(feed, start + self._n_batch)
+                self._decode([(int(tokens[p]), p, seq, p >= first - 1) for p in range(start, stop)])
+                for row, p in enumerate(range(start, stop)):
+                    if p >= first - 1:
+                        out[p - first + 1] = self._logits(row)
+        finally:
+            self._give_seq(seq)
+        return out
 
     def _take_seq(self) -> int:
         if not self._free_seqs:
@@ -952,7 +1006,7 @@ class _LlamaDecoder(Decoder):
         return self._sampled(logits)
 
     def _sampled(self, logits: np.ndarray) -> int:
-        token = sample_token(logits, self._params, self._rng)
+        token = guided_token(logits, self._params, self._rng, self._request.guide)
         if self._first:
             self._first = False
             self._engine.last_timings = RequestTimings(
@@ -1010,6 +1064,7 @@ __all__ = [
     "ProbeVerdict",
     "RequestTimings",
     "probe_extra_buffers",
+    "guided_token",
     "resolve_gguf",
     "sample_token",
 ]
