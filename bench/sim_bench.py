@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import io
 import json
 import pstats
@@ -130,13 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.nodes.split(",")]
     plan = [(n, args.requests or n * args.requests_per_node) for n in sizes]
     if args.eager or args.no_holders:
-        from peerinfer.core.node import NodeConfig
         from peerinfer.sim import simulator
 
-        simulator.NodeConfig = functools.partial(  # type: ignore[misc]
-            NodeConfig, lazy_announcements=not args.eager,
-            route_among_holders=not args.no_holders,
-        )
+        simulator.Simulation.node_overrides = {
+            "lazy_announcements": not args.eager, "route_among_holders": not args.no_holders,
+        }
     if args.no_share:
         from peerinfer.sim import simulator as sim_module
 

@@ -264,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eager:
         import functools
 
-        simulator.NodeConfig = functools.partial(  # type: ignore[misc]
-            NodeConfig, lazy_announcements=False
-        )
+        simulator.Simulation.node_overrides = {"lazy_announcements": False}
         core_node_config = functools.partial(NodeConfig, lazy_announcements=False)
         globals()["NodeConfig"] = core_node_config  # announce-cost builds its cores with it
     if args.probe == "announce-cost":

@@ -355,3 +355,37 @@ def test_config_validation() -> None:
         SimConfig(rate=0)
     with pytest.raises(ConfigError):
         SimConfig(gossip_loss=1.0)
+
+
+def test_node_config_is_the_runs_figures_over_the_nodes_own_defaults() -> None:
+    from dataclasses import fields
+
+    from peerinfer.core.node import NodeConfig
+    from peerinfer.sim.config import peer_name
+    from peerinfer.sim.mix import node_costs
+    from peerinfer.types import PeerId
+
+    node_default = NodeConfig(peer_id=PeerId("any"))
+    carried = ("announce_interval_s", "min_announce_gap_s", "sync_timeout_s",
+               "first_token_timeout_s", "max_queue")
+    # A run that says nothing tunes its nodes as a real node is tuned.
+    for name in carried:
+        assert getattr(SimConfig(), name) == getattr(node_default, name), name
+    run = SimConfig(announce_interval_s=2.5, min_announce_gap_s=0.5, sync_timeout_s=7.0,
+                    first_token_timeout_s=11.0, max_queue=3, policy="oracle",
+                    mix="gpu:0.5,default:0.5", nodes=4)
+    made = run.node_config(3, slots=5000)
+    for name in carried:
+        assert getattr(made, name) == getattr(run, name), name
+    assert made.peer_id == peer_name(3)
+    assert made.policy == "cost"  # the oracle's own core runs cost; the simulator swaps it
+    assert made.costs == node_costs(run, 3)
+    assert {node_costs(run, i) for i in range(4)} == {run.node_config(i).costs for i in range(4)}
+    assert made.max_peers == 5000 and run.node_config(0).max_peers == node_default.max_peers
+    # Every field the run does not set is the node's own default.
+    set_by_run = {*carried, "peer_id", "policy", "costs", "max_peers"}
+    for f in fields(NodeConfig):
+        if f.name not in set_by_run:
+            assert getattr(made, f.name) == getattr(node_default, f.name), f.name
+    overridden = run.node_config(0, lazy_announcements=False, max_queue=1)
+    assert overridden.lazy_announcements is False and overridden.max_queue == 1

@@ -12,7 +12,6 @@ the replicas holding the same set share the result of a delta (``Simulation.shar
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from collections import Counter
@@ -92,8 +91,8 @@ def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch,
     An eager run also routes over every peer (``route_among_holders=False``), a lazy one over
     the holders and stand-ins (``PeerIndex.holder_candidates``)."""
     with monkeypatch.context() as m:
-        m.setattr(sim_module, "NodeConfig", functools.partial(
-            node.NodeConfig, lazy_announcements=lazy, route_among_holders=lazy,
+        m.setattr(sim_module.Simulation, "node_overrides", dict(
+            lazy_announcements=lazy, route_among_holders=lazy,
             replica_budget_blocks=_replica_budget(config.seed)))
         m.setattr(sim_module.Simulation, "share_runs", share)
         m.setattr(sim_module.Simulation, "share_deltas", share)
@@ -346,8 +345,8 @@ def test_routing_among_holders_gives_every_peers_decisions(monkeypatch: pytest.M
         runs = []
         for among_holders in (False, True):
             with monkeypatch.context() as m:
-                m.setattr(sim_module, "NodeConfig", functools.partial(
-                    node.NodeConfig, route_among_holders=among_holders))
+                m.setattr(sim_module.Simulation, "node_overrides",
+                          {"route_among_holders": among_holders})
                 sim, _ = simulate(config, check=True)
             runs.append(_decisions(sim))
         every, pruned = runs

@@ -48,11 +48,10 @@ requests refused or failed = 0).
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peerinfer.core.node import (
     Cancel,
@@ -65,11 +64,8 @@ from peerinfer.core.node import (
     Phase,
 )
 from peerinfer.errors import error_kind
-from peerinfer.sim.batch import BatchNode
+from peerinfer.sim.kernel import CHURN, NODE, SimKernel
 from peerinfer.types import RequestId
-
-if TYPE_CHECKING:
-    from peerinfer.sim.simulator import Simulation
 
 #: How long the shell's ping waits for an answer (peerinfer.node.peers: host.ping timeout).
 PING_TIMEOUT_S = 2.0
@@ -127,7 +123,7 @@ def join_capacity(config: Any, scheduled_joins: int) -> int:
 class Churn:
     """The churn of one run (see the module docstring); ``sim`` calls its hooks."""
 
-    def __init__(self, sim: Simulation, schedule: list[tuple[float, str, int]] | None) -> None:
+    def __init__(self, sim: SimKernel, schedule: list[tuple[float, str, int]] | None) -> None:
         self.sim = sim
         cfg = sim.config
         self.state = [LIVE] * cfg.nodes + [PENDING] * (sim.slots - cfg.nodes)
@@ -188,9 +184,8 @@ class Churn:
             self._push_next(0.0)
 
     def _push(self, t: float, action: str, node: int) -> None:
-        sim = self.sim
-        # Not a "live" event (sim._push): churn never keeps a finished run going.
-        heapq.heappush(sim._heap, (t, next(sim._seq), sim.CHURN, action, node))
+        # Not a "live" event: churn never keeps a finished run going.
+        self.sim.push_background(t, CHURN, action, node)
 
     def _push_next(self, now: float) -> None:
         live = len(self.live_nodes())
@@ -243,17 +238,17 @@ class Churn:
         self.joins += 1
         self.state[k] = LIVE
         self.joined_at[k] = now
-        sim.cores[k] = sim._make_core(k, now)
+        sim.cores[k] = sim.make_core(k, now)
         # It dials every live node; each side's ping answers after one round trip.
         for j, s in enumerate(self.state):
             if j != k and s == LIVE:
                 rtt = 2 * sim.delay[k][j]
-                sim._push(now + rtt, sim.NODE, k, PeerSeen(sim.peer_ids[j], rtt_s=rtt))
-                sim._push(now + rtt, sim.NODE, j, PeerSeen(sim.peer_ids[k], rtt_s=rtt))
+                sim.push(now + rtt, NODE, k, PeerSeen(sim.peer_ids[j], rtt_s=rtt))
+                sim.push(now + rtt, NODE, j, PeerSeen(sim.peer_ids[k], rtt_s=rtt))
         if sim.mesh is not None:
             sim.mesh.joined(k, now)
-        sim._execute(k, sim.cores[k].tick(now), now)
-        sim._rearm(k, now)
+        sim.execute(k, sim.cores[k].tick(now), now)
+        sim.rearm(k, now)
 
     def note_delivery(self, n: int, event: Any, now: float) -> None:
         """A newcomer's milestones (called for events reaching newcomer slots)."""
@@ -273,32 +268,25 @@ class Churn:
         self.state[x] = GONE
         self.gone_at[x] = now
         for rid in core.pending_requests():
-            i = sim._rid_index[rid]
+            i = sim.rid_index[rid]
             origin = sim.origin[i]
             if origin == x:
                 target = sim.target[i]
                 forwarded = core.phase(rid) in (Phase.FORWARDED, Phase.RELAYING)
                 if mode == "reset" and forwarded and target not in (-1, x):
                     # The serving peer's stream to the origin breaks: its door cancels.
-                    sim._push(now + sim.delay[x][target], sim.NODE, target, Cancel(rid))
+                    sim.push(now + sim.delay[x][target], NODE, target, Cancel(rid))
                 self._orphan(i, now)
             elif mode == "reset":
                 generated = self._relayed(x, rid, i)
-                sim._push(
+                sim.push(
                     now + sim.delay[x][origin],
-                    sim.NODE,
+                    NODE,
                     origin,
                     ForwardFailed(rid, sim.peer_ids[x], "unavailable", generated),
                 )
-        # The engine stops: stale segment ends and runs are ignored from now on.
-        old = sim.batches[x]
-        batch = BatchNode(old.costs)
-        batch.epoch = old.epoch + 1
-        batch.busy_s = old.busy_s
-        sim.batches[x] = batch
-        sim._runs[x].clear()
-        sim._enqueued[x].clear()
-        sim.cores[x] = GoneCore(core)  # type: ignore[assignment]
+        sim.stop_engine(x)
+        sim.cores[x] = GoneCore(core)
 
     def _relayed(self, x: int, rid: RequestId, i: int) -> tuple[int, ...]:
         """Token ids the origin already relayed of ``rid``, running on ``x``: as many as
@@ -313,13 +301,8 @@ class Churn:
         return (0,)
 
     def _orphan(self, i: int, now: float) -> None:
-        sim = self.sim
-        if sim.status[i] != 0:
-            return
-        sim.status[i] = 3
-        sim.finish[i] = now
-        sim.completed += 1
-        self.orphaned += 1
+        if self.sim.end_orphaned(i, now):
+            self.orphaned += 1
 
     def deliver_to_gone(self, n: int, event: Any, now: float) -> None:
         """An event reached a machine that is off, or is shutting down (``n`` draining: only
@@ -333,12 +316,12 @@ class Churn:
                 # reads it) or the connection refused (a stream that fails: "unavailable"):
                 # the origin fails over.
                 reason = error_kind("shutdown").forward_reason if draining else "unavailable"
-                o = sim._index_of[event.origin] if event.origin is not None else -1
+                o = sim.index_of[event.origin] if event.origin is not None else -1
                 if o >= 0:
-                    sim._enqueued[n].pop(event.request_id, None)
-                    sim._push(
+                    sim.enqueued[n].pop(event.request_id, None)
+                    sim.push(
                         now + sim.delay[n][o],
-                        sim.NODE,
+                        NODE,
                         o,
                         ForwardFailed(event.request_id, sim.peer_ids[n], reason),
                     )
@@ -348,7 +331,7 @@ class Churn:
         ``reset`` mode, after the shell's ping timeout when silent)."""
         sim = self.sim
         wait = 2 * sim.delay[n][p] if self._mode == "reset" else PING_TIMEOUT_S
-        sim._push(now + wait, sim.NODE, n, PeerLost(sim.peer_ids[p]))
+        sim.push(now + wait, NODE, n, PeerLost(sim.peer_ids[p]))
 
     # ------------------------------------------------------------ figures
 

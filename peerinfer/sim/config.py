@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS, CostModel
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.node import NodeConfig
 from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError
+from peerinfer.sim.costs import COST_PRESETS, load_costs
+from peerinfer.sim.mix import node_costs, parse_mix
 from peerinfer.sim.network import DelayModel
+from peerinfer.types import PeerId
 
-#: The policies a simulated node may run: the core's, and the simulator-only oracle router
-#: (``peerinfer.sim.oracle``: exact, instant knowledge of every node; the upper bound).
-SIM_POLICY_NAMES = (*POLICY_NAMES, "oracle")
+#: The policy name of the simulator-only oracle router (``peerinfer.sim.oracle``: exact,
+#: instant knowledge of every node; the upper bound). Its nodes' own cores run ``cost``.
+ORACLE = "oracle"
+#: The policies a simulated node may run: the core's, and the oracle.
+SIM_POLICY_NAMES = (*POLICY_NAMES, ORACLE)
+
+#: A node configured by nothing but NodeConfig's own defaults: the simulated nodes are tuned
+#: like real ones wherever the run does not say otherwise (SimConfig's defaults read it).
+_NODE_DEFAULTS = NodeConfig(peer_id=PeerId(""))
 
 
-def _node_default(name: str) -> Any:
-    """NodeConfig's default for ``name``: the simulated nodes are tuned like real ones."""
-    return NodeConfig.__dataclass_fields__[name].default
+def peer_name(index: int) -> PeerId:
+    """A simulated node's peer id: as long as a real libp2p id (52 chars), so bytes are real."""
+    return PeerId(f"12D3KooW{index:044d}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +51,9 @@ class SimConfig:
     #: added to the link delay of every forwarded request: opening a stream to the peer and
     #: handing it the request (measured by bench/cluster_bench.py on the real shell)
     forward_overhead_ms: float = 0.0
-    announce_interval_s: float = _node_default("announce_interval_s")
-    min_announce_gap_s: float = _node_default("min_announce_gap_s")
-    sync_timeout_s: float = _node_default("sync_timeout_s")
+    announce_interval_s: float = _NODE_DEFAULTS.announce_interval_s
+    min_announce_gap_s: float = _NODE_DEFAULTS.min_announce_gap_s
+    sync_timeout_s: float = _NODE_DEFAULTS.sync_timeout_s
     #: per-node prefix cache capacity in tokens (None: unbounded)
     cache_tokens: int | None = 8192
     costs: CostModel = DEFAULT_COSTS
@@ -62,8 +69,8 @@ class SimConfig:
     data: str | None = None
     max_tokens: int | None = None
     #: forwarded requests are refused as busy beyond this many queued on the target
-    max_queue: int = _node_default("max_queue")
-    first_token_timeout_s: float = _node_default("first_token_timeout_s")
+    max_queue: int = _NODE_DEFAULTS.max_queue
+    first_token_timeout_s: float = _NODE_DEFAULTS.first_token_timeout_s
     #: probability that one delivery of an announcement is lost (gossipsub may drop)
     gossip_loss: float = 0.0
     #: churn (peerinfer.sim.churn), per node-hour: crashes, graceful leaves, and joins of new
@@ -140,8 +147,6 @@ class SimConfig:
         if self.churn and self.clients:
             raise ConfigError("churn needs open-loop arrivals (--rate), not --clients")
         if self.mix:
-            from peerinfer.sim.mix import parse_mix
-
             parse_mix(self.mix, self.cache_tokens)  # a bad mix fails here, not mid-run
         if self.gossip not in ("broadcast", "mesh"):
             raise ConfigError(f"gossip must be 'broadcast' or 'mesh', got {self.gossip!r}")
@@ -158,6 +163,27 @@ class SimConfig:
     @property
     def delay(self) -> DelayModel:
         return DelayModel.parse(self.delay_ms)
+
+    def node_config(self, index: int, *, slots: int | None = None, **overrides: Any) -> NodeConfig:
+        """Node ``index``'s ``NodeConfig``: what the run says of a node (its policy, its machine
+        class's costs, announcement and timeout figures, admission limit), NodeConfig's own
+        defaults for the rest. ``slots``: the run's node slots, churn's newcomers included (the
+        peer table holds all of them); ``overrides``: further NodeConfig fields (tests and
+        benchmarks compare ``lazy_announcements`` or ``route_among_holders`` off and on)."""
+        node: dict[str, Any] = {
+            "peer_id": peer_name(index),
+            # An oracle node's own core runs ``cost``; the simulator swaps its policy.
+            "policy": "cost" if self.policy == ORACLE else self.policy,
+            "costs": node_costs(self, index),
+            "announce_interval_s": self.announce_interval_s,
+            "min_announce_gap_s": self.min_announce_gap_s,
+            "sync_timeout_s": self.sync_timeout_s,
+            "first_token_timeout_s": self.first_token_timeout_s,
+            "max_queue": self.max_queue,
+            "max_peers": max(_NODE_DEFAULTS.max_peers, self.nodes if slots is None else slots),
+        }
+        node.update(overrides)
+        return NodeConfig(**node)
 
     def to_dict(self) -> dict[str, Any]:
         """Every parameter, JSON-ready (the cost model as its figures)."""
@@ -177,64 +203,4 @@ class SimConfig:
         return cls(**kw)
 
 
-#: Named cost models for ``--costs``. ``default`` is ``DEFAULT_COSTS`` (a small model on a CPU:
-#: prefill dominates and is slow next to any network delay). ``gpu`` is a home GPU serving a
-#: 7-8B model (about 6,700 prompt tokens/s, 45 generated tokens/s): prefill is cheap enough that
-#: a few tens of milliseconds of network delay cost as much as a cache hit saves. ``batched``
-#: is ``BATCHED_COSTS``: the small model on the CPU, calibrated with its decode step time by
-#: batch size, served 8 at a time.
-COST_PRESETS: dict[str, CostModel] = {
-    "default": DEFAULT_COSTS,
-    "batched": BATCHED_COSTS,
-    "gpu": CostModel(
-        prefill_s_per_token=0.00015,
-        cached_s_per_token=0.000005,
-        decode_s_per_token=0.022,
-        overhead_s=0.015,
-        slots=1,
-    ),
-    # Issue 25's mixed engines: SmolLM2-135M-Instruct on one CPU thread, from the probes of
-    # /work/shared/probes/README.md and issue 20 (llama.cpp, Q4_1 GGUF: ~150 prompt tokens/s,
-    # ~45 generated tokens/s; Transformers, float32: ~380 prompt tokens/s, 15.7 generated
-    # tokens/s). To be replaced by ``peerinfer calibrate --engine llamacpp`` figures once that
-    # engine lands. The per-request overhead and cached-token cost are the default model's.
-    "llamacpp": CostModel(
-        prefill_s_per_token=1 / 150,
-        cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,
-        decode_s_per_token=1 / 45,
-        overhead_s=DEFAULT_COSTS.overhead_s,
-        slots=1,
-    ),
-    "transformers": CostModel(
-        prefill_s_per_token=1 / 380,
-        cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,
-        decode_s_per_token=1 / 15.7,
-        overhead_s=DEFAULT_COSTS.overhead_s,
-        slots=1,
-    ),
-}
-
-
-def load_costs(path: str | Path) -> CostModel:
-    """A cost model from a preset name (``COST_PRESETS``) or a JSON file: ``peerinfer
-    calibrate``'s output, or a bare CostModel dict.
-
-    The figures may sit at the top level or under a ``"costs"`` / ``"cost_model"`` key.
-    """
-    if str(path) in COST_PRESETS:
-        return COST_PRESETS[str(path)]
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the cost model {path}: {exc}") from exc
-    if isinstance(data, dict):
-        for key in ("costs", "cost_model"):
-            if isinstance(data.get(key), dict):
-                data = data[key]
-                break
-    if not isinstance(data, dict) or "prefill_s_per_token" not in data:
-        raise ConfigError(f"{path} holds no cost model (no prefill_s_per_token)")
-    return CostModel.from_dict(data)
-
-
-__all__ = ["COST_PRESETS", "SIM_POLICY_NAMES", "SimConfig", "load_costs"]
+__all__ = ["COST_PRESETS", "ORACLE", "SIM_POLICY_NAMES", "SimConfig", "load_costs", "peer_name"]

@@ -38,17 +38,14 @@ by hop count, the share of (message, node) pairs delivered, and bytes per node p
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peerinfer.core.messages import Announce, encode
 from peerinfer.core.node import AnnounceReceived
-
-if TYPE_CHECKING:
-    from peerinfer.sim.simulator import Simulation
+from peerinfer.sim.kernel import MESH, MESH_BEAT, SimKernel
 
 #: Protobuf RPC framing of one gossipsub frame (length prefix, RPC and message headers,
 #: topic, signature fields are not sent: the announcement is the node's own signed payload).
@@ -88,7 +85,7 @@ class _NodeState:
 class Mesh:
     """The gossipsub model of one run; the simulator calls ``publish`` and ``fire``."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: SimKernel) -> None:
         self.sim = sim
         cfg = sim.config
         self.d = cfg.mesh_degree
@@ -147,9 +144,8 @@ class Mesh:
         self.schedule_heartbeat(n, now + self._rng.uniform(0.0, self.heartbeat_s))
 
     def schedule_heartbeat(self, n: int, t: float) -> None:
-        sim = self.sim
         # Not a "live" event: heartbeats never keep a finished run going.
-        heapq.heappush(sim._heap, (t, next(sim._seq), sim.MESH_BEAT, n))
+        self.sim.push_background(t, MESH_BEAT, n)
 
     # ------------------------------------------------------------ sending
 
@@ -165,7 +161,7 @@ class Mesh:
             self.lost += 1
             self.sim.announces_lost += 1
             return
-        self.sim._push(now + self.sim.delay[src][dst], self.sim.MESH, kind, src, dst, payload)
+        self.sim.push(now + self.sim.delay[src][dst], MESH, kind, src, dst, payload)
 
     def publish(self, n: int, announce: Announce, now: float) -> None:
         """Node ``n`` publishes ``announce``: to its mesh peers."""
@@ -226,7 +222,7 @@ class Mesh:
         sim = self.sim
         effects = sim.cores[dst].handle(msg.event, now)
         if effects:
-            sim._execute(dst, effects, now)
+            sim.execute(dst, effects, now)
         # Forward along the mesh (a repaired copy too: gossipsub forwards what it validated).
         nxt = hops + 1 if hops else 0
         for p in sorted(state.mesh):

@@ -125,7 +125,7 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     sync_bytes = sim.announce_bytes + pull_bytes
 
     entered = Counter(sim.origin)
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     # With churn: the newcomers that joined too (not the slots left for joins that never came).
     ever = range(cfg.nodes) if sim.churn is None else sorted({*range(cfg.nodes), *sim.churn.joined_at})
     for k in ever:

@@ -1,7 +1,7 @@
 """Mixed machines: each simulated node's cost model and cache size, drawn from a mix of classes.
 
 A mix is text, ``CLASS:SHARE[:CACHE_TOKENS],...``, each class a cost preset of
-``peerinfer.sim.config.COST_PRESETS`` (``gpu:0.25,default:0.75``: a quarter of the nodes are
+``peerinfer.sim.costs.COST_PRESETS`` (``gpu:0.25,default:0.75``: a quarter of the nodes are
 home GPUs, the rest CPUs; ``gpu:0.25:32768,default:0.75``: the GPUs also cache 32,768 tokens),
 or the path of a JSON file holding a list of classes::
 
@@ -29,6 +29,7 @@ from typing import Any
 
 from peerinfer.core.costmodel import CostModel
 from peerinfer.errors import ConfigError
+from peerinfer.sim.costs import COST_PRESETS, load_costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +44,6 @@ class MachineClass:
 
 def parse_mix(spec: str, default_cache: int | None) -> tuple[MachineClass, ...]:
     """The classes of a mix spec or file (see the module docstring); ConfigError if bad."""
-    from peerinfer.sim.config import COST_PRESETS, load_costs
-
     text = spec.strip()
     if not text:
         raise ConfigError("an empty mix")
@@ -134,13 +133,13 @@ def node_class(config: Any, index: int) -> MachineClass | None:
 def node_costs(config: Any, index: int) -> CostModel:
     """Node ``index``'s cost model."""
     c = node_class(config, index)
-    return config.costs if c is None else c.costs  # type: ignore[no-any-return]
+    return config.costs if c is None else c.costs
 
 
 def node_cache_tokens(config: Any, index: int) -> int | None:
     """Node ``index``'s prefix cache capacity in tokens."""
     c = node_class(config, index)
-    return config.cache_tokens if c is None else c.cache_tokens  # type: ignore[no-any-return]
+    return config.cache_tokens if c is None else c.cache_tokens
 
 
 def traffic_by_class(sim: Any, nodes: list[int], makespan: float) -> dict[str, Any]:

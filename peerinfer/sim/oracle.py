@@ -36,9 +36,7 @@ from peerinfer.core.routing import (
     RouteRequest,
     make_candidate,
 )
-
-#: The policy name the simulator accepts for the oracle (``SimConfig.policy``).
-ORACLE = "oracle"
+from peerinfer.sim.config import ORACLE
 
 
 class OracleRouter:

@@ -11,9 +11,10 @@ from peerinfer.core.prefix import DEFAULT_BLOCK_SIZE, PrefixHasher, scaffold_mes
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
+from peerinfer.sim.inputs import EngineLike, PlanLike, SimRequest
 from peerinfer.sim.metrics import summarize
 from peerinfer.sim.mix import node_cache_tokens, node_costs
-from peerinfer.sim.simulator import EngineLike, PlanLike, SimRequest, Simulation
+from peerinfer.sim.simulator import Simulation
 from peerinfer.types import BlockHash
 from peerinfer.workload import (
     MMLU,

@@ -10,32 +10,11 @@ service times from the cost model). The simulator decides nothing: routing, anti
 admission, failover and liveness are the cores'; the simulator only *executes* their effects,
 delaying every message by the link model, and feeds the resulting events back.
 
-The event heap
-    holds tuples ``(time, seq, kind, ...)``; ``seq`` grows by one per push, so events at equal
-    times run in the order they were scheduled and a run is deterministic. ``kind`` is a small
-    integer; the payload depends on it:
-
-    ==============  ===========================================================================
-    ``_NODE``       ``(node, event)``: hand a core event to a node (``NodeCore.handle``)
-    ``_TICK``       ``(node,)``: the node's timers are due (``NodeCore.tick``); each node has
-                    at most one live tick, at its ``next_deadline()``, re-armed earlier when an
-                    effect sets a nearer deadline (a forward, a pull, an unannounced change)
-    ``_ARRIVAL``    ``(request,)``: a client request reaches its entry node
-    ``_GOSSIP``     ``(sender, AnnounceReceived, group, sent_at)``: an announcement reaches
-                    every recipient at one link delay from the sender (groups of recipients
-                    with equal delays are delivered together, then the next group is scheduled)
-    ``_SYNC``       ``(responder, requester, SyncRequest)``: a pull reaches its responder,
-                    which answers from its digest as it is *then*; the response travels back
-                    one link delay later as a ``SyncResponseReceived``
-    ``_STEP``       ``(node, epoch)``: the node's batch ends a segment of decode/prefill steps
-                    (``peerinfer.sim.batch``); stale when the batch's epoch has moved on
-    ``_RELAY``      ``(origin, event, server, cached, prompt)``: a forwarded request's first
-                    token or end reaches its origin (which relays it to the client)
-    ``_CHURN``      ``(action, node)``: a node joins, leaves or crashes (``peerinfer.sim.churn``)
-    ``_MESH``       ``(kind, src, dst, payload)``: a gossipsub transmission arrives (message,
-                    IHAVE, IWANT: ``peerinfer.sim.gossip``); ``_MESH_BEAT`` ``(node,)``: its
-                    heartbeat
-    ==============  ===========================================================================
+The kernel
+    The event heap, virtual time, the nodes' ticks and the loop are ``peerinfer.sim.kernel``'s
+    (``SimKernel``, with the table of event kinds); ``Simulation`` is the kernel that says what
+    each event means. Churn and the gossipsub mesh extend a run through the kernel's public
+    calls only.
 
 How effects are executed
     ``Publish``: the announcement is encoded once (its length is the bytes per recipient) and
@@ -78,18 +57,14 @@ What is simplified
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 from peerinfer.core.digest import share_applied_deltas
-from peerinfer.core.messages import SamplingParams, encode
+from peerinfer.core.messages import encode
 from peerinfer.core.node import (
     AnnounceReceived,
     AnnounceRun,
@@ -105,7 +80,6 @@ from peerinfer.core.node import (
     ForwardFirstToken,
     LocalFinished,
     LocalStarted,
-    NodeConfig,
     NodeCore,
     PeerSeen,
     PingPeer,
@@ -116,63 +90,29 @@ from peerinfer.core.node import (
     SyncResponseReceived,
 )
 from peerinfer.core.prefix import PrefixHasher
-from peerinfer.errors import PeerInferError, error_kind
+from peerinfer.errors import error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
 from peerinfer.sim.churn import Churn, GoneCore, join_capacity
-from peerinfer.sim.config import SimConfig
+from peerinfer.sim.config import ORACLE, SimConfig, peer_name
 from peerinfer.sim.gossip import Mesh
+from peerinfer.sim.inputs import EngineLike, PlanLike, SimRequest
+from peerinfer.sim.kernel import (
+    ARRIVAL,
+    GOSSIP,
+    NODE,
+    RELAY,
+    STEP,
+    SYNC,
+    SimCore,
+    SimKernel,
+    SimulationError,
+)
 from peerinfer.sim.mix import node_costs
-from peerinfer.sim.oracle import ORACLE, OracleRouter
-from peerinfer.types import BlockHash, PeerId, RequestId
-
-_NODE, _TICK, _ARRIVAL, _GOSSIP, _SYNC, _STEP, _RELAY, _CHURN, _MESH, _MESH_BEAT = range(10)
-_INF = math.inf
+from peerinfer.sim.oracle import OracleRouter
+from peerinfer.types import BlockHash, RequestId
 
 
-class SimulationError(PeerInferError):
-    """The simulation broke one of its own invariants (a lost or twice-completed request)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SimRequest:
-    """One request of the workload: its tokens, sampling and a label (its subject) for series."""
-
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    label: str = ""
-    #: a user who always enters through the same node (a conversation): node ``home % nodes``
-    home: int | None = None
-    #: full blocks of the prompt that are the label's shared prefix (for residency probes)
-    prefix_blocks: int = 0
-    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``), the key of
-    #: the ``scaffold_hash`` policy; None: the prompt has none
-    scaffold: int | None = None
-
-
-class PlanLike(Protocol):
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    service_s: float
-    cache_added: Sequence[BlockHash]
-    cache_removed: Sequence[BlockHash]
-
-
-class EngineLike(Protocol):
-    """What the simulator needs of a node's engine (``SimulatedEngine`` provides it)."""
-
-    def plan(self, tokens: Sequence[int], params: SamplingParams) -> PlanLike: ...
-
-    def cached(self, h: BlockHash) -> bool: ...
-
-
-def peer_name(index: int) -> PeerId:
-    """A simulated node's peer id: as long as a real libp2p id (52 chars), so bytes are real."""
-    return PeerId(f"12D3KooW{index:044d}")
-
-
-class Simulation:
+class Simulation(SimKernel):
     """One run: ``Simulation(config, requests, hasher, make_engine).run()`` returns itself.
 
     ``requests`` are served in order, request ``i`` being the ``i``-th to arrive (the list is
@@ -191,6 +131,10 @@ class Simulation:
     ``busy_s``, ``waits``; anti-entropy counters; ``cores`` and ``engines`` themselves.
     """
 
+    #: NodeConfig fields set on every node beyond what the run's config says
+    #: (``SimConfig.node_config``): tests and benchmarks compare ``lazy_announcements`` or
+    #: ``route_among_holders`` off and on
+    node_overrides: ClassVar[dict[str, Any]] = {}
     #: hand a group's unchanged announcements to the nodes that follow them as one shared run
     #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
     share_runs = True
@@ -224,11 +168,11 @@ class Simulation:
         joins = sum(1 for _, kind, _ in churn_schedule or () if kind == "join")
         # One slot per node ever in the run: the starting ones, then room for newcomers.
         n = self.slots = config.nodes + (join_capacity(config, joins) if churning else 0)
+        super().__init__(n)
         self.peer_ids = [peer_name(i) for i in range(n)]
-        self._index_of = {p: i for i, p in enumerate(self.peer_ids)}
-        self.cores: list[NodeCore] = [
-            self._make_core(i, 0.0) if i < config.nodes else GoneCore()  # type: ignore[misc]
-            for i in range(n)
+        self.index_of = {p: i for i, p in enumerate(self.peer_ids)}
+        self.cores: list[SimCore] = [
+            self.make_core(i, 0.0) if i < config.nodes else GoneCore() for i in range(n)
         ]
         self.engines = [make_engine(i) for i in range(n)]
         self.delay = config.delay.matrix_s(config.nodes, random.Random(f"{seed}:network"))
@@ -270,21 +214,17 @@ class Simulation:
         self.estimate = [math.nan] * total  # the policy's TTFT estimate for it, if any
         self.expected_cached = [0] * total  # the cached tokens the decision expected
         self.queue_wait = [0.0] * total  # time the serving run waited in its node's queue
-        self._rid_index: dict[RequestId, int] = {}
+        self.rid_index: dict[RequestId, int] = {}
         self._client_of = [-1] * total
         self.completed = 0
         self.rejected = 0
 
-        self._heap: list[tuple[Any, ...]] = []
-        self._seq = itertools.count()
-        self._tick_at = [_INF] * n
         self._runs: list[dict[RequestId, int]] = [{} for _ in range(n)]
         self.batches = [BatchNode(node_costs(config, i)) for i in range(n)]
-        self._enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
+        self.enqueued: list[dict[RequestId, float]] = [{} for _ in range(n)]
         self._touched: list[set[BlockHash]] = [set() for _ in range(n)]
         self._reported: list[set[BlockHash]] = [set() for _ in range(n)]
         self._next_request = 0
-        self._live_events = 0  # events other than ticks in the heap
         #: forwarded requests on their way to each node (the oracle router counts them)
         self.in_transit = [0] * n
 
@@ -304,9 +244,6 @@ class Simulation:
         self.pull_response_bytes = 0
         self.pings = 0
         self.drops = 0
-        self.events = 0
-        self.now = 0.0
-        self.wall_s = 0.0
         # Residency probes: which nodes cache the shared prefix of the ``probe_top`` most
         # frequent labels, sampled every ``share_stride`` arrivals.
         self.probe_hashes: dict[str, BlockHash] = {}
@@ -328,26 +265,14 @@ class Simulation:
                     self.probe_hashes[label] = chain[-1]
                     self.residency[label] = []
         schedule = list(churn_schedule) if churn_schedule is not None else None
-        self.churn = Churn(self, schedule) if churning else None
+        self.churn: Churn | None = Churn(self, schedule) if churning else None
         #: gossipsub's mesh instead of the direct broadcast (peerinfer.sim.gossip)
-        self.mesh = Mesh(self) if config.gossip == "mesh" else None
+        self.mesh: Mesh | None = Mesh(self) if config.gossip == "mesh" else None
 
-    NODE, CHURN, MESH, MESH_BEAT = _NODE, _CHURN, _MESH, _MESH_BEAT
-
-    def _make_core(self, i: int, now: float) -> NodeCore:
+    def make_core(self, i: int, now: float) -> NodeCore:
         """Node ``i``'s core, started at ``now``."""
         config = self.config
-        node_config = NodeConfig(
-            peer_id=self.peer_ids[i],
-            policy="cost" if config.policy == ORACLE else config.policy,
-            costs=node_costs(config, i),
-            announce_interval_s=config.announce_interval_s,
-            min_announce_gap_s=config.min_announce_gap_s,
-            sync_timeout_s=config.sync_timeout_s,
-            first_token_timeout_s=config.first_token_timeout_s,
-            max_queue=config.max_queue,
-            max_peers=max(4096, self.slots),
-        )
+        node_config = config.node_config(i, slots=self.slots, **self.node_overrides)
         rng = random.Random(f"{config.seed}:node:{i}")
         core = NodeCore(node_config, self.hasher, rng=rng, now=now)
         if config.policy == ORACLE:
@@ -355,21 +280,6 @@ class Simulation:
             # state instead of its own view (peerinfer.sim.oracle).
             core.policy = OracleRouter(self, i, node_costs(config, i))
         return core
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _push(self, t: float, kind: int, *payload: Any) -> None:
-        self._live_events += 1
-        heapq.heappush(self._heap, (t, next(self._seq), kind, *payload))
-
-    def _arm_tick(self, n: int, t: float) -> None:
-        if t < self._tick_at[n]:
-            self._tick_at[n] = t
-            heapq.heappush(self._heap, (t, next(self._seq), _TICK, n))
-
-    def _rearm(self, n: int, now: float) -> None:
-        d = self.cores[n].next_deadline()
-        self._arm_tick(n, d if d > now else now + 1e-9)
 
     # ------------------------------------------------------------------ the loop
 
@@ -384,10 +294,9 @@ class Simulation:
         finally:
             share_applied_deltas(False)
 
-    def _run(self) -> Simulation:
-        started = time.perf_counter()
-        cfg = self.config
-        n = cfg.nodes
+    def _start(self) -> None:
+        """The run's first events: the nodes meet, the arrivals and churn begin."""
+        n = self.config.nodes
         cores = self.cores
         delay = self.delay
         if self.mesh is not None:  # before the first announcements: they go along it
@@ -398,72 +307,11 @@ class Simulation:
             for j in range(n):
                 if i != j:
                     cores[i].handle(PeerSeen(self.peer_ids[j], rtt_s=2 * delay[i][j]), 0.0)
-            self._execute(i, cores[i].tick(0.0), 0.0)
-            self._rearm(i, 0.0)
+            self.execute(i, cores[i].tick(0.0), 0.0)
+            self.rearm(i, 0.0)
         self._start_arrivals()
         if self.churn is not None:
             self.churn.start()
-
-        heap = self._heap
-        pop = heapq.heappop
-        tick_at = self._tick_at
-        idle_since = -1.0
-        patience = cfg.first_token_timeout_s + cfg.sync_timeout_s + 3 * cfg.announce_interval_s
-        total = self.total
-        events = 0
-        # With churn, orphaned requests may end while peers still serve them (a cancel on its
-        # way): run on until no node holds anything.
-        while self.completed < total or self.churn is not None and self.churn.held():
-            if not heap:
-                raise SimulationError("the event heap ran dry with requests outstanding")
-            item = pop(heap)
-            now = item[0]
-            kind = item[2]
-            events += 1
-            if kind == _TICK:
-                node = item[3]
-                if tick_at[node] != now:
-                    continue  # superseded by an earlier tick
-                tick_at[node] = _INF
-                self.now = now
-                effects = cores[node].tick(now)
-                if effects:
-                    self._execute(node, effects, now)
-                self._rearm(node, now)
-                if self._live_events == 0:
-                    if idle_since < 0:
-                        idle_since = now
-                    elif now - idle_since > patience:
-                        self._lost(now)
-                continue
-            if kind == _CHURN:
-                self.churn.fire(item[3], item[4], now)  # type: ignore[union-attr]
-                continue
-            if kind == _MESH_BEAT:
-                self.mesh.heartbeat(item[3], now)  # type: ignore[union-attr]
-                continue
-            self._live_events -= 1
-            idle_since = -1.0
-            self.now = now
-            if kind == _NODE:
-                self._deliver(item[3], item[4], now)
-            elif kind == _GOSSIP:
-                self._gossip(item, now)
-            elif kind == _STEP:
-                self._step(item[3], item[4], now)
-            elif kind == _ARRIVAL:
-                self._arrive(item[3], now)
-            elif kind == _SYNC:
-                self._sync(item[3], item[4], item[5], now)
-            elif kind == _RELAY:
-                self._relay(item, now)
-            elif kind == _MESH:
-                self.mesh.fire(item[3], item[4], item[5], item[6], now)  # type: ignore[union-attr]
-        self.events = events
-        self.wall_s = time.perf_counter() - started
-        if self.check:
-            self.check_invariants()
-        return self
 
     def _lost(self, now: float) -> None:
         pending = [i for i in range(self.total) if self.status[i] == 0 and self.arrival[i] >= 0]
@@ -484,13 +332,13 @@ class Simulation:
             churn.note_delivery(n, event, now)
         if t is ClientRequest or t is ForwardFailed:
             # The request may join this node's queue now (queueing delay is measured from here).
-            self._enqueued[n][event.request_id] = now
+            self.enqueued[n][event.request_id] = now
         effects = self.cores[n].handle(event, now)
         if effects:
-            self._execute(n, effects, now)
+            self.execute(n, effects, now)
         if t is LocalFinished or t is CacheChanged:
             # An unannounced change sets a deadline (the minimum gap between announcements).
-            self._rearm(n, now)
+            self.rearm(n, now)
 
     # ------------------------------------------------------------------ arrivals
 
@@ -505,7 +353,7 @@ class Simulation:
                     raise SimulationError(f"arrival {i} names node {node} of {cfg.nodes}")
                 self.origin[i] = node
                 self.arrival[i] = t
-                self._push(t, _ARRIVAL, i)
+                self.push(t, ARRIVAL, i)
             self._next_request = self.total
             return
         if cfg.clients > 0:
@@ -536,7 +384,7 @@ class Simulation:
                 self.origin[i] = home % e if home is not None else self._arrival_rng.randrange(e)
         self._client_of[i] = client
         self.arrival[i] = t
-        self._push(t, _ARRIVAL, i)
+        self.push(t, ARRIVAL, i)
 
     def _arrive(self, i: int, now: float) -> None:
         cfg = self.config
@@ -549,7 +397,7 @@ class Simulation:
                 )
         item = self.workload[i % len(self.workload)]
         rid = RequestId(f"r{i}")
-        self._rid_index[rid] = i
+        self.rid_index[rid] = i
         if self.churn is not None:  # its node may have gone since it was drawn: the user moves
             self.origin[i] = self.churn.entry_node(self.origin[i], self._arrival_rng)
         n = self.origin[i]
@@ -570,7 +418,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ effects
 
-    def _execute(self, n: int, effects: list[Any], now: float) -> None:
+    def execute(self, n: int, effects: list[Any], now: float) -> None:
         rearm = False
         for eff in effects:
             t = type(eff)
@@ -582,33 +430,33 @@ class Simulation:
                 self._forward(n, eff, now)
                 rearm = True
             elif t is SendSyncRequest:
-                p = self._index_of[eff.peer]
+                p = self.index_of[eff.peer]
                 self.pull_requests += 1
                 self.pull_request_bytes += len(encode(eff.request))
-                self._push(now + self.delay[n][p], _SYNC, p, n, eff.request)
+                self.push(now + self.delay[n][p], SYNC, p, n, eff.request)
                 rearm = True
             elif t is Reject:
                 self._reject(n, eff, now)
             elif t is CancelForward:
-                p = self._index_of[eff.peer]
-                self._push(now + self.delay[n][p], _NODE, p, Cancel(eff.request_id))
+                p = self.index_of[eff.peer]
+                self.push(now + self.delay[n][p], NODE, p, Cancel(eff.request_id))
             elif t is CancelLocal:
                 self._cancel_local(n, eff.request_id, now)
             elif t is PingPeer:
-                p = self._index_of.get(eff.peer)
-                if p is not None and self.churn is not None and not self.churn.up(p):
+                slot = self.index_of.get(eff.peer)
+                if slot is not None and self.churn is not None and not self.churn.up(slot):
                     self.pings += 1
-                    self.churn.ping_unanswered(n, p, now)
-                elif p is not None:
+                    self.churn.ping_unanswered(n, slot, now)
+                elif slot is not None:
                     self.pings += 1
-                    rtt = 2 * self.delay[n][p]
-                    self._push(now + rtt, _NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
+                    rtt = 2 * self.delay[n][slot]
+                    self.push(now + rtt, NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
             elif t is DropPeer:
                 self.drops += 1
             else:  # pragma: no cover - a new effect type the simulator does not know
                 raise SimulationError(f"the simulator cannot execute {t.__name__}")
         if rearm:
-            self._rearm(n, now)
+            self.rearm(n, now)
 
     def _publish(self, n: int, eff: Publish, now: float) -> None:
         if self.mesh is not None:
@@ -622,7 +470,7 @@ class Simulation:
         if recipients:
             groups = self._groups[n]
             ev = AnnounceReceived(self.peer_ids[n], eff.announce)
-            self._push(now + groups[0][0], _GOSSIP, n, ev, 0, now)
+            self.push(now + groups[0][0], GOSSIP, n, ev, 0, now)
 
     def _gossip(self, item: tuple[Any, ...], now: float) -> None:
         _, _, _, s, ev, g, sent = item
@@ -638,10 +486,10 @@ class Simulation:
                 continue
             effects = cores[r].handle(ev, now)
             if effects:
-                self._execute(r, effects, now)
+                self.execute(r, effects, now)
         g += 1
         if g < len(groups):
-            self._push(sent + groups[g][0], _GOSSIP, s, ev, g, sent)
+            self.push(sent + groups[g][0], GOSSIP, s, ev, g, sent)
 
     def _shared_run(
         self, s: int, g: int, ev: AnnounceReceived, recipients: list[int], now: float
@@ -667,27 +515,29 @@ class Simulation:
     def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
         if self.churn is not None and not self.churn.up(responder):
             return  # no answer: the requester's deadline ends the pull
-        response = self.cores[responder].answer_sync(request)
+        core = self.cores[responder]
+        assert isinstance(core, NodeCore)  # a machine that is on runs a real core
+        response = core.answer_sync(request)
         self.pull_response_bytes += len(encode(response))
-        self._push(
+        self.push(
             now + self.delay[responder][requester],
-            _NODE,
+            NODE,
             requester,
             SyncResponseReceived(self.peer_ids[responder], response),
         )
 
     def _forward(self, n: int, eff: Forward, now: float) -> None:
-        p = self._index_of[eff.peer]
-        i = self._rid_index[eff.request_id]
+        p = self.index_of[eff.peer]
+        i = self.rid_index[eff.request_id]
         self.target[i] = p
         self.sent_at[i] = now
-        self._enqueued[n].pop(eff.request_id, None)
+        self.enqueued[n].pop(eff.request_id, None)
         if self.forwards[i] == 0 and self.decided[i] == 0:
             self._record_decision(i, eff.decision, remote=True)
         self.forwards[i] += 1
-        self._push(
+        self.push(
             now + self.delay[n][p] + self._forward_overhead_s,
-            _NODE,
+            NODE,
             p,
             ClientRequest(
                 eff.request_id,
@@ -702,17 +552,17 @@ class Simulation:
         self.in_transit[p] += 1
 
     def _reject(self, n: int, eff: Reject, now: float) -> None:
-        i = self._rid_index[eff.request_id]
+        i = self.rid_index[eff.request_id]
         origin = self.origin[i]
-        self._enqueued[n].pop(eff.request_id, None)
+        self.enqueued[n].pop(eff.request_id, None)
         if origin == n:
             self._complete(i, now, ok=False)
             return
         # A peer refused a forwarded request: the refusal travels back to the origin.
         reason = error_kind(eff.code).forward_reason
-        self._push(
+        self.push(
             now + self.delay[n][origin],
-            _NODE,
+            NODE,
             origin,
             ForwardFailed(eff.request_id, self.peer_ids[n], reason),
         )
@@ -725,7 +575,7 @@ class Simulation:
         touched.update(plan.cache_removed)
         run = next(self._seq)
         self._runs[n][rid] = run
-        i = self._rid_index[rid]
+        i = self.rid_index[rid]
         if self.origin[i] == n:
             self.target[i] = n
             if self.decided[i] == 0 and eff.decision is not None:
@@ -733,7 +583,7 @@ class Simulation:
         self.served[n] += 1
         self.node_cached[n] += plan.cached_tokens
         self.node_prompt[n] += plan.prompt_tokens
-        wait = now - self._enqueued[n].pop(rid, now)
+        wait = now - self.enqueued[n].pop(rid, now)
         self.waits[n].append(wait)
         self.queue_wait[i] = wait
         job = BatchJob(
@@ -744,7 +594,7 @@ class Simulation:
 
     def _batch_moved(self, n: int, end: float | None) -> None:
         if end is not None:
-            self._push(end, _STEP, n, self.batches[n].epoch)
+            self.push(end, STEP, n, self.batches[n].epoch)
 
     def _step(self, n: int, epoch: int, now: float) -> None:
         """A segment of node ``n``'s batch ends: first tokens and ends, then the next one."""
@@ -796,15 +646,15 @@ class Simulation:
     def _first(self, n: int, rid: RequestId, run: int, now: float) -> None:
         if self._runs[n].get(rid) != run:
             return  # cancelled
-        i = self._rid_index[rid]
+        i = self.rid_index[rid]
         origin = self.origin[i]
         if origin == n:
             if self.first[i] < 0:
                 self.first[i] = now
         else:
-            self._push(
+            self.push(
                 now + self.delay[n][origin],
-                _RELAY,
+                RELAY,
                 origin,
                 ForwardFirstToken(rid, self.peer_ids[n]),
                 n,
@@ -818,7 +668,7 @@ class Simulation:
         if runs.get(rid) != run:
             return  # cancelled
         del runs[rid]
-        i = self._rid_index[rid]
+        i = self.rid_index[rid]
         origin = self.origin[i]
         if origin == n:
             if self.first[i] < 0:
@@ -828,9 +678,9 @@ class Simulation:
             self.prompt[i] = prompt
             self._complete(i, now, ok=True)
         else:
-            self._push(
+            self.push(
                 now + self.delay[n][origin],
-                _RELAY,
+                RELAY,
                 origin,
                 ForwardFinished(rid, self.peer_ids[n]),
                 n,
@@ -842,7 +692,7 @@ class Simulation:
 
     def _relay(self, item: tuple[Any, ...], now: float) -> None:
         _, _, _, origin, event, server, cached, prompt = item
-        i = self._rid_index[event.request_id]
+        i = self.rid_index[event.request_id]
         if self.target[i] == server and self.status[i] == 0:
             if type(event) is ForwardFirstToken:
                 if self.first[i] < 0:
@@ -867,6 +717,29 @@ class Simulation:
         self._batch_moved(n, self.batches[n].leave(rid, now))
         added, removed = self._flush_changes(n)
         self._deliver(n, LocalFinished(rid, False, added, removed, "cancelled"), now)
+
+    # ------------------------------------------------------------------ churn's calls
+
+    def stop_engine(self, n: int) -> None:
+        """Node ``n``'s machine went away: stale segment ends and runs are ignored from now
+        on, and its queue is forgotten."""
+        old = self.batches[n]
+        batch = BatchNode(old.costs)
+        batch.epoch = old.epoch + 1
+        batch.busy_s = old.busy_s
+        self.batches[n] = batch
+        self._runs[n].clear()
+        self.enqueued[n].clear()
+
+    def end_orphaned(self, i: int, now: float) -> bool:
+        """Request ``i`` ends as orphaned (status 3: its user's entry node went away), unless
+        it had ended."""
+        if self.status[i] != 0:
+            return False
+        self.status[i] = 3
+        self.finish[i] = now
+        self.completed += 1
+        return True
 
     # ------------------------------------------------------------------ checks
 
