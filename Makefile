@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check peerinfer tests bench examples
+	$(VENV)/bin/ruff check peerinfer tests bench examples experiments
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict peerinfer/core

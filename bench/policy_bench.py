@@ -42,17 +42,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peerinfer.sim.config import COST_PRESETS, SimConfig  # noqa: E402
-from peerinfer.sim.experiments import (  # noqa: E402
+from experiments.runner import run_all  # noqa: E402
+from experiments.sweeps import (  # noqa: E402
     BASE,
     DELAYS_MS,
     PROFILES,
     SKEWED,
     _local_stand_in,
     delay_configs,
-    run_all,
     with_costs,
 )
+from peerinfer.sim.config import COST_PRESETS, SimConfig  # noqa: E402
 
 COMPARE_POLICIES = ("local", "longest_prefix", "cost", "scaffold_hash", "oracle")
 WORKLOADS = ("mmlu", "multiturn", "rag")

@@ -1,6 +1,6 @@
 """The load a swarm of batched nodes carries: the knee of mean TTFT against arrival rate.
 
-Runs the load sweep of ``python -m peerinfer.sim.experiments batch`` alone (``hot:2``, 16 nodes,
+Runs the load sweep of ``python -m experiments batch`` alone (``hot:2``, 16 nodes,
 ``cost``, 5 ms, the ``batched`` cost model on 1 and on 8 slots), optionally with another number
 of generated tokens per request, and prints the rate at which mean TTFT first exceeds 5x its
 idle value for each, and their ratio, as one JSON object with ``--json``.
@@ -14,7 +14,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from peerinfer.sim.experiments import (
+from experiments.runner import run_all
+from experiments.sweeps import (
     BASE,
     BATCH_RATE_REQUESTS,
     BATCH_RATES,
@@ -22,7 +23,6 @@ from peerinfer.sim.experiments import (
     HOT,
     batched,
     knee_rate,
-    run_all,
 )
 
 

@@ -11,16 +11,16 @@ from dataclasses import replace
 
 import pytest
 
-from peerinfer.core.index import PeerIndex
-from peerinfer.sim import SimConfig, simulate
-from peerinfer.sim.cli import main as sim_main
-from peerinfer.sim.experiments import (
+from experiments.sweeps import (
     SCALE_ALL_POLICIES_UP_TO,
     parse_scale_nodes,
     scale_configs,
     scale_rows,
     scale_table,
 )
+from peerinfer.core.index import PeerIndex
+from peerinfer.sim import SimConfig, simulate
+from peerinfer.sim.cli import main as sim_main
 from peerinfer.sim.metrics import ProcessUsage, deep_size, replica_memory
 
 SMALL = SimConfig(nodes=6, requests=60, cache_tokens=2048, delay_ms="5", policy="cost", seed=3)

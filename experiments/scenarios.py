@@ -1,6 +1,6 @@
 """The experiments of issue 14 (parts 2-4): churn, mixed machines, gossip mesh against broadcast.
 
-Run through ``python -m peerinfer.sim.experiments churn|mix|mesh`` (registered there): each
+Run through ``python -m experiments churn|mix|mesh`` (registered in ``experiments.__main__``): each
 writes ``DIR/NAME.json`` (every run's parameters and figures, with its ``peerinfer sim``
 command) and prints a markdown table (``table_lines``), the one in docs/evaluation.md. The runs
 are small (16-64 nodes, 4,000-20,000 requests) because they were measured on a 2-core machine
@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from experiments.runner import run_all
 from peerinfer.sim.config import SimConfig
 
 CHURN_RATES = (0.0, 1.0, 4.0, 16.0)
@@ -156,8 +157,6 @@ def _experiment(
     configs: Callable[[SimConfig], list[SimConfig]], rows: Callable[[list[dict]], list[str]]
 ) -> Callable[..., dict]:
     def run(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
-        from peerinfer.sim.experiments import run_all
-
         results = run_all(configs(base), jobs=jobs, log=log)
         table = rows(results)
         for line in table:
