@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
-from experiments.runner import run_all
-from experiments.sweeps import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments/ is not installed
+
+from experiments.runner import run_all  # noqa: E402
+from experiments.sweeps import (  # noqa: E402
     BASE,
     BATCH_RATE_REQUESTS,
     BATCH_RATES,

@@ -33,7 +33,7 @@ from experiments.tables import markdown_tables
 
 # ------------------------------------------------------------------------------ command line
 
-EXPERIMENTS: dict[str, Callable[..., dict]] = {
+EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
     "delay": delay_experiment,
     "share": share_experiment,
     "cycle": cycle_experiment,
@@ -43,7 +43,7 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "batch": batch_experiment,
 }
 #: Issue 14's experiments, run by name only (``all`` stays the paper's and the batching ones).
-EXTRA_EXPERIMENTS: dict[str, Callable[..., dict]] = {
+EXTRA_EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
     "churn": churn_experiment,
     "mix": mix_experiment,
     "mesh": mesh_experiment,

@@ -78,7 +78,7 @@ def _f(x: Any, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def churn_rows(runs: list[dict]) -> list[str]:
+def churn_rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| nodes x requests | crashes / leaves / joins per node-hour | mode | crashes | leaves "
         "| joins | lost | orphaned | failovers | hit ratio | TTFT mean / p99 (s) "
@@ -99,7 +99,7 @@ def churn_rows(runs: list[dict]) -> list[str]:
     return lines
 
 
-def mix_rows(runs: list[dict]) -> list[str]:
+def mix_rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| rate (/node/s) | machines | policy | TTFT mean / p99 (s) | latency mean (s) | hit ratio "
         "| GPU nodes' share of requests served | GPU utilization | CPU utilization "
@@ -125,7 +125,7 @@ def mix_rows(runs: list[dict]) -> list[str]:
     return lines
 
 
-def mesh_rows(runs: list[dict]) -> list[str]:
+def mesh_rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| nodes | loss | gossip | delay mean / p99 (ms) | hops mean | duplicates per delivery "
         "| repaired by IWANT | coverage | announcement kB per node per s | pulls "
@@ -154,9 +154,9 @@ def mesh_rows(runs: list[dict]) -> list[str]:
 
 
 def _experiment(
-    configs: Callable[[SimConfig], list[SimConfig]], rows: Callable[[list[dict]], list[str]]
-) -> Callable[..., dict]:
-    def run(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+    configs: Callable[[SimConfig], list[SimConfig]], rows: Callable[[list[dict[str, Any]]], list[str]]
+) -> Callable[..., dict[str, Any]]:
+    def run(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
         results = run_all(configs(base), jobs=jobs, log=log)
         table = rows(results)
         for line in table:

@@ -102,12 +102,12 @@ def delay_configs(base: SimConfig, delays: Sequence[float], skews: Sequence[str]
 
 
 def _local_stand_in(
-    results: list[dict], log: Callable[[str], None], delays: Sequence[float] = DELAYS_MS
-) -> list[dict]:
+    results: list[dict[str, Any]], log: Callable[[str], None], delays: Sequence[float] = DELAYS_MS
+) -> list[dict[str, Any]]:
     """Give ``local`` a point at every delay: the 0-ms run's figures (after checking that the
     other ``local`` runs agree with it on latency)."""
     out = list(results)
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results:
         p = r["params"]
         if p["policy"] == "local":
@@ -130,7 +130,7 @@ def _local_stand_in(
     return out
 
 
-def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     skews = (SKEWED, "uniform")
     configs = [
         c for profile in PROFILES for c in delay_configs(with_costs(base, profile), DELAYS_MS, skews)
@@ -141,8 +141,8 @@ def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
         mine = [r for r in results if r["params"]["costs_source"] == profile]
         fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
         for col, skew in enumerate(skews):
-            for row, metric in enumerate(("latency_mean_s", "latency_p99_s")):
-                ax = axes[row][col]
+            for line, metric in enumerate(("latency_mean_s", "latency_p99_s")):
+                ax = axes[line][col]
                 for policy in POLICIES:
                     pts = [
                         (float(r["params"]["delay_ms"]), r[metric])
@@ -152,7 +152,7 @@ def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy,
                             markersize=4)
                 _delay_axis(ax, DELAYS_MS)
-                ax.set_ylabel(("mean" if row == 0 else "p99") + " latency (s)")
+                ax.set_ylabel(("mean" if line == 0 else "p99") + " latency (s)")
                 ax.set_title(f"{skew} popularity, {base.nodes} nodes, costs '{profile}'",
                              fontsize=10)
                 ax.grid(alpha=0.3)
@@ -174,7 +174,7 @@ def delay_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
     return {"runs": results, "table": table}
 
 
-def print_delay_table(data: dict, log: Callable[[str], None]) -> None:
+def print_delay_table(data: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"{'costs':<8}{'skew':<10}{'delay':>6}  "
         + "".join(f"{p + ' mean/p99':>26}" for p in POLICIES) + "   cost<=min(local,lp)")
     for row in data["table"]:
@@ -198,7 +198,7 @@ def prefix_evictions(holders: Sequence[Sequence[Any]]) -> int:
     return sum(len(a - b) for a, b in zip(sets, sets[1:], strict=False))
 
 
-def _most_evicted(result: dict, k: int) -> list[str]:
+def _most_evicted(result: dict[str, Any], k: int) -> list[str]:
     """The ``k`` subjects whose prefixes were evicted most often (ties: the more requested)."""
     series = result["share_series"]
     order = list(series)
@@ -208,7 +208,7 @@ def _most_evicted(result: dict, k: int) -> list[str]:
 
 
 def _share_figure(
-    results: list[dict], titles: Sequence[str], path: Path, subjects: Sequence[str] | None = None
+    results: list[dict[str, Any]], titles: Sequence[str], path: Path, subjects: Sequence[str] | None = None
 ) -> None:
     """Per result: a subject's per-node share over time (the most requested one unless
     ``subjects`` says) and, below it, which nodes cache that subject's whole 5-shot prefix
@@ -231,7 +231,7 @@ def _share_figure(
     _save(fig, path)
 
 
-def share_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def share_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     configs = [
         replace(base, policy="longest_prefix", delay_ms="1", skew=skew)
         for skew in (SKEWED, "uniform")
@@ -250,7 +250,7 @@ CYCLE_CACHE_TOKENS = 2048
 CYCLE_SUBJECTS = 8
 
 
-def cycle_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def cycle_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     # Caches of 2048 tokens hold three or four 5-shot prefixes: a node that specializes in the
     # top subject also attracts others, and the LRU evicts the top subject's prefix now and then.
     caps = (CYCLE_CACHE_TOKENS, base.cache_tokens)
@@ -299,7 +299,7 @@ HOT_DELAYS_MS = (0, 1, 5, 20, 50)
 ADMISSION = (0, 1, 8)
 
 
-def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     configs = [
         replace(with_costs(base, profile), skew=HOT, delay_ms=f"{d:g}", policy=p)
         for profile in PROFILES
@@ -341,7 +341,7 @@ def hot_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], N
     return {"runs": results}
 
 
-def admission_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def admission_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     """The admission limit for forwarded requests (``max_queue``) on all three workloads, 5 ms."""
     configs = [
         replace(with_costs(base, profile), skew=skew, delay_ms="5", policy=p, max_queue=q)
@@ -424,12 +424,21 @@ def parse_scale_nodes(text: str) -> tuple[list[int], dict[int, int]]:
     return nodes, at
 
 
-def _mean_of(runs: list[dict], get: Callable[[dict], Any], digits: int = 4) -> float | None:
+def _mean_of(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any], digits: int = 4) -> float | None:
     values = [v for v in (get(r) for r in runs) if v is not None]
     return round(sum(values) / len(values), digits) if values else None
 
 
-def scale_table(results: list[dict]) -> list[dict]:
+def _figure(key: str, within: str | None = None) -> Callable[[dict[str, Any]], Any]:
+    """A run's figure ``key`` (in its ``within`` dict, if given), None where it has none."""
+
+    def get(run: dict[str, Any]) -> Any:
+        return (run if within is None else run.get(within) or {}).get(key)
+
+    return get
+
+
+def scale_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (nodes, policy): means over seeds of the headline figures: TTFT, hit ratio,
     announcement bytes per node per second, replica entries and bytes per node, and what each
     run cost the machine (CPU seconds, peak resident memory of its process)."""
@@ -443,7 +452,7 @@ def scale_table(results: list[dict]) -> list[dict]:
                                    "requests": mine[0]["params"]["requests"]}
             for k in ("latency_mean_s", "latency_p99_s", "ttft_mean_s", "ttft_p99_s", "hit_ratio",
                       "forwarded_fraction", "virtual_s"):
-                row[k] = _mean_of(mine, lambda r, k=k: r.get(k))
+                row[k] = _mean_of(mine, _figure(k))
             row["sync_bytes_per_node_per_s"] = _mean_of(
                 mine, lambda r: r["anti_entropy"]["bytes_per_node_per_s"], 1
             )
@@ -452,9 +461,9 @@ def scale_table(results: list[dict]) -> list[dict]:
                 1,
             )
             for k in ("replica_entries_per_node", "index_bytes_per_node", "bytes_per_replica_entry"):
-                row[k] = _mean_of(mine, lambda r, k=k: (r.get("memory") or {}).get(k), 1)
+                row[k] = _mean_of(mine, _figure(k, within="memory"), 1)
             for k in ("cpu_s", "peak_rss_mb"):
-                row[k] = _mean_of(mine, lambda r, k=k: (r.get("usage") or {}).get(k), 1)
+                row[k] = _mean_of(mine, _figure(k, within="usage"), 1)
             rows.append(row)
     return rows
 
@@ -467,7 +476,7 @@ def scale_experiment(
     requests_per_node: int = SCALE_REQUESTS_PER_NODE,
     nodes: Sequence[int] = SCALE_NODES,
     requests_per_node_at: Mapping[int, int] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     configs = scale_configs(base, requests_per_node, nodes, requests_per_node_at)
     results = run_all(configs, jobs=jobs, log=log)
     table = scale_table(results)
@@ -507,7 +516,7 @@ def scale_experiment(
     return {"runs": results, "table": table}
 
 
-def scale_rows(table: list[dict]) -> list[str]:
+def scale_rows(table: list[dict[str, Any]]) -> list[str]:
     """The scaling table of docs/evaluation.md (markdown), one row per node count."""
     lines = [
         "| nodes | requests | seeds | TTFT mean / p99 (s): local | longest_prefix | cost "
@@ -522,7 +531,7 @@ def scale_rows(table: list[dict]) -> list[str]:
         if c is None:
             continue
 
-        def ttft(p: str, by: dict[str, dict] = by) -> str:
+        def ttft(p: str, by: dict[str, dict[str, Any]] = by) -> str:
             r = by.get(p)
             return "-" if r is None else f"{_f(r['ttft_mean_s'])} / {_f(r['ttft_p99_s'])}"
 
@@ -583,7 +592,7 @@ def knee_rate(points: Sequence[tuple[float, float]], factor: float = TTFT_KNEE) 
     return None
 
 
-def batch_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict:
+def batch_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str], None]) -> dict[str, Any]:
     hot = [
         replace(batched(base, k), skew=HOT, delay_ms=f"{d:g}", policy=p)
         for k in BATCH_SLOTS
@@ -615,7 +624,7 @@ def batch_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
     sweep_runs = rest[: len(sweep)]
     rate_runs = rest[len(sweep) :]
 
-    def slots_of(r: dict) -> int:
+    def slots_of(r: dict[str, Any]) -> int:
         return int(r["params"]["costs"]["slots"])
 
     # hot:2 tail, per slots and delay
@@ -704,7 +713,7 @@ def batch_experiment(out: Path, base: SimConfig, jobs: int, log: Callable[[str],
             "sweep_table": sweep_table, "knees": knees}
 
 
-def print_batch_tables(data: dict, log: Callable[[str], None]) -> None:
+def print_batch_tables(data: dict[str, Any], log: Callable[[str], None]) -> None:
     log("hot:2: TTFT mean / p99 (s) per policy; cost p99 / longest_prefix p99")
     for row in data["hot_table"]:
         cells = "".join(

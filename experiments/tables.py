@@ -95,13 +95,13 @@ def markdown_tables(out: Path) -> str:
         parts.append("| delay (ms) | zipf:1.1 | margin | uniform | margin |")
         parts.append("|---:|---:|---:|---:|---:|")
         for d in DELAYS_MS:
-            cells = []
+            columns: list[str] = []
             for skew in (SKEWED, "uniform"):
                 row = next(r for r in data["sweep_table"]
                            if r["skew"] == skew and r["delay_ms"] == d)
-                cells.append(" / ".join(_f(row[p]["latency_mean_s"]) for p in POLICIES))
-                cells.append(f"{row['cost_margin']:+.1%}")
-            parts.append(f"| {d:g} | " + " | ".join(cells) + " |")
+                columns.append(" / ".join(_f(row[p]["latency_mean_s"]) for p in POLICIES))
+                columns.append(f"{row['cost_margin']:+.1%}")
+            parts.append(f"| {d:g} | " + " | ".join(columns) + " |")
         parts.append("")
         k = data["knees"]
         parts.append("batched nodes: knee rate (mean TTFT > 5x idle), hot:2, cost, 5 ms\n")
