@@ -389,3 +389,31 @@ def test_node_config_is_the_runs_figures_over_the_nodes_own_defaults() -> None:
             assert getattr(made, f.name) == getattr(node_default, f.name), f.name
     overridden = run.node_config(0, lazy_announcements=False, max_queue=1)
     assert overridden.lazy_announcements is False and overridden.max_queue == 1
+
+
+def test_churn_and_the_mesh_use_only_what_the_kernel_declares() -> None:
+    """Churn and the gossipsub mesh extend a run through ``SimKernel`` (sim/kernel.py): they
+    never import the simulator, and every name they use of the run they are handed is one the
+    kernel declares (no private names of the simulation)."""
+    import ast
+    import typing
+    from pathlib import Path
+
+    from peerinfer.sim import churn, gossip
+    from peerinfer.sim.kernel import SimKernel
+
+    declared = set(typing.get_type_hints(SimKernel)) | {n for n in dir(SimKernel) if not n.startswith("_")}
+
+    def is_the_run(node: ast.expr) -> bool:  # ``sim`` or ``self.sim``
+        return (isinstance(node, ast.Name) and node.id == "sim") or (
+            isinstance(node, ast.Attribute) and node.attr == "sim"
+        )
+
+    for module in (churn, gossip):
+        tree = ast.parse(Path(module.__file__ or "").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "peerinfer.sim.simulator" not in imported, module.__name__
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and is_the_run(n.value)}
+        assert used, module.__name__
+        assert used <= declared, (module.__name__, sorted(used - declared))

@@ -109,6 +109,8 @@ class SimKernel:
 
     config: SimConfig
     check: bool
+    #: the virtual time of the event being handled
+    now: float
     #: node slots: the starting nodes, then room for churn's newcomers
     slots: int
     cores: list[SimCore]
