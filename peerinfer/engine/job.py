@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _Counters:
+    """An engine's running totals (``Engine.statistics()`` reads them; jobs count into them)."""
+
     requests: int = 0
     errors: int = 0
     prompt_tokens: int = 0
