@@ -204,7 +204,7 @@ def calibrate_report(
         engine.take_cache_changes()
     measured = None
     if batch:
-        options = {"repeats": repeats, "seed": seed + 1, "statistic": statistic, "clock": clock}
+        options: dict[str, Any] = {"repeats": repeats, "seed": seed + 1, "statistic": statistic, "clock": clock}
         options.update(batch_options or {})
         measured = measure_batch_costs(engine, progress=progress, **options)
     costs = CostModel(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,7 +113,7 @@ class GrammarTokenizer:
 
     @classmethod
     def from_hf(cls, tokenizer: Any, vocab_size: int,
-                eos_token_ids: Sequence[int] = ()) -> GrammarTokenizer:
+                eos_token_ids: Collection[int] = ()) -> GrammarTokenizer:
         _llguidance()
         import llguidance.hf
 
@@ -123,7 +123,7 @@ class GrammarTokenizer:
 
     @classmethod
     def from_llamacpp(cls, vocab: Any, vocab_size: int,
-                      eos_token_ids: Sequence[int] = ()) -> GrammarTokenizer:
+                      eos_token_ids: Collection[int] = ()) -> GrammarTokenizer:
         _llguidance()
         import llguidance.llamacpp
 

@@ -1,7 +1,10 @@
 """The Hugging Face Transformers engine, with exact KV reuse from the radix cache.
 
-The only module (with ``calibrate``) that imports torch and transformers. Written against
-transformers 5.x (``DynamicCache`` made of per-layer ``DynamicLayer`` objects).
+With its helpers ``hf_loading`` (finding, converting and fingerprinting models; device and
+dtype), ``hf_decoder`` (one request's decoder and the batch KV state) and ``hf_layers`` (the
+cache layers that reuse, prefill and pack KV), the only modules (with ``calibrate``) that
+import torch and transformers. Written against transformers 5.x (``DynamicCache`` made of
+per-layer ``DynamicLayer`` objects).
 
 Loading
 -------
@@ -37,25 +40,8 @@ serve without reuse (and without batching: ``decode_batch`` then steps them one 
 
 Batched decoding
 ----------------
-A decoder first runs its prompt alone, into its own cache (``prefill``, in chunks, keeping the
-last position's logits). ``decode_batch`` then decodes one token for every decoder in one forward
-pass over a **left-padded batch KV state** (``_BatchKV``): per layer one K and one V buffer
-``[rows, kv_heads, columns, head_dim]``, allocated with free columns to the right; row ``r`` holds
-its request's ``kv_tokens`` states in the columns just before a shared write column ``end``. A
-step writes every row's new K/V into column ``end`` in place (no per-step copy of the cache, which
-``DynamicLayer``'s concatenation would make), attends over ``[end - longest, end]`` with a
-``[rows, 1, 1, width]`` mask hiding each row's left padding, and gives each row its own position
-(its ``kv_tokens``), so each row computes what a lone run would, up to the rounding of batched
-matrix products. Membership changes edit the state instead of rebuilding it: a request joins by
-one copy of its own cache into a free row (its own cache is then dropped); it leaves by moving the
-last row into its place; a decoder asked to step alone is *parked* (its row copied back into a
-cache of its own). The buffers are reallocated only when rows or columns run out (columns: then
-compacted to the longest row plus headroom, so the copy is amortised over many steps) and freed
-when the batch empties. Memory: the scheduler reserves ``(prompt + max_tokens)`` tokens of KV per
-running request; the buffers take ``row capacity x columns`` tokens, which adds the shorter rows'
-left padding, the free columns (at least 64, or half the longest row) and unused rows to that:
-this overhead is not accounted against ``--cache-bytes``. Greedy rows take one batched argmax; sampled rows draw from their own
-seeded generator, so a seeded request's tokens do not depend on its neighbours.
+``decode_batch`` decodes one token for every decoder in one forward pass over a left-padded
+batch KV state; see :mod:`peerinfer.engine.hf_decoder`, which holds the decoder and that state.
 
 Batched prefill
 ---------------
@@ -100,17 +86,13 @@ function over a per-group prefix plus per-row suffixes (cascade attention); not 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import itertools
 import json
 import os
-import shutil
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +101,40 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from peerinfer.core.messages import ChatMessage, SamplingParams
+from peerinfer.core.messages import ChatMessage
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
-from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
+from peerinfer.engine.constraints import GrammarTokenizer
+from peerinfer.engine.hf_decoder import (
+    RequestTimings,
+    _BatchKV,
+    _TransformersDecoder,
+    guided_token,
+    sample_token,
+)
+from peerinfer.engine.hf_layers import (
+    _PACKED_ATTENTION,
+    _cache_layers,
+    _causal_after,
+    _continue_cache,
+    _layer_pieces,
+    _PackedLayer,
+    _PackedRows,
+    _PrefillLayer,
+    _ReusedPrefixLayer,
+)
+from peerinfer.engine.hf_loading import (
+    DTYPE_CHOICES,
+    NATIVE_BF16_CPU_FLAGS,
+    _pick_device,
+    _pick_dtype,
+    _quiet_progress,
+    _read_meta,
+    _transpose_linear_weights,
+    auto_dtype,
+    convert_gguf,
+    cpu_flags,
+    directory_fingerprint,
+)
 from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tests)
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
@@ -129,7 +142,6 @@ from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tes
     gguf_fingerprint,
     models_home,
 )
-from peerinfer.engine.modelfiles import file_digest as _file_digest
 from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
 from peerinfer.errors import ConfigError, InvalidRequestError
 
@@ -140,231 +152,10 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_PREFILL_CHUNK = 512
 #: Requests decoded together by default (``max_batch_size``).
 DEFAULT_MAX_BATCH_SIZE = 8
-#: Least number of free columns a batch KV state is (re)allocated with: decode steps between
-#: two compactions.
-_MIN_HEADROOM = 64
 #: Architectures whose batched prefill packs the requests' tokens (``_prefill_packed``).
 _PACKED_MODEL_TYPES = frozenset({"llama"})
 #: Blocks copied out of a finished request's cache per staging step.
 _EXPORT_GROUP = 32
-_META = "peerinfer-model.json"
-_META_FORMAT = 1
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache"}
-_DIR_FILE_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".model"}
-_DIR_FILE_NAMES = {"config.json", "tokenizer.json", "vocab.json", "vocab.txt", "merges.txt"}
-
-
-# --------------------------------------------------------------------------------------------
-# Locating and converting models.
-
-
-def _config_digest(path: Path) -> bytes:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return _file_digest(path)
-    if isinstance(data, dict):
-        data = {
-            k: v
-            for k, v in data.items()
-            if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
-        }
-    return hashlib.blake2b(
-        json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), digest_size=32
-    ).digest()
-
-
-def directory_fingerprint(directory: Path) -> bytes:
-    """The fingerprint of a model saved in ``directory`` (weights, tokenizer, config)."""
-    parts: list[tuple[str, bytes]] = []
-    for path in sorted(directory.iterdir()):
-        if not path.is_file():
-            continue
-        if path.name == "config.json":
-            parts.append((path.name, _config_digest(path)))
-        elif path.suffix in _DIR_FILE_SUFFIXES or path.name in _DIR_FILE_NAMES:
-            parts.append((path.name, _file_digest(path)))
-    if not any(name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")) for name, _ in parts):
-        raise ConfigError(f"{directory} holds no model weights")
-    return _fingerprint("dir", parts)
-
-
-def _read_meta(directory: Path) -> dict[str, Any] | None:
-    try:
-        meta = json.loads((directory / _META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("format") != _META_FORMAT:
-        return None
-    return meta
-
-
-def convert_gguf(gguf: Path, home: Path | None = None) -> tuple[Path, bytes]:
-    """A directory holding ``gguf`` dequantized to float32 safetensors, and its fingerprint.
-
-    Converts once, into a temporary directory renamed into place when complete, so a crash or a
-    concurrent conversion never leaves a half-written model behind.
-    """
-    gguf = gguf.resolve()
-    st = gguf.stat()
-    home = models_home() if home is None else home
-    key = hashlib.blake2b(
-        f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=10
-    ).hexdigest()
-    target = home / f"{gguf.stem}-{key}"
-    meta = _read_meta(target)
-    if meta is not None:
-        return target, bytes.fromhex(meta["fingerprint"])
-    fingerprint = gguf_fingerprint(gguf)
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create {home}: {exc} (set PEERINFER_HOME)") from exc
-    tmp = home / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        try:
-            with _quiet_progress():
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-                model = AutoModelForCausalLM.from_pretrained(
-                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-                )
-        except Exception as exc:  # transformers raises many types for unreadable models
-            raise ConfigError(f"cannot load the GGUF file {gguf}: {exc}") from exc
-        # The weights are dequantized by now: drop the quantizer so save_pretrained writes
-        # plain safetensors.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
-        try:
-            with _quiet_progress():
-                model.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot save the converted model under {home}: {exc} "
-                "(set PEERINFER_HOME to a writable directory with ~600 MB free)"
-            ) from exc
-        meta = {
-            "format": _META_FORMAT,
-            "source": str(gguf),
-            "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
-            "fingerprint": fingerprint.hex(),
-        }
-        (tmp / _META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if _read_meta(target) is None:  # not a concurrent conversion that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target, fingerprint
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """Loading a model draws progress bars; a daemon's log is no place for them."""
-    hf_logging = transformers.utils.logging
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
-
-
-def _pick_device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"unknown device {device!r}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
-    return dev
-
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-#: The names ``--dtype`` offers (``auto``: :func:`auto_dtype`'s rule).
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-#: CPU flags (Linux ``/proc/cpuinfo``) of native bfloat16 arithmetic: AVX-512 BF16 dot
-#: products, AMX tiles. Without them torch emulates bfloat16 matrix products by converting
-#: to float32, which is slower than float32 itself (docs/performance.md).
-NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux reports them (empty elsewhere, or if unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def auto_dtype(device_type: str, *, cuda_bf16: bool = False, flags: frozenset[str] = frozenset()) -> torch.dtype:
-    """The dtype ``--dtype auto`` picks: the fastest one that computes safely on the device.
-
-    CUDA: bfloat16 where the GPU supports it (float16's range overflows on some models),
-    else float16. CPU: bfloat16 only when the CPU has native bfloat16 arithmetic (one of
-    ``NATIVE_BF16_CPU_FLAGS``): measured on such a CPU (Intel, AMX) it prefilled 3.3x and
-    decoded 1.1x faster than float32; on a CPU without (AMD Zen 3, AVX2 only) it was slower
-    than float32 (docs/performance.md, bench/dtype_bench.py). Anything else: float32.
-    """
-    if device_type == "cuda":
-        return torch.bfloat16 if cuda_bf16 else torch.float16
-    if device_type == "cpu" and flags & NATIVE_BF16_CPU_FLAGS:
-        return torch.bfloat16
-    return torch.float32
-
-
-def _pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        cuda = device.type == "cuda"
-        return auto_dtype(
-            device.type,
-            cuda_bf16=cuda and bool(torch.cuda.is_bf16_supported()),
-            flags=cpu_flags() if device.type == "cpu" else frozenset(),
-        )
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ConfigError(
-            f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_CHOICES)}"
-        ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# The engine.
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    """Where the time to first token of the last request went (benchmarks, calibration).
-
-    ``build_s``: assembling the model's cache from stored segments; ``prefill_s``: running the
-    uncached prompt tokens and picking the first token.
-    """
-
-    cached_tokens: int
-    prefill_tokens: int
-    build_s: float
-    prefill_s: float
 
 
 class TransformersEngine(Engine):
@@ -419,7 +210,7 @@ class TransformersEngine(Engine):
         try:
             with _quiet_progress():
                 self.tokenizer = AutoTokenizer.from_pretrained(directory, revision=revision)
-                loaded = AutoModelForCausalLM.from_pretrained(
+                loaded: Any = AutoModelForCausalLM.from_pretrained(
                     directory, dtype=self.dtype, revision=revision
                 )
         except Exception as exc:  # OSError, ValueError, HF hub errors...: all mean "cannot load"
@@ -605,7 +396,7 @@ class TransformersEngine(Engine):
             if m.name:
                 entry["name"] = m.name
             chat.append(entry)
-        functions = [{"type": "function", "function": f} for f in tool_functions(tools)] if tools else None
+        functions: list[dict[str, Any] | Callable[..., Any]] | None = [{"type": "function", "function": f} for f in tool_functions(tools)] if tools else None
         with self._tokenizer_lock:
             try:
                 text = self.tokenizer.apply_chat_template(
@@ -672,7 +463,7 @@ class TransformersEngine(Engine):
         """Copies of blocks ``first_block .. first_block + n_blocks`` of ``cache``, each one
         tensor ``[layers, 2, kv_heads, block_size, head_dim]`` that owns its memory."""
         return self._export_kv(
-            [(layer.keys[0], layer.values[0]) for layer in cache.layers],
+            [(layer.keys[0], layer.values[0]) for layer in _cache_layers(cache)],
             first_block,
             n_blocks,
             block_size,
@@ -734,7 +525,8 @@ class TransformersEngine(Engine):
         if len(batched) == 1 and (batch is None or not batch.rows):
             out[batched[0]] = decoders[batched[0]].step()
             return out
-        members = [decoders[i] for i in batched]
+        # Every batched one passed the isinstance check above.
+        members = [d for d in (decoders[i] for i in batched) if isinstance(d, _TransformersDecoder)]
         if len({id(d) for d in members}) != len(members):
             raise ValueError("decode_batch got the same decoder twice")
         if batch is None:
@@ -745,7 +537,7 @@ class TransformersEngine(Engine):
                 d._park()
         for d in members:
             if d._row is None:
-                batch.join(d)  # type: ignore[arg-type]
+                batch.join(d)
         rows = batch.rows
         logits = batch.forward([d._pending[0] for d in rows])  # [rows, vocab]
         with torch.inference_mode():
@@ -757,8 +549,8 @@ class TransformersEngine(Engine):
                 else:
                     token = guided_token(logits[r], d._params, d._generator, guide)
                 d._pending = [token]
-        for i in batched:
-            out[i] = decoders[i]._pending[0]  # type: ignore[attr-defined]
+        for i, d in zip(batched, members, strict=True):
+            out[i] = d._pending[0]
         return out
 
     def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]:
@@ -874,7 +666,7 @@ class TransformersEngine(Engine):
             values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self._layers)]
             for r, d in enumerate(decoders):
                 assert d._cache is not None
-                for layer, k, v in zip(d._cache.layers, keys, values, strict=True):
+                for layer, k, v in zip(_cache_layers(d._cache), keys, values, strict=True):
                     column = width - lengths[r]
                     for piece_k, piece_v in _layer_pieces(layer):
                         m = int(piece_k.shape[1])
@@ -892,14 +684,14 @@ class TransformersEngine(Engine):
             ids = torch.zeros((rows, slots), dtype=torch.long, device=device)
             for r, d in enumerate(decoders):
                 ids[r, slots - news[r] :] = torch.tensor(d._pending[: news[r]], dtype=torch.long)
-            column = torch.arange(width, device=device)
+            key_column = torch.arange(width, device=device)
             starts = torch.tensor([width - n for n in lengths], device=device)  # [rows]
             # Slot j of a row sees its row's columns from the row's start up to its own column
             # (width - slots + j); a padding slot sees at least the start (never an empty row,
             # which would turn into NaNs), and its output is dropped.
             own = torch.maximum(width - slots + slot[None, :], starts[:, None])  # [rows, slots]
-            visible = (column[None, None, :] >= starts[:, None, None]) & (
-                column[None, None, :] <= own[:, :, None]
+            visible = (key_column[None, None, :] >= starts[:, None, None]) & (
+                key_column[None, None, :] <= own[:, :, None]
             )  # [rows, slots, width]
             mask = visible.view(rows, 1, slots, width)
             if not self._bool_mask:
@@ -923,7 +715,7 @@ class TransformersEngine(Engine):
         for r, d in enumerate(decoders):
             own_cache = DynamicCache(config=self.model.config)
             start = width - lengths[r]
-            for layer, k, v in zip(own_cache.layers, keys, values, strict=True):
+            for layer, k, v in zip(_cache_layers(own_cache), keys, values, strict=True):
                 row_k, row_v = k[r : r + 1, :, start:], v[r : r + 1, :, start:]
                 layer.lazy_initialization(row_k, row_v)
                 layer.keys, layer.values = row_k, row_v
@@ -951,529 +743,6 @@ class TransformersEngine(Engine):
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _transpose_linear_weights(model: Any) -> None:
-    """Store every linear layer's weight transposed (``[in, out]`` in memory, the same values,
-    seen as ``[out, in]``).
-
-    Why: on this project's CPU (torch 2.13, one thread) ``F.linear`` of a few rows against a
-    row-major ``[out, in]`` weight runs about half as fast as against the transposed layout (8
-    rows x SmolLM2's 576x1536 MLP matrix: 514 vs 261 us; 1 row and 70-512 rows: within 10 %),
-    and a batched decode step is mostly such products. A weight tied to the input embeddings
-    (the LM head) gets its own transposed copy, so embedding lookups keep reading rows. Only
-    the layout changes: products round differently, like any other kernel choice, and every
-    forward pass of this engine (and ``model.generate`` on ``engine.model``) uses the same one.
-    """
-    with torch.no_grad():
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if not isinstance(module, torch.nn.Linear) or weight is None or weight.dim() != 2:
-                continue
-            if weight.is_contiguous():  # a new Parameter: a tied embedding keeps the old one
-                module.weight = torch.nn.Parameter(
-                    weight.detach().t().contiguous().t(), requires_grad=False
-                )
-
-
-_PACKED_ATTENTION = "peerinfer_packed_prefill"
-
-
-class _PackedRows:
-    """What the packed attention needs of a batched prefill: each request's slice of the
-    packed query tokens and its causal mask over its own keys."""
-
-    __slots__ = ("slices", "masks")
-
-    def __init__(self, slices: list[tuple[int, int]], masks: list[torch.Tensor]) -> None:
-        self.slices = slices
-        self.masks = masks
-
-
-class _PackedKV:
-    """One layer's keys (or values) of a packed prefill: one tensor per request, each its
-    whole cache (past and new) ``[1, kv_heads, tokens, head_dim]``, as the attention module
-    hands them on to :func:`_packed_attention`."""
-
-    __slots__ = ("rows", "tensors")
-
-    def __init__(self, rows: _PackedRows, tensors: list[torch.Tensor]) -> None:
-        self.rows = rows
-        self.tensors = tensors
-
-
-def _causal_after(past: int, n: int, device: torch.device) -> torch.Tensor:
-    """The mask ``[1, 1, n, past + n]`` of ``n`` new tokens after ``past`` cached ones."""
-    key = torch.arange(past + n, device=device)
-    query = torch.arange(past, past + n, device=device)
-    return (key[None, :] <= query[:, None]).view(1, 1, n, past + n)
-
-
-def _continue_cache(cache: DynamicCache | None, config: Any) -> DynamicCache:
-    """A new cache holding what ``cache`` holds (the same tensors, not copied); updating it
-    leaves ``cache`` as it was (a ``DynamicLayer`` update concatenates into new tensors)."""
-    assert cache is not None
-    fresh = DynamicCache(config=config)
-    layers: list[Any] = fresh.layers
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, _ReusedPrefixLayer) and layer._pieces is not None:
-            layers[i] = _ReusedPrefixLayer(list(layer._pieces), layer._prefix_length)
-        elif layer.is_initialized and layer.keys is not None and layer.keys.numel():
-            layers[i].lazy_initialization(layer.keys, layer.values)
-            layers[i].keys, layers[i].values = layer.keys, layer.values
-    return fresh
-
-
-class _PackedLayer(DynamicLayer):
-    """One layer of a packed prefill as the model sees it: ``update`` appends each request's
-    slice of the packed new states to that request's own layer (as its lone prefill would) and
-    hands every request's whole keys and values on to the packed attention."""
-
-    def __init__(self, own: list[Any], rows: _PackedRows) -> None:
-        super().__init__()
-        self._own = own
-        self._rows = rows
-        self.is_initialized = True
-
-    def update(  # type: ignore[override]
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[_PackedKV, _PackedKV]:
-        keys, values = [], []
-        for layer, (a, b) in zip(self._own, self._rows.slices, strict=True):
-            k, v = layer.update(key_states[:, :, a:b], value_states[:, :, a:b])
-            keys.append(k)
-            values.append(v)
-        return _PackedKV(self._rows, keys), _PackedKV(self._rows, values)
-
-    def get_seq_length(self) -> int:
-        return 0
-
-
-def _packed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention of a packed prefill: each request's queries over its own keys only (sdpa,
-    as its lone prefill runs it), so padding costs nothing and requests never see each
-    other. ``query``: ``[1, heads, packed tokens, head_dim]``; returns ``[1, tokens, heads,
-    head_dim]`` like every attention function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    assert isinstance(key, _PackedKV) and isinstance(value, _PackedKV)
-    rows = key.rows
-    outputs = [
-        sdpa_attention_forward(
-            module, query[:, :, a:b], k, v, mask, dropout=0.0, scaling=scaling, is_causal=False
-        )[0]
-        for (a, b), k, v, mask in zip(rows.slices, key.tensors, value.tensors, rows.masks, strict=True)
-    ]
-    return torch.cat(outputs, dim=1), None
-
-
-transformers.AttentionInterface.register(_PACKED_ATTENTION, _packed_attention)
-
-
-def _layer_pieces(layer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A decoder cache layer's KV in order, as (keys, values) pieces ``[kv_heads, n, dim]``."""
-    if isinstance(layer, _ReusedPrefixLayer) and layer._pieces is not None:
-        return [(piece[0], piece[1]) for piece in layer._pieces]
-    if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
-        return []
-    return [(layer.keys[0], layer.values[0])]
-
-
-class _PrefillLayer(DynamicLayer):
-    """One layer of a batched prefill's KV state: ``update`` writes the real query slots' new
-    states into the buffers' last columns (padding slots leave the row's older states there
-    untouched) and returns the whole buffers."""
-
-    def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, write: torch.Tensor, past: int
-    ) -> None:
-        super().__init__()
-        self._keys, self._values, self._write, self._past = keys, values, write, past
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self._past
-        k, v = self._keys, self._values
-        k[:, :, p:] = torch.where(self._write, key_states, k[:, :, p:])
-        v[:, :, p:] = torch.where(self._write, value_states, v[:, :, p:])
-        return k, v
-
-    def get_seq_length(self) -> int:
-        return self._past
-
-
-class _ReusedPrefixLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose cached prefix is still a list of per-block segment views.
-
-    The first ``update`` concatenates those pieces and the new states into one tensor (the copy
-    ``DynamicLayer.update`` would make anyway), so reusing a prefix costs no extra copy; later
-    updates are plain ``DynamicLayer`` ones. The segments are only read.
-    """
-
-    def __init__(self, pieces: list[torch.Tensor], length: int) -> None:
-        super().__init__()
-        self._pieces: list[torch.Tensor] | None = pieces  # each [2, kv_heads, bs, head_dim]
-        self._prefix_length = length
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pieces = self._pieces
-        if pieces is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        new = torch.stack((key_states[0], value_states[0]))  # [2, kv_heads, n, head_dim]
-        kv = torch.cat([*pieces, new], dim=2)  # [2, kv_heads, prefix + n, head_dim]
-        self.keys, self.values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
-        self._pieces = None
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        if self._pieces is not None:
-            return self._prefix_length
-        return int(super().get_seq_length())
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy (temperature 0, first maximum as in transformers) or temperature/top-p sampling."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest head whose mass reaches top_p (always at least one token).
-        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
-        choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def guided_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    guide: TokenGuide | None,
-) -> int:
-    """``sample_token`` under the request's guide: the constraint's mask applied first, and the
-    raw logits' log-softmax reported when logprobs are wanted."""
-    if guide is None:
-        return sample_token(logits, params, generator)
-    raw = logits
-    allowed = guide.allowed()
-    if allowed is not None:
-        keep = torch.from_numpy(allowed).to(logits.device)
-        logits = logits.masked_fill(~keep, float("-inf"))
-    token = sample_token(logits, params, generator)
-    if guide.logprobs:
-        lps = torch.log_softmax(raw.float(), dim=-1)
-        top: list[tuple[int, float]] = []
-        if guide.top_logprobs:
-            values, ids = torch.topk(lps, guide.top_logprobs)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        guide.note(token, float(lps[token]), top)
-    return token
-
-
-class _TransformersDecoder(Decoder):
-    """One request: its prompt runs alone into ``_cache``; then it decodes alone (``step``) or
-    as row ``_row`` of the engine's batch KV state (``decode_batch``), never both at once."""
-
-    def __init__(self, engine: TransformersEngine, request: DecodeRequest) -> None:
-        self._engine = engine
-        self._request = request
-        self._params = request.params
-        t0 = time.perf_counter()
-        segments = request.prefix.segments if engine.supports_prefix_cache else ()
-        self._cache: DynamicCache | None = engine.kv_cache_from_segments(segments)
-        self._build_s = time.perf_counter() - t0
-        self._kv = self._reused = request.prefix.tokens if segments else 0
-        #: Tokens to run next: the prompt's rest during prefill, then the last sampled token.
-        self._pending: list[int] = list(request.tokens[self._kv :])
-        self._prompt_left = len(self._pending)
-        #: The last prompt position's logits, once prefill is done and until sampled.
-        self._logits: torch.Tensor | None = None
-        self._prefill_s = 0.0
-        self._row: int | None = None
-        self._generator: torch.Generator | None = None
-        if self._params.temperature > 0:
-            self._generator = torch.Generator(device=engine.device)
-            self._generator.manual_seed(request.seed)
-        self._first = True
-
-    @property
-    def _ready_to_sample(self) -> bool:
-        """Prefill unfinished, or finished with its logits not sampled: ``step()`` alone."""
-        return self._prompt_left > 0 or self._logits is not None
-
-    @property
-    def prefill_remaining(self) -> int:
-        return self._prompt_left
-
-    def prefill(self, max_tokens: int) -> bool:
-        if self._prompt_left == 0:
-            return True
-        cache = self._cache
-        assert cache is not None, "prefill() after close()"
-        t0 = time.perf_counter()
-        engine = self._engine
-        n = max(0, min(max_tokens, self._prompt_left))
-        chunk = engine.prefill_chunk_tokens
-        logits = None
-        for i in range(0, n, chunk):
-            if i and self._request.cancel.is_set():
-                n = i
-                break
-            logits = engine.forward(self._pending[i : min(n, i + chunk)], cache)
-        del self._pending[:n]
-        self._kv += n
-        self._prompt_left -= n
-        if self._prompt_left == 0:
-            self._logits = logits
-        self._prefill_s += time.perf_counter() - t0
-        return self._prompt_left == 0
-
-    def step(self) -> int | None:
-        if self._row is not None:
-            self._park()
-        if self._prompt_left and not self.prefill(self._prompt_left):
-            return None  # cancelled between prefill chunks
-        engine, cache = self._engine, self._cache
-        assert cache is not None, "step() after close()"
-        t0 = time.perf_counter()
-        if self._logits is not None:
-            logits, self._logits = self._logits, None
-        else:
-            logits = engine.forward(self._pending, cache)
-            self._kv += len(self._pending)
-        with torch.inference_mode():
-            token = guided_token(logits, self._params, self._generator, self._request.guide)
-        if self._first:
-            self._first = False
-            engine.last_timings = RequestTimings(
-                cached_tokens=self._reused,
-                prefill_tokens=len(self._request.tokens) - self._reused,
-                build_s=self._build_s,
-                prefill_s=self._prefill_s + time.perf_counter() - t0,
-            )
-        self._pending = [token]
-        return token
-
-    def _park(self) -> None:
-        """Leave the batch, taking this request's KV back into a cache of its own."""
-        batch = self._engine._batch
-        assert batch is not None and self._row is not None
-        self._cache = batch.leave(self, keep=True)
-
-    @property
-    def kv_tokens(self) -> int:
-        return self._kv
-
-    def export_segments(self, first_block: int) -> list[KVSegment]:
-        bs = self._request.block_size
-        n_blocks = self._kv // bs - first_block
-        if self._row is not None:
-            batch = self._engine._batch
-            assert batch is not None
-            return self._engine._export_kv(batch.row_kv(self._row), first_block, n_blocks, bs)
-        if self._cache is None:
-            return []
-        return self._engine.export_blocks(self._cache, first_block, n_blocks, bs)
-
-    def close(self) -> None:
-        if self._row is not None:
-            batch = self._engine._batch
-            if batch is not None:
-                batch.leave(self, keep=False)
-            self._row = None
-        self._cache = None
-        self._logits = None
-
-
-class _BatchKV:
-    """The KV state of the requests decoding together (see "Batched decoding" above).
-
-    ``rows[r]`` is the decoder of row ``r`` (rows ``0 .. len(rows)`` are live, so a forward pass
-    uses a view of the leading rows); its ``kv_tokens`` states sit in columns
-    ``end - kv_tokens .. end`` of every layer's buffers, and the next step writes column ``end``.
-    """
-
-    def __init__(self, engine: TransformersEngine) -> None:
-        self._engine = engine
-        self.rows: list[_TransformersDecoder] = []
-        self.end = 0
-        self._keys: list[torch.Tensor] = []  # per layer [row capacity, kv_heads, columns, dim]
-        self._values: list[torch.Tensor] = []
-        # The cache object the model sees: its layers write into and read from the buffers.
-        self._cache = DynamicCache(config=engine.model.config)
-        layers: list[Any] = self._cache.layers
-        for i in range(len(layers)):
-            layers[i] = _BatchLayer(self, i)
-        self._n = 0  # rows and first column of the forward pass in progress
-        self._start = 0
-
-    @property
-    def _capacity(self) -> tuple[int, int]:
-        if not self._keys:
-            return 0, 0
-        return int(self._keys[0].shape[0]), int(self._keys[0].shape[2])
-
-    def _longest(self) -> int:
-        return max((d._kv for d in self.rows), default=0)
-
-    def _reallocate(self, rows: int, left: int) -> None:
-        """New buffers of ``rows`` rows with the live rows ending at column ``left``, followed
-        by free columns; the live KV is copied over once."""
-        engine = self._engine
-        columns = left + max(_MIN_HEADROOM, left // 2)
-        shape = (rows, engine._kv_heads, columns, engine._head_dim)
-        new_keys, new_values = [], []
-        old: list[tuple[torch.Tensor, torch.Tensor] | None] = (
-            list(zip(self._keys, self._values, strict=True)) if self._keys else [None] * engine._layers
-        )
-        with torch.inference_mode():
-            for layer in old:
-                # Zeros, not empty: masked-out columns are multiplied by zero weights, and
-                # uninitialised memory may hold NaNs, which would survive that.
-                k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-                v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-                if layer is not None:
-                    old_k, old_v = layer
-                    for r, d in enumerate(self.rows):
-                        n = d._kv
-                        k[r, :, left - n : left] = old_k[r, :, self.end - n : self.end]
-                        v[r, :, left - n : left] = old_v[r, :, self.end - n : self.end]
-                new_keys.append(k)
-                new_values.append(v)
-        self._keys, self._values = new_keys, new_values
-        self.end = left
-
-    def join(self, decoder: _TransformersDecoder) -> None:
-        """Copy ``decoder``'s own cache into a free row (its own cache is then dropped)."""
-        cache = decoder._cache
-        assert cache is not None and decoder._row is None
-        n = decoder._kv
-        rows, columns = self._capacity
-        need = len(self.rows) + 1
-        if need > rows or n > self.end or self.end >= columns:
-            # Rows grow by doubling (from up to 8) to the engine's batch size, or to what is
-            # asked for beyond it.
-            cap = self._engine.max_batch_size
-            grown = max(need, min(2 * rows or 8, cap)) if need > rows else rows
-            self._reallocate(grown, max(n, self._longest()))
-        r = len(self.rows)
-        with torch.inference_mode():
-            for layer, k, v in zip(cache.layers, self._keys, self._values, strict=True):
-                k[r, :, self.end - n : self.end] = layer.keys[0]
-                v[r, :, self.end - n : self.end] = layer.values[0]
-        self.rows.append(decoder)
-        decoder._row = r
-        decoder._cache = None
-
-    def leave(self, decoder: _TransformersDecoder, *, keep: bool) -> DynamicCache | None:
-        """Drop ``decoder``'s row (the last row moves into it); with ``keep``, its KV as a cache
-        of its own."""
-        r = decoder._row
-        assert r is not None and self.rows[r] is decoder
-        own: DynamicCache | None = None
-        end, n = self.end, decoder._kv
-        with torch.inference_mode():
-            if keep:
-                own = DynamicCache(config=self._engine.model.config)
-                for layer, k, v in zip(own.layers, self._keys, self._values, strict=True):
-                    keys = k[r, :, end - n : end].unsqueeze(0).clone()
-                    values = v[r, :, end - n : end].unsqueeze(0).clone()
-                    layer.lazy_initialization(keys, values)
-                    layer.keys, layer.values = keys, values
-            last = len(self.rows) - 1
-            if r != last:
-                moved = self.rows[last]
-                m = moved._kv
-                for k, v in zip(self._keys, self._values, strict=True):
-                    k[r, :, end - m : end] = k[last, :, end - m : end]
-                    v[r, :, end - m : end] = v[last, :, end - m : end]
-                self.rows[r] = moved
-                moved._row = r
-        self.rows.pop()
-        decoder._row = None
-        if not self.rows:  # free the buffers; the next batch allocates its own
-            self._keys, self._values = [], []
-            self.end = 0
-        return own
-
-    def row_kv(self, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row ``r``'s live KV per layer, as views ``[kv_heads, kv_tokens, head_dim]``."""
-        n, end = self.rows[r]._kv, self.end
-        return [(k[r, :, end - n : end], v[r, :, end - n : end]) for k, v in zip(self._keys, self._values, strict=True)]
-
-    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Run ``tokens[r]`` after row ``r``'s KV for every row at once; logits ``[rows, vocab]``."""
-        engine = self._engine
-        rows, columns = self._capacity
-        if self.end >= columns:  # out of free columns: compact to the longest row
-            self._reallocate(rows, self._longest())
-        n = len(self.rows)
-        assert len(tokens) == n > 0
-        device = engine.device
-        lengths = torch.tensor([d._kv for d in self.rows], device=device)  # [n]
-        width = int(lengths.max()) + 1
-        self._n, self._start = n, self.end + 1 - width
-        columns_seen = torch.arange(self._start, self.end + 1, device=device)  # [width]
-        visible = columns_seen[None, :] >= (self.end - lengths)[:, None]  # [n, width]
-        mask = visible.view(n, 1, 1, width)
-        if not engine._bool_mask:
-            mask = torch.zeros(mask.shape, dtype=engine.dtype, device=device).masked_fill(
-                ~mask, torch.finfo(engine.dtype).min
-            )
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=device).view(n, 1)
-        kwargs: dict[str, Any] = {engine._cache_kw: self._cache, "use_cache": True}
-        if engine._logits_kw is not None:
-            kwargs[engine._logits_kw] = 1
-        with torch.inference_mode():
-            out = engine.model(
-                input_ids=ids, position_ids=lengths.view(n, 1), attention_mask=mask, **kwargs
-            )
-        self.end += 1
-        for d in self.rows:
-            d._kv += 1
-        logits: torch.Tensor = out.logits[:, -1]
-        return logits
-
-
-class _BatchLayer(DynamicLayer):
-    """One layer of the batch KV state as the model sees it: ``update`` writes the step's new
-    states into the buffers' column ``end`` in place and returns views of the columns the step
-    attends over."""
-
-    def __init__(self, batch: _BatchKV, index: int) -> None:
-        super().__init__()
-        self._batch = batch
-        self._index = index
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self._batch
-        n, start, end = b._n, b._start, b.end
-        keys, values = b._keys[self._index], b._values[self._index]
-        keys[:n, :, end] = key_states[:, :, 0]  # key_states: [n, kv_heads, 1, head_dim]
-        values[:n, :, end] = value_states[:, :, 0]
-        return keys[:n, :, start : end + 1], values[:n, :, start : end + 1]
-
-    def get_seq_length(self) -> int:
-        return self._batch.end - self._batch._start
 
 
 __all__ = [

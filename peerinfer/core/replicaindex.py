@@ -1,0 +1,799 @@
+"""The replica index: every known peer's cache replica, combined by slot bitmasks so that one
+walk of a prompt's block-hash chain matches every peer at once; with the peers' loads and
+freshness, speculative entries, memory bounds and the replica budget.
+
+How it works (slots and masks, incremental upkeep, speculative entries, memory bounds) is
+described in :mod:`peerinfer.core.index`, whose ``PeerIndex`` adds to this class the one thing
+routing asks of it: ``candidates()`` and ``holder_candidates()``, the walk turned into routing
+``Candidate``s. The split follows that seam: everything here keeps the index's state and its
+invariants; the queries there only read it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
+from peerinfer.core.digest import CacheObserver
+from peerinfer.core.messages import Load
+from peerinfer.errors import ConfigError
+from peerinfer.types import BlockHash, PeerId
+
+ReplicaFactory = Callable[[CacheObserver], Replica]
+
+_NO_LOAD = Load()
+
+#: The smallest allowance a peer's equal share is sized at (if the budget allows): a cache
+#: that grows from nothing is not refused at its first announcements.
+MIN_ALLOWANCE = 4096
+
+#: A rebalance that a newcomer needs holds back the shares of ``peers // NEWCOMER_RESERVE``
+#: more peers for the next newcomers (``PeerIndex.add_peer``).
+NEWCOMER_RESERVE = 8
+
+
+class _PeerState:
+    """Everything the index keeps about one peer."""
+
+    __slots__ = (
+        "peer",
+        "slot",
+        "bit",
+        "added_seq",
+        "replica",
+        "indexed",
+        "skipped",
+        "load",
+        "load_at",
+        "fresh_at",
+        "spec_refs",
+        "spec_entries",
+        "spec_live",
+        "allowance",
+        "hits",
+    )
+
+    def __init__(self, peer: PeerId, slot: int, added_seq: int) -> None:
+        self.peer = peer
+        self.slot = slot
+        self.bit = 1 << slot
+        self.added_seq = added_seq
+        self.replica: Replica | None = None
+        self.indexed = 0  # how many of the replica's hashes carry this peer's bit
+        self.skipped = False  # some hash was not indexed (cap reached) since the last rescan
+        self.load = _NO_LOAD
+        self.load_at = -math.inf
+        self.fresh_at = -math.inf
+        self.spec_refs: dict[BlockHash, int] = {}
+        #: None until the first speculative entry (most peers never get one: 760 bytes each)
+        self.spec_entries: deque[_SpecEntry] | None = None
+        self.spec_live = 0
+        self.allowance = 0
+        self.hits = 0.0
+
+
+class _SpecEntry:
+    __slots__ = ("state", "blocks", "time", "alive")
+
+    def __init__(self, state: _PeerState, blocks: tuple[BlockHash, ...], time: float) -> None:
+        self.state = state
+        self.blocks = blocks
+        self.time = time
+        self.alive = True
+
+
+class _PeerObserver:
+    """The observer given to one peer's replica; disarmed when the peer is removed."""
+
+    __slots__ = ("_index", "_state", "armed")
+
+    def __init__(self, index: ReplicaIndex, state: _PeerState) -> None:
+        self._index = index
+        self._state = state
+        self.armed = True
+
+    def block_added(self, h: BlockHash) -> None:
+        if self.armed:
+            self._index._index_block(self._state, h)
+
+    def block_removed(self, h: BlockHash) -> None:
+        if self.armed:
+            self._index._unindex_block(self._state, h)
+
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        if self.armed:
+            index, state = self._index, self._state
+            for h in removed:
+                index._unindex_block(state, h)
+            index._index_blocks(state, added)
+
+
+#: The set bits of each byte value, ascending.
+_BYTE_BITS = tuple(tuple(i for i in range(8) if b >> i & 1) for b in range(256))
+#: Maps every non-zero byte to 1, so ``bytes.find(1)`` skips runs of empty bytes in C.
+_NONZERO = bytes([0] + [1] * 255)
+#: ``PeerIndex._slots_in``'s tables, one per byte of a mask: 256 slot tuples each (about 2.5 KB
+#: per slot), grown on demand up to the highest slot any index handed out. Shared by every
+#: index of the process: their content is a pure function of the byte position (a simulator
+#: of 1,024 nodes kept 1,024 identical copies: about 2.9 GB, estimated from 2.75 KB per slot).
+_BYTE_TABLES: list[tuple[tuple[int, ...], ...]] = []
+
+
+class ReplicaIndex:
+    """All known peers' replicas, combined so that one chain walk matches every peer."""
+
+    def __init__(
+        self,
+        *,
+        max_peers: int = 4096,
+        max_speculative_blocks: int = 1_000_000,
+        speculative_ttl_s: float = 30.0,
+        max_replica_blocks: int = 1_000_000,
+        confirm_grace_s: float = 1.0,
+        replica_factory: ReplicaFactory | None = None,
+        replica_budget_blocks: int = 1 << 22,
+    ) -> None:
+        if max_peers < 1:
+            raise ConfigError(f"peer index: max_peers must be >= 1, got {max_peers}")
+        if max_speculative_blocks < 0:
+            raise ConfigError("peer index: max_speculative_blocks must be >= 0")
+        if max_replica_blocks < 1:
+            raise ConfigError("peer index: max_replica_blocks must be >= 1")
+        if not speculative_ttl_s > 0.0:
+            raise ConfigError("peer index: speculative_ttl_s must be > 0")
+        if not confirm_grace_s >= 0.0:
+            raise ConfigError("peer index: confirm_grace_s must be >= 0")
+        if replica_budget_blocks < 0:
+            raise ConfigError("peer index: replica_budget_blocks must be >= 0")
+        self.replica_budget_blocks = replica_budget_blocks
+        self._allocated = 0  # the sum of all allowances
+        #: grows whenever an allowance or a peer's replica object may have changed (a peer
+        #: added or removed, a rebalance): a node that relies on either rechecks it then
+        self.allowance_changes = 0
+        #: how many rebalances ran (periodic ones and those a newcomer needed)
+        self.rebalances = 0
+        self.max_peers = max_peers
+        self.max_speculative_blocks = max_speculative_blocks
+        self.speculative_ttl_s = speculative_ttl_s
+        self.max_replica_blocks = max_replica_blocks
+        self.confirm_grace_s = confirm_grace_s
+        self._replica_factory: ReplicaFactory = replica_factory or Replica
+        self._states: dict[PeerId, _PeerState] = {}
+        self._observers: dict[PeerId, _PeerObserver] = {}
+        self._by_slot: dict[int, _PeerState] = {}
+        self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
+        self._next_slot = 0
+        self._added_seq = 0
+        self._masks: dict[BlockHash, int] = {}
+        self._spec_masks: dict[BlockHash, int] = {}
+        self._spec_queue: deque[_SpecEntry] = deque()  # every entry, oldest first (some dead)
+        self._spec_live = 0
+        self._spec_blocks = 0
+        self._spec_clock = -math.inf
+        #: the peers whose queue of speculative entries is not empty (``has_speculative``)
+        self._spec_holders: dict[PeerId, _PeerState] = {}
+        self._pending_rescan: dict[PeerId, _PeerState] = {}
+        #: grows when a peer is added or removed (``holder_candidates``' rtt order then goes)
+        self._membership_changes = 0
+        self._rtt_order: list[tuple[float, int, _PeerState]] = []
+        self._rtt_order_key: tuple[object, int] = (None, -1)
+
+    # ---------------------------------------------------------------------------- peers
+
+    def add_peer(self, peer: PeerId) -> Replica:
+        """The replica of ``peer``, created (and observed by the index) if it is new.
+
+        When the index is full, the least recently fresh peer is removed first.
+        """
+        state = self._states.get(peer)
+        if state is not None:
+            assert state.replica is not None
+            return state.replica
+        if len(self._states) >= self.max_peers:
+            victim = min(self._states.values(), key=lambda s: (s.fresh_at, s.added_seq))
+            self.remove_peer(victim.peer)
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        self._added_seq += 1
+        self.allowance_changes += 1
+        self._membership_changes += 1
+        state = _PeerState(peer, slot, self._added_seq)
+        observer = _PeerObserver(self, state)
+        self._states[peer] = state
+        self._observers[peer] = observer
+        self._by_slot[slot] = state
+        replica = self._replica_factory(observer)
+        state.replica = replica
+        # Until the next rebalance: an equal share, from what is unallocated; when too little
+        # is left, a rebalance that holds back room for the next newcomers (``reserve``): a
+        # rebalance is O(peers), and where every peer wants at least its share (past
+        # ``budget // MIN_ALLOWANCE`` peers) it leaves nothing unallocated, so without the
+        # reserve every newcomer rebalanced, O(peers^2) for a node meeting a swarm (measured:
+        # three quarters of a 512-node simulation). With an eighth of the peers reserved, a
+        # rebalance comes every eighth of a newcomer wave: O(1) amortized per add. (None below
+        # 8 peers: there a rebalance is cheap, and a reserve would be a big part of the budget.)
+        share = self.replica_budget_blocks // len(self._states)
+        if self.replica_budget_blocks - self._allocated >= share:
+            state.allowance = share
+            self._allocated += share
+            replica.max_elements = share
+        else:
+            self.rebalance(decay=False, reserve=len(self._states) // NEWCOMER_RESERVE)
+        return replica
+
+    # ------------------------------------------------------------------ replica budget
+
+    def allowance(self, peer: PeerId) -> int:
+        """How many elements ``peer``'s replica may hold (0 for an unknown peer)."""
+        state = self._states.get(peer)
+        return 0 if state is None else state.allowance
+
+    def enforce_allowance(self, peer: PeerId) -> bool:
+        """Empty ``peer``'s replica if it holds more than its allowance; True if it did.
+
+        The emptied replica starts over (epoch 0, never fresh); its load and hits are kept.
+        Call after every announcement or sync response applied to the replica.
+        """
+        state = self._states.get(peer)
+        if state is None or state.replica is None or len(state.replica.digest) <= state.allowance:
+            return False
+        kept = state.load, state.load_at, state.hits, state.allowance
+        self.remove_peer(peer)
+        self.add_peer(peer)
+        fresh = self._states[peer]
+        fresh.load, fresh.load_at, fresh.hits = kept[0], kept[1], kept[2]
+        self._set_allowance(fresh, min(kept[3], fresh.allowance))
+        return True
+
+    def _set_allowance(self, state: _PeerState, allowance: int) -> None:
+        self.allowance_changes += 1
+        self._allocated += allowance - state.allowance
+        state.allowance = allowance
+        assert state.replica is not None
+        state.replica.max_elements = allowance
+
+    def rebalance(
+        self,
+        *,
+        decay: bool = True,
+        pending: Mapping[PeerId, tuple[int, int, float]] | None = None,
+        before_emptying: Callable[[], None] | None = None,
+        reserve: int = 0,
+    ) -> list[PeerId]:
+        """Recompute every allowance (see the module docstring); halve the hits (``decay``).
+        Returns the peers whose replicas were emptied for holding more than their new
+        allowance. O(peers log peers); the node runs it every few seconds.
+
+        ``pending`` names peers with announcements received but not fed in yet, each as
+        ``(epoch, count, at)`` of the newest (all changing nothing: ``Replica.take_unchanged``
+        and ``announced_fresh`` would take them in): the allowances are computed as if they had
+        been fed in, the index left as it is (what they change and the sizing reads is the
+        peer's claimed count and its freshness). ``before_emptying`` is called once, before the
+        first replica is emptied, for the caller to feed them in then (an emptied replica
+        starts over, and must not be confirmed by them afterwards).
+
+        ``reserve`` peers more are counted in the equal share, and their shares stay
+        unallocated, for newcomers to take (``add_peer``; the periodic rebalance passes 0)."""
+        if reserve < 0:
+            raise ValueError("reserve must be >= 0")
+        self.rebalances += 1
+        states = list(self._states.values())
+        if not states:
+            return []
+        budget = self.replica_budget_blocks
+        share = budget // (len(states) + reserve)
+        cap = self.max_replica_elements
+        # By position in ``states``: each peer's size, what it wants, what it is given.
+        sizes: list[int] = []
+        wants: list[int] = []
+        given: list[int] = []
+        pending_get = pending.get if pending else None
+        wanting_more = False
+        for st in states:
+            replica = st.replica
+            assert replica is not None
+            announced = replica._announced
+            if pending_get is not None:
+                news = pending_get(st.peer)
+                if news is not None and (announced is None or news[0] >= announced[0]):
+                    announced = (news[0], 0, news[1])
+            claimed = announced[2] if announced is not None else 0
+            digest = replica.digest
+            flat = digest._flat  # (a flat digest's size without its method call: every peer)
+            size = len(flat) if flat is not None else len(digest)
+            sizes.append(size)
+            # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
+            want = 2 * (size if size > claimed else claimed)
+            if want < MIN_ALLOWANCE:
+                want = MIN_ALLOWANCE
+            if want > cap:
+                want = cap
+            wants.append(want)
+            if want < share:
+                given.append(want)
+            else:
+                given.append(share)
+                if want > share:
+                    wanting_more = True
+        spare = budget - reserve * share - sum(given)
+        # The spare goes to peers wanting more than their share; none: nothing to order.
+        hungry = spare > 0 and wanting_more
+
+        def freshness(s: _PeerState) -> float:
+            news = pending_get(s.peer) if pending_get is not None else None
+            return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
+
+        if hungry:
+            order = sorted(
+                range(len(states)),
+                key=lambda i: (-states[i].hits, -freshness(states[i]), states[i].added_seq),
+            )
+            for i in order:
+                if spare <= 0 or states[i].hits <= 0.0:
+                    break
+                extra = min(spare, wants[i] - given[i])
+                if extra > 0:
+                    given[i] += extra
+                    spare -= extra
+        emptied = []
+        changed = False
+        for st, allowance in zip(states, given, strict=True):
+            if decay:
+                st.hits *= 0.5
+            replica = st.replica
+            assert replica is not None
+            if allowance != st.allowance or allowance != replica.max_elements:
+                changed = True
+                st.allowance = allowance
+                replica.max_elements = allowance
+        if changed:
+            self.allowance_changes += 1
+        self._allocated = budget - reserve * share - spare
+        for st, size in zip(states, sizes, strict=True):
+            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
+            if size > st.allowance:
+                if before_emptying is not None:
+                    before_emptying()
+                    before_emptying = None
+                if self.enforce_allowance(st.peer):
+                    emptied.append(st.peer)
+        return emptied
+
+    @property
+    def max_replica_elements(self) -> int:
+        """The most one replica may ever hold, whatever the budget (antientropy's cap)."""
+        return MAX_REPLICA_ELEMENTS
+
+    def remove_peer(self, peer: PeerId) -> None:
+        """Forget ``peer``: disarm its observer, clear every bit it had, free its slot."""
+        state = self._states.pop(peer, None)
+        if state is None:
+            return
+        self.allowance_changes += 1
+        self._membership_changes += 1
+        self._observers.pop(peer).armed = False
+        bit = state.bit
+        masks = self._masks
+        assert state.replica is not None
+        if state.indexed:
+            for h in state.replica.digest:
+                m = masks.get(h)
+                if m is not None and m & bit:
+                    m &= ~bit
+                    if m:
+                        masks[h] = m
+                    else:
+                        del masks[h]
+        state.indexed = 0
+        for entry in state.spec_entries or ():
+            self._drop_entry(entry)
+        state.spec_entries = None
+        self._spec_holders.pop(peer, None)
+        assert not state.spec_refs
+        self._pending_rescan.pop(peer, None)
+        self._allocated -= state.allowance
+        del self._by_slot[state.slot]
+        heapq.heappush(self._free_slots, state.slot)
+
+    def replica(self, peer: PeerId) -> Replica | None:
+        state = self._states.get(peer)
+        return None if state is None else state.replica
+
+    def peers(self) -> list[PeerId]:
+        return list(self._states)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def overflowed(self, peer: PeerId) -> bool:
+        """Whether ``peer``'s replica holds hashes the index skipped (``max_replica_blocks``)."""
+        if self._pending_rescan:
+            self._run_pending_rescans()
+        state = self._states.get(peer)
+        if state is None or state.replica is None:
+            return False
+        return len(state.replica.digest) > state.indexed
+
+    # ---------------------------------------------------------------------- load, freshness
+
+    def set_load(self, peer: PeerId, load: Load, now: float) -> None:
+        """Record ``peer``'s announced load. Unknown peers are ignored."""
+        state = self._states.get(peer)
+        if state is not None:
+            state.load = load
+            state.load_at = now
+
+    def load(self, peer: PeerId) -> Load:
+        """The last load ``peer`` announced (an idle one-slot ``Load()`` if none)."""
+        state = self._states.get(peer)
+        return _NO_LOAD if state is None else state.load
+
+    def load_age(self, peer: PeerId, now: float) -> float:
+        state = self._states.get(peer)
+        return math.inf if state is None else max(0.0, now - state.load_at)
+
+    def announced(self, peer: PeerId, load: Load, now: float, *, fresh: bool) -> None:
+        """``set_load(peer, load, now)``, and ``mark_fresh(peer, now)`` if ``fresh``: what an
+        announcement tells, in one lookup (this runs for every announcement of every peer)."""
+        state = self._states.get(peer)
+        if state is None:
+            return
+        state.load = load
+        state.load_at = now
+        if fresh:
+            self._mark_fresh(state, now)
+
+    def announced_fresh(self, announced: Iterable[tuple[PeerId, Load, float]]) -> None:
+        """``announced(peer, load, at, fresh=True)`` for each ``(peer, load, at)``, in one call
+        (a node takes in the announcements it kept for later this way)."""
+        states = self._states
+        for peer, load, at in announced:
+            state = states.get(peer)
+            if state is None:
+                continue
+            state.load = load
+            state.load_at = at
+            if at > state.fresh_at:
+                state.fresh_at = at
+            if state.spec_entries:
+                self._confirm(state, at)
+
+    def mark_fresh(self, peer: PeerId, now: float) -> None:
+        """``peer``'s replica was confirmed current at ``now``; implies ``confirm(peer, now)``."""
+        state = self._states.get(peer)
+        if state is not None:
+            self._mark_fresh(state, now)
+
+    def digest_age(self, peer: PeerId, now: float) -> float:
+        """Seconds since ``peer``'s replica was last confirmed current (inf if never)."""
+        state = self._states.get(peer)
+        if state is None or state.fresh_at == -math.inf:
+            return math.inf
+        return max(0.0, now - state.fresh_at)
+
+    # ------------------------------------------------------------------------- matching
+
+    def match_blocks(self, chain: Sequence[BlockHash]) -> dict[PeerId, int]:
+        """For every peer holding at least the first block: how many leading blocks it holds."""
+        by_slot = self._by_slot
+        return {
+            by_slot[slot].peer: depth
+            for depth, mask in self._walk(chain)
+            for slot in self._slots_in(mask)
+        }
+
+    def _walk(self, chain: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """``(depth, mask)`` pairs: the peers in ``mask`` hold exactly ``depth`` leading blocks.
+
+        Depths are distinct and ascending, masks disjoint and non-zero.
+        """
+        if self._pending_rescan:
+            self._run_pending_rescans()
+        out: list[tuple[int, int]] = []
+        if not chain:
+            return out
+        masks = self._masks
+        spec = self._spec_masks
+        h0 = chain[0]
+        alive = masks.get(h0, 0) | spec.get(h0, 0) if spec else masks.get(h0, 0)
+        if not alive:
+            return out
+        depth = 1
+        n = len(chain)
+        while depth < n:
+            h = chain[depth]
+            nxt = alive & (masks.get(h, 0) | spec.get(h, 0) if spec else masks.get(h, 0))
+            if nxt != alive:
+                out.append((depth, alive ^ nxt))
+                alive = nxt
+                if not alive:
+                    return out
+            depth += 1
+        out.append((n, alive))
+        return out
+
+    # ---------------------------------------------------------------------- speculation
+
+    def add_speculative(self, peer: PeerId, chain: Sequence[BlockHash], now: float) -> None:
+        """Assume ``peer`` will hold ``chain`` (we just routed it there) until confirmed.
+
+        Unknown peers are ignored. A chain longer than the whole budget keeps its prefix.
+        """
+        state = self._states.get(peer)
+        if state is None or not chain or self.max_speculative_blocks == 0:
+            return
+        time = max(now, self._spec_clock)
+        self._spec_clock = time
+        self.expire(time)
+        blocks = tuple(chain[: self.max_speculative_blocks])
+        while self._spec_blocks + len(blocks) > self.max_speculative_blocks:
+            self._drop_entry(self._spec_queue.popleft())
+        entry = _SpecEntry(state, blocks, time)
+        bit = state.bit
+        refs = state.spec_refs
+        spec = self._spec_masks
+        for h in blocks:
+            count = refs.get(h, 0)
+            refs[h] = count + 1
+            if not count:
+                spec[h] = spec.get(h, 0) | bit
+        self._spec_queue.append(entry)
+        if state.spec_entries is None:
+            state.spec_entries = deque()
+        state.spec_entries.append(entry)
+        self._spec_holders[state.peer] = state
+        state.spec_live += 1
+        self._spec_live += 1
+        self._spec_blocks += len(blocks)
+        self._compact_queues(state)
+
+    def confirm(self, peer: PeerId, now: float) -> None:
+        """``peer``'s replica was refreshed at ``now``: drop its entries older than
+        ``now - confirm_grace_s`` (what they predicted is in the replica now, or never was)."""
+        state = self._states.get(peer)
+        if state is not None:
+            self._confirm(state, now)
+
+    def expire(self, now: float) -> None:
+        """Drop speculative entries older than ``speculative_ttl_s``."""
+        cutoff = now - self.speculative_ttl_s
+        queue = self._spec_queue
+        while queue and (not queue[0].alive or queue[0].time <= cutoff):
+            self._drop_entry(queue.popleft())
+
+    def has_speculative(self, peer: PeerId) -> bool:
+        """Whether ``peer`` has speculative entries queued (some may be dead already)."""
+        state = self._states.get(peer)
+        return state is not None and bool(state.spec_entries)
+
+    def speculative_peers(self) -> list[PeerId]:
+        """The peers ``has_speculative`` is true of, in time proportional to their number."""
+        return list(self._spec_holders)
+
+    def speculative_blocks(self) -> int:
+        """How many speculative block references are held (at most the budget)."""
+        return self._spec_blocks
+
+    def speculative_holders(self, h: BlockHash) -> list[PeerId]:
+        """The peers with a live speculative entry containing ``h`` (for tests and status)."""
+        m = self._spec_masks.get(h, 0)
+        return [s.peer for s in self._by_slot.values() if m & s.bit]
+
+    # -------------------------------------------------------------------------- memory
+
+    def memory_entries(self) -> int:
+        """Hash-keyed entries the index holds: combined masks plus speculative structures."""
+        return len(self._masks) + len(self._spec_masks) + self._spec_blocks
+
+    def replica_blocks(self) -> int:
+        """Elements held by all replicas together (owned by the replicas, bounded by them)."""
+        return sum(len(s.replica.digest) for s in self._states.values() if s.replica is not None)
+
+    # ----------------------------------------------------------------------- internals
+
+    def _mark_fresh(self, state: _PeerState, now: float) -> None:
+        if now > state.fresh_at:
+            state.fresh_at = now
+        if state.spec_entries:
+            self._confirm(state, now)
+
+    def _confirm(self, state: _PeerState, now: float) -> None:
+        entries = state.spec_entries
+        if not entries:
+            return
+        cutoff = now - self.confirm_grace_s
+        while entries and (not entries[0].alive or entries[0].time < cutoff):
+            self._drop_entry(entries.popleft())
+        self._compact_queues(state)
+
+    def _index_block(self, state: _PeerState, h: BlockHash) -> None:
+        self._index_blocks(state, (h,))
+
+    def _index_blocks(self, state: _PeerState, hashes: Sequence[BlockHash]) -> None:
+        """Give each of ``hashes`` this peer's bit, up to the peer's cap (beyond it the peer is
+        marked ``skipped``, for a later rescan)."""
+        masks = self._masks
+        get = masks.get
+        bit = state.bit
+        room = self.max_replica_blocks - state.indexed
+        for h in hashes:
+            m = get(h, 0)
+            if m & bit:
+                continue
+            if room <= 0:
+                state.skipped = True
+                continue
+            masks[h] = m | bit
+            room -= 1
+        state.indexed = self.max_replica_blocks - room
+
+    def _unindex_block(self, state: _PeerState, h: BlockHash) -> None:
+        masks = self._masks
+        m = masks.get(h, 0)
+        bit = state.bit
+        if m & bit:
+            m &= ~bit
+            if m:
+                masks[h] = m
+            else:
+                del masks[h]
+            state.indexed -= 1
+        if state.skipped and state.indexed <= (self.max_replica_blocks * 3) // 4:
+            # Not now: inside the digest's callback its own state may be mid-update.
+            self._pending_rescan[state.peer] = state
+
+    def _rescan(self, state: _PeerState) -> None:
+        """Index the replica's hashes that lack this peer's bit, up to the cap."""
+        assert state.replica is not None
+        digest = state.replica.digest
+        masks = self._masks
+        bit = state.bit
+        cap = self.max_replica_blocks
+        complete = True
+        for h in digest:
+            m = masks.get(h, 0)
+            if m & bit:
+                continue
+            if state.indexed >= cap:
+                complete = False
+                break
+            masks[h] = m | bit
+            state.indexed += 1
+        state.skipped = not complete
+
+    def _slots_in(self, mask: int) -> list[int]:
+        """The slots (set bit indices) of ``mask``, ascending."""
+        if mask.bit_count() * 32 <= mask.bit_length():
+            # Sparse: peel the lowest bit off, a few big-integer operations per peer.
+            out = []
+            while mask:
+                low = mask & -mask
+                out.append(low.bit_length() - 1)
+                mask ^= low
+            return out
+        # Dense: walk the non-zero bytes; a per-byte-position table gives their slots at once.
+        data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        tables = _BYTE_TABLES
+        while len(tables) < len(data):
+            base = 8 * len(tables)
+            slot_ints = [base + i for i in range(8)]  # shared by the 256 tuples: less memory
+            tables.append(tuple(tuple(slot_ints[i] for i in bits) for bits in _BYTE_BITS))
+        slots: list[int] = []
+        extend = slots.extend
+        nonzero = data.translate(_NONZERO)
+        j = nonzero.find(1)
+        while j >= 0:
+            extend(tables[j][data[j]])
+            j = nonzero.find(1, j + 1)
+        return slots
+
+    def _run_pending_rescans(self) -> None:
+        pending = self._pending_rescan
+        self._pending_rescan = {}
+        for state in pending.values():
+            self._rescan(state)
+
+    def _drop_entry(self, entry: _SpecEntry) -> None:
+        if not entry.alive:
+            return
+        entry.alive = False
+        state = entry.state
+        refs = state.spec_refs
+        spec = self._spec_masks
+        for h in entry.blocks:
+            count = refs[h] - 1
+            if count:
+                refs[h] = count
+            else:
+                del refs[h]
+                m = spec[h] & ~state.bit
+                if m:
+                    spec[h] = m
+                else:
+                    del spec[h]
+        state.spec_live -= 1
+        self._spec_live -= 1
+        self._spec_blocks -= len(entry.blocks)
+
+    def _compact_queues(self, state: _PeerState) -> None:
+        # Dead entries are removed lazily; rebuild a queue once they are the majority so the
+        # queues stay within a constant factor of the live entries.
+        entries = state.spec_entries
+        if entries is not None and len(entries) > 2 * state.spec_live + 8:
+            state.spec_entries = deque(e for e in entries if e.alive)
+        if not state.spec_entries:
+            self._spec_holders.pop(state.peer, None)
+        if len(self._spec_queue) > 2 * self._spec_live + 8:
+            self._spec_queue = deque(e for e in self._spec_queue if e.alive)
+
+    # ----------------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any internal structure disagrees with the others."""
+        states = self._states
+        assert len(states) <= self.max_peers
+        assert sum(s.allowance for s in states.values()) == self._allocated
+        assert self._allocated <= self.replica_budget_blocks
+        assert all(s.replica is not None and s.replica.max_elements <= s.allowance for s in states.values())
+        assert set(self._observers) == set(states)
+        assert all(o.armed for o in self._observers.values())
+        assert {s.slot: s for s in states.values()} == self._by_slot
+        assert all(state.bit == 1 << slot for slot, state in self._by_slot.items())
+        assert not set(self._free_slots) & set(self._by_slot)
+        assert len(set(self._free_slots)) == len(self._free_slots)
+        assert set(self._free_slots) | set(self._by_slot) == set(range(self._next_slot))
+        used = 0
+        for state in states.values():
+            used |= state.bit
+        # Combined masks: no empty mask, no bit of a free slot, each bit a replica element.
+        indexed_count = dict.fromkeys(states, 0)
+        for h, m in self._masks.items():
+            assert m, "an empty mask must be deleted"
+            assert m & ~used == 0, f"hash {h:#x} carries a bit of a free slot"
+            for state in states.values():
+                if m & state.bit:
+                    assert state.replica is not None and h in state.replica.digest
+                    indexed_count[state.peer] += 1
+        for state in states.values():
+            assert state.replica is not None
+            assert indexed_count[state.peer] == state.indexed
+            assert state.indexed <= self.max_replica_blocks
+            if not state.skipped:
+                assert state.indexed == len(state.replica.digest)
+            else:
+                assert len(state.replica.digest) >= state.indexed
+        assert all(self._states.get(p) is s for p, s in self._pending_rescan.items())
+        # Speculative structures agree with the live entries.
+        live = [e for e in self._spec_queue if e.alive]
+        assert len(live) == self._spec_live
+        assert sum(len(e.blocks) for e in live) == self._spec_blocks
+        assert self._spec_blocks <= self.max_speculative_blocks
+        times = [e.time for e in live]
+        assert times == sorted(times)
+        expected_masks: dict[BlockHash, int] = {}
+        for state in states.values():
+            refs: dict[BlockHash, int] = {}
+            mine = [e for e in state.spec_entries or () if e.alive]
+            assert len(mine) == state.spec_live
+            for e in mine:
+                assert e.state is state
+                for h in e.blocks:
+                    refs[h] = refs.get(h, 0) + 1
+            assert refs == state.spec_refs
+            for h in refs:
+                expected_masks[h] = expected_masks.get(h, 0) | state.bit
+        assert sum(s.spec_live for s in states.values()) == self._spec_live
+        assert self._spec_holders == {p: s for p, s in states.items() if s.spec_entries}
+        assert expected_masks == self._spec_masks
+
+
+__all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "ReplicaFactory", "ReplicaIndex"]

@@ -1,0 +1,381 @@
+"""The ``cost`` policy: the smallest estimated time to first token, from the cost model, the
+candidates' announced loads and cached prefixes, with hysteresis in favour of local (described
+in :mod:`peerinfer.core.routing`)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Container, Sequence
+
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.messages import Load
+from peerinfer.core.routing.candidates import (
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    _age_text,
+    _load_ratio,
+    _load_text,
+    _local_index,
+    _who,
+)
+from peerinfer.errors import ConfigError
+
+#: The most distinct peer speeds a ``cost`` policy keeps a cost model for (then it starts over).
+_PEER_COSTS_MAX = 256
+#: A decision's memo of service and backlog times, by slots (this node's model) or by
+#: (slots, another node's model).
+_Memo = dict[int | tuple[int, CostModel], float]
+
+
+class CostPolicy:
+    """The smallest estimated time to first token, with hysteresis in favour of local."""
+
+    name = "cost"
+
+    def __init__(
+        self,
+        costs: CostModel = DEFAULT_COSTS,
+        *,
+        staleness_half_life_s: float = 60.0,
+        min_gain_s: float = 0.01,
+        min_gain_fraction: float = 0.1,
+        mean_service_s: float | None = None,
+    ) -> None:
+        if not staleness_half_life_s > 0.0:
+            raise ConfigError("cost policy: staleness_half_life_s must be > 0")
+        if not (0.0 <= min_gain_s < math.inf):
+            raise ConfigError("cost policy: min_gain_s must be a non-negative number")
+        if not (0.0 <= min_gain_fraction < math.inf):
+            raise ConfigError("cost policy: min_gain_fraction must be a non-negative number")
+        if mean_service_s is not None and not (0.0 <= mean_service_s < math.inf):
+            raise ConfigError("cost policy: mean_service_s must be a non-negative number")
+        self.costs = costs
+        self.staleness_half_life_s = staleness_half_life_s
+        self.min_gain_s = min_gain_s
+        self.min_gain_fraction = min_gain_fraction
+        self.mean_service_s = mean_service_s
+        self._decay = math.log(2.0) / staleness_half_life_s  # per second
+        self._speed: tuple[int, ...] = costs.speed()
+        #: the cost models of peers that announced another speed (bounded: cleared when full)
+        self._peer_costs: dict[tuple[int, ...], CostModel] = {}
+
+    def costs_for(self, load: Load) -> CostModel:
+        """The cost model a candidate announcing ``load`` is estimated with: this node's own
+        when the candidate announced the same speed or none (an older node), else this model
+        at the candidate's speed (``CostModel.at_speed``)."""
+        speed = load.speed
+        if not speed or speed == self._speed or len(speed) != 4:
+            return self.costs
+        model = self._peer_costs.get(speed)
+        if model is None:
+            if len(self._peer_costs) >= _PEER_COSTS_MAX:
+                self._peer_costs.clear()
+            model = self._peer_costs[speed] = self.costs.at_speed(speed)
+        return model
+
+    def confidence(self, c: Candidate) -> float:
+        """How far ``c.matched_tokens`` is trusted: 1 for local, halving per half-life of age."""
+        if c.is_local:
+            return 1.0
+        age = c.digest_age_s
+        if not age > 0.0:
+            return 1.0
+        return math.exp(-age * self._decay)  # 0.0 for age == inf
+
+    def estimate(self, request: RouteRequest, c: Candidate) -> tuple[float, float, float]:
+        """``(ttft_s, expected_cached_tokens, wait_s)`` for serving ``request`` on ``c``."""
+        return self._estimate(c, request, {})
+
+    def _service(
+        self, request: RouteRequest, slots: int, memo: _Memo, costs: CostModel | None = None
+    ) -> float:
+        """The mean service time ``T`` of the queue estimate on a node of ``slots``: a request
+        shaped like this one, half its prompt cached, in a full batch (memoized per call;
+        ``costs``: another node's model, default this one's)."""
+        key: int | tuple[int, CostModel] = slots if costs is None else (slots, costs)
+        service = memo.get(key)
+        if service is None:
+            if self.mean_service_s is not None:
+                service = self.mean_service_s
+            else:
+                prompt = request.prompt_tokens
+                service = (costs or self.costs).service_s(
+                    prompt, prompt // 2, request.max_tokens, slots
+                )
+            memo[key] = service
+        return service
+
+    def _backlog(
+        self, request: RouteRequest, ahead: int, memo: _Memo, costs: CostModel | None = None
+    ) -> float:
+        """The prefill backlog ahead of a joiner next to ``ahead`` running requests shaped
+        like this one, half their prompt cached (memoized per call under ``-ahead``)."""
+        if ahead <= 0:
+            return 0.0
+        key: int | tuple[int, CostModel] = -ahead if costs is None else (-ahead, costs)
+        backlog = memo.get(key)
+        if backlog is None:
+            prompt = request.prompt_tokens
+            backlog = (costs or self.costs).prefill_backlog_s(
+                ahead, prompt, prompt // 2, request.max_tokens
+            )
+            memo[key] = backlog
+        return backlog
+
+    def _estimate(
+        self, c: Candidate, request: RouteRequest, memo: _Memo, outstanding: int = -1
+    ) -> tuple[float, float, float]:
+        """The reference form of the estimate (``choose`` inlines the same arithmetic); with
+        ``outstanding`` >= 0, as if ``c`` had that many requests queued or running. ``c`` is
+        estimated at its announced speed (``costs_for``)."""
+        load = c.load
+        costs = self.costs_for(load)
+        other = None if costs is self.costs else costs
+        prompt = request.prompt_tokens
+        slots = load.slots if load.slots > 0 else 1
+        if outstanding >= 0:
+            n = outstanding
+        else:
+            queued = load.queued + load.running
+            n = queued if queued > c.inflight else c.inflight
+        if n >= slots:
+            wait = (n - slots + 0.5) * self._service(request, slots, memo, other) / slots
+            decoders = slots - 1
+        else:
+            wait = 0.0
+            decoders = n
+        if decoders > 0:
+            wait += self._backlog(request, decoders, memo, other)
+        matched = c.matched_tokens if c.matched_tokens < prompt else prompt
+        if c.is_local:
+            p = 1.0
+        else:
+            age = c.digest_age_s
+            p = 1.0 if not age > 0.0 else math.exp(-age * self._decay)
+        cached = p * matched
+        # The expectation over a hit (probability p) and a miss: prefill_s is linear in the
+        # cached count but for its whole chunks, taken at both ends.
+        prefill = p * costs.prefill_s(prompt, matched, decoders) + (1.0 - p) * costs.prefill_s(
+            prompt, 0, decoders
+        )
+        rtt = 0.0 if c.is_local else c.rtt_s
+        return rtt + wait + prefill, cached, wait
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rng: random.Random
+    ) -> RouteDecision:
+        local_i = _local_index(candidates)
+        memo: _Memo = {}
+        ttfts = self._ttfts(request, candidates, memo)
+        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+
+    def choose_among_holders(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        stand_ins: Container[int],
+    ) -> RouteDecision | None:
+        """``choose`` over a pruned candidate list, or None when only every candidate decides.
+
+        The list (a subsequence of the full one, in its order) holds the local candidate, every
+        peer holding part of the prompt and every peer estimated otherwise than by its load
+        alone; of the *plain non-holders* (no match, this node's speed, idle or one slot, whose
+        estimate is ``rtt + wait(outstanding) + prefill(prompt, 0)``, non-decreasing in both the
+        round trip and the outstanding count), only ``stand_ins``: at the positions given, the
+        first of each (outstanding, rtt) pair on the pairs' Pareto front
+        (``PeerIndex.holder_candidates``). Every plain non-holder left out is then estimated at
+        no less than some stand-in. So when the best remote estimate beats every stand-in's,
+        the target, its estimate, the runner-up (``max_outstanding``) and the reason are those
+        of the full list; when a stand-in ties it or is it and a remote wins, the left-out ones
+        could tie too, and the tie-break draws among all of them: None, before ``rng`` is
+        touched (the caller asks ``choose`` with every candidate). When the local node wins,
+        every field is the full list's (the best remote estimate, the only one it reads, is
+        the same), but for ``ranked``, which ranks the candidates given, and the peer the
+        reason names as the best remote where left-out peers estimate the same to the bit."""
+        local_i = _local_index(candidates)
+        memo: _Memo = {}
+        ttfts = self._ttfts(request, candidates, memo)
+        best_remote = -1
+        best = math.inf
+        floor = math.inf  # the best stand-in's estimate
+        for i, t in enumerate(ttfts):
+            if i != local_i and t < best:
+                best, best_remote = t, i
+            if t < floor and i in stand_ins:
+                floor = t
+        if best_remote >= 0 and best >= floor:
+            local_ttft = ttfts[local_i]
+            if local_ttft - best > max(self.min_gain_s, self.min_gain_fraction * local_ttft):
+                return None  # a remote wins, and left-out peers may tie with it
+        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+
+    def _ttfts(
+        self, request: RouteRequest, candidates: Sequence[Candidate], memo: _Memo
+    ) -> list[float]:
+        """Every candidate's estimated TTFT, in order (``_estimate``'s arithmetic, inlined)."""
+        prompt = request.prompt_tokens
+        costs = self.costs
+        cold = costs.prefill_s(prompt, 0)
+        saving = costs.prefill_s_per_token - costs.cached_s_per_token
+        # While others decode: the busy prefill rate, and one decode step per prompt chunk.
+        cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
+        saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
+        chunk = costs.prefill_chunk_tokens
+        cold_chunks = costs.prefill_chunks(prompt)
+        step = costs.decode_step_s
+        service = self._service
+        backlog = self._backlog
+        decay = self._decay
+        exp = math.exp
+        # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
+        # per request). A node with nothing running or with one slot takes the first branch:
+        # no batch, the single-slot estimate.
+        service_one = service(request, 1, memo)
+        own_speed = self._speed
+        ttfts: list[float] = []
+        append = ttfts.append
+        for c in candidates:
+            load = c.load
+            speed = load.speed
+            if speed and speed != own_speed:
+                # Another machine's speed: the reference form, with its cost model.
+                append(self._estimate(c, request, memo)[0])
+                continue
+            slots = load.slots
+            n = load.queued + load.running
+            if c.inflight > n:
+                n = c.inflight
+            m = c.matched_tokens if c.matched_tokens < prompt else prompt
+            if c.is_local:
+                p = 1.0
+                rtt = 0.0
+            else:
+                rtt = c.rtt_s
+                if m == 0 and (n == 0 or slots <= 1):
+                    # Nothing matched, no batch: the confidence multiplies 0 (most peers).
+                    append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
+                    continue
+                age = c.digest_age_s
+                p = 1.0 if not age > 0.0 else exp(-age * decay)
+            if n == 0 or slots <= 1:
+                wait = (n - 0.5) * service_one if n >= 1 else 0.0
+                prefill = cold - p * m * saving
+            else:
+                if n >= slots:
+                    wait = (n - slots + 0.5) * service(request, slots, memo) / slots
+                    decoders = slots - 1
+                else:
+                    wait = 0.0
+                    decoders = n
+                wait += backlog(request, decoders, memo)
+                hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
+                prefill = (
+                    cold_busy
+                    - p * m * saving_busy
+                    + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
+                )
+            append(rtt + wait + prefill)
+        return ttfts
+
+    def _choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        local_i: int,
+        ttfts: list[float],
+        memo: _Memo,
+    ) -> RouteDecision:
+        prompt = request.prompt_tokens
+        # Stable: equal estimates keep the caller's order in the failover list.
+        order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+        local_ttft = ttfts[local_i]
+        best_remote = next((i for i in order if i != local_i), None)
+        margin = max(self.min_gain_s, self.min_gain_fraction * local_ttft)
+        target_i = local_i
+        if best_remote is not None and local_ttft - ttfts[best_remote] > margin:
+            best_ttft = ttfts[best_remote]
+            tied = [i for i in order if ttfts[i] == best_ttft and i != local_i]
+            if len(tied) > 1:
+                lightest = min(_load_ratio(candidates[i]) for i in tied)
+                tied = [i for i in tied if _load_ratio(candidates[i]) == lightest]
+            target_i = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
+            best_remote = target_i
+        estimates = {
+            i: self._estimate(candidates[i], request, memo)
+            for i in {local_i, target_i, best_remote}
+            if i is not None
+        }
+        max_outstanding = None
+        if target_i != local_i:
+            runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
+            max_outstanding = self._outstanding_within(
+                runner_up, candidates[target_i], request, memo
+            )
+        local = candidates[local_i]
+        local_cached = estimates[local_i][1]
+        target = candidates[target_i]
+        ttft, cached, wait = estimates[target_i]
+        ranked = (target.peer, *(candidates[i].peer for i in order if i != target_i))
+
+        if target.is_local:
+            if best_remote is None:
+                reason = (
+                    f"cost: local is the only candidate; est. TTFT {local_ttft:.3f} s "
+                    f"({local_cached:.0f}/{prompt} tokens cached)"
+                )
+            else:
+                r = candidates[best_remote]
+                r_ttft = estimates[best_remote][0]
+                reason = (
+                    f"cost: local est. TTFT {local_ttft:.3f} s ({local_cached:.0f}/{prompt} "
+                    f"tokens cached, queue {estimates[local_i][2]:.3f} s); best remote "
+                    f"{_who(r)} {r_ttft:.3f} s does not beat it by the "
+                    f"{margin:.3f} s margin"
+                )
+        else:
+            reason = (
+                f"cost: {_who(target)} est. TTFT {ttft:.3f} s (holds ~{cached:.0f}/{prompt} "
+                f"tokens, {_age_text(target.digest_age_s)}, queue {wait:.3f} s, "
+                f"rtt {target.rtt_s * 1000:.0f} ms) vs local {local_ttft:.3f} s "
+                f"({local_cached:.0f} cached, {_load_text(local)})"
+            )
+        return RouteDecision(
+            target.peer,
+            target.is_local,
+            int(cached),
+            reason,
+            estimated_ttft_s=ttft,
+            ranked=ranked,
+            max_outstanding=max_outstanding,
+        )
+
+
+    def _outstanding_within(
+        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: _Memo
+    ) -> int:
+        """The most requests ``c`` may have queued or running when this one arrives for the
+        forward to still beat the runner-up: served there, the first token comes at ``rtt +
+        estimate - rtt``; refused, at about ``rtt + runner_up_s``. The inverse of the estimate
+        in the outstanding count: past a full batch it grows by ``T / slots`` per request;
+        below, by the prefill backlog of one more running request."""
+        slots = c.load.slots if c.load.slots > 0 else 1
+        costs = self.costs_for(c.load)
+        service = self._service(request, slots, memo, None if costs is self.costs else costs)
+        if not service > 0.0 or not runner_up_s < math.inf:  # also NaN: no limit, as before
+            return 1 << 30
+        full = self._estimate(c, request, memo, slots)
+        rtt = 0.0 if c.is_local else c.rtt_s
+        # full - rtt = 0.5 * T / slots + the backlog and prefill next to slots - 1 decoders
+        # (+1e-9: a tie with the runner-up must not round down below what it already runs)
+        n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots + 1e-9)
+        if n >= slots:
+            return min(n, 1 << 30)
+        # Not even a full batch fits: the most running requests whose backlog still does.
+        for k in range(slots - 1, 0, -1):
+            if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
+                return k
+        return 0
