@@ -4,7 +4,6 @@ reporting the first token, the end or a failure to the core."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 
 import trio
 
@@ -25,15 +24,13 @@ from peerinfer.core.node import (
     ForwardFirstToken,
 )
 from peerinfer.errors import (
-    PeerInferError,
-    PeerUnavailableError,
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
     error_kind,
 )
-from peerinfer.net import FramedStream, Host
-from peerinfer.net.host import SPARE_STREAM_TTL_S
+from peerinfer.net import Host
+from peerinfer.net.streampool import StreamUse
 from peerinfer.node.door import _Sink
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
 
@@ -88,51 +85,6 @@ class _RelayCheck:
             request_id="", prompt_tokens=self.prompt_tokens, completion_tokens=len(self.generated),
             cached_tokens=0, served_by=peer, ttft_s=0.0, latency_s=0.0, finish_reason="length",
         )
-
-
-#: How long opening a spare stream may take (``ForwardingMixin._spare_ahead``).
-SPARE_OPEN_TIMEOUT_S = 10.0
-
-
-class _StreamGoneEarly(Exception):
-    """A forward's stream failed before any answer, and not for the peer's doing: it was kept
-    from an earlier forward and the peer let it go, or its connection was replaced as stalled
-    meanwhile (``Host.replaced_since``; seen after a partition healed: a forward begun on the
-    dead connection failed the moment the fresh one replaced it, and was served locally)."""
-
-
-class _StreamUse:
-    """One forward's use of a generate stream: reset on failure; after a clean ``GenerateDone``
-    (``keep``) kept for the peer's next forward (``Host.keep_idle_stream``), else closed. A
-    stream that fails before its first answer, kept (``reused``) or on a connection replaced
-    since ``started``, raises ``_StreamGoneEarly`` (``may_retry``: not on the second try)."""
-
-    def __init__(self, host: Host, stream: FramedStream, reused: bool, started: float, *, may_retry: bool) -> None:
-        self.host, self.stream, self.reused, self.started = host, stream, reused, started
-        self.may_retry = may_retry
-        self.answered = False
-        self.keep = False
-
-    async def __aenter__(self) -> _StreamUse:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is not None:
-            await self.stream.reset()
-            if (
-                self.may_retry
-                and not self.answered
-                and isinstance(exc, PeerUnavailableError | trio.EndOfChannel)
-                and (self.reused or self.host.replaced_since(self.stream.remote_peer, self.started))
-            ):
-                raise _StreamGoneEarly(str(exc)) from exc
-            return
-        if self.keep:
-            self.host.keep_idle_stream(self.stream)
-        else:
-            await self.stream.aclose()
 
 
 class ForwardingMixin:
@@ -207,119 +159,77 @@ class ForwardingMixin:
         """A forward reuses a stream kept from the last one to the same peer when it can (no
         stream to open, no protocol to negotiate); if the peer let that stream go, or the
         stream's connection was replaced as stalled, which shows before any answer, the request
-        goes again once on a new stream, under another id."""
-        try:
-            return await self._forward_attempt(host, eff, sink, check)
-        except _StreamGoneEarly as exc:
-            logger.debug("a stream to %s was gone before any answer (%s); forwarding on a new one", eff.peer, exc)
-            return await self._forward_attempt(host, eff, sink, check, second_try=True)
+        goes again once on a new stream, under another id (``host.streams.exchange``). A peer
+        we reach only through a relay gets a spare stream opened ahead of the next forward."""
 
-    def _spare_ahead(self, host: Host, peer: str) -> None:
-        """Open a spare generate stream to ``peer`` in the background, negotiated and kept
-        (``SPARE_STREAM_TTL_S``), when we reach it only through a relay and keep no stream for
-        it: the next forward, concurrent or up to a minute later, then starts at once. A new
-        stream through a relay cost 41.5 ms more than a kept one on the emulated internet
-        (docs/reach.md: its opening exchanges all cross the relay), against 12.8 ms for a
-        direct one, which gets no spare."""
-        if (
-            peer in self._spares_opening
-            or self._nursery is None
-            or self._closing
-            or not host.only_relayed(peer)
-            or host.has_idle_stream(peer, GENERATE_PROTOCOL)
-        ):
-            return
-        self._spares_opening.add(peer)
-        self._nursery.start_soon(self._open_spare, host, peer)
+        async def attempt(use: StreamUse) -> tuple[Event, GenerateDone | None]:
+            return await self._forward_attempt(use, eff, sink, check)
 
-    async def _open_spare(self, host: Host, peer: str) -> None:
-        try:
-            stream = await host.open_stream(peer, GENERATE_PROTOCOL, timeout=SPARE_OPEN_TIMEOUT_S)
-        except PeerInferError as exc:
-            logger.debug("no spare stream to %s: %s", peer, exc)
-        else:
-            host.keep_idle_stream(stream, ttl_s=SPARE_STREAM_TTL_S)
-        finally:
-            self._spares_opening.discard(peer)
+        return await host.streams.exchange(
+            eff.peer, GENERATE_PROTOCOL, attempt, timeout=eff.first_token_timeout_s, spare=not self._closing
+        )
 
     async def _forward_attempt(
-        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck,
-        second_try: bool = False,
+        self, use: StreamUse, eff: Forward, sink: _Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
-        started = trio.current_time()
+        stream, started, second_try = use.stream, use.started, use.retry
         deadline = started + eff.first_token_timeout_s
-        stream = None if second_try else host.take_idle_stream(eff.peer, GENERATE_PROTOCOL)
-        reused = stream is not None
-        if stream is None:
-            # Lazily negotiated: the request travels with the protocol negotiation (two round
-            # trips fewer); a peer refusing the protocol fails at the first receive instead.
-            try:
-                stream = await host.open_stream(
-                    eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
-                )
-            except PeerUnavailableError as exc:
-                if not second_try and host.replaced_since(eff.peer, started):
-                    raise _StreamGoneEarly(str(exc)) from exc
-                raise
-        self._spare_ahead(host, eff.peer)
         generated = check.generated
-        async with _StreamUse(host, stream, reused, started, may_retry=not second_try) as use:
-            if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
-                raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
-            await stream.send(
-                encode(
-                    GenerateRequest(
-                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
-                        + ("r" if second_try else ""),
-                        params=eff.params,
-                        tokens=eff.tokens,
-                        forwarded=True,
-                        origin=self.peer_id,
-                        max_outstanding=eff.decision.max_outstanding,
-                        scaffold=eff.scaffold,
-                    )
-                ),
-                timeout=max(0.01, deadline - trio.current_time()),
-            )
-            first_at: float | None = None
-            # The core's gap (NodeCore.silence gives the door twice this for a forward).
-            gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
-            while True:
-                timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
-                frame = await stream.receive(timeout=timeout)
-                use.answered = True
-                msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
-                if isinstance(msg, TokenChunk):
-                    broken = check.chunk(msg.token_ids, msg.text)
-                    if broken:
-                        logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
-                        return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
-                    generated.extend(msg.token_ids)
-                    self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
-                    if first_at is None and (msg.token_ids or msg.text):
-                        first_at = trio.current_time()
-                        self._feed(ForwardFirstToken(eff.request_id, eff.peer))
-                elif isinstance(msg, GenerateDone):
-                    broken = check.done(msg)
-                    if broken:
-                        logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
-                        return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
-                    ttft = (first_at if first_at is not None else trio.current_time()) - started
-                    use.keep = True  # the peer serves the next request on this stream
-                    return (
-                        ForwardFinished(
-                            eff.request_id,
-                            eff.peer,
-                            cached_tokens=msg.cached_tokens,
-                            ttft_s=ttft,
-                            completion=tuple(generated),
-                        ),
-                        msg,
-                    )
-                else:
-                    assert isinstance(msg, ErrorMessage)
-                    # This node validated the request before forwarding it, so every error a
-                    # peer answers, "invalid" included, is that peer's failure and the request
-                    # goes elsewhere (else one peer could fail every request sent to it).
-                    kind = error_kind(msg.code)
-                    return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
+        if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
+            raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
+        await stream.send(
+            encode(
+                GenerateRequest(
+                    request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
+                    + ("r" if second_try else ""),
+                    params=eff.params,
+                    tokens=eff.tokens,
+                    forwarded=True,
+                    origin=self.peer_id,
+                    max_outstanding=eff.decision.max_outstanding,
+                    scaffold=eff.scaffold,
+                )
+            ),
+            timeout=max(0.01, deadline - trio.current_time()),
+        )
+        first_at: float | None = None
+        # The core's gap (NodeCore.silence gives the door twice this for a forward).
+        gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
+        while True:
+            timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
+            frame = await stream.receive(timeout=timeout)
+            msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
+            if isinstance(msg, TokenChunk):
+                broken = check.chunk(msg.token_ids, msg.text)
+                if broken:
+                    logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
+                    return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
+                generated.extend(msg.token_ids)
+                self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
+                if first_at is None and (msg.token_ids or msg.text):
+                    first_at = trio.current_time()
+                    self._feed(ForwardFirstToken(eff.request_id, eff.peer))
+            elif isinstance(msg, GenerateDone):
+                broken = check.done(msg)
+                if broken:
+                    logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
+                    return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
+                ttft = (first_at if first_at is not None else trio.current_time()) - started
+                use.keep()  # the peer serves the next request on this stream
+                return (
+                    ForwardFinished(
+                        eff.request_id,
+                        eff.peer,
+                        cached_tokens=msg.cached_tokens,
+                        ttft_s=ttft,
+                        completion=tuple(generated),
+                    ),
+                    msg,
+                )
+            else:
+                assert isinstance(msg, ErrorMessage)
+                # This node validated the request before forwarding it, so every error a
+                # peer answers, "invalid" included, is that peer's failure and the request
+                # goes elsewhere (else one peer could fail every request sent to it).
+                kind = error_kind(msg.code)
+                return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
