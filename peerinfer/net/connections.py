@@ -10,6 +10,7 @@ connection out of it while it is checked or closed, ``back_in_choice`` returns i
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
@@ -337,7 +338,7 @@ class Connections:
             return False
         for addr in addrs[:MAX_KNOWN_ADDRS_PER_PEER]:
             try:
-                await ctx.within("probe", peer, timeout, lambda a=addr: ctx.network.dial_addr(a, pid))
+                await ctx.within("probe", peer, timeout, functools.partial(ctx.network.dial_addr, addr, pid))
                 return True
             except (RemoteError, ClosedError) as exc:
                 logger.debug("probing %s at %s: %s", peer, addr, exc)

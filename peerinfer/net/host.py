@@ -82,37 +82,27 @@ Layout: ``Host`` is the façade; each concern has a module, and each part takes 
 verdicts) < ``dialing`` (connect, known addresses, bootstrap, mDNS) < ``streams`` (handlers,
 ``open_stream``); ``streampool`` (reuse) < ``liveness`` (pings, the one RTT table); ``topics``
 (gossip glue). A part calls back up only through hooks the façade wires
-(``Connections.on_opened``, ``on_replaced``, ``on_gone``).
+(``Connections.on_opened``, ``on_replaced``, ``on_gone``). The libp2p host itself is
+built in ``transport``.
 """
+
 from __future__ import annotations
 
-import errno
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import multiaddr
 import trio
-from libp2p import new_host
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.keys import KeyPair
-from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.protocol_muxer.multiselect import Multiselect
-from libp2p.rcmgr import ResourceLimits, ResourceManager
-from libp2p.rcmgr.connection_limits import ConnectionLimits
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from peerinfer.errors import ConfigError
-from peerinfer.net import muxer
 from peerinfer.net.admission import ADMIT_PROTOCOL, admission_key
 from peerinfer.net.config import HostConfig
 from peerinfer.net.connections import (
@@ -140,7 +130,7 @@ from peerinfer.net.context import (
     parse_peer_multiaddr,
 )
 from peerinfer.net.dialing import MAX_CIRCUIT_PEERS, RELAYED_DIRECT_TRY_S, Dialer
-from peerinfer.net.discovery import MdnsBridge, expand_unspecified, local_ipv4s
+from peerinfer.net.discovery import MdnsBridge
 from peerinfer.net.framing import FramedStream
 from peerinfer.net.gatekeeper import MAX_REFUSALS_LOGGED, Admission, AdmissionGate, Gatekeeper
 from peerinfer.net.gossip import GossipMessage, GuardedPubsub, Validator
@@ -156,16 +146,15 @@ from peerinfer.net.streampool import (
 )
 from peerinfer.net.streams import StreamHandler, Streams
 from peerinfer.net.topics import OUTBOUND_DRAIN_WAIT_S, OUTBOUND_HIGH_WATER, Topics
+from peerinfer.net.transport import (
+    RELAYED_CONNECTIONS_PER_PEER,
+    build_libp2p_host,
+    check_ports_free,
+)
 
 #: On shutdown, how long connections may take to close politely before their sockets are
 #: closed under them.
 SHUTDOWN_GRACE_S = 1.0
-#: Relayed connections a peer may hold beside its ``max_connections_per_peer`` direct ones: one
-#: dialed by each end through the relay when both learn the other's relayed address at once.
-#: Counted in libp2p's per-peer limit, they refused the hole-punched connection (measured on the
-#: emulated internet: the cone pair stayed relayed, every later punch failing on the refused
-#: connection's TIME_WAIT 4-tuple).
-RELAYED_CONNECTIONS_PER_PEER = 2
 
 
 class _ConnectionNotifee(INotifee):
@@ -492,6 +481,11 @@ class Host:
         table, filled by ``ping`` and by the liveness loop's pings."""
         return self._liveness.last_rtt(peer_id)
 
+    def fresh_rtt(self, peer_id: str, max_age_s: float) -> float | None:
+        """The last round trip to ``peer_id`` if it was measured at most ``max_age_s`` ago
+        (and its connections were not replaced since), else None (``Liveness.fresh_rtt``)."""
+        return self._liveness.fresh_rtt(peer_id, max_age_s)
+
     # -- gossip -------------------------------------------------------------------------------
 
     async def subscribe(
@@ -594,69 +588,11 @@ class Host:
         self._ctx.event_channels.clear()
 
 
-def _build_libp2p_host(config: HostConfig, key_pair: KeyPair, listen: list[multiaddr.Multiaddr]) -> IHost:
-    muxer.install()  # yamux window credit without a frame per read (peerinfer.net.muxer)
-    per_peer = config.max_connections_per_peer + RELAYED_CONNECTIONS_PER_PEER
-    connection_config = ConnectionConfig(
-        max_connections=config.max_connections,
-        min_connections=0,
-        low_watermark=0,  # no auto-connector: dialing policy is ours
-        high_watermark=config.max_connections,
-        max_connections_per_peer=per_peer,
-        dial_timeout=config.connect_timeout_s,
-        inbound_upgrade_timeout=config.connect_timeout_s,
-        outbound_upgrade_timeout=config.connect_timeout_s,
-        outbound_stream_protocol_negotiation_timeout=config.stream_timeout_s,
-        inbound_stream_protocol_negotiation_timeout=config.stream_timeout_s,
-    )
-    resource_manager = ResourceManager(
-        limits=ResourceLimits(
-            max_connections=config.max_connections + config.max_pending_connections,
-            max_streams=config.max_connections * (config.max_streams_per_peer + 8),
-        ),
-        connection_limits=ConnectionLimits(
-            max_pending_inbound=config.max_pending_connections,
-            max_pending_outbound=config.max_pending_connections,
-            max_established_inbound=config.max_connections,
-            max_established_outbound=config.max_connections,
-            max_established_per_peer=per_peer,
-            max_established_total=config.max_connections,
-        ),
-        enable_memory_limits=False,
-        enable_circuit_breaker=False,
-        enable_graceful_degradation=False,
-    )
-    ipv4s = local_ipv4s()
-    noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
-    host = new_host(
-        key_pair=key_pair,
-        sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-        listen_addrs=listen,
-        enable_mDNS=False,
-        bootstrap=None,
-        negotiate_timeout=max(1, int(config.stream_timeout_s)),
-        resource_manager=resource_manager,
-        connection_config=connection_config,
-        addrs_factory=lambda candidates: expand_unspecified(candidates, ipv4s),
-    )
-    network = host.get_network()
-    if isinstance(network, Swarm):
-        network.retry_config = RetryConfig(max_retries=0)  # one attempt per dial; we pace retries
-        # The auto-connector dials peerstore entries until half of high_watermark is connected,
-        # whatever low_watermark says; it would redial peers we just dropped for misbehaving.
-        network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]
-    return host
-
-
 def stream_is_relayed(stream: FramedStream) -> bool:
     """Whether ``stream`` runs over a relayed connection (its remote address is then the
     relay's, not the peer's)."""
     return is_relayed(stream._stream.muxed_conn)
 
-
-async def _no_auto_connect() -> None:
-    return None
 
 @asynccontextmanager
 async def open_host(config: HostConfig) -> AsyncIterator[Host]:
@@ -667,14 +603,14 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """
     config.check()
     listen = [parse_multiaddr(a, ConfigError) for a in config.listen]
-    _check_ports_free(listen)
+    check_ports_free(listen)
     bootstrap = [parse_peer_multiaddr(a, ConfigError) for a in config.bootstrap]
     key_pair = (
         load_or_create_identity(config.effective_identity_path())
         if config.persist_identity
         else new_identity()
     )
-    libp2p_host = _build_libp2p_host(config, key_pair, listen)
+    libp2p_host = build_libp2p_host(config, key_pair, listen)
     host = Host(config, libp2p_host, key_pair)
     if any(info.peer_id.to_base58() == host.peer_id for info in bootstrap):
         bootstrap = [info for info in bootstrap if info.peer_id.to_base58() != host.peer_id]
@@ -689,43 +625,6 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
         if leaf is None:
             raise
         raise leaf from leaf.__cause__
-
-
-def _check_ports_free(listen: Sequence[multiaddr.Multiaddr]) -> None:
-    """Refuse a TCP listen address another socket already listens on.
-
-    py-libp2p's TCP listener sets SO_REUSEPORT (for hole punching), so on Linux a second
-    process binds the same port without complaint and the kernel then spreads incoming
-    connections over both: dials to the first node land on either at random. A probe bound
-    without SO_REUSEPORT (SO_REUSEADDR only, which still fails while a socket listens there)
-    finds the port taken first.
-    """
-    for addr in listen:
-        protocols = {p.name for p in addr.protocols()}
-        if "tcp" not in protocols:
-            continue
-        port = int(addr.value_for_protocol("tcp"))
-        if port == 0:
-            continue
-        if "ip6" in protocols:
-            family, ip = socket.AF_INET6, addr.value_for_protocol("ip6")
-        elif "ip4" in protocols:
-            family, ip = socket.AF_INET, addr.value_for_protocol("ip4")
-        else:
-            continue
-        probe = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((ip, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"cannot listen on {addr}: the address is in use (another node?); pick "
-                    "another port with --listen"
-                ) from None
-            raise ConfigError(f"cannot listen on {addr}: {exc.strerror}") from None
-        finally:
-            probe.close()
 
 
 def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:

@@ -31,7 +31,8 @@ class Liveness:
         self._pool = pool
         #: the peers to check: the host's ``connected_peers`` (admitted ones, in a private swarm)
         self._connected_peers = connected_peers
-        self.rtts: dict[str, float] = {}
+        #: the one RTT table of the host: per peer, the last round trip and when it ended
+        self.rtts: dict[str, tuple[float, float]] = {}
         connections.on_replaced.append(self._replaced)
         connections.on_gone.append(self._gone)
 
@@ -43,7 +44,17 @@ class Liveness:
 
     def last_rtt(self, peer_id: str) -> float | None:
         """The last measured round trip to ``peer_id`` (seconds), if any."""
-        return self.rtts.get(peer_id)
+        measured = self.rtts.get(peer_id)
+        return None if measured is None else measured[0]
+
+    def fresh_rtt(self, peer_id: str, max_age_s: float) -> float | None:
+        """The last round trip to ``peer_id`` if it ended at most ``max_age_s`` ago (by
+        ``ping`` or the liveness loop, on a connection not replaced since), else None: a
+        caller that needs a proof of life that recent can take it instead of a second ping."""
+        measured = self.rtts.get(peer_id)
+        if measured is None or trio.current_time() - measured[1] > max_age_s:
+            return None
+        return measured[0]
 
     async def ping(self, peer_id: str, *, timeout: float | None = None) -> float:
         """See ``Host.ping``."""
@@ -66,7 +77,7 @@ class Liveness:
         stream = await self._open_stream(peer_id, PING_PROTOCOL, timeout=left())
         async with stream:
             rtt = await echo_nonce(stream, peer_id, left)
-        self.rtts[peer_id] = rtt
+        self.rtts[peer_id] = (rtt, trio.current_time())
         return rtt
 
     async def loop(self) -> None:
