@@ -125,6 +125,20 @@ async def test_a_failure_after_an_answer_or_on_a_new_stream_is_not_tried_again()
             await a.streams.exchange(b.peer_id, ECHO, no_answer, timeout=5.0)
         assert calls == 1
 
+        # A peer that ends the stream cleanly before the exchange is done fails it with our
+        # error, not trio's EndOfChannel.
+        async def end_early(stream: FramedStream) -> None:
+            await stream.receive()
+
+        b.set_handler(ECHO, end_early)
+
+        async def waits_for_an_answer(use: StreamUse) -> bytes:
+            await use.stream.send(b"anyone?")
+            return await use.stream.receive()
+
+        with pytest.raises(PeerUnavailableError, match="before the exchange was done"):
+            await a.streams.exchange(b.peer_id, ECHO, waits_for_an_answer, timeout=5.0)
+
         # Whatever the body raises, the stream is reset, never kept.
         async def breaks_contract(use: StreamUse) -> bytes:
             use.keep()

@@ -141,7 +141,8 @@ class StreamPool:
         first frame travels with the protocol negotiation; a refused protocol fails the first
         ``receive``) within ``timeout``. On a clean exit the stream is kept if the body called
         ``keep()``, else closed; on an exception it is reset, and ``StreamGoneEarly`` raised
-        instead when the attempt may be repeated (see the module docstring).
+        instead when the attempt may be repeated (see the module docstring). A clean end of
+        the stream escaping the body (``trio.EndOfChannel``) becomes ``PeerUnavailableError``.
 
         ``spare``: when we reach ``peer`` only through a relay, open a spare stream ahead of
         the next attempt (``spare_ahead``)."""
@@ -169,6 +170,12 @@ class StreamPool:
                 and (reused or self._connections.replaced_since(stream.remote_peer, started))
             ):
                 raise StreamGoneEarly(str(exc)) from exc
+            if isinstance(exc, trio.EndOfChannel):
+                # The peer ended the stream cleanly, but before the exchange was done: to the
+                # caller that is the peer's failure like a reset (it catches ours only).
+                raise PeerUnavailableError(
+                    f"{peer} ended the {protocol} stream before the exchange was done"
+                ) from exc
             raise
         if use.kept:
             self.keep(stream)

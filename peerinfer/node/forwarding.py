@@ -119,7 +119,7 @@ class ForwardingMixin:
                 logger.info("forward to %s: %s", eff.peer, exc)
             except RequestTimeoutError:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "timeout", tuple(check.generated))
-            except (RemoteError, trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+            except (RemoteError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "unavailable", tuple(check.generated))
                 logger.info("forward to %s failed: %s", eff.peer, exc)
         if sink.forward_scope is scope:
