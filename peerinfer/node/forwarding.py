@@ -113,7 +113,7 @@ class ForwardingMixin:
         with trio.CancelScope() as scope:
             sink.forward_scope = scope
             try:
-                outcome, done = await self._forward_on_kept_or_new_stream(host, eff, sink, check)
+                outcome, done = await self._forward_attempt(host, eff, sink, check)
             except ProtocolError as exc:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "protocol", tuple(check.generated))
                 logger.info("forward to %s: %s", eff.peer, exc)
@@ -153,83 +153,79 @@ class ForwardingMixin:
         if outcome is not None:
             self._feed(outcome)
 
-    async def _forward_on_kept_or_new_stream(
+    async def _forward_attempt(
         self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
-        """A forward reuses a stream kept from the last one to the same peer when it can (no
-        stream to open, no protocol to negotiate); if the peer let that stream go, or the
-        stream's connection was replaced as stalled, which shows before any answer, the request
-        goes again once on a new stream, under another id (``host.streams.exchange``). A peer
-        we reach only through a relay gets a spare stream opened ahead of the next forward."""
+        """Send the request on a stream of the host's pool (``host.streams.exchange``): one
+        kept from the last forward to the same peer when it can (no stream to open, no protocol
+        to negotiate), kept again after a clean ``GenerateDone``. If the peer let a kept stream
+        go, or the stream's connection was replaced as stalled, which shows before any answer,
+        the request goes again once on a new stream, under another id. A peer we reach only
+        through a relay gets a spare stream opened ahead of the next forward."""
 
         async def attempt(use: StreamUse) -> tuple[Event, GenerateDone | None]:
-            return await self._forward_attempt(use, eff, sink, check)
+            stream, started, second_try = use.stream, use.started, use.retry
+            deadline = started + eff.first_token_timeout_s
+            generated = check.generated
+            if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
+                raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
+            await stream.send(
+                encode(
+                    GenerateRequest(
+                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
+                        + ("r" if second_try else ""),
+                        params=eff.params,
+                        tokens=eff.tokens,
+                        forwarded=True,
+                        origin=self.peer_id,
+                        max_outstanding=eff.decision.max_outstanding,
+                        scaffold=eff.scaffold,
+                    )
+                ),
+                timeout=max(0.01, deadline - trio.current_time()),
+            )
+            first_at: float | None = None
+            # The core's gap (NodeCore.silence gives the door twice this for a forward).
+            gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
+            while True:
+                timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
+                frame = await stream.receive(timeout=timeout)
+                msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
+                if isinstance(msg, TokenChunk):
+                    broken = check.chunk(msg.token_ids, msg.text)
+                    if broken:
+                        logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
+                        return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
+                    generated.extend(msg.token_ids)
+                    self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
+                    if first_at is None and (msg.token_ids or msg.text):
+                        first_at = trio.current_time()
+                        self._feed(ForwardFirstToken(eff.request_id, eff.peer))
+                elif isinstance(msg, GenerateDone):
+                    broken = check.done(msg)
+                    if broken:
+                        logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
+                        return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
+                    ttft = (first_at if first_at is not None else trio.current_time()) - started
+                    use.keep()  # the peer serves the next request on this stream
+                    return (
+                        ForwardFinished(
+                            eff.request_id,
+                            eff.peer,
+                            cached_tokens=msg.cached_tokens,
+                            ttft_s=ttft,
+                            completion=tuple(generated),
+                        ),
+                        msg,
+                    )
+                else:
+                    assert isinstance(msg, ErrorMessage)
+                    # This node validated the request before forwarding it, so every error a
+                    # peer answers, "invalid" included, is that peer's failure and the request
+                    # goes elsewhere (else one peer could fail every request sent to it).
+                    kind = error_kind(msg.code)
+                    return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
 
         return await host.streams.exchange(
             eff.peer, GENERATE_PROTOCOL, attempt, timeout=eff.first_token_timeout_s, spare=not self._closing
         )
-
-    async def _forward_attempt(
-        self, use: StreamUse, eff: Forward, sink: _Sink, check: _RelayCheck
-    ) -> tuple[Event, GenerateDone | None]:
-        stream, started, second_try = use.stream, use.started, use.retry
-        deadline = started + eff.first_token_timeout_s
-        generated = check.generated
-        if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
-            raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
-        await stream.send(
-            encode(
-                GenerateRequest(
-                    request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
-                    + ("r" if second_try else ""),
-                    params=eff.params,
-                    tokens=eff.tokens,
-                    forwarded=True,
-                    origin=self.peer_id,
-                    max_outstanding=eff.decision.max_outstanding,
-                    scaffold=eff.scaffold,
-                )
-            ),
-            timeout=max(0.01, deadline - trio.current_time()),
-        )
-        first_at: float | None = None
-        # The core's gap (NodeCore.silence gives the door twice this for a forward).
-        gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
-        while True:
-            timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
-            frame = await stream.receive(timeout=timeout)
-            msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
-            if isinstance(msg, TokenChunk):
-                broken = check.chunk(msg.token_ids, msg.text)
-                if broken:
-                    logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
-                    return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
-                generated.extend(msg.token_ids)
-                self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
-                if first_at is None and (msg.token_ids or msg.text):
-                    first_at = trio.current_time()
-                    self._feed(ForwardFirstToken(eff.request_id, eff.peer))
-            elif isinstance(msg, GenerateDone):
-                broken = check.done(msg)
-                if broken:
-                    logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
-                    return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
-                ttft = (first_at if first_at is not None else trio.current_time()) - started
-                use.keep()  # the peer serves the next request on this stream
-                return (
-                    ForwardFinished(
-                        eff.request_id,
-                        eff.peer,
-                        cached_tokens=msg.cached_tokens,
-                        ttft_s=ttft,
-                        completion=tuple(generated),
-                    ),
-                    msg,
-                )
-            else:
-                assert isinstance(msg, ErrorMessage)
-                # This node validated the request before forwarding it, so every error a
-                # peer answers, "invalid" included, is that peer's failure and the request
-                # goes elsewhere (else one peer could fail every request sent to it).
-                kind = error_kind(msg.code)
-                return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
