@@ -21,7 +21,7 @@ owns, everything the node needs from the network:
   relayed ones: two homes that dial each other through a relay at once hold two relayed
   connections, and the hole-punched direct one must still fit (libp2p's own per-peer limit
   counts both kinds, so it is set to the sum, and a direct connection beyond the bound is
-  closed as it opens, ``_connection_opened``). The
+  closed as it opens, ``Connections.opened``). The
   swarm's auto-connector and retry loop are disabled: dialing policy is ours (bootstrap redial,
   mDNS, ``dial``). Frames are bounded by ``max_frame_bytes``; inbound handler invocations per peer
   by ``max_streams_per_peer`` (excess streams are reset on arrival).
@@ -67,7 +67,7 @@ Every libp2p failure reaching the caller is translated in ``peerinfer.net._error
 
 Deadlines: every stream open, frame read and frame write runs under ``trio.fail_after``
 (default ``stream_timeout_s``); ``connect``/``dial`` under ``connect_timeout_s``. Stream opening
-and dialing run in a helper task the caller stops waiting for at the deadline (``_within``),
+and dialing run in a helper task the caller stops waiting for at the deadline (``HostContext.within``),
 because py-libp2p cleans up a cancelled ``new_stream`` inside ``CancelScope(shield=True)`` and,
 on a hung peer, that cleanup waits forever behind a write stuck on the full socket.
 ``disconnect`` and shutdown close such sockets underneath libp2p after a short grace period, so

@@ -30,8 +30,8 @@ Algorithm (one task per node, :func:`run_reach`)
 With ``upnp`` (off by default), a port mapping is asked of the router before the first test
 (net/upnp.py); where one is made, the test finds the port open and no relay is needed.
 
-Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
-circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
+Dialing a relayed peer is in ``Dialer.connect_info`` (``peerinfer.net.dialing``): a short
+direct attempt first, then the circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
 one by hole punching (py-libp2p's DCUtR, TCP with SO_REUSEPORT from the listen port) where
 both NATs allow; else it stays relayed.
 """
