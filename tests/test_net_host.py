@@ -352,6 +352,12 @@ async def test_ping_measures_a_round_trip() -> None:
         rtt = await a.ping(b.peer_id)
         assert 0 < rtt < 5
         assert a.last_rtt(b.peer_id) == rtt
+        # The one RTT table also says how recent a measurement is.
+        assert a.fresh_rtt(b.peer_id, max_age_s=60.0) == rtt
+        await trio.sleep(0.05)
+        assert a.fresh_rtt(b.peer_id, max_age_s=0.01) is None
+        await a.disconnect(b.peer_id)
+        assert a.last_rtt(b.peer_id) is None and a.fresh_rtt(b.peer_id, max_age_s=60.0) is None
 
 
 async def test_a_ping_stream_ended_without_an_echo_is_a_remote_failure() -> None:

@@ -16,7 +16,6 @@ from peerinfer.errors import PeerUnavailableError
 from peerinfer.net import open_host
 from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.net.relay import RelaySettings, open_relay
-from peerinfer.node.forwarding import ForwardingMixin
 from peerinfer.node.options import GENERATE_PROTOCOL
 
 KEY = b"the members' key"
@@ -178,18 +177,6 @@ async def test_a_stream_to_a_peer_we_are_not_connected_to_goes_through_its_relay
             nursery.cancel_scope.cancel()
 
 
-class _Forwarder:
-    """What ``ForwardingMixin._spare_ahead`` reads of a node."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._closing = False
-        self._spares_opening: set[str] = set()
-
-    spare_ahead = ForwardingMixin._spare_ahead
-    _open_spare = ForwardingMixin._open_spare
-
-
 async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_stream() -> None:
     """A forward to a peer we reach only through a relay opens a spare stream ahead of the next
     one (negotiated, kept for ``SPARE_STREAM_TTL_S``): a new stream's opening frames each cross
@@ -204,13 +191,13 @@ async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_strea
                 circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
                 assert await s.dial(circuit) == dest.peer_id
                 assert src.only_relayed(dest.peer_id) and not src.only_relayed(r.peer_id)
-                node = _Forwarder(nursery)
-                node.spare_ahead(src, r.peer_id)  # direct: no spare
-                node.spare_ahead(src, dest.peer_id)
-                node.spare_ahead(src, dest.peer_id)  # one at a time
-                assert node._spares_opening == {dest.peer_id}
+                pool = src.streams
+                pool.spare_ahead(r.peer_id, GENERATE_PROTOCOL)  # direct: no spare
+                pool.spare_ahead(dest.peer_id, GENERATE_PROTOCOL)
+                pool.spare_ahead(dest.peer_id, GENERATE_PROTOCOL)  # one at a time
+                assert pool.spares_opening == {dest.peer_id}
                 await wait_until(lambda: src.has_idle_stream(dest.peer_id, GENERATE_PROTOCOL))
-                assert not node._spares_opening and not src.has_idle_stream(r.peer_id, GENERATE_PROTOCOL)
+                assert not pool.spares_opening and not src.has_idle_stream(r.peer_id, GENERATE_PROTOCOL)
                 used = await src.open_stream(dest.peer_id, GENERATE_PROTOCOL, lazy=True)
                 await used.send(b"one")
                 assert await used.receive() == b"one"
@@ -223,6 +210,6 @@ async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_strea
                 await spare.send(b"at once")  # negotiated when it was opened
                 assert await spare.receive() == b"at once"
                 assert src.take_idle_stream(dest.peer_id, GENERATE_PROTOCOL) is None
-                node.spare_ahead(src, dest.peer_id)  # none kept again: another spare
+                pool.spare_ahead(dest.peer_id, GENERATE_PROTOCOL)  # none kept again: another spare
                 await wait_until(lambda: src.has_idle_stream(dest.peer_id, GENERATE_PROTOCOL))
             nursery.cancel_scope.cancel()

@@ -14,6 +14,9 @@ The API, in one screen::
         stream = await host.open_stream(peer_id, "/peerinfer/x/1")
         await stream.send(b"..."); frame = await stream.receive(); await stream.aclose()
         reply = await host.request(peer_id, "/peerinfer/x/1", b"...")   # one frame each way
+        reply = await host.streams.exchange(peer_id, "/peerinfer/x/1", body, timeout=5.0)
+                                                       # async def body(use: StreamUse): on a kept
+                                                       # stream or a new one; use.keep() keeps it
 
         messages = await host.subscribe(topic, validator)   # channel of GossipMessage
         await host.publish(topic, b"...")
@@ -26,10 +29,14 @@ refused), ``RequestTimeoutError`` (a deadline passed), ``ProtocolError`` (malfor
 frame), ``ConfigError`` / ``InvalidRequestError`` / ``ClosedError`` (ours to fix). A clean end
 of stream is ``trio.EndOfChannel``, as for trio channels.
 
-Module map: ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, Host,
-the theory of operation), ``framing`` (FramedStream), ``gossip`` (the guarded gossipsub),
-``admission`` (the private swarm's
-handshake and invites), ``discovery`` (mDNS bridge, dialable addresses), ``identity`` (the persistent key), ``pacing``
+Module map: ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, the
+``Host`` façade, the theory of operation) and its parts: ``context`` (what they share),
+``connections`` (registry, disconnect, healing, probes), ``gatekeeper`` (admission verdicts),
+``dialing``, ``streams`` (handlers, open_stream), ``streampool`` (stream reuse), ``liveness``
+(pings, the RTT table), ``topics`` (gossip glue), ``ping``, ``transport`` (the libp2p host as
+built); ``framing`` (FramedStream), ``gossip`` (the guarded gossipsub), ``admission`` (the
+private swarm's handshake and invites), ``discovery`` (mDNS bridge, dialable addresses),
+``identity`` (the persistent key), ``pacing``
 (backoff and token bucket, pure), ``_errors`` (the one translation table).
 
 QUIC is not offered. In a loopback trial py-libp2p 0.8.1's QUIC transport connected, carried

@@ -146,10 +146,10 @@ class HostConfig:
     #: Consecutive failed pings after which the peer is disconnected.
     liveness_max_failures: int = 2
     #: A fresh connection to a peer whose pings failed replaces the ones they failed on at once
-    #: (Host._replace_stalled: a cut relay link then heals within 1.3-4 announce intervals, 5
+    #: (Connections.replace_stalled: a cut relay link then heals within 1.3-4 announce intervals, 5
     #: without; docs/reach.md, "Healing"); a fresh connection to a peer that holds others has
     #: each older one pinged over itself, and those that stay silent are replaced too
-    #: (Host._replace_silent: a restarted peer's old connection, never closed). Our pubsub
+    #: (Connections._replace_silent: a restarted peer's old connection, never closed). Our pubsub
     #: stream moves off a replaced connection at once. (Off for a while: a restarted peer
     #: stayed admitted but silent, as py-libp2p's pubsub forgot the subscriptions of a peer
     #: whose old stream failed, also those its new stream had just sent; net.gossip keeps them.)

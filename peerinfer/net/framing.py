@@ -105,6 +105,8 @@ class FramedStream:
         self._buffer = bytearray()
         self._pending_length: int | None = None
         self._done = False
+        #: Frames ``receive`` returned so far (``StreamUse.answered``: did any answer come?).
+        self.frames_received = 0
         #: The verified peer id at the other end (proven by the Noise handshake).
         self.remote_peer: str = peer_id_text(net_stream)
         #: Lazy negotiation: the proposals not written yet, and whether the answers are due.
@@ -166,7 +168,9 @@ class FramedStream:
             with translated("receive", self.remote_peer, deadline), trio.fail_after(deadline):
                 if self._answers_due:
                     await self._read_answers()
-                return await self._read_frame(limit)
+                frame = await self._read_frame(limit)
+            self.frames_received += 1
+            return frame
         except RemoteError:
             await self.reset()
             raise

@@ -163,6 +163,11 @@ def make_router(config: HostConfig) -> GossipSub:
     )
 
 
+def _stream_closed(stream: INetStream) -> bool:
+    """``NetStream.is_closed`` (a property the ``INetStream`` interface does not declare)."""
+    return bool(getattr(stream, "is_closed", False))
+
+
 class GuardedPubsub(Pubsub):
     """``Pubsub`` whose remote-input paths cannot raise into the service (see module doc)."""
 
@@ -256,7 +261,7 @@ class GuardedPubsub(Pubsub):
         # subscriber known) while it gossips to us: a peer admitted but silent towards it
         # (tests/test_net_host.py, the connection under the pubsub streams closing).
         reading = self._reading.get(peer_id)
-        if reading is None or reading.is_closed or reading.muxed_conn.is_closed:
+        if reading is None or _stream_closed(reading) or reading.muxed_conn.is_closed:
             super()._handle_dead_peer(peer_id)
             return
         topics = [topic for topic, peers in self.peer_topics.items() if peer_id in peers]

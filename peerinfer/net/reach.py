@@ -30,8 +30,8 @@ Algorithm (one task per node, :func:`run_reach`)
 With ``upnp`` (off by default), a port mapping is asked of the router before the first test
 (net/upnp.py); where one is made, the test finds the port open and no relay is needed.
 
-Dialing a relayed peer is in ``Host._connect_info``: a short direct attempt first, then the
-circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
+Dialing a relayed peer is in ``Dialer.connect_info`` (``peerinfer.net.dialing``): a short
+direct attempt first, then the circuit address (see ``Host.relay_dialer``). A relayed connection is then upgraded to a direct
 one by hole punching (py-libp2p's DCUtR, TCP with SO_REUSEPORT from the listen port) where
 both NATs allow; else it stays relayed.
 """
@@ -42,12 +42,13 @@ import contextlib
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
-from libp2p.network.stream.net_stream import INetStream
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
@@ -59,6 +60,11 @@ from peerinfer.net.host import Host, parse_peer_id, stream_is_relayed
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.relay import HOP_PROTOCOL, Relay, RelaySettings, open_relay
 from peerinfer.net.upnp import open_port_mapping
+
+if TYPE_CHECKING:
+    # trio's own ``trio.TaskStatus``, as mypy sees it: libp2p depends on trio-typing, whose
+    # trio-stubs shadow trio's inline types and name the class here.
+    from trio_typing import TaskStatus
 
 __all__ = ["DIALBACK_PROTOCOL", "ReachSettings", "ReachState", "run_reach"]
 
@@ -361,7 +367,7 @@ async def _running_dcutr(host: Host) -> AsyncIterator[None]:
         async with trio.open_nursery() as nursery:
             # The auto-drive loop calls the instance's initiate_hole_punch: one side leads,
             # and each peer's attempt runs on its own.
-            dcutr.initiate_hole_punch = _one_side_first(  # type: ignore[method-assign]
+            dcutr.initiate_hole_punch = _one_side_first(  # type: ignore[method-assign,assignment]  # an instance patch
                 host.peer_id, dcutr.initiate_hole_punch, nursery
             )
             nursery.start_soon(_give_back_punch_budgets, dcutr)
@@ -371,7 +377,7 @@ async def _running_dcutr(host: Host) -> AsyncIterator[None]:
 
 def _one_side_first(
     our_id: str, initiate: Callable[[ID], Awaitable[bool]], nursery: trio.Nursery
-) -> Callable[[ID], Awaitable[bool]]:
+) -> Callable[[ID], Coroutine[Any, Any, bool]]:
     """``initiate`` (DCUtR's ``initiate_hole_punch``) as the auto-drive loop should call it:
 
     * the peer with the smaller id of the two starts at once, the other only once
@@ -452,7 +458,7 @@ async def run_reach(
     settings: ReachSettings,
     *,
     on_addrs_changed: Callable[[], None] = lambda: None,
-    task_status: trio.TaskStatus[ReachState] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[ReachState] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run reachability, relay service and relay reservations on ``host`` until cancelled.
     ``on_addrs_changed`` is called (it must not block) when our relayed address comes or goes,

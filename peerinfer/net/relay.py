@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import multiaddr
 import trio
+from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
-from libp2p.network.stream.net_stream import INetStream
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
@@ -207,7 +207,7 @@ class Relay:
                 raise PeerUnavailableError(f"relayed dial {circuit_addr}: {exc}") from exc
         if scope.cancelled_caught or conn is None:
             raise PeerUnavailableError(f"relayed dial {circuit_addr}: no connection within {timeout:.1f} s")
-        return conn.muxed_conn.peer_id.to_base58()  # type: ignore[attr-defined,no-any-return]
+        return conn.muxed_conn.peer_id.to_base58()
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,6 @@ reporting the first token, the end or a failure to the core."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 
 import trio
 
@@ -25,15 +24,13 @@ from peerinfer.core.node import (
     ForwardFirstToken,
 )
 from peerinfer.errors import (
-    PeerInferError,
-    PeerUnavailableError,
     ProtocolError,
     RemoteError,
     RequestTimeoutError,
     error_kind,
 )
-from peerinfer.net import FramedStream, Host
-from peerinfer.net.host import SPARE_STREAM_TTL_S
+from peerinfer.net import Host
+from peerinfer.net.streampool import StreamUse
 from peerinfer.node.door import _Sink
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
 
@@ -90,51 +87,6 @@ class _RelayCheck:
         )
 
 
-#: How long opening a spare stream may take (``ForwardingMixin._spare_ahead``).
-SPARE_OPEN_TIMEOUT_S = 10.0
-
-
-class _StreamGoneEarly(Exception):
-    """A forward's stream failed before any answer, and not for the peer's doing: it was kept
-    from an earlier forward and the peer let it go, or its connection was replaced as stalled
-    meanwhile (``Host.replaced_since``; seen after a partition healed: a forward begun on the
-    dead connection failed the moment the fresh one replaced it, and was served locally)."""
-
-
-class _StreamUse:
-    """One forward's use of a generate stream: reset on failure; after a clean ``GenerateDone``
-    (``keep``) kept for the peer's next forward (``Host.keep_idle_stream``), else closed. A
-    stream that fails before its first answer, kept (``reused``) or on a connection replaced
-    since ``started``, raises ``_StreamGoneEarly`` (``may_retry``: not on the second try)."""
-
-    def __init__(self, host: Host, stream: FramedStream, reused: bool, started: float, *, may_retry: bool) -> None:
-        self.host, self.stream, self.reused, self.started = host, stream, reused, started
-        self.may_retry = may_retry
-        self.answered = False
-        self.keep = False
-
-    async def __aenter__(self) -> _StreamUse:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is not None:
-            await self.stream.reset()
-            if (
-                self.may_retry
-                and not self.answered
-                and isinstance(exc, PeerUnavailableError | trio.EndOfChannel)
-                and (self.reused or self.host.replaced_since(self.stream.remote_peer, self.started))
-            ):
-                raise _StreamGoneEarly(str(exc)) from exc
-            return
-        if self.keep:
-            self.host.keep_idle_stream(self.stream)
-        else:
-            await self.stream.aclose()
-
-
 class ForwardingMixin:
     """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
 
@@ -161,13 +113,13 @@ class ForwardingMixin:
         with trio.CancelScope() as scope:
             sink.forward_scope = scope
             try:
-                outcome, done = await self._forward_on_kept_or_new_stream(host, eff, sink, check)
+                outcome, done = await self._forward_attempt(host, eff, sink, check)
             except ProtocolError as exc:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "protocol", tuple(check.generated))
                 logger.info("forward to %s: %s", eff.peer, exc)
             except RequestTimeoutError:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "timeout", tuple(check.generated))
-            except (RemoteError, trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
+            except (RemoteError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 outcome = ForwardFailed(eff.request_id, eff.peer, "unavailable", tuple(check.generated))
                 logger.info("forward to %s failed: %s", eff.peer, exc)
         if sink.forward_scope is scope:
@@ -201,69 +153,20 @@ class ForwardingMixin:
         if outcome is not None:
             self._feed(outcome)
 
-    async def _forward_on_kept_or_new_stream(
+    async def _forward_attempt(
         self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
-        """A forward reuses a stream kept from the last one to the same peer when it can (no
-        stream to open, no protocol to negotiate); if the peer let that stream go, or the
-        stream's connection was replaced as stalled, which shows before any answer, the request
-        goes again once on a new stream, under another id."""
-        try:
-            return await self._forward_attempt(host, eff, sink, check)
-        except _StreamGoneEarly as exc:
-            logger.debug("a stream to %s was gone before any answer (%s); forwarding on a new one", eff.peer, exc)
-            return await self._forward_attempt(host, eff, sink, check, second_try=True)
+        """Send the request on a stream of the host's pool (``host.streams.exchange``): one
+        kept from the last forward to the same peer when it can (no stream to open, no protocol
+        to negotiate), kept again after a clean ``GenerateDone``. If the peer let a kept stream
+        go, or the stream's connection was replaced as stalled, which shows before any answer,
+        the request goes again once on a new stream, under another id. A peer we reach only
+        through a relay gets a spare stream opened ahead of the next forward."""
 
-    def _spare_ahead(self, host: Host, peer: str) -> None:
-        """Open a spare generate stream to ``peer`` in the background, negotiated and kept
-        (``SPARE_STREAM_TTL_S``), when we reach it only through a relay and keep no stream for
-        it: the next forward, concurrent or up to a minute later, then starts at once. A new
-        stream through a relay cost 41.5 ms more than a kept one on the emulated internet
-        (docs/reach.md: its opening exchanges all cross the relay), against 12.8 ms for a
-        direct one, which gets no spare."""
-        if (
-            peer in self._spares_opening
-            or self._nursery is None
-            or self._closing
-            or not host.only_relayed(peer)
-            or host.has_idle_stream(peer, GENERATE_PROTOCOL)
-        ):
-            return
-        self._spares_opening.add(peer)
-        self._nursery.start_soon(self._open_spare, host, peer)
-
-    async def _open_spare(self, host: Host, peer: str) -> None:
-        try:
-            stream = await host.open_stream(peer, GENERATE_PROTOCOL, timeout=SPARE_OPEN_TIMEOUT_S)
-        except PeerInferError as exc:
-            logger.debug("no spare stream to %s: %s", peer, exc)
-        else:
-            host.keep_idle_stream(stream, ttl_s=SPARE_STREAM_TTL_S)
-        finally:
-            self._spares_opening.discard(peer)
-
-    async def _forward_attempt(
-        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck,
-        second_try: bool = False,
-    ) -> tuple[Event, GenerateDone | None]:
-        started = trio.current_time()
-        deadline = started + eff.first_token_timeout_s
-        stream = None if second_try else host.take_idle_stream(eff.peer, GENERATE_PROTOCOL)
-        reused = stream is not None
-        if stream is None:
-            # Lazily negotiated: the request travels with the protocol negotiation (two round
-            # trips fewer); a peer refusing the protocol fails at the first receive instead.
-            try:
-                stream = await host.open_stream(
-                    eff.peer, GENERATE_PROTOCOL, timeout=eff.first_token_timeout_s, lazy=True
-                )
-            except PeerUnavailableError as exc:
-                if not second_try and host.replaced_since(eff.peer, started):
-                    raise _StreamGoneEarly(str(exc)) from exc
-                raise
-        self._spare_ahead(host, eff.peer)
-        generated = check.generated
-        async with _StreamUse(host, stream, reused, started, may_retry=not second_try) as use:
+        async def attempt(use: StreamUse) -> tuple[Event, GenerateDone | None]:
+            stream, started, second_try = use.stream, use.started, use.retry
+            deadline = started + eff.first_token_timeout_s
+            generated = check.generated
             if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
                 raise ProtocolError(f"a stream to {eff.peer} reached {stream.remote_peer}")
             await stream.send(
@@ -287,7 +190,6 @@ class ForwardingMixin:
             while True:
                 timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
                 frame = await stream.receive(timeout=timeout)
-                use.answered = True
                 msg = decode(frame, expected=(TokenChunk, GenerateDone, ErrorMessage))
                 if isinstance(msg, TokenChunk):
                     broken = check.chunk(msg.token_ids, msg.text)
@@ -305,7 +207,7 @@ class ForwardingMixin:
                         logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
                         return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
                     ttft = (first_at if first_at is not None else trio.current_time()) - started
-                    use.keep = True  # the peer serves the next request on this stream
+                    use.keep()  # the peer serves the next request on this stream
                     return (
                         ForwardFinished(
                             eff.request_id,
@@ -323,3 +225,7 @@ class ForwardingMixin:
                     # goes elsewhere (else one peer could fail every request sent to it).
                     kind = error_kind(msg.code)
                     return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
+
+        return await host.streams.exchange(
+            eff.peer, GENERATE_PROTOCOL, attempt, timeout=eff.first_token_timeout_s, spare=not self._closing
+        )
