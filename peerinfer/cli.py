@@ -193,6 +193,7 @@ def _run_node(args: argparse.Namespace) -> int:
     import trio
 
     from peerinfer.node import Node
+    from peerinfer.serve import serve_node
 
     options = node_options(args)
     node = Node(options, engine=_load_engine_verbosely(options))
@@ -200,7 +201,7 @@ def _run_node(args: argparse.Namespace) -> int:
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(node.serve)
+                await nursery.start(serve_node, node)
                 # Everything loaded so far (libraries, the model) lives as long as the process:
                 # keep it out of the collector's sight. Without this every full collection walks
                 # it all, and a node paused 219-310 ms at a time (measured with the simulated

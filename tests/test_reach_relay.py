@@ -16,7 +16,9 @@ from peerinfer.errors import PeerUnavailableError
 from peerinfer.net import open_host
 from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.net.relay import RelaySettings, open_relay
-from peerinfer.node.forwarding import ForwardingMixin
+from peerinfer.node import NodeOptions
+from peerinfer.node.context import NodeContext
+from peerinfer.node.forwarding import Forwarder
 from peerinfer.node.options import GENERATE_PROTOCOL
 
 KEY = b"the members' key"
@@ -178,16 +180,10 @@ async def test_a_stream_to_a_peer_we_are_not_connected_to_goes_through_its_relay
             nursery.cancel_scope.cancel()
 
 
-class _Forwarder:
-    """What ``ForwardingMixin._spare_ahead`` reads of a node."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._closing = False
-        self._spares_opening: set[str] = set()
-
-    spare_ahead = ForwardingMixin._spare_ahead
-    _open_spare = ForwardingMixin._open_spare
+def _forwarder(nursery: trio.Nursery) -> Forwarder:
+    """A node's forwarder, with only what ``Forwarder.spare_ahead`` uses of its context."""
+    ctx = NodeContext(NodeOptions(engine="simulated"), feed=lambda event: None, nursery=nursery)
+    return Forwarder(ctx)
 
 
 async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_stream() -> None:
@@ -204,13 +200,13 @@ async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_strea
                 circuit = await d.reserve(r.peer_id, base(r.listen_addrs()[0]))
                 assert await s.dial(circuit) == dest.peer_id
                 assert src.only_relayed(dest.peer_id) and not src.only_relayed(r.peer_id)
-                node = _Forwarder(nursery)
-                node.spare_ahead(src, r.peer_id)  # direct: no spare
-                node.spare_ahead(src, dest.peer_id)
-                node.spare_ahead(src, dest.peer_id)  # one at a time
-                assert node._spares_opening == {dest.peer_id}
+                forwarder = _forwarder(nursery)
+                forwarder.spare_ahead(src, r.peer_id)  # direct: no spare
+                forwarder.spare_ahead(src, dest.peer_id)
+                forwarder.spare_ahead(src, dest.peer_id)  # one at a time
+                assert forwarder.spares_opening == {dest.peer_id}
                 await wait_until(lambda: src.has_idle_stream(dest.peer_id, GENERATE_PROTOCOL))
-                assert not node._spares_opening and not src.has_idle_stream(r.peer_id, GENERATE_PROTOCOL)
+                assert not forwarder.spares_opening and not src.has_idle_stream(r.peer_id, GENERATE_PROTOCOL)
                 used = await src.open_stream(dest.peer_id, GENERATE_PROTOCOL, lazy=True)
                 await used.send(b"one")
                 assert await used.receive() == b"one"
@@ -223,6 +219,6 @@ async def test_a_peer_reached_only_through_a_relay_gets_a_spare_negotiated_strea
                 await spare.send(b"at once")  # negotiated when it was opened
                 assert await spare.receive() == b"at once"
                 assert src.take_idle_stream(dest.peer_id, GENERATE_PROTOCOL) is None
-                node.spare_ahead(src, dest.peer_id)  # none kept again: another spare
+                forwarder.spare_ahead(src, dest.peer_id)  # none kept again: another spare
                 await wait_until(lambda: src.has_idle_stream(dest.peer_id, GENERATE_PROTOCOL))
             nursery.cancel_scope.cancel()

@@ -1,5 +1,8 @@
 """Forwarding: relaying a request to the peer the core chose, and its token stream back,
-reporting the first token, the end or a failure to the core."""
+reporting the first token, the end or a failure to the core.
+
+:class:`Forwarder` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext`."""
 
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ from peerinfer.errors import (
 )
 from peerinfer.net import FramedStream, Host
 from peerinfer.net.host import SPARE_STREAM_TTL_S
-from peerinfer.node.door import _Sink
+from peerinfer.node.context import NodeContext
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
+from peerinfer.node.sinks import Sink, forward_request_id
 
 
 class _RelayCheck:
@@ -90,7 +94,7 @@ class _RelayCheck:
         )
 
 
-#: How long opening a spare stream may take (``ForwardingMixin._spare_ahead``).
+#: How long opening a spare stream may take (``Forwarder.spare_ahead``).
 SPARE_OPEN_TIMEOUT_S = 10.0
 
 
@@ -135,10 +139,15 @@ class _StreamUse:
             await self.stream.aclose()
 
 
-class ForwardingMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class Forwarder:
+    """Runs the core's ``Forward`` effects (:meth:`forward`, one task each)."""
 
-    async def _forward(self, eff: Forward) -> None:
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        #: relayed peers a spare generate stream is being opened to
+        self.spares_opening: set[str] = set()
+
+    async def forward(self, eff: Forward) -> None:
         """Relay ``eff``'s request to its peer and check what comes back (see ``_RelayCheck``).
 
         Whatever the peer writes, the client never receives more than ``max_tokens`` tokens, nor
@@ -147,13 +156,14 @@ class ForwardingMixin:
         "invalid" for a request this node already validated, are the peer's failure: the core
         fails over (resuming after the tokens already relayed) and lowers its reputation.
         """
-        sink = self._sinks.get(eff.request_id)
-        host = self.host
+        ctx = self._ctx
+        sink = ctx.sinks.get(eff.request_id)
+        host = ctx.host
         assert host is not None
         if sink is None:
             return
         logger.info("request %s -> %s: %s", eff.request_id, eff.peer, eff.decision.reason)
-        engine = self.engine
+        engine = ctx.engine
         assert engine is not None
         check = _RelayCheck(eff.params, engine.vocab_size, len(eff.tokens))
         outcome: Event | None = None
@@ -184,7 +194,7 @@ class ForwardingMixin:
             done = check.synthesized_done(eff.peer)
         if done is not None:
             now = trio.current_time()
-            self._finish_sink(
+            ctx.sinks.finish(
                 sink,
                 GenerateDone(
                     request_id=sink.request_id,
@@ -199,10 +209,10 @@ class ForwardingMixin:
                 ),
             )
         if outcome is not None:
-            self._feed(outcome)
+            ctx.feed(outcome)
 
     async def _forward_on_kept_or_new_stream(
-        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
+        self, host: Host, eff: Forward, sink: Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
         """A forward reuses a stream kept from the last one to the same peer when it can (no
         stream to open, no protocol to negotiate); if the peer let that stream go, or the
@@ -214,23 +224,24 @@ class ForwardingMixin:
             logger.debug("a stream to %s was gone before any answer (%s); forwarding on a new one", eff.peer, exc)
             return await self._forward_attempt(host, eff, sink, check, second_try=True)
 
-    def _spare_ahead(self, host: Host, peer: str) -> None:
+    def spare_ahead(self, host: Host, peer: str) -> None:
         """Open a spare generate stream to ``peer`` in the background, negotiated and kept
         (``SPARE_STREAM_TTL_S``), when we reach it only through a relay and keep no stream for
         it: the next forward, concurrent or up to a minute later, then starts at once. A new
         stream through a relay cost 41.5 ms more than a kept one on the emulated internet
         (docs/reach.md: its opening exchanges all cross the relay), against 12.8 ms for a
         direct one, which gets no spare."""
+        nursery = self._ctx.nursery
         if (
-            peer in self._spares_opening
-            or self._nursery is None
-            or self._closing
+            peer in self.spares_opening
+            or nursery is None
+            or self._ctx.closing
             or not host.only_relayed(peer)
             or host.has_idle_stream(peer, GENERATE_PROTOCOL)
         ):
             return
-        self._spares_opening.add(peer)
-        self._nursery.start_soon(self._open_spare, host, peer)
+        self.spares_opening.add(peer)
+        nursery.start_soon(self._open_spare, host, peer)
 
     async def _open_spare(self, host: Host, peer: str) -> None:
         try:
@@ -240,10 +251,10 @@ class ForwardingMixin:
         else:
             host.keep_idle_stream(stream, ttl_s=SPARE_STREAM_TTL_S)
         finally:
-            self._spares_opening.discard(peer)
+            self.spares_opening.discard(peer)
 
     async def _forward_attempt(
-        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck,
+        self, host: Host, eff: Forward, sink: Sink, check: _RelayCheck,
         second_try: bool = False,
     ) -> tuple[Event, GenerateDone | None]:
         started = trio.current_time()
@@ -261,7 +272,7 @@ class ForwardingMixin:
                 if not second_try and host.replaced_since(eff.peer, started):
                     raise _StreamGoneEarly(str(exc)) from exc
                 raise
-        self._spare_ahead(host, eff.peer)
+        self.spare_ahead(host, eff.peer)
         generated = check.generated
         async with _StreamUse(host, stream, reused, started, may_retry=not second_try) as use:
             if stream.remote_peer != eff.peer:  # the host authenticates; never relay otherwise
@@ -269,12 +280,11 @@ class ForwardingMixin:
             await stream.send(
                 encode(
                     GenerateRequest(
-                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
-                        + ("r" if second_try else ""),
+                        request_id=forward_request_id(eff.request_id, eff.attempt, second_try),
                         params=eff.params,
                         tokens=eff.tokens,
                         forwarded=True,
-                        origin=self.peer_id,
+                        origin=self._ctx.peer_id,
                         max_outstanding=eff.decision.max_outstanding,
                         scaffold=eff.scaffold,
                     )
@@ -283,7 +293,8 @@ class ForwardingMixin:
             )
             first_at: float | None = None
             # The core's gap (NodeCore.silence gives the door twice this for a forward).
-            gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
+            core = self._ctx.core
+            gap_s = core.config.token_gap_timeout_s if core is not None else TOKEN_GAP_TIMEOUT_S
             while True:
                 timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
                 frame = await stream.receive(timeout=timeout)
@@ -295,10 +306,10 @@ class ForwardingMixin:
                         logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
                         return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
                     generated.extend(msg.token_ids)
-                    self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
+                    self._ctx.sinks.relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
                     if first_at is None and (msg.token_ids or msg.text):
                         first_at = trio.current_time()
-                        self._feed(ForwardFirstToken(eff.request_id, eff.peer))
+                        self._ctx.feed(ForwardFirstToken(eff.request_id, eff.peer))
                 elif isinstance(msg, GenerateDone):
                     broken = check.done(msg)
                     if broken:
