@@ -15,7 +15,12 @@ from peerinfer.http import check_exposure, parse_http_address, serve_http
 from peerinfer.node import Node
 
 
-async def serve_node(node: Node, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_node(
+    node: Node, *,
+    # trio-stubs (from trio-typing 0.10, which py-libp2p pulls in) shadow trio 0.35's own
+    # types and do not export TaskStatus.
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+) -> None:
     """Run ``node``, and its HTTP API if its options ask for one, until cancelled;
     ``task_status.started(node)`` once both accept."""
     opts = node.options

@@ -194,7 +194,12 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def serve(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, *,
+        # trio-stubs (from trio-typing 0.10, which py-libp2p pulls in) shadow trio 0.35's own
+        # types and do not export TaskStatus.
+        task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+    ) -> None:
         ctx, opts = self.ctx, self.options
         if ctx.engine is None:
             ctx.engine = await trio.to_thread.run_sync(_load_engine, opts)
