@@ -224,14 +224,14 @@ async def forged(count: int = 300) -> None:
             await client.generate(PROMPT + " before", max_tokens=4)
             before_s = time.perf_counter() - t
         chain = a.core.hasher.chain(a.engine.tokenize(PROMPT + " after"))
-        config = host_config(gossip_topics=(a._topic,))
+        config = host_config(gossip_topics=(a.topic,))
         async with open_host(config) as attacker:
-            await attacker.subscribe(a._topic)
+            await attacker.subscribe(a.topic)
             await attacker.connect(a.addresses()[0])
-            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a._topic), 20)
+            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a.topic), 20)
             ids = []
             for i in range(count):
-                sender, msg = forged_message(a._topic, chain, i + 1)
+                sender, msg = forged_message(a.topic, chain, i + 1)
                 ids.append(sender)
                 await attacker._pubsub.push_msg(attacker._pubsub.my_id, msg)
                 if i % 10 == 9:

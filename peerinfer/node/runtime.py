@@ -132,6 +132,11 @@ class Node:
         return self.ctx.peer_id
 
     @property
+    def topic(self) -> str:
+        """The gossip topic of the node's model (and swarm key); "" before it serves."""
+        return self.ctx.topic
+
+    @property
     def traffic(self) -> dict[tuple[str, str], int]:
         """Anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")."""
         return dict(self.ctx.traffic)
