@@ -22,6 +22,7 @@ from peerinfer.engine.constraints import check_constraint
 from peerinfer.engine.tools import generic_messages, parse_tool_calls, tool_call_grammar
 from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node
+from peerinfer.serve import serve_node
 from tests.test_http import in_thread, nodes, options, sdk
 
 WEATHER = {
@@ -139,7 +140,7 @@ async def smol_node() -> AsyncIterator[Node]:
     try:
         async with trio.open_nursery() as nursery:
             node = Node(options(engine="hf"), engine=engine)
-            await nursery.start(node.serve)
+            await nursery.start(serve_node, node)
             try:
                 yield node
             finally:
@@ -345,10 +346,10 @@ async def test_constrained_requests_are_forwarded_audited_and_served_to_the_clie
     try:
         async with trio.open_nursery() as nursery:
             a = Node(options(engine="hf", policy="round_robin", audit_rate=1.0), engine=engines[0])
-            await nursery.start(a.serve)
+            await nursery.start(serve_node, a)
             b = Node(options(engine="hf", policy="round_robin", audit_rate=1.0,
                              bootstrap=(a.addresses()[0],)), engine=engines[1])
-            await nursery.start(b.serve)
+            await nursery.start(serve_node, b)
             with trio.fail_after(60):
                 while not b.status().peers:
                     await trio.sleep(0.05)
