@@ -132,7 +132,8 @@ class NodeOptions:
     preempt_after_tokens: int | None = DEFAULT_PREEMPT_AFTER_TOKENS
     seed: int | None = None
     expected_peers: int = 64
-    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API. Served beside the
+    #: node by ``peerinfer.serve.serve_node`` (``Node.serve`` alone runs no HTTP API)
     http: str | None = None
     #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
     api_keys: tuple[str, ...] = ()

@@ -5,6 +5,7 @@ component that executes it; and its timer."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import random
@@ -137,9 +138,10 @@ class Node:
         return self.ctx.topic
 
     @property
-    def traffic(self) -> dict[tuple[str, str], int]:
-        """Anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")."""
-        return dict(self.ctx.traffic)
+    def traffic(self) -> collections.Counter[tuple[str, str]]:
+        """Anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received");
+        live (``statistics()`` has a snapshot)."""
+        return self.ctx.traffic
 
     @property
     def request_listeners(self) -> list[Callable[[Submission, bool], None]]:
