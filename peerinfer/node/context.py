@@ -49,6 +49,8 @@ class NodeContext:
     traffic: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     #: Engines are not thread-safe: one call at a time, in a worker thread (``in_engine``).
     engine_lock: trio.Lock = field(default_factory=trio.Lock)
+    #: Set (and renewed) each time the core handled an event or ticked (``note_core_moved``).
+    _core_moved: trio.Event = field(default_factory=trio.Event, init=False, repr=False)
 
     @staticmethod
     def now() -> float:
@@ -59,6 +61,15 @@ class NodeContext:
     def peer_id(self) -> str:
         assert self.host is not None, "the node is not running"
         return self.host.peer_id
+
+    def note_core_moved(self) -> None:
+        """The core handled an event or ticked (``Node._execute``): wake whoever waits."""
+        self._core_moved.set()
+        self._core_moved = trio.Event()
+
+    async def wait_core_moved(self) -> None:
+        """Until the core next handles an event or ticks."""
+        await self._core_moved.wait()
 
     async def in_engine(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one engine call in the worker thread (engines are not thread-safe)."""

@@ -334,6 +334,7 @@ class Node:
         nursery, sinks = ctx.nursery, ctx.sinks
         if nursery is None:
             return
+        ctx.note_core_moved()
         for eff in effects:
             if isinstance(eff, RunLocal | Forward):
                 self.door.note_route(eff)

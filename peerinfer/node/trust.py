@@ -148,7 +148,7 @@ class TrustKeeper:
         ctx = self._ctx
         engine, core = ctx.engine, ctx.core
         assert engine is not None and core is not None
-        await _wait_engine_idle(core)
+        await _wait_engine_idle(ctx, core)
         started = time.perf_counter()
         try:
             verdict: AuditVerdict | None = await ctx.in_engine(
@@ -176,20 +176,25 @@ class TrustKeeper:
         ctx.feed(AuditFinished(eff.peer, verdict.ok, verdict.describe()))
 
 
-async def _wait_engine_idle(core: NodeCore) -> None:
-    """Until nothing has been queued or running here for ``AUDIT_IDLE_S`` (bounded)."""
+async def _wait_engine_idle(ctx: NodeContext, core: NodeCore) -> None:
+    """Until nothing has been queued or running here for ``AUDIT_IDLE_S`` (bounded by
+    ``AUDIT_MAX_WAIT_S``). Woken by the core's moves (``NodeContext.wait_core_moved``), not by
+    polling: only a move can make the engine busy or idle."""
+
+    def busy() -> bool:
+        stats = core.statistics()
+        return bool(stats.queued or stats.running)
+
     with trio.move_on_after(AUDIT_MAX_WAIT_S):
-        idle_since: float | None = None
         while True:
-            stats = core.statistics()
-            now = trio.current_time()
-            if stats.queued or stats.running:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = now
-            elif now - idle_since >= AUDIT_IDLE_S:
-                return
-            await trio.sleep(AUDIT_IDLE_S / 2)
+            if busy():
+                await ctx.wait_core_moved()
+                continue
+            with trio.move_on_after(AUDIT_IDLE_S) as quiet:
+                while not busy():
+                    await ctx.wait_core_moved()
+            if quiet.cancelled_caught:
+                return  # idle all along
 
 
 def reputation_line(core: NodeCore, peer: str, now: float) -> str:
