@@ -9,17 +9,22 @@ before the (slow) model load.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import trio
 
 from peerinfer.http import check_exposure, parse_http_address, serve_http
 from peerinfer.node import Node
 
+if TYPE_CHECKING:
+    # trio's own ``trio.TaskStatus``, as mypy sees it: libp2p depends on trio-typing, whose
+    # trio-stubs shadow trio's inline types and name the class here.
+    from trio_typing import TaskStatus
+
 
 async def serve_node(
     node: Node, *,
-    # trio-stubs (from trio-typing 0.10, which py-libp2p pulls in) shadow trio 0.35's own
-    # types and do not export TaskStatus.
-    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+    task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run ``node``, and its HTTP API if its options ask for one, until cancelled;
     ``task_status.started(node)`` once both accept."""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -66,6 +67,12 @@ from peerinfer.node.peers import PeerKeeper
 from peerinfer.node.trust import TrustKeeper
 from peerinfer.node.worker import EngineWorker
 from peerinfer.types import PeerId
+
+if TYPE_CHECKING:
+    # trio's own ``trio.TaskStatus``, as mypy sees it: libp2p depends on trio-typing, whose
+    # trio-stubs shadow trio's inline types and name the class here.
+    from trio_typing import TaskStatus
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +210,7 @@ class Node:
 
     async def serve(
         self, *,
-        # trio-stubs (from trio-typing 0.10, which py-libp2p pulls in) shadow trio 0.35's own
-        # types and do not export TaskStatus.
-        task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]
+        task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         ctx, opts = self.ctx, self.options
         if ctx.engine is None:
