@@ -28,10 +28,10 @@ The HTTP API is not part of the node: ``peerinfer.serve`` runs it beside the nod
 nursery, and it reads the node through ``Node.submit``, ``Node.status()`` and
 ``Node.statistics()``.
 
-
 * ``_feed(event)`` runs ``core.handle(event, now)`` and starts the effects it returns (publish
-  an announcement, a sync round, a local run, a forward, a rejection, a ping). A timer task
-  calls ``core.tick(now)`` no later than ``core.next_deadline()``.
+  an announcement, a sync round, a local run, a forward, a rejection, a ping), each through
+  the component that executes it. A timer task calls ``core.tick(now)`` no later than
+  ``core.next_deadline()``.
 * The engine is synchronous; every call into it runs in a worker thread, one at a time (a
   ``trio.Lock``), so the event loop never blocks on compute. One *engine worker* task owns a
   :class:`~peerinfer.engine.batch.BatchScheduler` and is the only caller into the engine while
@@ -39,8 +39,8 @@ nursery, and it reads the node through ``Node.submit``, ``Node.status()`` and
   ``scheduler.step()`` (one prefill chunk and one batched decode step) in the thread while any
   run, routing each event to its request's sink and reporting cache changes to the core in
   the engine's order. The core admits up to the engine's ``max_batch_size`` at once.
-* Each request, whoever serves it, has a *sink* (``sinks``): a memory channel whose receiver is the stream
-  handler that answers the client (or the forwarding peer). Local runs and forwards write
+* Each request, whoever serves it, has a *sink* (``sinks``): a memory channel whose receiver
+  is the stream handler that answers the client (or the forwarding peer). Local runs and forwards write
   ``TokenChunk`` frames into it and end it with ``GenerateDone`` or ``ErrorMessage``.
 
 Protocols (all frames are ``peerinfer.core.messages``, varint length-prefixed):
