@@ -61,6 +61,7 @@ from peerinfer.engine.simulated import SimulatedEngine  # noqa: E402
 from peerinfer.errors import PeerUnavailableError  # noqa: E402
 from peerinfer.net import HostConfig, open_host  # noqa: E402
 from peerinfer.node import Node, NodeOptions, announce_topic  # noqa: E402
+from peerinfer.serve import serve_node
 from peerinfer.testing import open_cluster  # noqa: E402
 from peerinfer.types import BlockHash, PeerId  # noqa: E402
 
@@ -201,7 +202,7 @@ async def start_nodes(nursery: trio.Nursery, *per_node: dict[str, object]) -> li
         if started:
             extra.setdefault("bootstrap", (started[0].addresses()[0],))
         node = Node(node_options(**extra), engine=SimulatedEngine(costs=COSTS))
-        await nursery.start(node.serve)
+        await nursery.start(serve_node, node)
         started.append(node)
     return started
 
@@ -223,14 +224,14 @@ async def forged(count: int = 300) -> None:
             await client.generate(PROMPT + " before", max_tokens=4)
             before_s = time.perf_counter() - t
         chain = a.core.hasher.chain(a.engine.tokenize(PROMPT + " after"))
-        config = host_config(gossip_topics=(a._topic,))
+        config = host_config(gossip_topics=(a.topic,))
         async with open_host(config) as attacker:
-            await attacker.subscribe(a._topic)
+            await attacker.subscribe(a.topic)
             await attacker.connect(a.addresses()[0])
-            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a._topic), 20)
+            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a.topic), 20)
             ids = []
             for i in range(count):
-                sender, msg = forged_message(a._topic, chain, i + 1)
+                sender, msg = forged_message(a.topic, chain, i + 1)
                 ids.append(sender)
                 await attacker._pubsub.push_msg(attacker._pubsub.my_id, msg)
                 if i % 10 == 9:
@@ -390,7 +391,7 @@ async def _append(into: list[float], value: object) -> None:
 
 async def start_nodes_with(nursery: trio.Nursery, costs: CostModel, overrides: dict[str, object]) -> list[Node]:
     node = Node(node_options(**overrides), engine=SimulatedEngine(costs=costs))
-    await nursery.start(node.serve)
+    await nursery.start(serve_node, node)
     return [node]
 
 

@@ -35,6 +35,7 @@ from peerinfer.client import Client  # noqa: E402
 from peerinfer.core.costmodel import CostModel  # noqa: E402
 from peerinfer.engine.simulated import SimulatedEngine  # noqa: E402
 from peerinfer.node import Node, NodeOptions  # noqa: E402
+from peerinfer.serve import serve_node
 
 #: Engine costs small enough that the front ends' own costs dominate.
 FAST = CostModel(prefill_s_per_token=1e-6, cached_s_per_token=1e-7, decode_s_per_token=2e-4,
@@ -131,7 +132,7 @@ async def sse_first_byte(tries: int) -> dict[str, float]:
 
     seen: list[tuple[str, float]] = []
     async with trio.open_nursery() as nursery:
-        await nursery.start(node.serve)
+        await nursery.start(serve_node, node)
         node.request_listeners.append(remember)
         body = {"model": "simulated", "prompt": PROMPT, "max_tokens": 4, "stream": True}
         async with httpx.AsyncClient(base_url=node.http_url) as http:

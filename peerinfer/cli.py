@@ -158,12 +158,13 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         check_exposure(http_address[0], api_keys)
     swarm_key, joined = _swarm_options(args)
     trusted_ids = tuple(t for t in args.trust or () if t != "swarm")  # "swarm": trust_swarm
+    defaults = NodeOptions()
     return NodeOptions(
         engine=args.engine,
         model=args.model,
         device=args.device,
         engine_options=_engine_options(args, costs),
-        listen=tuple(args.listen) if args.listen else NodeOptions().listen,
+        listen=tuple(args.listen) if args.listen else defaults.listen,
         bootstrap=tuple(args.bootstrap) + joined,
         mdns=not args.no_mdns,
         identity=args.identity,
@@ -182,10 +183,12 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,
         max_queued_per_requester=args.max_queued_per_requester,
-        **({} if args.preempt_after_tokens is None
-           else {"preempt_after_tokens": args.preempt_after_tokens or None}),
-        **{k: v for k, v in (("max_tokens", args.max_tokens),
-                             ("max_prompt_tokens", args.max_prompt_tokens)) if v is not None},
+        # A flag left out keeps the option's default.
+        preempt_after_tokens=(defaults.preempt_after_tokens if args.preempt_after_tokens is None
+                              else args.preempt_after_tokens or None),
+        max_tokens=defaults.max_tokens if args.max_tokens is None else args.max_tokens,
+        max_prompt_tokens=(defaults.max_prompt_tokens if args.max_prompt_tokens is None
+                           else args.max_prompt_tokens),
     )
 
 
@@ -193,6 +196,7 @@ def _run_node(args: argparse.Namespace) -> int:
     import trio
 
     from peerinfer.node import Node
+    from peerinfer.serve import serve_node
 
     options = node_options(args)
     node = Node(options, engine=_load_engine_verbosely(options))
@@ -200,7 +204,7 @@ def _run_node(args: argparse.Namespace) -> int:
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(node.serve)
+                await nursery.start(serve_node, node)
                 # Everything loaded so far (libraries, the model) lives as long as the process:
                 # keep it out of the collector's sight. Without this every full collection walks
                 # it all, and a node paused 219-310 ms at a time (measured with the simulated

@@ -147,7 +147,7 @@ async def test_a_node_without_the_swarm_key_gets_nothing_accepted() -> None:
     async with nodes({"swarm_key": KEY}, {"swarm_key": KEY}) as (a, b):
         await wait_until(lambda: candidate_at(a, b) and candidate_at(b, a))
         before = core(a).statistics()
-        topic = a._topic
+        topic = a.topic
         for outsider_key in (b"a guess", None):
             # The worst case: the outsider even knows the topic name.
             async with raw_host(outsider_key, topic) as outsider:
@@ -191,17 +191,17 @@ async def test_a_fresh_hash_flood_never_exceeds_the_replica_budget() -> None:
     budget = 20_000
     async with nodes({"replica_budget_blocks": budget}, {"replica_budget_blocks": budget}) as (a, b):
         await wait_until(lambda: candidate_at(a, b) and candidate_at(b, a))
-        async with raw_host(None, a._topic) as attacker:
+        async with raw_host(None, a.topic) as attacker:
             await attacker.connect(a.addresses()[0])
             await wait_until(lambda: core(a).is_member(PeerId(attacker.peer_id)))
-            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a._topic), 15)
+            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a.topic), 15)
             digest = LocalDigest()
             rng = random.Random(7)
             peak_a = peak_b = 0
             for _ in range(60):  # 60 announcements of 1,000 fresh hashes: 60,000 claimed
                 for _ in range(1000):
                     digest.block_added(BlockHash(rng.getrandbits(64)))
-                await attacker.publish(a._topic, encode(announce_of(digest, attacker.peer_id)))
+                await attacker.publish(a.topic, encode(announce_of(digest, attacker.peer_id)))
                 for node in (a, b):
                     index = core(node).index
                     assert index.replica_blocks() <= budget
@@ -251,13 +251,13 @@ async def test_forged_identities_over_one_connection_become_nothing() -> None:
         engine = a.engine
         assert engine is not None
         chain = core(a).hasher.chain(engine.tokenize(PROMPT))
-        async with raw_host(None, a._topic) as attacker:
+        async with raw_host(None, a.topic) as attacker:
             await attacker.connect(a.addresses()[0])
-            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a._topic), 15)
+            await wait_until(lambda: a.peer_id in attacker.mesh_peers(a.topic), 15)
             pubsub = attacker._pubsub
             forged: list[str] = []
             for i in range(300):
-                sender, msg = forged_message(a._topic, chain, i + 1)
+                sender, msg = forged_message(a.topic, chain, i + 1)
                 forged.append(sender)
                 # Relayed by the attacker: it is the forwarder, the forged id the origin.
                 await pubsub.push_msg(pubsub.my_id, msg)

@@ -22,6 +22,7 @@ from peerinfer.engine.constraints import check_constraint
 from peerinfer.engine.tools import generic_messages, parse_tool_calls, tool_call_grammar
 from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node
+from peerinfer.serve import serve_node
 from tests.test_http import in_thread, nodes, options, sdk
 
 WEATHER = {
@@ -139,7 +140,7 @@ async def smol_node() -> AsyncIterator[Node]:
     try:
         async with trio.open_nursery() as nursery:
             node = Node(options(engine="hf"), engine=engine)
-            await nursery.start(node.serve)
+            await nursery.start(serve_node, node)
             try:
                 yield node
             finally:
@@ -265,7 +266,7 @@ async def test_agents_on_the_default_model() -> None:
             assert len(entries) == 12 and len(entries[0].top) == 20
             return gap
 
-        assert await node._in_engine(logprob_gap) < 1e-4
+        assert await node.ctx.in_engine(logprob_gap) < 1e-4
 
         # The audit re-scores under the constraint: the honest answer passes; the free answer
         # (what a peer ignoring the constraint returns) is caught.
@@ -297,7 +298,7 @@ async def test_agents_on_the_default_model() -> None:
                     if isinstance(ev, Tokens) for t in ev.token_ids]
             return whole[k:], rest
 
-        expected_rest, rest = await node._in_engine(resumed)
+        expected_rest, rest = await node.ctx.in_engine(resumed)
         assert rest == expected_rest
 
         # A chat template that renders tools itself is used as is (Hermes/Qwen convention).
@@ -320,11 +321,11 @@ async def test_agents_on_the_default_model() -> None:
             finally:
                 engine.tokenizer.chat_template = saved
 
-        rendered = await node._in_engine(native)
+        rendered = await node.ctx.in_engine(native)
         assert rendered == ("<tools>get_weather;</tools> use <tool_call>[user]Weather?"
                             "[assistant]CALL get_weatherOslo[tool]sunny[assistant]")
 
-        honest_verdict, free_verdict = await node._in_engine(audits)
+        honest_verdict, free_verdict = await node.ctx.in_engine(audits)
         assert honest_verdict.ok, honest_verdict.describe()
         assert not free_verdict.ok and free_verdict.broke_constraint, free_verdict.describe()
 
@@ -345,10 +346,10 @@ async def test_constrained_requests_are_forwarded_audited_and_served_to_the_clie
     try:
         async with trio.open_nursery() as nursery:
             a = Node(options(engine="hf", policy="round_robin", audit_rate=1.0), engine=engines[0])
-            await nursery.start(a.serve)
+            await nursery.start(serve_node, a)
             b = Node(options(engine="hf", policy="round_robin", audit_rate=1.0,
                              bootstrap=(a.addresses()[0],)), engine=engines[1])
-            await nursery.start(b.serve)
+            await nursery.start(serve_node, b)
             with trio.fail_after(60):
                 while not b.status().peers:
                     await trio.sleep(0.05)
@@ -365,9 +366,9 @@ async def test_constrained_requests_are_forwarded_audited_and_served_to_the_clie
                     served.add(result.served_by)
             assert served == {a.peer_id, b.peer_id}
             with trio.fail_after(120):
-                while b._trust.audits_run < 1:
+                while b.trust.audits_run < 1:
                     await trio.sleep(0.05)
-            assert b._trust.audits_failed == 0
+            assert b.trust.audits_failed == 0
             nursery.cancel_scope.cancel()
     finally:
         for engine in engines:

@@ -23,6 +23,7 @@ from peerinfer.engine.batch import BatchScheduler
 from peerinfer.engine.constraints import log_softmax_numpy
 from peerinfer.engine.llamacpp import LlamaCppEngine
 from peerinfer.node import Node
+from peerinfer.serve import serve_node
 from tests.test_agents import TIME, WEATHER, _chat
 from tests.test_http import in_thread, options, sdk
 
@@ -194,7 +195,7 @@ async def llama_node() -> AsyncIterator[Node]:
     try:
         async with trio.open_nursery() as nursery:
             node = Node(options(engine="llamacpp"), engine=engine)
-            await nursery.start(node.serve)
+            await nursery.start(serve_node, node)
             try:
                 yield node
             finally:

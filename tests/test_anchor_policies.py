@@ -265,19 +265,20 @@ def test_the_door_hashes_a_chats_scaffold_only_for_scaffold_hash_nodes() -> None
     from types import SimpleNamespace
 
     from peerinfer.core.messages import ChatMessage
-    from peerinfer.node.door import DoorMixin
+    from peerinfer.node.door import Door
 
     hasher = PrefixHasher(b"model")
     chat = (ChatMessage("system", "S"), ChatMessage("user", "Q"))
     req = GenerateRequest("r", SamplingParams(), messages=chat)
 
-    def node(policy: str) -> object:
-        return SimpleNamespace(core=SimpleNamespace(config=SimpleNamespace(policy=policy), hasher=hasher))
+    def door(policy: str) -> Door:
+        core = SimpleNamespace(config=SimpleNamespace(policy=policy), hasher=hasher)
+        return Door(SimpleNamespace(core=core))  # type: ignore[arg-type]
 
     expected = hasher.scaffold_hash((("system", "S"),))
-    assert DoorMixin._scaffold_of(node("scaffold_hash"), req) == expected  # type: ignore[arg-type]
-    assert DoorMixin._scaffold_of(node("cost"), req) is None  # type: ignore[arg-type]
+    assert door("scaffold_hash")._scaffold_of(req) == expected
+    assert door("cost")._scaffold_of(req) is None
     forwarded = GenerateRequest("r", SamplingParams(), tokens=(1, 2), forwarded=True, scaffold=5)
-    assert DoorMixin._scaffold_of(node("scaffold_hash"), forwarded) == 5  # type: ignore[arg-type]
+    assert door("scaffold_hash")._scaffold_of(forwarded) == 5
     plain = GenerateRequest("r", SamplingParams(), prompt="text")
-    assert DoorMixin._scaffold_of(node("scaffold_hash"), plain) is None  # type: ignore[arg-type]
+    assert door("scaffold_hash")._scaffold_of(plain) is None

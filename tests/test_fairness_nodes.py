@@ -45,6 +45,7 @@ from peerinfer.errors import InvalidRequestError, PeerBusyError, PeerInferError
 from peerinfer.http.app import requester_name
 from peerinfer.net import Host, HostConfig, open_host
 from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
+from peerinfer.serve import serve_node
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def options(**overrides: object) -> NodeOptions:
 async def one_node(costs: CostModel = COSTS, **overrides: object) -> AsyncIterator[Node]:
     async with trio.open_nursery() as nursery:
         node = Node(options(costs=costs, **overrides), engine=SimulatedEngine(costs=costs))
-        await nursery.start(node.serve)
+        await nursery.start(serve_node, node)
         try:
             yield node
         finally:
@@ -310,7 +311,7 @@ async def test_a_busy_refusal_reaches_the_client_with_its_retry_hint() -> None:
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             node = Node(options(costs=slow), engine=SimulatedEngine(costs=slow))
-            await nursery.start(node.serve)
+            await nursery.start(serve_node, node)
             async with Client.connect(node.addresses()[0]) as client:
                 # One running, one waiting (the share of a 1-slot node), then refused.
                 for i in range(2):

@@ -27,6 +27,7 @@ from peerinfer.errors import ERROR_TABLE, ConfigError, PeerInferError, error_fro
 from peerinfer.http import check_exposure, parse_http_address
 from peerinfer.http.openai import api_error_from
 from peerinfer.node import Node, NodeOptions
+from peerinfer.serve import serve_node
 
 COSTS = CostModel(
     prefill_s_per_token=0.0004, cached_s_per_token=0.00001, decode_s_per_token=0.002,
@@ -75,7 +76,7 @@ async def nodes(n: int = 1, costs: CostModel = COSTS, **overrides: Any) -> Async
             bootstrap = (started[-1].addresses()[0],) if started else ()
             node = Node(options(bootstrap=bootstrap, costs=costs, **overrides),
                         engine=RecordingEngine(costs=costs))
-            await nursery.start(node.serve)
+            await nursery.start(serve_node, node)
             started.append(node)
         try:
             yield started
@@ -150,7 +151,7 @@ def test_http_addresses_and_exposure() -> None:
 async def test_a_non_loopback_address_without_a_key_is_refused_before_loading() -> None:
     node = Node(options(http="0.0.0.0:0"), engine=RecordingEngine(costs=COSTS))
     with pytest.raises(ConfigError, match="without an API key"):
-        await node.serve()
+        await serve_node(node)
 
 
 # ------------------------------------------------------------------------- happy paths

@@ -18,6 +18,7 @@ import trio
 
 from peerinfer.cli import _bytes_amount
 from peerinfer.node import Node
+from peerinfer.serve import serve_node
 from tests.test_http import COSTS, RecordingEngine, options
 
 CHILD_TIMEOUT_S = 90.0
@@ -44,7 +45,7 @@ def one_line_error(result: Any) -> str:
 async def node(**overrides: Any) -> AsyncIterator[Node]:
     async with trio.open_nursery() as nursery:
         n = Node(options(**overrides), engine=RecordingEngine(costs=COSTS))
-        await nursery.start(n.serve)
+        await nursery.start(serve_node, n)
         try:
             yield n
         finally:

@@ -55,7 +55,7 @@ async def rendered(url: str, **options: object) -> str:
 async def test_the_dashboard_renders_live_data_and_streams_a_chat() -> None:
     _need_browser()
     async with nodes(2) as (a, b):
-        await wait_until(lambda: len(a.core.peers(a._now())) == 1)  # type: ignore[union-attr]
+        await wait_until(lambda: len(a.statistics().peers) == 1)
         dom = await rendered(a.http_url + "/?chat=hello+from+the+browser")
         assert f'id="peer-id">{a.peer_id}<' in dom
         assert f"{b.peer_id[:6]}…{b.peer_id[-8:]}" in dom  # the peers table

@@ -46,7 +46,7 @@ async def _wait_until(predicate, timeout: float = 30.0) -> None:
 
 
 def _handed_over(node: Node) -> int:
-    return len(node._local_new) + len(node._local_runs)
+    return node.worker.in_flight
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ async def test_a_client_leaving_mid_batch_does_not_disturb_the_others() -> None:
                 clients.start_soon(ask, i)
             await _wait_until(lambda: len(engine.batch_sizes) > 0)
             clients.start_soon(ask_and_leave, trio.CancelScope())
-        await _wait_until(lambda: not node._local_runs and not node._local_new)
+        await _wait_until(lambda: node.worker.in_flight == 0)
         nursery.cancel_scope.cancel()
     for i in range(2):
         assert results[i].text == _expected_text(prompts[i], n_tokens)  # type: ignore[attr-defined]

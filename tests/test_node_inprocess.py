@@ -320,7 +320,7 @@ async def test_a_node_lost_is_redialed_without_waiting_for_peer_exchange(monkeyp
     async with cluster(3) as nodes:
         first, _, last = nodes
         assert first.host is not None and last.host is not None
-        await wait_until(lambda: last.host.is_connected(first.peer_id) and first.peer_id in last._nodes_met)  # type: ignore[union-attr]
+        await wait_until(lambda: last.host.is_connected(first.peer_id) and last.peers.has_met(first.peer_id))  # type: ignore[union-attr]
         await last.host.disconnect(first.peer_id)
-        await wait_until(lambda: first.peer_id in last._lost or last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
+        await wait_until(lambda: last.peers.is_lost(first.peer_id) or last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
         await wait_until(lambda: last.host.is_connected(first.peer_id), timeout=30)  # type: ignore[union-attr]

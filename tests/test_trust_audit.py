@@ -16,7 +16,7 @@ from peerinfer.engine.audit import audit_answer, audit_greedy
 from peerinfer.engine.base import Tokens
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.node import Node
-from peerinfer.trust import REPUTATION_FILE
+from peerinfer.node.trust import REPUTATION_FILE
 from peerinfer.types import PeerId
 
 

@@ -424,7 +424,7 @@ async def test_a_wrong_answer_liar_is_banned_at_its_first_audit() -> None:
             for k in (1, 2):
                 assert_complete_and_honest(origin, k, await ask(host, origin, k), served_by=origin.peer_id)
         assert len(liar.requests) == 1
-        assert origin._trust.audits_failed == 1
+        assert origin.trust.audits_failed == 1
 
 
 async def test_an_honest_peer_passes_its_audits() -> None:
@@ -434,9 +434,9 @@ async def test_an_honest_peer_passes_its_audits() -> None:
             for k in range(3):
                 assert_complete_and_honest(origin, k, await ask(host, origin, k), served_by=liar.peer_id)
             with trio.fail_after(20):
-                while origin._trust.audits_run < 3:
+                while origin.trust.audits_run < 3:
                     await trio.sleep(0.05)
-        assert origin._trust.audits_failed == 0
+        assert origin.trust.audits_failed == 0
         assert standing(origin, liar) == "good"
         assert origin.core.reputation.score(liar.peer_id, trio.current_time()) > 0
 
@@ -456,9 +456,9 @@ async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans
                 answer = await ask(host, origin, k, params=params)
                 assert isinstance(answer.final, GenerateDone) and answer.final.served_by == liar.peer_id
             with trio.fail_after(20):
-                while origin._trust.audits_run < 2:
+                while origin.trust.audits_run < 2:
                     await trio.sleep(0.05)
-            assert origin._trust.audits_failed == 0 and standing(origin, liar) == "good"
+            assert origin.trust.audits_failed == 0 and standing(origin, liar) == "good"
             liar.lie(wrong)
             # The lie takes new streams; the origin keeps the honest one it used for reuse
             # (net/host.py, kept streams), and would be served honestly on it: let it go.
@@ -469,7 +469,7 @@ async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans
                 # The core bans at the verdict; the host's refusal follows in the ban's task.
                 while standing(origin, liar) != "banned" or liar.peer_id not in origin.host.banned_peers():
                     await trio.sleep(0.05)
-        assert origin._trust.audits_failed == 1
+        assert origin.trust.audits_failed == 1
         assert liar.peer_id in origin.host.banned_peers()
 
 

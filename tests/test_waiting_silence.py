@@ -133,9 +133,9 @@ class _Harness:
         async def publish(topic: str, data: bytes) -> None:  # announcements go nowhere
             return None
 
-        self.node.host = types.SimpleNamespace(peer_id="A", publish=publish)  # type: ignore[assignment]
-        self.node.core = core_with()
-        self.node._nursery = nursery
+        self.node.ctx.host = types.SimpleNamespace(peer_id="A", publish=publish)  # type: ignore[assignment]
+        self.node.ctx.core = core_with()
+        self.node.ctx.nursery = nursery
         self.events: dict[str, list[tuple[float, Message]]] = {}
 
     async def client(self, rid: str, requester: str) -> None:
@@ -150,14 +150,18 @@ class _Harness:
 
     def step(self, requester: str, rid: str, n: int = 1) -> None:
         """One engine step of a running request: ``n`` tokens, and the engine moved."""
-        sink = self.node._sinks[self.rid(requester, rid)]
-        self.node._relay_tokens(sink, [7] * n, "x" * n)
-        self.node._engine_progress_at = trio.current_time()
+        sinks = self.node.ctx.sinks
+        sink = sinks.get(self.rid(requester, rid))
+        assert sink is not None
+        sinks.relay_tokens(sink, [7] * n, "x" * n)
+        self.node.ctx.engine_progress_at = trio.current_time()
 
     def finish(self, requester: str, rid: str) -> None:
-        sink = self.node._sinks[self.rid(requester, rid)]
-        self.node._feed(LocalFinished(self.rid(requester, rid), ok=True, generated=1))
-        self.node._finish_sink(sink, GenerateDone(
+        sinks = self.node.ctx.sinks
+        sink = sinks.get(self.rid(requester, rid))
+        assert sink is not None
+        self.node.ctx.feed(LocalFinished(self.rid(requester, rid), ok=True, generated=1))
+        sinks.finish(sink, GenerateDone(
             request_id=sink.request_id, prompt_tokens=3, completion_tokens=len(sink.completion_ids),
             cached_tokens=0, served_by="A", ttft_s=0.0, latency_s=0.0, finish_reason="length"))
 
@@ -205,7 +209,7 @@ def test_a_preempted_generation_and_a_queued_request_outwait_the_gap() -> None:
                 await trio.sleep(10)
             assert h.phase("honest", "h1") is Phase.QUEUED
             # The flooder yields; the honest request runs for three gaps more.
-            h.node._feed(LocalPreempted(h.rid("flooder", "f1"), generated=2))
+            h.node.ctx.feed(LocalPreempted(h.rid("flooder", "f1"), generated=2))
             assert h.phase("flooder", "f1") is Phase.PREEMPTED
             assert h.phase("honest", "h1") is Phase.RUNNING
             for _ in range(int(3 * GAP / 10)):
@@ -259,7 +263,7 @@ def test_a_waiting_request_ends_once_the_engine_stops_moving() -> None:
             for _ in range(20):  # 200 s of progress: beyond one gap
                 h.step("x", "s1")
                 await trio.sleep(10)
-            last_step = h.node._engine_progress_at
+            last_step = h.node.ctx.engine_progress_at
             assert h.phase("y", "w1") is Phase.QUEUED
         waited = kinds(h.events["w1"])
         assert waited[-1] == "ErrorMessage" and set(waited[:-1]) == {"beat"}

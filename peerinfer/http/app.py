@@ -37,8 +37,8 @@ from starlette.routing import Route
 from peerinfer.core.messages import ErrorMessage, GenerateDone, TokenChunk, TokenLogprob
 from peerinfer.engine.tools import ToolCall, could_become_call
 from peerinfer.http import openai as oa
+from peerinfer.http.address import is_loopback
 from peerinfer.http.metrics import CONTENT_TYPE, NodeMetrics
-from peerinfer.http.server import is_loopback
 
 if TYPE_CHECKING:
     from peerinfer.node import Node, Submission
@@ -155,16 +155,17 @@ class HttpApi:
 
         node = self.node
         engine = node.engine
+        snapshot = node.statistics()
         status = status_to_dict(node.status())
         status["device"] = str(getattr(engine, "device", "cpu"))
         status["dtype"] = str(getattr(engine, "dtype", "")).removeprefix("torch.")
         status["engine"] = type(engine).__name__
-        status["http_url"] = node.http_url
-        status["uptime_s"] = time.time() - node._started_at
+        status["http_url"] = snapshot.http_url
+        status["uptime_s"] = snapshot.uptime_s
         status["decisions"] = [
             {"at": d.at, "request_id": d.request_id, "peer": d.peer, "local": d.local,
              "reason": d.reason}
-            for d in reversed(node.recent_decisions)
+            for d in snapshot.decisions
         ]
         outcomes: dict[str, float] = {}
         for metric in self.metrics.requests.collect():
@@ -173,7 +174,7 @@ class HttpApi:
                     key = sample.labels["outcome"]
                     outcomes[key] = outcomes.get(key, 0) + sample.value
         status["outcomes"] = outcomes
-        status["traffic_bytes"] = {f"{k}_{d}": v for (k, d), v in sorted(node.traffic.items())}
+        status["traffic_bytes"] = {f"{k}_{d}": v for (k, d), v in snapshot.traffic}
         return status
 
 

@@ -3,9 +3,9 @@
 Two sources. Per-request figures (outcome, where served, TTFT, latency, cached vs computed
 prompt tokens) are observed at the door: the node calls :meth:`NodeMetrics.observe` when a
 request submitted through ``Node.submit`` ends. Everything else is read when scraped, from
-the snapshots the node's parts already keep (``NodeCore.statistics()``, ``load()``, ``peers()``,
-the engine's and its batch scheduler's ``statistics()``, the node's traffic counters), so
-there is no second copy of a counter to drift. A per-node ``CollectorRegistry`` (not the
+the snapshots the node already keeps (``Node.statistics()``: the core's counters, load and
+peers, the batch scheduler's counters, the traffic counters; and the engine's
+``statistics()``), so there is no second copy of a counter to drift. A per-node ``CollectorRegistry`` (not the
 process-global one) lets several in-process nodes export side by side.
 """
 
@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from peerinfer.core.messages import ErrorMessage, GenerateDone
+from peerinfer.engine.base import Engine
+from peerinfer.engine.batch import SchedulerStatistics
 
 if TYPE_CHECKING:
     from peerinfer.node import Node, Submission
@@ -104,10 +106,11 @@ class _NodeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
-        core, engine = node.core, node.engine
-        if core is None or engine is None:
+        engine = node.engine
+        if node.core is None or engine is None:
             return
-        stats = core.statistics()
+        snapshot = node.statistics()
+        stats = snapshot.core
         yield _counter("peerinfer_routing_requests", "Requests the core routed", stats.requests)
         yield _counter("peerinfer_served_locally", "Requests this node's engine served",
                        stats.served_locally)
@@ -121,14 +124,14 @@ class _NodeCollector(Collector):
                        stats.syncs_started)
         yield _counter("peerinfer_syncs_failed", "Anti-entropy sync sessions that failed",
                        stats.syncs_failed)
-        load = core.load()
+        load = snapshot.load
         yield _gauge("peerinfer_requests_queued", "Requests waiting for the local engine",
                      load.queued)
         yield _gauge("peerinfer_requests_running", "Requests the local engine runs now",
                      load.running)
         yield _gauge("peerinfer_engine_slots", "Requests the local engine runs at once",
                      load.slots)
-        peers = core.peers(node._now())
+        peers = snapshot.peers
         yield _gauge("peerinfer_peers_known", "Peers in the routing index", len(peers))
         ages = GaugeMetricFamily("peerinfer_peer_digest_age_seconds",
                                  "Age of each peer's digest replica", labels=["peer"])
@@ -139,14 +142,15 @@ class _NodeCollector(Collector):
             "peerinfer_traffic_bytes", "Anti-entropy bytes: announcements (gossip) and sync "
             "rounds, sent and received", labels=["kind", "direction"],
         )
-        for (kind, direction), value in sorted(node.traffic.items()):
+        for (kind, direction), value in snapshot.traffic:
             traffic.add_metric([kind, direction], value)
         yield traffic
-        yield from _engine_metrics(engine, getattr(node, "_scheduler", None), load.running,
-                                   load.slots)
+        yield from _engine_metrics(engine, snapshot.scheduler, load.running, load.slots)
 
 
-def _engine_metrics(engine: Any, scheduler: Any, running: int, slots: int) -> Iterator[Metric]:
+def _engine_metrics(
+    engine: Engine, sched: SchedulerStatistics | None, running: int, slots: int
+) -> Iterator[Metric]:
     try:
         stats = engine.statistics()
     except Exception:  # a backend bug must not break the scrape
@@ -163,14 +167,6 @@ def _engine_metrics(engine: Any, scheduler: Any, running: int, slots: int) -> It
     per_token = int(getattr(engine, "kv_bytes_per_token", 0) or 0)
     if per_token:
         yield _gauge("peerinfer_kv_bytes_per_token", "KV bytes one token takes", per_token)
-    sched = None
-    if scheduler is not None:
-        try:
-            # Read from the trio thread while the worker steps: a snapshot of plain counters;
-            # a scrape that races a step is skipped, never fatal.
-            sched = scheduler.statistics()
-        except Exception as exc:
-            logger.debug("scheduler statistics skipped: %r", exc)
     if sched is None:
         yield _gauge("peerinfer_batch_occupancy", "Requests in the engine's running batch",
                      running)

@@ -1,7 +1,9 @@
-"""Serve a node's HTTP API inside the node's own trio loop (hypercorn's trio worker).
+"""Serve a node's HTTP API inside the node's trio loop (hypercorn's trio worker), as a task
+beside the node's own (``peerinfer.serve`` starts both).
 
 ``parse_http_address`` reads ``--http`` (``HOST:PORT``, ``[::1]:PORT``, ``none``);
-``check_exposure`` refuses a non-loopback address without API keys; :func:`serve_http` binds
+``check_exposure`` refuses a non-loopback address without API keys (both in
+``peerinfer.http.address``); :func:`serve_http` binds
 the socket itself (so a port in use is a one-line ``ConfigError``, and port 0 reports the port
 the kernel picked), hands it to hypercorn as an inherited file descriptor and reports
 ``http://HOST:PORT`` through ``task_status`` once it accepts.
@@ -10,7 +12,6 @@ the kernel picked), hands it to hypercorn as an inherited file descriptor and re
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peerinfer.errors import ConfigError
+from peerinfer.http.address import check_exposure, is_loopback, parse_http_address
 
 if TYPE_CHECKING:
     from peerinfer.node import Node
@@ -26,42 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("peerinfer.http")
 
 DEFAULT_HTTP = "127.0.0.1:8000"
-
-
-def parse_http_address(text: str | None) -> tuple[str, int] | None:
-    """``HOST:PORT`` -> (host, port); ``none``/``off``/empty -> None. Raises ``ConfigError``."""
-    if text is None or text.strip().lower() in ("", "none", "off"):
-        return None
-    value = text.strip()
-    if value.startswith("http://"):
-        value = value.removeprefix("http://").rstrip("/")
-    if value.startswith("["):
-        host, sep, rest = value[1:].partition("]")
-        port_text = rest.removeprefix(":") if sep else ""
-    else:
-        host, _, port_text = value.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"--http takes HOST:PORT (e.g. 127.0.0.1:8000) or none, not {text!r}")
-    return host, int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_exposure(host: str, api_keys: Sequence[str]) -> None:
-    """An API reachable from other machines must demand a key."""
-    if not is_loopback(host) and not any(api_keys):
-        raise ConfigError(
-            f"refusing to serve the HTTP API on {host} without an API key: anyone on the "
-            "network could use it; pass --api-key (or --api-key-file, or PEERINFER_API_KEY), "
-            "or bind 127.0.0.1"
-        )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -119,7 +85,6 @@ async def serve_http(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(run)
-        node.http_url = url
         task_status.started(url)
 
 

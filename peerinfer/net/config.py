@@ -18,12 +18,14 @@ own messages still accepts all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from peerinfer.core.messages import MAX_FRAME_BYTES
+from peerinfer.core.node import NodeConfig
 from peerinfer.errors import ConfigError
 
 #: Our default TCP port (unassigned in practice; IANA lists 4737 for a long-dead IPDR service).
@@ -71,6 +73,17 @@ def own_publish_rate(limit: float) -> float:
     return max(1.0, limit / 4)
 
 
+def _core_default(name: str) -> float:
+    """A default of the core's ``NodeConfig`` that the host must agree with."""
+    value = next(f.default for f in dataclasses.fields(NodeConfig) if f.name == name)
+    assert isinstance(value, float)
+    return value
+
+
+#: The core's default announcement period (``NodeConfig.announce_interval_s``).
+_CORE_ANNOUNCE_INTERVAL_S = _core_default("announce_interval_s")
+
+
 @dataclass(frozen=True, slots=True)
 class HostConfig:
     """Everything ``open_host`` needs. All durations are in seconds, all sizes in bytes."""
@@ -94,8 +107,9 @@ class HostConfig:
     gossip_topics: tuple[str, ...] | None = None
     #: The swarm size the gossip rate limit is sized for (see the module docstring).
     expected_peers: int = 64
-    #: How often each peer announces (the node batches its announcements to one per period).
-    announce_interval_s: float = 5.0
+    #: How often each peer announces (the node batches its announcements to one per period):
+    #: by default the core's own default period, so the rate limit fits what peers send.
+    announce_interval_s: float = _CORE_ANNOUNCE_INTERVAL_S
     #: Overrides the computed gossipsub per-forwarder rate limit when set.
     gossip_rate_limit: float | None = None
     #: Largest gossip message we publish or accept (at most MAX_GOSSIP_MESSAGE_BYTES).

@@ -3,33 +3,44 @@
 Theory of operation
 -------------------
 Everything the node *decides* lives in ``peerinfer.core.node.NodeCore``. This package only
-executes its effects and feeds it events, on one trio thread. One file per part, each a mixin of
-the one :class:`Node` class (they share its state; none decides anything the core could):
+executes its effects and feeds it events, on one trio thread. ``Node`` composes one component
+per part; each takes the :class:`~peerinfer.node.context.NodeContext` (the engine, the host,
+the core, the nursery, ``feed``, the sink table) and uses only what it names. None decides
+anything the core could, and none imports another (the one hand-off between two, an
+announcement's sender to the peer keeper, is a callback ``Node`` wires):
 
 =================  ================================================================================
-``options``        ``NodeOptions`` (the ``peerinfer node`` flags), protocol names, limits
-``runtime``        ``Node``: serve/shutdown, ``_feed`` events to the core, ``_execute`` its effects,
-                   the timer
-``door``           ``Node.submit``: the one entry point of every front end (libp2p, HTTP), sinks
-``worker``         the engine worker: the ``BatchScheduler``, the only caller into the engine
-``forwarding``     relaying a request to the peer the core chose, checking what comes back
-``antientropy``    announcements out and in, sync rounds and answering them
-``peers``          status, peer exchange, peer events, liveness pings
+``options``        ``NodeOptions`` (the ``peerinfer node`` flags), protocol names, limits, and the
+                   pure builders ``core_config`` and ``host_config``
+``context``        ``NodeContext``: what the components share
+``sinks``          ``Sink``, ``SinkTable``; request ids composed in one place
+``runtime``        ``Node``: serve/shutdown, ``_feed`` events to the core, each effect to its
+                   component, the timer, ``statistics()`` (a frozen snapshot)
+``door``           ``Door``: ``Node.submit``, the one entry point of every front end (libp2p, HTTP)
+``worker``         ``EngineWorker``: the ``BatchScheduler``, the only caller into the engine
+``forwarding``     ``Forwarder``: relaying a request to the peer the core chose, checking the answer
+``antientropy``    ``AntiEntropy``: announcements out and in, sync rounds and answering them
+``peers``          ``PeerKeeper``: status, peer exchange, peer events, liveness pings
+``trust``          ``TrustKeeper``: audits, bans, the reputation table on disk
 =================  ================================================================================
 
+The HTTP API is not part of the node: ``peerinfer.serve`` runs it beside the node, in one
+nursery, and it reads the node through ``Node.submit``, ``Node.status()`` and
+``Node.statistics()``.
 
 * ``_feed(event)`` runs ``core.handle(event, now)`` and starts the effects it returns (publish
-  an announcement, a sync round, a local run, a forward, a rejection, a ping). A timer task
-  calls ``core.tick(now)`` no later than ``core.next_deadline()``.
+  an announcement, a sync round, a local run, a forward, a rejection, a ping), each through
+  the component that executes it. A timer task calls ``core.tick(now)`` no later than
+  ``core.next_deadline()``.
 * The engine is synchronous; every call into it runs in a worker thread, one at a time (a
   ``trio.Lock``), so the event loop never blocks on compute. One *engine worker* task owns a
   :class:`~peerinfer.engine.batch.BatchScheduler` and is the only caller into the engine while
-  requests run: ``_run_local`` hands it the requests the core started, and it calls
+  requests run: ``EngineWorker.run_local`` hands it the requests the core started, and it calls
   ``scheduler.step()`` (one prefill chunk and one batched decode step) in the thread while any
   run, routing each event to its request's sink and reporting cache changes to the core in
   the engine's order. The core admits up to the engine's ``max_batch_size`` at once.
-* Each request, whoever serves it, has a *sink*: a memory channel whose receiver is the stream
-  handler that answers the client (or the forwarding peer). Local runs and forwards write
+* Each request, whoever serves it, has a *sink* (``sinks``): a memory channel whose receiver
+  is the stream handler that answers the client (or the forwarding peer). Local runs and forwards write
   ``TokenChunk`` frames into it and end it with ``GenerateDone`` or ``ErrorMessage``.
 
 Protocols (all frames are ``peerinfer.core.messages``, varint length-prefixed):
@@ -62,7 +73,7 @@ from peerinfer.node.options import (
     NodeOptions,
     announce_topic,
 )
-from peerinfer.node.runtime import Node
+from peerinfer.node.runtime import Node, NodeStatistics
 
 __all__ = [
     "GENERATE_PROTOCOL",
@@ -71,6 +82,7 @@ __all__ = [
     "SYNC_PROTOCOL",
     "Node",
     "NodeOptions",
+    "NodeStatistics",
     "announce_topic",
     "Submission",
     "RoutingRecord",

@@ -1,7 +1,13 @@
 """Anti-entropy in the shell: publishing and receiving announcements, running sync rounds
-(pulls) and answering them. Every decision is the core's."""
+(pulls) and answering them. Every decision is the core's.
+
+:class:`AntiEntropy` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext`, and tells the peer keeper of each announcement's
+sender (``on_announcer``: a member heard for the first time is asked whom it knows)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import trio
 
@@ -23,24 +29,31 @@ from peerinfer.errors import (
     ProtocolError,
 )
 from peerinfer.net import FramedStream, GossipMessage
-from peerinfer.node.options import MAX_PEER_TABLE, SYNC_PROTOCOL, logger
+from peerinfer.node.context import NodeContext
+from peerinfer.node.options import SYNC_PROTOCOL, logger
 from peerinfer.types import PeerId
 
 
-class AntiEntropyMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class AntiEntropy:
+    """Announcements out (:meth:`publish`) and in (:meth:`gossip_loop`), sync rounds
+    (:meth:`sync_round`) and answers to them (:meth:`serve_sync`)."""
 
-    async def _publish(self, announce: Announce) -> None:
-        host = self.host
+    def __init__(self, ctx: NodeContext, on_announcer: Callable[[str], None]) -> None:
+        self._ctx = ctx
+        self._on_announcer = on_announcer
+
+    async def publish(self, announce: Announce) -> None:
+        ctx = self._ctx
+        host = ctx.host
         assert host is not None
         try:
             data = encode(announce)
-            await host.publish(self._topic, data)
-            self.traffic["announce", "sent"] += len(data)
+            await host.publish(ctx.topic, data)
+            ctx.traffic["announce", "sent"] += len(data)
         except PeerInferError as exc:
             logger.warning("announcement not published: %s", exc)
 
-    async def _validate_announce(self, message: GossipMessage) -> bool:
+    async def validate_announce(self, message: GossipMessage) -> bool:
         # True for anything well-formed (stale ones are dropped by the core, not penalised);
         # False only for provable garbage or a sender speaking for someone else.
         try:
@@ -50,52 +63,43 @@ class AntiEntropyMixin:
         assert isinstance(announce, Announce)
         return announce.sender == message.sender
 
-    async def _gossip_loop(self, messages: trio.MemoryReceiveChannel[GossipMessage]) -> None:
+    async def gossip_loop(self, messages: trio.MemoryReceiveChannel[GossipMessage]) -> None:
+        ctx = self._ctx
         async for message in messages:
-            self.traffic["announce", "received"] += len(message.data)
+            ctx.traffic["announce", "received"] += len(message.data)
             try:
                 announce = decode(message.data, expected=Announce)
             except ProtocolError:
                 continue
             assert isinstance(announce, Announce)
             sender = message.sender
-            self._feed(AnnounceReceived(PeerId(sender), announce))
-            if sender not in self._exchanged and self._is_member(sender) and self._nursery is not None:
-                # A member we have not swapped peer lists with yet (clients never announce, so
-                # they are never asked for a protocol they do not speak; identities heard of
-                # only through gossip are not members, and are never dialed for it).
-                self._exchanged[sender] = None
-                if len(self._exchanged) > MAX_PEER_TABLE:
-                    self._exchanged.popitem(last=False)
-                self._nursery.start_soon(self._exchange_peers, sender)
+            ctx.feed(AnnounceReceived(PeerId(sender), announce))
+            self._on_announcer(sender)
 
-    def _is_member(self, peer: str) -> bool:
-        """A peer that answered us over a direct (admitted) connection, and still has one."""
-        core, host = self.core, self.host
-        return core is not None and host is not None and core.is_member(PeerId(peer)) and host.is_admitted(peer)
-
-    async def _sync_round(self, eff: SendSyncRequest) -> None:
-        host = self.host
+    async def sync_round(self, eff: SendSyncRequest) -> None:
+        ctx = self._ctx
+        host = ctx.host
         assert host is not None
         try:
             data = encode(eff.request)
-            self.traffic["sync", "sent"] += len(data)
+            ctx.traffic["sync", "sent"] += len(data)
             reply = await host.request(eff.peer, SYNC_PROTOCOL, data, timeout=eff.timeout_s)
-            self.traffic["sync", "received"] += len(reply)
+            ctx.traffic["sync", "received"] += len(reply)
             response = decode(reply, expected=SyncResponse)
             assert isinstance(response, SyncResponse)
         except PeerInferError as exc:
-            self._feed(SyncFailed(eff.peer, eff.request.session, str(exc)))
+            ctx.feed(SyncFailed(eff.peer, eff.request.session, str(exc)))
             return
-        self._feed(SyncResponseReceived(eff.peer, response))
+        ctx.feed(SyncResponseReceived(eff.peer, response))
 
-    async def _serve_sync(self, stream: FramedStream) -> None:
-        core = self.core
+    async def serve_sync(self, stream: FramedStream) -> None:
+        ctx = self._ctx
+        core = ctx.core
         assert core is not None
         async for frame in stream:
-            self.traffic["sync", "received"] += len(frame)
+            ctx.traffic["sync", "received"] += len(frame)
             request = decode(frame, expected=SyncRequest)
             assert isinstance(request, SyncRequest)
             answer = encode(core.answer_sync(request))
-            self.traffic["sync", "sent"] += len(answer)
+            ctx.traffic["sync", "sent"] += len(answer)
             await stream.send(answer)

@@ -1,13 +1,17 @@
 """The door: the one entry point (``Node.submit``) through which every front end (the libp2p
-generate handler, the HTTP API) submits a request and receives its stream of events."""
+generate handler, the HTTP API) submits a request and receives its stream of events.
+
+:class:`Door` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext` and owns the front ends' side of each request (its
+sink, its listeners, the routing decisions the dashboard shows)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
-import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -18,7 +22,6 @@ from peerinfer.core.messages import (
     GenerateRequest,
     Message,
     TokenChunk,
-    TokenLogprob,
     decode,
     encode,
 )
@@ -37,7 +40,9 @@ from peerinfer.errors import (
     RequestTimeoutError,
 )
 from peerinfer.net import FramedStream
-from peerinfer.node.options import TOKEN_GAP_TIMEOUT_S, logger
+from peerinfer.node.context import NodeContext
+from peerinfer.node.options import RECENT_DECISIONS, TOKEN_GAP_TIMEOUT_S, logger
+from peerinfer.node.sinks import Sink, node_request_id
 from peerinfer.types import PeerId, RequestId
 
 #: How long a generate stream waits for its next request once one ended (well above
@@ -52,22 +57,6 @@ WAITING_HEARTBEAT_S = TOKEN_GAP_TIMEOUT_S / 4
 def _plain_silence(last_event: float) -> Silence:
     return Silence(last_event + TOKEN_GAP_TIMEOUT_S, False,
                    f"no event for {TOKEN_GAP_TIMEOUT_S:.0f} s")
-
-
-@dataclass(slots=True)
-class _Sink:
-    """Where a request's frames go: the stream handler that owns the request reads them."""
-
-    send: trio.MemorySendChannel[Message]
-    request_id: str  # the id the client used (frames carry it)
-    started: float
-    prompt_tokens: int
-    first_token_at: float | None = None
-    completion_ids: list[int] = field(default_factory=list)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    forward_scope: trio.CancelScope | None = None
-    done: bool = False
-    serving_peer: str = ""  # where the request runs now (the last routing decision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +86,7 @@ class Submission:
 
     def __init__(
         self, request_id: str, receive: trio.MemoryReceiveChannel[Message] | None,
-        sink: _Sink | None, final: ErrorMessage | None = None,
+        sink: Sink | None, final: ErrorMessage | None = None,
         silence: Callable[[float], Silence] = _plain_silence,
     ) -> None:
         self.request_id = request_id
@@ -167,10 +156,29 @@ class Submission:
                 self._last_out = now  # not waiting: no heartbeat, look again a period later
 
 
-class DoorMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class Door:
+    """Takes every request a front end submits (:meth:`submit`) and answers the libp2p
+    generate protocol (:meth:`serve_generate`)."""
 
-    async def _serve_generate(self, stream: FramedStream) -> None:
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        #: called with (submission, local) when a request submitted here ends with its final
+        #: event (metrics); must not block or raise
+        self.request_listeners: list[Callable[[Submission, bool], None]] = []
+        #: the last routing decisions, newest last (bounded)
+        self.recent_decisions: collections.deque[RoutingRecord] = collections.deque(
+            maxlen=RECENT_DECISIONS
+        )
+        #: front-end handlers inside ``submit`` now; shutdown lets them write their last frame
+        self._open_handlers = 0
+        self._handlers_gone = trio.Event()
+        self._handlers_gone.set()
+
+    async def wait_handlers_gone(self) -> None:
+        """Until no front end is inside ``submit`` (each wrote its request's final frame)."""
+        await self._handlers_gone.wait()
+
+    async def serve_generate(self, stream: FramedStream) -> None:
         """A client (or a peer forwarding) asks for a completion; stream it back.
 
         After a request's final event the stream may carry the next request (a forwarding
@@ -218,19 +226,20 @@ class DoorMixin:
         Leaving the block before the end (the client went away, the caller was cancelled)
         cancels the work wherever in the network it runs.
         """
+        ctx = self._ctx
         error: ErrorMessage | None = None
         tokens: list[int] = []
-        rid = RequestId(f"{requester}/{req.request_id}")
-        if self._closing:
+        rid = node_request_id(requester, req.request_id)
+        if ctx.closing:
             error = ErrorMessage(req.request_id, "shutdown", "the node is shutting down")
-        elif rid in self._sinks:
+        elif rid in ctx.sinks:
             error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
         else:
             try:
                 tokens = await self._prompt_tokens(req)
             except InvalidRequestError as exc:
                 error = ErrorMessage(req.request_id, "invalid", str(exc))
-            if rid in self._sinks:  # the same id arrived again while we tokenized
+            if rid in ctx.sinks:  # the same id arrived again while we tokenized
                 error = ErrorMessage(req.request_id, "invalid", "duplicate request id")
         if error is not None:
             refused = Submission.failed(error)
@@ -241,13 +250,15 @@ class DoorMixin:
                 refused.end()
             return
         send, receive = trio.open_memory_channel[Message](math.inf)
-        sink = _Sink(send, req.request_id, trio.current_time(), len(tokens))
-        self._sinks[rid] = sink
+        sink = Sink(send, req.request_id, trio.current_time(), len(tokens))
+        ctx.sinks.add(rid, sink)
         self._open_handlers += 1
+        if self._handlers_gone.is_set():
+            self._handlers_gone = trio.Event()
         submission = Submission(req.request_id, receive, sink,
                                 silence=lambda last: self._silence_of(rid, last))
         submission.on_end = lambda sub: self._notify_listeners(sub, local)
-        self._feed(
+        ctx.feed(
             ClientRequest(
                 request_id=rid,
                 tokens=tuple(tokens),
@@ -265,21 +276,21 @@ class DoorMixin:
                 yield submission
         finally:
             self._open_handlers -= 1
-            if rid in self._sinks and not sink.done:
+            if not self._open_handlers:
+                self._handlers_gone.set()
+            if rid in ctx.sinks and not sink.done:
                 # The client went away: stop the work, wherever it runs.
-                self._feed(Cancel(rid))
-                sink.cancel.set()
-                if sink.forward_scope is not None:
-                    sink.forward_scope.cancel()
-                self._sinks.pop(rid, None)
+                ctx.feed(Cancel(rid))
+                sink.stop()
+                ctx.sinks.discard(rid)
             submission.end()
 
     def _silence_of(self, rid: RequestId, last_event: float) -> Silence:
         """The core decides how long a request's client may hear nothing (its phase)."""
-        core = self.core
+        core = self._ctx.core
         if core is None:
             return _plain_silence(last_event)
-        return core.silence(rid, last_event, self._engine_progress_at)
+        return core.silence(rid, last_event, self._ctx.engine_progress_at)
 
     def _notify_listeners(self, submission: Submission, local: bool) -> None:
         for listener in self.request_listeners:
@@ -288,16 +299,16 @@ class DoorMixin:
             except Exception:  # metrics must never break a request
                 logger.exception("request listener failed")
 
-    def _note_route(self, eff: RunLocal | Forward) -> None:
+    def note_route(self, eff: RunLocal | Forward) -> None:
         """Remember where a request went and why (the dashboard shows the last ones)."""
-        sink = self._sinks.get(eff.request_id)
-        target = self.peer_id if isinstance(eff, RunLocal) else eff.peer
+        sink = self._ctx.sinks.get(eff.request_id)
+        target = self._ctx.peer_id if isinstance(eff, RunLocal) else eff.peer
         if sink is not None:
             sink.serving_peer = target
         decision = eff.decision
         self.recent_decisions.append(
             RoutingRecord(
-                at=self._now(),
+                at=self._ctx.now(),
                 request_id=str(eff.request_id),
                 peer=str(target),
                 local=isinstance(eff, RunLocal),
@@ -309,7 +320,7 @@ class DoorMixin:
         """The request's scaffold hash (the ``scaffold_hash`` policy's key): as the origin
         sent it for a forwarded request, else from a chat's messages (a plain prompt has
         none). Only a node running that policy hashes anything."""
-        core = self.core
+        core = self._ctx.core
         if core is None or core.config.policy != "scaffold_hash":
             return None
         if req.forwarded:
@@ -319,11 +330,11 @@ class DoorMixin:
         )
 
     async def _prompt_tokens(self, req: GenerateRequest) -> list[int]:
-        engine = self.engine
+        engine = self._ctx.engine
         assert engine is not None
         # Routing needs the tokens: with a thread-safe tokenizer they are computed beside the
         # running generation instead of queueing behind its current (possibly long) step.
-        run = trio.to_thread.run_sync if engine.thread_safe_tokenizer else self._in_engine
+        run = trio.to_thread.run_sync if engine.thread_safe_tokenizer else self._ctx.in_engine
         if req.forwarded or req.tokens:
             tokens = list(req.tokens)
         elif req.messages:
@@ -343,23 +354,3 @@ class DoorMixin:
         if any(t < 0 or t >= vocab for t in tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})")
         return tokens
-
-    def _finish_sink(self, sink: _Sink, final: Message) -> None:
-        if sink.done:
-            return
-        sink.done = True
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            sink.send.send_nowait(final)
-        for rid, s in list(self._sinks.items()):
-            if s is sink:
-                del self._sinks[rid]
-
-    def _relay_tokens(self, sink: _Sink, ids: Sequence[int], text: str,
-                      logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        if sink.done:
-            return
-        if sink.first_token_at is None and (ids or text):
-            sink.first_token_at = trio.current_time()
-        sink.completion_ids.extend(ids)
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            sink.send.send_nowait(TokenChunk(sink.request_id, tuple(ids), text, logprobs))

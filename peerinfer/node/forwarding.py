@@ -1,5 +1,8 @@
 """Forwarding: relaying a request to the peer the core chose, and its token stream back,
-reporting the first token, the end or a failure to the core."""
+reporting the first token, the end or a failure to the core.
+
+:class:`Forwarder` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext`."""
 
 from __future__ import annotations
 
@@ -31,8 +34,9 @@ from peerinfer.errors import (
 )
 from peerinfer.net import Host
 from peerinfer.net.streampool import StreamUse
-from peerinfer.node.door import _Sink
+from peerinfer.node.context import NodeContext
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
+from peerinfer.node.sinks import Sink, forward_request_id
 
 
 class _RelayCheck:
@@ -87,10 +91,13 @@ class _RelayCheck:
         )
 
 
-class ForwardingMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class Forwarder:
+    """Runs the core's ``Forward`` effects (:meth:`forward`, one task each)."""
 
-    async def _forward(self, eff: Forward) -> None:
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+
+    async def forward(self, eff: Forward) -> None:
         """Relay ``eff``'s request to its peer and check what comes back (see ``_RelayCheck``).
 
         Whatever the peer writes, the client never receives more than ``max_tokens`` tokens, nor
@@ -99,13 +106,14 @@ class ForwardingMixin:
         "invalid" for a request this node already validated, are the peer's failure: the core
         fails over (resuming after the tokens already relayed) and lowers its reputation.
         """
-        sink = self._sinks.get(eff.request_id)
-        host = self.host
+        ctx = self._ctx
+        sink = ctx.sinks.get(eff.request_id)
+        host = ctx.host
         assert host is not None
         if sink is None:
             return
         logger.info("request %s -> %s: %s", eff.request_id, eff.peer, eff.decision.reason)
-        engine = self.engine
+        engine = ctx.engine
         assert engine is not None
         check = _RelayCheck(eff.params, engine.vocab_size, len(eff.tokens))
         outcome: Event | None = None
@@ -136,7 +144,7 @@ class ForwardingMixin:
             done = check.synthesized_done(eff.peer)
         if done is not None:
             now = trio.current_time()
-            self._finish_sink(
+            ctx.sinks.finish(
                 sink,
                 GenerateDone(
                     request_id=sink.request_id,
@@ -151,10 +159,10 @@ class ForwardingMixin:
                 ),
             )
         if outcome is not None:
-            self._feed(outcome)
+            ctx.feed(outcome)
 
     async def _forward_attempt(
-        self, host: Host, eff: Forward, sink: _Sink, check: _RelayCheck
+        self, host: Host, eff: Forward, sink: Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
         """Send the request on a stream of the host's pool (``host.streams.exchange``): one
         kept from the last forward to the same peer when it can (no stream to open, no protocol
@@ -172,12 +180,11 @@ class ForwardingMixin:
             await stream.send(
                 encode(
                     GenerateRequest(
-                        request_id=eff.request_id.rsplit("/", 1)[-1][:64] + f"~{eff.attempt}"
-                        + ("r" if second_try else ""),
+                        request_id=forward_request_id(eff.request_id, eff.attempt, second_try),
                         params=eff.params,
                         tokens=eff.tokens,
                         forwarded=True,
-                        origin=self.peer_id,
+                        origin=self._ctx.peer_id,
                         max_outstanding=eff.decision.max_outstanding,
                         scaffold=eff.scaffold,
                     )
@@ -186,7 +193,8 @@ class ForwardingMixin:
             )
             first_at: float | None = None
             # The core's gap (NodeCore.silence gives the door twice this for a forward).
-            gap_s = self.core.config.token_gap_timeout_s if self.core is not None else TOKEN_GAP_TIMEOUT_S
+            core = self._ctx.core
+            gap_s = core.config.token_gap_timeout_s if core is not None else TOKEN_GAP_TIMEOUT_S
             while True:
                 timeout = max(0.01, deadline - trio.current_time()) if first_at is None else gap_s
                 frame = await stream.receive(timeout=timeout)
@@ -197,10 +205,10 @@ class ForwardingMixin:
                         logger.warning("forward to %s broke its contract: %s", eff.peer, broken)
                         return ForwardFailed(eff.request_id, eff.peer, "contract", tuple(generated)), None
                     generated.extend(msg.token_ids)
-                    self._relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
+                    self._ctx.sinks.relay_tokens(sink, msg.token_ids, msg.text, msg.logprobs)
                     if first_at is None and (msg.token_ids or msg.text):
                         first_at = trio.current_time()
-                        self._feed(ForwardFirstToken(eff.request_id, eff.peer))
+                        self._ctx.feed(ForwardFirstToken(eff.request_id, eff.peer))
                 elif isinstance(msg, GenerateDone):
                     broken = check.done(msg)
                     if broken:
@@ -227,5 +235,5 @@ class ForwardingMixin:
                     return ForwardFailed(eff.request_id, eff.peer, kind.forward_reason, tuple(generated)), None
 
         return await host.streams.exchange(
-            eff.peer, GENERATE_PROTOCOL, attempt, timeout=eff.first_token_timeout_s, spare=not self._closing
+            eff.peer, GENERATE_PROTOCOL, attempt, timeout=eff.first_token_timeout_s, spare=not self._ctx.closing
         )

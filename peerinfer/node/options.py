@@ -1,5 +1,17 @@
 """How a node is configured (``NodeOptions``: the ``peerinfer node`` flags), its protocol
-names and its limits."""
+names and its limits.
+
+``NodeOptions`` stays flat (one field per flag). The configs of the parts it configures are
+built from it here, by pure functions beside the fields, each option read by exactly one of
+them (tests/test_node_options.py checks it, and that the defaults agree):
+
+* :func:`core_config` -> ``NodeConfig`` (the sans-IO core: routing, limits, trust), with the
+  policy derived from the engine (its batch size, its cache budget);
+* :func:`host_config` -> ``HostConfig`` (the libp2p host), with the liveness timing derived
+  from the peer timeout.
+
+The few options neither reads are listed, with where they are used, in ``READ_ELSEWHERE``.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel, default_costs
 from peerinfer.core.messages import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
+from peerinfer.core.node import NodeConfig
 from peerinfer.engine.base import Engine
 from peerinfer.errors import ConfigError
-from peerinfer.net.config import DEFAULT_PORT
+from peerinfer.net.config import DEFAULT_PORT, HostConfig
+from peerinfer.types import PeerId
 
 logger = logging.getLogger("peerinfer.node")
 GENERATE_PROTOCOL = "/peerinfer/generate/1.0.0"
@@ -118,7 +132,8 @@ class NodeOptions:
     preempt_after_tokens: int | None = DEFAULT_PREEMPT_AFTER_TOKENS
     seed: int | None = None
     expected_peers: int = 64
-    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API
+    #: the HTTP API's HOST:PORT (port 0: any free one); None: no HTTP API. Served beside the
+    #: node by ``peerinfer.serve.serve_node`` (``Node.serve`` alone runs no HTTP API)
     http: str | None = None
     #: bearer tokens the HTTP API accepts (required to bind a non-loopback address)
     api_keys: tuple[str, ...] = ()
@@ -155,6 +170,102 @@ class NodeOptions:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"
             )
+
+
+def core_config(
+    opts: NodeOptions, peer_id: PeerId, *, max_batch_size: int, cache_capacity_bytes: int | None
+) -> NodeConfig:
+    """The core's configuration for a node run with ``opts`` whose engine batches
+    ``max_batch_size`` requests and whose prefix cache holds ``cache_capacity_bytes``."""
+    return NodeConfig(
+        peer_id=peer_id,
+        policy=opts.policy,
+        costs=engine_costs(opts.costs, max_batch_size),
+        announce_interval_s=opts.announce_interval_s,
+        first_token_timeout_s=opts.first_token_timeout_s,
+        token_gap_timeout_s=opts.token_gap_timeout_s,
+        peer_timeout_s=opts.peer_timeout_s,
+        ping_after_s=max(0.5, opts.peer_timeout_s / 3),
+        max_queue=opts.max_queue,
+        max_new_tokens=opts.max_tokens,
+        max_prompt_tokens=opts.max_prompt_tokens,
+        max_queued_per_peer=opts.max_queued_per_requester,
+        preempt_after_tokens=opts.preempt_after_tokens,
+        audit_rate=opts.audit_rate,
+        trusted_peers=(
+            None if opts.trusted_peers is None
+            else frozenset(PeerId(p) for p in opts.trusted_peers)
+        ),
+        replica_budget_blocks=replica_budget(opts.replica_budget_blocks, cache_capacity_bytes),
+    )
+
+
+def engine_costs(costs: CostModel, max_batch_size: int) -> CostModel:
+    """One capacity for the core and the scheduler: the engine's ``max_batch_size``, unless
+    the cost model names its own number of slots (the default model's is 1: "not set"). If the
+    two differed, the scheduler would queue requests the core thinks are running, in its own
+    FIFO order, behind the core's fair share. A node left on the default (single-slot) model
+    whose engine batches gets the batched default, whose step times grow with the batch as
+    measured (docs/performance.md)."""
+    if costs == DEFAULT_COSTS and max_batch_size > 1:
+        return default_costs(max_batch_size)
+    if costs.slots == 1 and max_batch_size > 1:
+        return costs.with_slots(max_batch_size)
+    return costs
+
+
+def replica_budget(blocks: int | None, cache_capacity_bytes: int | None) -> int:
+    """The replica budget asked for, else a share of the cache budget (``REPLICA_BUDGET_SHARE``),
+    else ``DEFAULT_REPLICA_BUDGET_BLOCKS``."""
+    if blocks is not None:
+        return blocks
+    if not cache_capacity_bytes:
+        return DEFAULT_REPLICA_BUDGET_BLOCKS
+    return max(MIN_REPLICA_BUDGET_BLOCKS,
+               int(cache_capacity_bytes * REPLICA_BUDGET_SHARE) // REPLICA_BYTES_PER_BLOCK)
+
+
+def host_config(opts: NodeOptions, topic: str) -> HostConfig:
+    """The libp2p host's configuration for a node run with ``opts``, gossiping on ``topic``."""
+    return HostConfig(
+        listen=opts.listen,
+        identity_path=opts.identity,
+        persist_identity=opts.persist_identity,
+        bootstrap=opts.bootstrap,
+        mdns=opts.mdns,
+        gossip_topics=(topic,),
+        expected_peers=opts.expected_peers,
+        announce_interval_s=opts.announce_interval_s,
+        liveness_interval_s=max(2.0, opts.peer_timeout_s / 2),
+        # A failed ping starts the probe with a fresh connection (net.host, PROBE_EVERY_S):
+        # the sooner it is known, the sooner a restored link is used again.
+        liveness_timeout_s=max(3.0, opts.peer_timeout_s / 2),
+        swarm_key=opts.swarm_key,
+    )
+
+
+#: Options both builders read: the core and the host act on the same figure.
+READ_BY_BOTH = {
+    "announce_interval_s": "the core announces at it; the host sizes its gossip rate limit for it",
+    "peer_timeout_s": "the core's membership timeout; the host's liveness pings derive from it",
+}
+#: Options neither builder reads, and where they are used.
+READ_ELSEWHERE = {
+    "engine": "_load_engine (peerinfer.engine.registry)",
+    "model": "_load_engine",
+    "device": "_load_engine",
+    "engine_options": "_load_engine",
+    "cache_bytes": "Node.serve: Engine.configure_cache",
+    "cache_tokens": "Node.serve: Engine.configure_cache",
+    "seed": "Node.serve: the core's random generator",
+    "wall_clock": "Node._epoch_base",
+    "relay_service": "Node.serve: ReachSettings.of",
+    "relay_circuit_bytes": "Node.serve: ReachSettings.of",
+    "upnp": "Node.serve: ReachSettings.of",
+    "http": "peerinfer.serve (the HTTP API beside the node)",
+    "api_keys": "peerinfer.serve",
+    "trust_swarm": "NodeOptions.__post_init__ only: a guarantee, not a filter (docs/security.md)",
+}
 
 
 def _load_engine(options: NodeOptions) -> Engine:

@@ -1,9 +1,13 @@
-"""Status and peers: the status protocol, peer exchange, peer events and liveness pings."""
+"""Status and peers: the status protocol, peer exchange, peer events and liveness pings.
+
+:class:`PeerKeeper` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext`."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,19 +33,23 @@ from peerinfer.errors import (
     ProtocolError,
 )
 from peerinfer.net import FramedStream, Host, PeerEvent
+from peerinfer.net.pacing import TokenBucket
+from peerinfer.node.context import NodeContext
 from peerinfer.node.options import (
     LOST_REDIAL_FIRST_S,
     LOST_REDIAL_FOR_S,
     MAX_EXCHANGED_PEERS,
     MAX_LOST_REDIALED,
     MAX_PEER_TABLE,
+    PEER_DIAL_BURST,
+    PEER_DIAL_RATE,
     PEER_EXCHANGE_INTERVAL_S,
     PEER_REDIAL_S,
     PEERS_PROTOCOL,
     SPREAD_ADDRS_PEERS,
     logger,
 )
-from peerinfer.trust import reputation_line
+from peerinfer.node.trust import reputation_line
 from peerinfer.types import PeerId
 
 
@@ -61,13 +69,58 @@ class LostNode:
     dialing: bool = False
 
 
-class PeersMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class PeerKeeper:
+    """Whom the node knows: status, peer exchange, lost nodes redialed, peer events and the
+    liveness pings the core asks for."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        #: members (nodes, not clients) we have swapped peer lists with (bounded)
+        self._exchanged: OrderedDict[str, None] = OrderedDict()
+        #: when peer exchange last made us dial each peer (bounded), and the dial pacer
+        self._dialed_at: OrderedDict[str, float] = OrderedDict()
+        self._dial_bucket = TokenBucket(PEER_DIAL_RATE, PEER_DIAL_BURST)
+        #: nodes that answered peer exchange (bounded), and those of them lost, being redialed
+        self._nodes_met: OrderedDict[str, None] = OrderedDict()
+        self._lost: OrderedDict[str, LostNode] = OrderedDict()
+        self._lost_wake = trio.Event()
+        #: peers a dial of ours is under way to (one at a time each)
+        self._dialing: set[str] = set()
+        #: dials caused by peer exchange (statistics for tests and the attack bench)
+        self.exchange_dials = 0
+
+    def has_met(self, peer: str) -> bool:
+        """``peer`` answered peer exchange: a node, redialed if lost."""
+        return peer in self._nodes_met
+
+    def is_lost(self, peer: str) -> bool:
+        """``peer`` is a node we lost and redial."""
+        return peer in self._lost
+
+    def forget(self, peer: str) -> None:
+        """The core dropped ``peer`` from its candidates: swap peer lists again when it is back."""
+        self._exchanged.pop(peer, None)
+
+    def on_announcer(self, sender: str) -> None:
+        """``sender`` announced on our topic: a member we have not swapped peer lists with yet
+        is asked whom it knows (clients never announce, so they are never asked for a protocol
+        they do not speak; identities heard of only through gossip are not members, and are
+        never dialed for it)."""
+        if sender not in self._exchanged and self.is_member(sender) and self._ctx.nursery is not None:
+            self._exchanged[sender] = None
+            if len(self._exchanged) > MAX_PEER_TABLE:
+                self._exchanged.popitem(last=False)
+            self._ctx.nursery.start_soon(self._exchange_peers, sender)
+
+    def is_member(self, peer: str) -> bool:
+        """A peer that answered us over a direct (admitted) connection, and still has one."""
+        core, host = self._ctx.core, self._ctx.host
+        return core is not None and host is not None and core.is_member(PeerId(peer)) and host.is_admitted(peer)
 
     def status(self) -> StatusResponse:
-        core, host, engine = self.core, self.host, self.engine
+        core, host, engine = self._ctx.core, self._ctx.host, self._ctx.engine
         assert core is not None and host is not None and engine is not None
-        now = self._now()
+        now = self._ctx.now()
         peers = tuple(
             PeerStatus(
                 peer_id=p.peer_id,
@@ -101,12 +154,12 @@ class PeersMixin:
             ),
         )
 
-    async def _serve_status(self, stream: FramedStream) -> None:
+    async def serve_status(self, stream: FramedStream) -> None:
         decode(await stream.receive(), expected=StatusRequest)
         await stream.send(encode(self.status()))
 
     def _known_peers(self) -> PeerExchange:
-        host = self.host
+        host = self._ctx.host
         assert host is not None
         peers = [PeerAddrs(host.peer_id, tuple(host.dialable_addrs())[:16])]
         # Only nodes (peers that announced on our topic), never clients: a client is not a
@@ -122,9 +175,9 @@ class PeersMixin:
     async def _learn_peers(self, source: str, exchange: PeerExchange) -> None:
         """Dial the peers a member told us about: each at most once per PEER_REDIAL_S, all of
         them at PEER_DIAL_RATE; what exceeds the rate is dropped (the next exchange retries)."""
-        host = self.host
+        host = self._ctx.host
         assert host is not None
-        if not self._is_member(source):
+        if not self.is_member(source):
             return  # only members' word counts
         now = trio.current_time()
         seen: set[str] = set()
@@ -137,7 +190,7 @@ class PeersMixin:
                 with contextlib.suppress(ProtocolError):
                     host.add_known_peer(peer, tuple(dict.fromkeys(entry.addrs)))
                 if host.circuit_addrs(peer) != before:
-                    self._spread_addrs(exclude=peer)
+                    self.spread_addrs(exclude=peer)
             if peer == host.peer_id or peer in seen or host.is_connected(peer):
                 continue
             seen.add(peer)
@@ -162,26 +215,26 @@ class PeersMixin:
                 self._dialed_at.popitem(last=False)
             self.exchange_dials += 1
             logger.info("dialing %s, told by %s", peer, source)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._dial_quietly, peer)
+            assert self._ctx.nursery is not None
+            self._ctx.nursery.start_soon(self._dial_quietly, peer)
 
-    def _spread_addrs(self, exclude: str | None = None) -> None:
+    def spread_addrs(self, exclude: str | None = None) -> None:
         """Swap peer lists now with (a bounded number of) connected members: our own or a
         peer's relayed address changed, and waiting for the periodic exchange would leave it
         unreachable meanwhile."""
-        host = self.host
-        if host is None or self._nursery is None:
+        host = self._ctx.host
+        if host is None or self._ctx.nursery is None:
             return
-        members = [p for p in host.connected_peers() if p in self._exchanged and p != exclude and self._is_member(p)]
+        members = [p for p in host.connected_peers() if p in self._exchanged and p != exclude and self.is_member(p)]
         random.shuffle(members)
         for peer in members[:SPREAD_ADDRS_PEERS]:
-            self._nursery.start_soon(self._exchange_peers, peer)
+            self._ctx.nursery.start_soon(self._exchange_peers, peer)
 
     async def _dial_quietly(self, peer: str) -> None:
         """Dial ``peer`` unless a dial of ours to it is under way or it is connected (two
         relayed connections dialed at once, by us twice or by both sides, are trimmed by
         libp2p's per-peer limit or replace each other: seen as seconds of churn after a heal)."""
-        host = self.host
+        host = self._ctx.host
         assert host is not None
         if peer in self._dialing or host.is_connected(peer):
             return
@@ -193,7 +246,7 @@ class PeersMixin:
         finally:
             self._dialing.discard(peer)
 
-    async def _serve_peers(self, stream: FramedStream) -> None:
+    async def serve_peers(self, stream: FramedStream) -> None:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
         self._met_node(stream.remote_peer)
@@ -201,7 +254,7 @@ class PeersMixin:
         await self._learn_peers(stream.remote_peer, exchange)
 
     async def _exchange_peers(self, peer: str) -> None:
-        host = self.host
+        host = self._ctx.host
         assert host is not None
         try:
             reply = await host.request(peer, PEERS_PROTOCOL, encode(self._known_peers()), timeout=5.0)
@@ -220,7 +273,7 @@ class PeersMixin:
             self._nodes_met.popitem(last=False)
 
     def _note_lost(self, peer: str) -> None:
-        host = self.host
+        host = self._ctx.host
         if host is None or peer not in self._nodes_met or peer in host.banned_peers():
             return
         now = trio.current_time()
@@ -243,14 +296,14 @@ class PeersMixin:
     def _first_redial_wait(self, peer: str) -> float:
         """Of two nodes that lost each other, the one with the smaller peer id redials first;
         the other waits a few steps longer, so that they rarely dial each other at once."""
-        host = self.host
+        host = self._ctx.host
         mine = host is not None and host.peer_id < peer
         return LOST_REDIAL_FIRST_S if mine else 4 * LOST_REDIAL_FIRST_S
 
-    async def _redial_lost_loop(self) -> None:
+    async def redial_lost_loop(self) -> None:
         """Redial lost nodes (see LOST_REDIAL_FIRST_S); one dial per node at a time."""
-        host = self.host
-        assert host is not None and self._nursery is not None
+        host = self._ctx.host
+        assert host is not None and self._ctx.nursery is not None
         while True:
             now = trio.current_time()
             next_due = now + 1.0
@@ -265,7 +318,7 @@ class PeersMixin:
                     lost.dialing = True
                     lost.wait = min(2 * lost.wait, PEER_REDIAL_S)
                     lost.due = now + lost.wait
-                    self._nursery.start_soon(self._redial_lost, peer, lost)
+                    self._ctx.nursery.start_soon(self._redial_lost, peer, lost)
                 next_due = min(next_due, lost.due)
             self._lost_wake = trio.Event()
             with trio.move_on_after(max(0.05, next_due - trio.current_time())):
@@ -279,17 +332,17 @@ class PeersMixin:
             lost.dialing = False
             self._lost_wake.set()
 
-    async def _peer_exchange_loop(self) -> None:
-        host = self.host
+    async def peer_exchange_loop(self) -> None:
+        host = self._ctx.host
         assert host is not None
         while True:
             await trio.sleep(PEER_EXCHANGE_INTERVAL_S * (0.5 + random.random()))
-            peers = [p for p in host.connected_peers() if p in self._exchanged and self._is_member(p)]
+            peers = [p for p in host.connected_peers() if p in self._exchanged and self.is_member(p)]
             if peers:
                 await self._exchange_peers(random.choice(peers))
 
-    async def _peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
-        assert self._nursery is not None
+    async def peer_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
+        assert self._ctx.nursery is not None
         async for ev in events:
             if ev.kind != "discovered":
                 logger.info("peer %s %s%s", ev.peer_id, ev.kind, f": {ev.detail}" if ev.detail else "")
@@ -306,12 +359,12 @@ class PeersMixin:
                 # leave the peers it knows (behind NATs: reachable only so) undialed meanwhile.
                 self._exchanged.pop(ev.peer_id, None)
             if ev.kind == "connected":
-                self._feed(PeerSeen(PeerId(ev.peer_id)))
+                self._ctx.feed(PeerSeen(PeerId(ev.peer_id)))
             elif ev.kind in ("unresponsive", "misbehaved"):
-                self._feed(PeerLost(PeerId(ev.peer_id)))
+                self._ctx.feed(PeerLost(PeerId(ev.peer_id)))
 
-    async def _ping(self, peer: PeerId) -> None:
-        host, core = self.host, self.core
+    async def ping(self, peer: PeerId) -> None:
+        host, core = self._ctx.host, self._ctx.core
         assert host is not None and core is not None
         if not core.is_member(peer) and not host.is_admitted(peer):
             # A would-be member is pinged over its own direct connection only: an identity
@@ -320,17 +373,17 @@ class PeersMixin:
         try:
             rtt = await host.ping(peer, timeout=2.0)
         except PeerInferError:
-            self._feed(PeerLost(peer))
+            self._ctx.feed(PeerLost(peer))
             return
-        self._feed(PeerSeen(peer, rtt_s=rtt))
-        if peer not in self._exchanged and peer in self._bootstrap_peers() and self._is_member(peer):
+        self._ctx.feed(PeerSeen(peer, rtt_s=rtt))
+        if peer not in self._exchanged and peer in self._bootstrap_peers() and self.is_member(peer):
             # A bootstrap peer is a node (we were told so): swap peer lists as soon as it is a
             # member rather than at its first announcement, so a newcomer meets the swarm sooner.
             self._exchanged[peer] = None
             if len(self._exchanged) > MAX_PEER_TABLE:
                 self._exchanged.popitem(last=False)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._exchange_peers, peer)
+            assert self._ctx.nursery is not None
+            self._ctx.nursery.start_soon(self._exchange_peers, peer)
 
     def _bootstrap_peers(self) -> set[str]:
-        return {a.rsplit("/p2p/", 1)[-1] for a in self.options.bootstrap if "/p2p/" in a}
+        return {a.rsplit("/p2p/", 1)[-1] for a in self._ctx.options.bootstrap if "/p2p/" in a}

@@ -1,23 +1,23 @@
-"""The ``Node``: its lifecycle (serve, shutdown), feeding the core its events and executing
-the effects it returns, and its timer."""
+"""The ``Node``: it composes the components (``Door``, ``EngineWorker``, ``Forwarder``,
+``AntiEntropy``, ``PeerKeeper``, ``TrustKeeper``) over one :class:`NodeContext`, runs their
+tasks in one nursery, feeds the core its events and hands each effect it returns to the
+component that executes it; and its timer."""
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 import os
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
-from peerinfer.core.costmodel import DEFAULT_COSTS, default_costs
-from peerinfer.core.messages import (
-    ErrorMessage,
-)
+from peerinfer.core.messages import ErrorMessage, GenerateRequest, Load, StatusResponse
 from peerinfer.core.node import (
     AuditForward,
     BanPeer,
@@ -28,8 +28,8 @@ from peerinfer.core.node import (
     Effect,
     Event,
     Forward,
-    NodeConfig,
     NodeCore,
+    PeerSnapshot,
     PingPeer,
     PreemptLocal,
     Publish,
@@ -38,43 +38,68 @@ from peerinfer.core.node import (
     RunLocal,
     SendSyncRequest,
 )
+from peerinfer.core.node import NodeStatistics as CoreStatistics
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine
-from peerinfer.engine.batch import BatchScheduler
-from peerinfer.net import Host, HostConfig, open_host
+from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
+from peerinfer.net import Host, open_host
 from peerinfer.net.config import default_identity_path
-from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.reach import ReachSettings, run_reach
-from peerinfer.node.antientropy import AntiEntropyMixin
-from peerinfer.node.door import DoorMixin, RoutingRecord, Submission, _Sink
-from peerinfer.node.forwarding import ForwardingMixin
+from peerinfer.node.antientropy import AntiEntropy
+from peerinfer.node.context import NodeContext
+from peerinfer.node.door import Door, RoutingRecord, Submission
+from peerinfer.node.forwarding import Forwarder
 from peerinfer.node.options import (
-    DEFAULT_REPLICA_BUDGET_BLOCKS,
     EPOCH_STRIDE,
     GENERATE_PROTOCOL,
-    MIN_REPLICA_BUDGET_BLOCKS,
-    PEER_DIAL_BURST,
-    PEER_DIAL_RATE,
     PEERS_PROTOCOL,
-    RECENT_DECISIONS,
-    REPLICA_BUDGET_SHARE,
-    REPLICA_BYTES_PER_BLOCK,
     SHUTDOWN_GRACE_S,
     STATUS_PROTOCOL,
     SYNC_PROTOCOL,
     NodeOptions,
     _load_engine,
     announce_topic,
+    core_config,
+    host_config,
     logger,
 )
-from peerinfer.node.peers import LostNode, PeersMixin
-from peerinfer.node.worker import EngineWorkerMixin, _Control, _LocalRun
-from peerinfer.trust import TrustKeeper
-from peerinfer.types import PeerId, RequestId
+from peerinfer.node.peers import PeerKeeper
+from peerinfer.node.trust import TrustKeeper
+from peerinfer.node.worker import EngineWorker
+from peerinfer.types import PeerId
+
+if TYPE_CHECKING:
+    # trio's own ``trio.TaskStatus``, as mypy sees it: libp2p depends on trio-typing, whose
+    # trio-stubs shadow trio's inline types and name the class here.
+    from trio_typing import TaskStatus
 
 
-class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, PeersMixin):
-    """One peerinfer node. ``await node.serve(task_status=...)`` runs it until cancelled.
+
+@dataclass(frozen=True, slots=True)
+class NodeStatistics:
+    """A snapshot of a running node, for its HTTP API, metrics and dashboard
+    (:meth:`Node.statistics`)."""
+
+    peer_id: str
+    #: seconds since the node object was made (wall clock)
+    uptime_s: float
+    #: the node's monotonic clock (the core's), when the snapshot was taken
+    now: float
+    core: CoreStatistics
+    load: Load
+    peers: tuple[PeerSnapshot, ...]
+    #: anti-entropy bytes by (kind, direction), as in ``NodeContext.traffic``
+    traffic: tuple[tuple[tuple[str, str], int], ...]
+    #: the last routing decisions, newest first
+    decisions: tuple[RoutingRecord, ...]
+    #: the batch scheduler's counters (None: not started, or a read that raced a step)
+    scheduler: SchedulerStatistics | None
+    http_url: str | None
+
+
+class Node:
+    """One peerinfer node. ``await node.serve(task_status=...)`` runs it until cancelled
+    (``peerinfer.serve`` runs it with its HTTP API).
 
     ``engine`` may be given ready-made (tests, embedding); otherwise it is loaded from
     ``options`` in a worker thread at start.
@@ -82,181 +107,160 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
 
     def __init__(self, options: NodeOptions, engine: Engine | None = None) -> None:
         self.options = options
-        self.engine = engine
-        self.host: Host | None = None
-        self.core: NodeCore | None = None
-        self._engine_lock = trio.Lock()
-        #: Requests for the engine worker: handed over, and running in its scheduler.
-        self._local_new: list[_LocalRun] = []
-        self._local_runs: set[_LocalRun] = set()
-        #: the runs by request id, preemptions and resumes for the worker's next step, and
-        #: preemptions asked for runs not handed over yet (engine worker: worker.py)
-        self._runs_by_id: dict[RequestId, _LocalRun] = {}
-        self._local_control: list[_Control] = []
-        self._preempt_asked: dict[RequestId, int] = {}
-        self._engine_wake = trio.Event()
-        #: when the engine worker last completed a step (waiting requests wait while it moves)
-        self._engine_progress_at = -math.inf
-        self._sinks: dict[RequestId, _Sink] = {}
-        self._nursery: trio.Nursery | None = None
+        self.ctx = NodeContext(options, feed=self._feed, engine=engine)
+        self.door = Door(self.ctx)
+        self.worker = EngineWorker(self.ctx)
+        self.forwarder = Forwarder(self.ctx)
+        self.peers = PeerKeeper(self.ctx)
+        self.antientropy = AntiEntropy(self.ctx, on_announcer=self.peers.on_announcer)
+        self.trust = TrustKeeper(self.ctx)
+        self._scheduler: BatchScheduler | None = None
         self._wake = trio.Event()
-        self._closing = False
-        self._open_handlers = 0
-        #: members (nodes, not clients) we have swapped peer lists with (bounded)
-        self._exchanged: OrderedDict[str, None] = OrderedDict()
-        #: when peer exchange last made us dial each peer (bounded), and the dial pacer
-        self._dialed_at: OrderedDict[str, float] = OrderedDict()
-        self._dial_bucket = TokenBucket(PEER_DIAL_RATE, PEER_DIAL_BURST)
-        #: nodes that answered peer exchange (bounded), and those of them lost, being redialed
-        self._nodes_met: OrderedDict[str, None] = OrderedDict()
-        self._lost: OrderedDict[str, LostNode] = OrderedDict()
-        self._lost_wake = trio.Event()
-        #: peers a dial of ours is under way to (one at a time each)
-        self._dialing: set[str] = set()
-        #: relayed peers a spare generate stream is being opened to (forwarding)
-        self._spares_opening: set[str] = set()
-        #: dials caused by peer exchange (statistics for tests and the attack bench)
-        self.exchange_dials = 0
-        self._topic = ""
         self._started_at = time.time()
         self.ready = trio.Event()
-        #: the last routing decisions, newest last (bounded)
-        self.recent_decisions: collections.deque[RoutingRecord] = collections.deque(
-            maxlen=RECENT_DECISIONS
-        )
-        #: called with (submission, local) when a request submitted through the door ends
-        #: with its final event (metrics); must not block or raise
-        self.request_listeners: list[Callable[[Submission, bool], None]] = []
-        #: anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received")
-        self.traffic: collections.Counter[tuple[str, str]] = collections.Counter()
-        #: the HTTP API's URL once it accepts (None: off)
+        #: the HTTP API's URL once it accepts (set by ``peerinfer.serve``; None: off)
         self.http_url: str | None = None
-        self._trust = TrustKeeper(self)
+
+    # ------------------------------------------------------------------ the public face
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.ctx.engine
+
+    @property
+    def host(self) -> Host | None:
+        return self.ctx.host
+
+    @property
+    def core(self) -> NodeCore | None:
+        return self.ctx.core
 
     @property
     def peer_id(self) -> str:
-        assert self.host is not None, "the node is not running"
-        return self.host.peer_id
+        return self.ctx.peer_id
+
+    @property
+    def topic(self) -> str:
+        """The gossip topic of the node's model (and swarm key); "" before it serves."""
+        return self.ctx.topic
+
+    @property
+    def traffic(self) -> collections.Counter[tuple[str, str]]:
+        """Anti-entropy bytes by (kind, direction): ("announce"|"sync", "sent"|"received");
+        live (``statistics()`` has a snapshot)."""
+        return self.ctx.traffic
+
+    @property
+    def request_listeners(self) -> list[Callable[[Submission, bool], None]]:
+        """Called with (submission, local) when a request submitted through the door ends
+        with its final event (metrics); must not block or raise."""
+        return self.door.request_listeners
+
+    @property
+    def recent_decisions(self) -> Sequence[RoutingRecord]:
+        """The last routing decisions, newest last."""
+        return self.door.recent_decisions
+
+    @property
+    def exchange_dials(self) -> int:
+        """Dials caused by peer exchange (tests and the attack bench)."""
+        return self.peers.exchange_dials
 
     def addresses(self) -> list[str]:
         assert self.host is not None, "the node is not running"
         return self.host.dialable_addrs()
 
-    async def serve(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
-        opts = self.options
-        http_address = None
-        if opts.http is not None:
-            from peerinfer.http import check_exposure, parse_http_address
+    def submit(
+        self, req: GenerateRequest, *, requester: str, local: bool
+    ) -> AbstractAsyncContextManager[Submission]:
+        """Submit a request through the node's door (see :meth:`Door.submit`)."""
+        return self.door.submit(req, requester=requester, local=local)
 
-            # Refuse a bad or unsafe address before the (slow) model load.
-            http_address = parse_http_address(opts.http)
-            if http_address is not None:
-                check_exposure(http_address[0], opts.api_keys)
-        if self.engine is None:
-            self.engine = await trio.to_thread.run_sync(_load_engine, opts)
-        engine = self.engine
+    def status(self) -> StatusResponse:
+        """What ``peerinfer status`` shows (the status protocol's answer)."""
+        return self.peers.status()
+
+    def statistics(self) -> NodeStatistics:
+        """A snapshot of the running node (``serve`` must have started it)."""
+        core = self.core
+        assert core is not None, "the node is not running"
+        now = self.ctx.now()
+        scheduler = None
+        if self._scheduler is not None:
+            try:
+                # Read from the trio thread while the worker steps: a snapshot of plain
+                # counters; one that races a step is left out, never fatal.
+                scheduler = self._scheduler.statistics()
+            except Exception as exc:
+                logger.debug("scheduler statistics skipped: %r", exc)
+        return NodeStatistics(
+            peer_id=self.peer_id,
+            uptime_s=time.time() - self._started_at,
+            now=now,
+            core=core.statistics(),
+            load=core.load(),
+            peers=tuple(core.peers(now)),
+            traffic=tuple(sorted(self.ctx.traffic.items())),
+            decisions=tuple(reversed(self.door.recent_decisions)),
+            scheduler=scheduler,
+            http_url=self.http_url,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(
+        self, *,
+        task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        ctx, opts = self.ctx, self.options
+        if ctx.engine is None:
+            ctx.engine = await trio.to_thread.run_sync(_load_engine, opts)
+        engine = ctx.engine
         secret = opts.swarm_key
         hasher = PrefixHasher(engine.fingerprint, derive_swarm_key(engine.fingerprint, secret))
-        await self._in_engine(
+        await ctx.in_engine(
             engine.configure_cache,
             hasher,
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
-        # One capacity for the core and the scheduler: the engine's max_batch_size, unless the
-        # cost model names its own number of slots (the default model's is 1: "not set"). If
-        # the two differed, the scheduler would queue requests the core thinks are running, in
-        # its own FIFO order, behind the core's fair share.
-        # A node left on the default (single-slot) model whose engine batches gets the batched
-        # default, whose step times grow with the batch as measured (docs/performance.md).
-        costs = opts.costs
-        if costs == DEFAULT_COSTS and engine.max_batch_size > 1:
-            costs = default_costs(engine.max_batch_size)
-        elif costs.slots == 1 and engine.max_batch_size > 1:
-            costs = costs.with_slots(engine.max_batch_size)
-        scheduler = BatchScheduler(engine, max_running=costs.slots)
-        self._scheduler = scheduler  # read by the metrics (statistics() snapshots)
-        self._topic = announce_topic(engine.fingerprint, secret)
-        replica_budget = opts.replica_budget_blocks
-        if replica_budget is None:
-            stats = engine.statistics().cache
-            capacity = stats.capacity_bytes if stats is not None else None
-            replica_budget = (
-                DEFAULT_REPLICA_BUDGET_BLOCKS if not capacity
-                else max(MIN_REPLICA_BUDGET_BLOCKS,
-                         int(capacity * REPLICA_BUDGET_SHARE) // REPLICA_BYTES_PER_BLOCK)
-            )
-        host_config = HostConfig(
-            listen=opts.listen,
-            identity_path=opts.identity,
-            persist_identity=opts.persist_identity,
-            bootstrap=opts.bootstrap,
-            mdns=opts.mdns,
-            gossip_topics=(self._topic,),
-            expected_peers=opts.expected_peers,
-            announce_interval_s=opts.announce_interval_s,
-            liveness_interval_s=max(2.0, opts.peer_timeout_s / 2),
-            # A failed ping starts the probe with a fresh connection (net.host, PROBE_EVERY_S):
-            # the sooner it is known, the sooner a restored link is used again.
-            liveness_timeout_s=max(3.0, opts.peer_timeout_s / 2),
-            swarm_key=secret,
-        )
-        async with open_host(host_config) as host:
-            self.host = host
+        ctx.topic = announce_topic(engine.fingerprint, secret)
+        cache = engine.statistics().cache
+        hosting = host_config(opts, ctx.topic)
+        async with open_host(hosting) as host:
+            ctx.host = host
             epoch_base = self._epoch_base()
-            self.core = NodeCore(
-                NodeConfig(
-                    peer_id=PeerId(host.peer_id),
-                    policy=opts.policy,
-                    costs=costs,
-                    announce_interval_s=opts.announce_interval_s,
-                    first_token_timeout_s=opts.first_token_timeout_s,
-                    token_gap_timeout_s=opts.token_gap_timeout_s,
-                    peer_timeout_s=opts.peer_timeout_s,
-                    ping_after_s=max(0.5, opts.peer_timeout_s / 3),
-                    max_queue=opts.max_queue,
-                    max_new_tokens=opts.max_tokens,
-                    max_prompt_tokens=opts.max_prompt_tokens,
-                    max_queued_per_peer=opts.max_queued_per_requester,
-                    preempt_after_tokens=opts.preempt_after_tokens,
-                    audit_rate=opts.audit_rate,
-                    trusted_peers=(
-                        None if opts.trusted_peers is None
-                        else frozenset(PeerId(p) for p in opts.trusted_peers)
-                    ),
-                    replica_budget_blocks=replica_budget,
-                ),
-                hasher,
-                rng=random.Random(opts.seed),
-                epoch_base=epoch_base,
-                now=self._now(),
+            config = core_config(
+                opts, PeerId(host.peer_id), max_batch_size=engine.max_batch_size,
+                cache_capacity_bytes=cache.capacity_bytes if cache is not None else None,
             )
-            snapshot = await self._in_engine(engine.cached_block_hashes)
+            scheduler = BatchScheduler(engine, max_running=config.costs.slots)
+            self._scheduler = scheduler
+            ctx.core = NodeCore(
+                config, hasher, rng=random.Random(opts.seed), epoch_base=epoch_base, now=ctx.now()
+            )
+            snapshot = await ctx.in_engine(engine.cached_block_hashes)
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                host.set_handler(GENERATE_PROTOCOL, self._serve_generate)
-                host.set_handler(SYNC_PROTOCOL, self._serve_sync)
-                host.set_handler(STATUS_PROTOCOL, self._serve_status)
-                host.set_handler(PEERS_PROTOCOL, self._serve_peers)
-                messages = await host.subscribe(self._topic, self._validate_announce)
-                nursery.start_soon(self._gossip_loop, messages)
-                nursery.start_soon(self._peer_event_loop, host.peer_events())
+                ctx.nursery = nursery
+                host.set_handler(GENERATE_PROTOCOL, self.door.serve_generate)
+                host.set_handler(SYNC_PROTOCOL, self.antientropy.serve_sync)
+                host.set_handler(STATUS_PROTOCOL, self.peers.serve_status)
+                host.set_handler(PEERS_PROTOCOL, self.peers.serve_peers)
+                messages = await host.subscribe(ctx.topic, self.antientropy.validate_announce)
+                nursery.start_soon(self.antientropy.gossip_loop, messages)
+                nursery.start_soon(self.peers.peer_event_loop, host.peer_events())
                 nursery.start_soon(self._timer_loop)
-                nursery.start_soon(self._peer_exchange_loop)
-                nursery.start_soon(self._redial_lost_loop)
-                self._trust.load(host_config)
-                nursery.start_soon(self._trust.run)
-                nursery.start_soon(self._engine_worker, scheduler)
+                nursery.start_soon(self.peers.peer_exchange_loop)
+                nursery.start_soon(self.peers.redial_lost_loop)
+                self.trust.load(hosting)
+                nursery.start_soon(self.trust.run)
+                nursery.start_soon(self.worker.run, scheduler)
                 await nursery.start(
-                    functools.partial(run_reach, on_addrs_changed=self._spread_addrs),
+                    functools.partial(run_reach, on_addrs_changed=self.peers.spread_addrs),
                     host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
                 )
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
-                if http_address is not None:
-                    from peerinfer.http import serve_http
-
-                    await nursery.start(serve_http, self, *http_address, opts.api_keys)
                 self.ready.set()
                 task_status.started(self)
                 try:
@@ -270,30 +274,21 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests and wait up to ``grace_s`` for in-flight ones to finish; the
         caller then cancels ``serve``, which fails whatever is left with a 'shutdown' error."""
-        self._closing = True
+        self.ctx.closing = True
         with trio.move_on_after(grace_s):
-            while self._sinks:
-                await trio.sleep(0.05)
+            await self.ctx.sinks.wait_empty()
         self._drain_now()
         # Let the stream handlers write those errors before the host goes away.
         with trio.move_on_after(1.0):
-            while self._open_handlers:
-                await trio.sleep(0.02)
+            await self.door.wait_handlers_gone()
 
     def _drain_now(self) -> None:
-        self._closing = True
-        for sink in list(self._sinks.values()):
-            sink.cancel.set()
-            if sink.forward_scope is not None:
-                sink.forward_scope.cancel()
-            self._finish_sink(
+        self.ctx.closing = True
+        for sink in self.ctx.sinks:
+            sink.stop()
+            self.ctx.sinks.finish(
                 sink, ErrorMessage(sink.request_id, "shutdown", "the node is shutting down")
             )
-
-    @staticmethod
-    def _now() -> float:
-        # Monotonic: a wall-clock step (sleep, NTP, a user) must not move any timer.
-        return trio.current_time()
 
     def _epoch_base(self) -> int:
         """Where this incarnation's epochs start: above every epoch of the previous ones.
@@ -324,11 +319,11 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         return base
 
     def _feed(self, event: Event) -> None:
-        core = self.core
+        core = self.ctx.core
         if core is None:
             return
         try:
-            effects = core.handle(event, self._now())
+            effects = core.handle(event, self.ctx.now())
         except Exception:  # a bug in the core must not take the node down
             logger.exception("node core failed on %s", type(event).__name__)
             return
@@ -339,58 +334,61 @@ class Node(DoorMixin, EngineWorkerMixin, ForwardingMixin, AntiEntropyMixin, Peer
         self._wake.set()
 
     def _execute(self, effects: Sequence[Effect]) -> None:
-        nursery = self._nursery
+        """Each effect to the component that executes it."""
+        ctx = self.ctx
+        nursery, sinks = ctx.nursery, ctx.sinks
         if nursery is None:
             return
+        ctx.note_core_moved()
         for eff in effects:
             if isinstance(eff, RunLocal | Forward):
-                self._note_route(eff)
+                self.door.note_route(eff)
             if isinstance(eff, Publish):
-                nursery.start_soon(self._publish, eff.announce)
+                nursery.start_soon(self.antientropy.publish, eff.announce)
             elif isinstance(eff, SendSyncRequest):
-                nursery.start_soon(self._sync_round, eff)
+                nursery.start_soon(self.antientropy.sync_round, eff)
             elif isinstance(eff, RunLocal):
-                nursery.start_soon(self._run_local, eff)
+                nursery.start_soon(self.worker.run_local, eff)
             elif isinstance(eff, Forward):
-                nursery.start_soon(self._forward, eff)
+                nursery.start_soon(self.forwarder.forward, eff)
             elif isinstance(eff, Reject):
-                sink = self._sinks.get(eff.request_id)
+                sink = sinks.get(eff.request_id)
                 if sink is not None:
-                    self._finish_sink(sink, ErrorMessage(sink.request_id, eff.code, eff.message,
-                                                         eff.retry_after_s))
+                    sinks.finish(sink, ErrorMessage(sink.request_id, eff.code, eff.message,
+                                                    eff.retry_after_s))
             elif isinstance(eff, CancelLocal):
-                sink = self._sinks.get(eff.request_id)
+                sink = sinks.get(eff.request_id)
                 if sink is not None:
                     sink.cancel.set()
-                self._control_local(None)  # a preempted request is not stepped: wake the worker
+                self.worker.control(None)  # a preempted request is not stepped: wake the worker
             elif isinstance(eff, PreemptLocal | ResumeLocal):
-                self._control_local(eff)
+                self.worker.control(eff)
             elif isinstance(eff, CancelForward):
-                sink = self._sinks.get(eff.request_id)
+                sink = sinks.get(eff.request_id)
                 if sink is not None and sink.forward_scope is not None:
                     sink.forward_scope.cancel()
             elif isinstance(eff, PingPeer):
-                nursery.start_soon(self._ping, eff.peer)
+                nursery.start_soon(self.peers.ping, eff.peer)
             elif isinstance(eff, DropPeer):
                 logger.info("peer %s left the candidate set", eff.peer)
-                self._exchanged.pop(eff.peer, None)
+                self.peers.forget(eff.peer)
             elif isinstance(eff, AuditForward):
-                self._trust.queue_audit(eff)
+                self.trust.queue_audit(eff)
             elif isinstance(eff, BanPeer):
-                nursery.start_soon(self._trust.ban, eff)
+                nursery.start_soon(self.trust.ban, eff)
 
     async def _timer_loop(self) -> None:
         while True:
-            core = self.core
+            core = self.ctx.core
             assert core is not None
             deadline = core.next_deadline()
-            delay = min(1.0, max(0.005, deadline - self._now()))
+            delay = min(1.0, max(0.005, deadline - self.ctx.now()))
             self._wake = trio.Event()
             with trio.move_on_after(delay):
                 await self._wake.wait()
-            if self._now() >= core.next_deadline():
+            if self.ctx.now() >= core.next_deadline():
                 try:
-                    effects = core.tick(self._now())
+                    effects = core.tick(self.ctx.now())
                 except Exception:
                     logger.exception("node core failed on tick")
                     continue

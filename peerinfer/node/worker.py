@@ -1,13 +1,15 @@
 """The engine worker: one task owns the ``BatchScheduler`` and is the only caller into the
 engine (one worker thread); it runs what the core starts, preempts and resumes what the core's
 fair share says (``PreemptLocal``, ``ResumeLocal``: handed to the scheduler at its next step),
-and routes the events to each request."""
+and routes the events to each request.
+
+:class:`EngineWorker` is a component of the node (see ``peerinfer.node``): it takes the node's
+:class:`~peerinfer.node.context.NodeContext` and the scheduler ``Node.serve`` built."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
@@ -24,15 +26,17 @@ from peerinfer.core.node import (
     ResumeLocal,
     RunLocal,
 )
-from peerinfer.engine.base import Finished, Started, Tokens
+from peerinfer.engine.base import CacheChanges, Finished, Started, Tokens
 from peerinfer.engine.batch import BatchScheduler, Preempted, StepResult
 from peerinfer.errors import (
     EngineError,
     InvalidRequestError,
     PeerInferError,
 )
-from peerinfer.node.door import _Sink
+from peerinfer.node.context import NodeContext
 from peerinfer.node.options import logger
+from peerinfer.node.sinks import Sink
+from peerinfer.types import RequestId
 
 
 @dataclass(eq=False, slots=True)
@@ -41,7 +45,7 @@ class _LocalRun:
     ``reported``: its tokens already reported to the core as service (``LocalPreempted``)."""
 
     effect: RunLocal
-    sink: _Sink
+    sink: Sink
     reported: int = 0
 
 
@@ -49,19 +53,32 @@ class _LocalRun:
 _Control = tuple[str, "_LocalRun", int]
 
 
-class EngineWorkerMixin:
-    """One part of :class:`~peerinfer.node.Node` (see the package docstring)."""
+class EngineWorker:
+    """The engine's one driver while requests run (:meth:`run`, a task of the node)."""
 
-    async def _in_engine(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one engine call in the worker thread (engines are not thread-safe)."""
-        async with self._engine_lock:
-            return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        #: requests handed over, and running in the scheduler
+        self._local_new: list[_LocalRun] = []
+        self._local_runs: set[_LocalRun] = set()
+        #: the runs by request id, preemptions and resumes for the next step, and preemptions
+        #: asked for runs not handed over yet
+        self._runs_by_id: dict[RequestId, _LocalRun] = {}
+        self._local_control: list[_Control] = []
+        self._preempt_asked: dict[RequestId, int] = {}
+        self._engine_wake = trio.Event()
 
-    async def _run_local(self, eff: RunLocal) -> None:
-        sink = self._sinks.get(eff.request_id)
+    @property
+    def in_flight(self) -> int:
+        """Requests handed to the worker and not finished: waiting for its next step or in
+        the scheduler."""
+        return len(self._local_new) + len(self._local_runs)
+
+    async def run_local(self, eff: RunLocal) -> None:
+        sink = self._ctx.sinks.get(eff.request_id)
         if sink is None:  # the client left while the request was queued
             self._preempt_asked.pop(eff.request_id, None)
-            self._feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
+            self._ctx.feed(LocalFinished(eff.request_id, ok=False, error="client gone"))
             return
         if eff.decision is not None:
             logger.info("request %s served here: %s", eff.request_id, eff.decision.reason)
@@ -75,9 +92,9 @@ class EngineWorkerMixin:
             self._local_control.append(("preempt", run, after))
         self._engine_wake.set()
 
-    def _control_local(self, eff: PreemptLocal | ResumeLocal | None) -> None:
+    def control(self, eff: PreemptLocal | ResumeLocal | None) -> None:
         """Hand a preemption or a resume to the engine worker (at its next step); a preempt
-        for a run not handed over yet waits for it (``_run_local``). ``None``: only wake the
+        for a run not handed over yet waits for it (``run_local``). ``None``: only wake the
         worker (a cancel: a suspended request must end)."""
         if eff is not None:
             run = self._runs_by_id.get(eff.request_id)
@@ -90,9 +107,10 @@ class EngineWorkerMixin:
                 self._local_control.append(("resume", run, 0))
         self._engine_wake.set()
 
-    async def _engine_worker(self, scheduler: BatchScheduler) -> None:
-        """The engine's one driver while requests run: submit what ``_run_local`` handed over,
+    async def run(self, scheduler: BatchScheduler) -> None:
+        """The engine's one driver while requests run: submit what ``run_local`` handed over,
         step the scheduler in the worker thread while anything runs, route the events."""
+        ctx = self._ctx
         try:
             while True:
                 if not self._local_new and not self._local_control and scheduler.idle:
@@ -103,38 +121,40 @@ class EngineWorkerMixin:
                 control, self._local_control = self._local_control, []
                 self._local_runs.update(new)
                 try:
-                    async with self._engine_lock:
+                    async with ctx.engine_lock:
                         results, changes = await trio.to_thread.run_sync(
                             self._engine_step, scheduler, new, control
                         )
                 except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
                     logger.exception("the batch scheduler failed")
                     changes = None
+                    engine = ctx.engine
+                    assert engine is not None
                     try:
-                        async with self._engine_lock:
+                        async with ctx.engine_lock:
                             await trio.to_thread.run_sync(scheduler.close)
-                            changes = await trio.to_thread.run_sync(self.engine.take_cache_changes)  # type: ignore[union-attr]
+                            changes = await trio.to_thread.run_sync(engine.take_cache_changes)
                     except Exception:
                         logger.exception("the batch scheduler failed to close")
                     failure = EngineError(f"engine failure: {type(exc).__name__}")
                     results = [(run, failure) for run in list(self._local_runs)]
                 # Waiting requests wait as long as this moves (NodeCore.silence).
-                self._engine_progress_at = trio.current_time()
+                ctx.engine_progress_at = trio.current_time()
                 for run, item in results:
                     assert isinstance(run, _LocalRun)
                     self._route_local(run, item)
                 if changes is not None and (changes.added or changes.removed):
                     # Left over by requests that failed: reported after every Finished of the
                     # step, so the digest still applies the engine's reports in order.
-                    self._feed(CacheChanged(added=changes.added, removed=changes.removed))
+                    ctx.feed(CacheChanged(added=changes.added, removed=changes.removed))
         finally:
             with trio.CancelScope(shield=True):
-                async with self._engine_lock:
+                async with ctx.engine_lock:
                     await trio.to_thread.run_sync(scheduler.close)
 
     def _engine_step(
         self, scheduler: BatchScheduler, new: list[_LocalRun], control: Sequence[_Control] = ()
-    ) -> tuple[StepResult, Any]:
+    ) -> tuple[StepResult, CacheChanges | None]:
         """Worker thread: submit ``new``, hand over ``control`` (preempt, resume), run one
         scheduling step; the events, and the cache changes left unreported when a request
         failed (None otherwise)."""
@@ -152,25 +172,27 @@ class EngineWorkerMixin:
         out.extend(scheduler.step())
         changes = None
         if any(isinstance(item, PeerInferError) for _, item in out):
-            assert self.engine is not None
-            changes = self.engine.take_cache_changes()
+            engine = self._ctx.engine
+            assert engine is not None
+            changes = engine.take_cache_changes()
         return out, changes
 
     def _route_local(self, run: _LocalRun, item: object) -> None:
         """One scheduler event of a local run: to the core and to the request's sink."""
+        ctx = self._ctx
         eff, sink = run.effect, run.sink
         if isinstance(item, Started):
-            self._feed(LocalStarted(eff.request_id, item.cached_tokens))
+            ctx.feed(LocalStarted(eff.request_id, item.cached_tokens))
         elif isinstance(item, Preempted):
             run.reported += item.generated
-            self._feed(LocalPreempted(eff.request_id, item.generated))
+            ctx.feed(LocalPreempted(eff.request_id, item.generated))
         elif isinstance(item, Tokens):
-            self._relay_tokens(sink, item.token_ids, item.text, item.logprobs)
+            ctx.sinks.relay_tokens(sink, item.token_ids, item.text, item.logprobs)
         elif isinstance(item, Finished):
             self._forget_run(run)
             # Fed here, in the order the engine made them: the digest applies every report in
             # the engine's order.
-            self._feed(
+            ctx.feed(
                 LocalFinished(
                     eff.request_id, ok=True, cache_added=item.cache_added,
                     cache_removed=item.cache_removed,
@@ -178,14 +200,14 @@ class EngineWorkerMixin:
                 )
             )
             now = trio.current_time()
-            self._finish_sink(
+            ctx.sinks.finish(
                 sink,
                 GenerateDone(
                     request_id=sink.request_id,
                     prompt_tokens=sink.prompt_tokens,
                     completion_tokens=len(eff.resume_after) + item.completion_tokens,
                     cached_tokens=item.cached_tokens,
-                    served_by=self.peer_id,
+                    served_by=ctx.peer_id,
                     ttft_s=(sink.first_token_at or now) - sink.started,
                     latency_s=now - sink.started,
                     finish_reason=item.finish_reason,
@@ -197,8 +219,8 @@ class EngineWorkerMixin:
             code = "invalid" if isinstance(item, InvalidRequestError) else "internal"
             if not isinstance(item, InvalidRequestError | EngineError):
                 logger.warning("request %s failed in the engine: %r", eff.request_id, item)
-            self._feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
-            self._finish_sink(sink, ErrorMessage(sink.request_id, code, str(item)))
+            ctx.feed(LocalFinished(eff.request_id, ok=False, error=str(item)))
+            ctx.sinks.finish(sink, ErrorMessage(sink.request_id, code, str(item)))
 
     def _forget_run(self, run: _LocalRun) -> None:
         self._local_runs.discard(run)

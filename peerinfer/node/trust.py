@@ -1,8 +1,8 @@
 """The node's trust chores: audits run at low priority, bans enforced, reputation kept on disk.
 
 The decisions (what to audit, whom to ban, for how long, who is a candidate) are the core's
-(``peerinfer.core.reputation`` and ``NodeCore``); this module only executes them for a running
-``Node``:
+(``peerinfer.core.reputation`` and ``NodeCore``); this component only executes them for a
+running ``Node``, through its :class:`~peerinfer.node.context.NodeContext`:
 
 * **Audits.** ``AuditForward`` effects wait in a bounded queue (``MAX_PENDING_AUDITS``; beyond it
   the oldest is dropped, never a client's work). One task runs them, each only once the local
@@ -27,18 +27,15 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
 from peerinfer.core.node import AuditFinished, AuditForward, BanPeer, NodeCore
 from peerinfer.core.reputation import Reputation
 from peerinfer.engine.audit import AuditVerdict, audit_answer
+from peerinfer.net import HostConfig
+from peerinfer.node.context import NodeContext
 from peerinfer.types import PeerId
-
-if TYPE_CHECKING:
-    from peerinfer.net import HostConfig
-    from peerinfer.node import Node
 
 logger = logging.getLogger("peerinfer.trust")
 
@@ -52,8 +49,8 @@ REPUTATION_FILE = "reputation.json"
 class TrustKeeper:
     """Executes a node's audit and ban effects and persists its reputation table."""
 
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
         self._pending: collections.deque[AuditForward] = collections.deque(maxlen=MAX_PENDING_AUDITS)
         self._wake = trio.Event()
         self._path: Path | None = None
@@ -78,7 +75,7 @@ class TrustKeeper:
         self._wake.set()
 
     async def ban(self, eff: BanPeer) -> None:
-        host = self._node.host
+        host = self._ctx.host
         if host is None:
             return
         logger.warning("banning %s until %.0f: %s", eff.peer, eff.until, eff.reason)
@@ -87,21 +84,21 @@ class TrustKeeper:
         except Exception:  # the ban is the host's; a failure there must not end the node
             logger.exception("banning %s failed", eff.peer)
         # ``until`` is on the core's clock (the node's monotonic one).
-        await trio.sleep(max(0.0, eff.until - self._node._now()))
-        core = self._node.core
-        if core is None or not core.reputation.is_banned(eff.peer, self._node._now()):
+        await trio.sleep(max(0.0, eff.until - self._ctx.now()))
+        core = self._ctx.core
+        if core is None or not core.reputation.is_banned(eff.peer, self._ctx.now()):
             host.unban(eff.peer)
 
     # ------------------------------------------------------------------ persistence
 
     def load(self, host_config: HostConfig) -> None:
         """Load the saved table (if the identity persists) into the core; re-apply bans."""
-        core = self._node.core
+        core = self._ctx.core
         assert core is not None
         if not host_config.persist_identity:
             return
         self._path = host_config.effective_identity_path().with_name(REPUTATION_FILE)
-        now = self._node._now()
+        now = self._ctx.now()
         try:
             data = json.loads(self._path.read_text())
         except FileNotFoundError:
@@ -113,17 +110,17 @@ class TrustKeeper:
             data, now, core.config.reputation, time_offset=time.time() - now
         )
         for peer, until in core.reputation.blocked().items():
-            if core.reputation.is_banned(peer, now) and self._node._nursery is not None:
-                self._node._nursery.start_soon(self.ban, BanPeer(peer, until, "banned before restart"))
+            if core.reputation.is_banned(peer, now) and self._ctx.nursery is not None:
+                self._ctx.nursery.start_soon(self.ban, BanPeer(peer, until, "banned before restart"))
 
     def save(self) -> None:
-        core, path = self._node.core, self._path
+        core, path = self._ctx.core, self._path
         if core is None or path is None:
             return
         try:
             fd, tmp = tempfile.mkstemp(prefix=".reputation-", dir=path.parent)
             with os.fdopen(fd, "w") as f:
-                offset = time.time() - self._node._now()  # saved on the wall clock
+                offset = time.time() - self._ctx.now()  # saved on the wall clock
                 json.dump(core.reputation.to_json(offset), f, separators=(",", ":"))
             os.replace(tmp, path)
         except OSError as exc:
@@ -148,13 +145,13 @@ class TrustKeeper:
             self.save()
 
     async def _audit(self, eff: AuditForward) -> None:
-        node = self._node
-        engine, core = node.engine, node.core
+        ctx = self._ctx
+        engine, core = ctx.engine, ctx.core
         assert engine is not None and core is not None
-        await _wait_engine_idle(core)
+        await _wait_engine_idle(ctx, core)
         started = time.perf_counter()
         try:
-            verdict: AuditVerdict | None = await node._in_engine(
+            verdict: AuditVerdict | None = await ctx.in_engine(
                 audit_answer, engine, eff.tokens, eff.params, eff.completion
             )
         except Exception:  # an audit must never take serving down
@@ -176,23 +173,28 @@ class TrustKeeper:
         if not verdict.ok:
             self.audits_failed += 1
             logger.warning("audit: %s answered wrongly: %s", eff.peer, verdict.describe())
-        node._feed(AuditFinished(eff.peer, verdict.ok, verdict.describe()))
+        ctx.feed(AuditFinished(eff.peer, verdict.ok, verdict.describe()))
 
 
-async def _wait_engine_idle(core: NodeCore) -> None:
-    """Until nothing has been queued or running here for ``AUDIT_IDLE_S`` (bounded)."""
+async def _wait_engine_idle(ctx: NodeContext, core: NodeCore) -> None:
+    """Until nothing has been queued or running here for ``AUDIT_IDLE_S`` (bounded by
+    ``AUDIT_MAX_WAIT_S``). Woken by the core's moves (``NodeContext.wait_core_moved``), not by
+    polling: only a move can make the engine busy or idle."""
+
+    def busy() -> bool:
+        stats = core.statistics()
+        return bool(stats.queued or stats.running)
+
     with trio.move_on_after(AUDIT_MAX_WAIT_S):
-        idle_since: float | None = None
         while True:
-            stats = core.statistics()
-            now = trio.current_time()
-            if stats.queued or stats.running:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = now
-            elif now - idle_since >= AUDIT_IDLE_S:
-                return
-            await trio.sleep(AUDIT_IDLE_S / 2)
+            if busy():
+                await ctx.wait_core_moved()
+                continue
+            with trio.move_on_after(AUDIT_IDLE_S) as quiet:
+                while not busy():
+                    await ctx.wait_core_moved()
+            if quiet.cancelled_caught:
+                return  # idle all along
 
 
 def reputation_line(core: NodeCore, peer: str, now: float) -> str:
