@@ -9,7 +9,7 @@ from pathlib import Path
 
 import peerinfer.errors as errors
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("trio", "libp2p", "torch", "transformers")
 # The core may use the standard library and these, nothing else.
 # cython_runtime comes with msgpack's compiled extension.

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_node_core import PARAMS, announcements, introduce, make, of, prompt, serve_locally
 
 from peerinfer.core.costmodel import CostModel
 from peerinfer.core.node import (
@@ -43,6 +42,15 @@ from peerinfer.core.reputation import (
     judge_finished,
 )
 from peerinfer.types import PeerId, RequestId
+from tests.core.test_node_core import (
+    PARAMS,
+    announcements,
+    introduce,
+    make,
+    of,
+    prompt,
+    serve_locally,
+)
 
 CFG = ReputationConfig()
 P = PeerId("P")

@@ -23,8 +23,8 @@ from peerinfer.engine.batch import BatchScheduler
 from peerinfer.engine.constraints import log_softmax_numpy
 from peerinfer.engine.llamacpp import LlamaCppEngine
 from peerinfer.node import Node
-from tests.test_agents import TIME, WEATHER, _chat
-from tests.test_http import in_thread, options, sdk
+from tests.http.test_agents import TIME, WEATHER, _chat
+from tests.http.test_http import in_thread, options, sdk
 
 PERSON = {
     "type": "object",

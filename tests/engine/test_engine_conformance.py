@@ -22,7 +22,7 @@ from peerinfer.engine.batch import BatchScheduler
 from peerinfer.errors import EngineError, InvalidRequestError, PeerInferError
 from peerinfer.testing.engines import BatchRecordingEngine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _echo() -> Engine:
@@ -38,7 +38,7 @@ _TINY: list[Path] = []
 
 def _tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     pytest.importorskip("torch")
-    from test_engine_hf import _make_tiny_model
+    from tests.engine.test_engine_hf import _make_tiny_model
 
     if not _TINY:  # build the model once per session
         directory = tmp_path_factory.mktemp("conformance-tiny")

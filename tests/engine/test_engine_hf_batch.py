@@ -32,7 +32,7 @@ from peerinfer.engine import Tokens  # noqa: E402
 from peerinfer.engine.base import NO_PREFIX, CachedPrefix, DecodeRequest  # noqa: E402
 from peerinfer.engine.hf import TransformersEngine  # noqa: E402
 from peerinfer.errors import ConfigError  # noqa: E402
-from tests.test_engine_hf import _make_tiny_model  # noqa: E402
+from tests.engine.test_engine_hf import _make_tiny_model  # noqa: E402
 
 BS = 4
 #: The largest gap between the lone run's best logit and the batched run's token accepted as a

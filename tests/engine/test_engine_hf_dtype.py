@@ -23,7 +23,7 @@ from peerinfer.engine.hf import (  # noqa: E402
     cpu_flags,
 )
 from peerinfer.errors import ConfigError, PeerInferError  # noqa: E402
-from tests.test_engine_hf import _make_tiny_model  # noqa: E402
+from tests.engine.test_engine_hf import _make_tiny_model  # noqa: E402
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})  # this project's CI machine (AMD Zen 3)
 

@@ -200,7 +200,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from peerinfer.engine.hf import TransformersEngine
-    from tests.test_engine_hf import _make_tiny_model
+    from tests.engine.test_engine_hf import _make_tiny_model
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

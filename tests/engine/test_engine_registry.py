@@ -23,7 +23,7 @@ from peerinfer.engine import (
 from peerinfer.engine.calibrate import calibrate
 from peerinfer.errors import ConfigError, InvalidRequestError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_backend.py"
 
 

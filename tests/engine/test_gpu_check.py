@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import gpu_check  # noqa: E402
 
-from tests.test_engine_hf import _make_tiny_model  # noqa: E402
+from tests.engine.test_engine_hf import _make_tiny_model  # noqa: E402
 
 
 def test_bad_arguments_are_refused():

@@ -38,9 +38,8 @@ def tiny_model(tmp_path: Path) -> tuple[Any, Any]:
     change its weights' precision), on the CPU with one thread."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_engine_hf import _make_tiny_model
-
     from peerinfer.engine.hf import TransformersEngine
+    from tests.engine.test_engine_hf import _make_tiny_model
 
     torch.set_num_threads(1)
     _make_tiny_model(tmp_path)
@@ -161,7 +160,7 @@ def test_a_transformers_engine_audits_sampled_answers_against_the_top_p_nucleus(
 
 @pytest.mark.slow
 async def test_reputation_is_kept_across_a_restart(tmp_path: Path) -> None:
-    from test_trust_liars import options
+    from tests.node.test_trust_liars import options
 
     identity = tmp_path / "identity.key"
     liar = PeerId("12D3KooWliarliarliarliarliarliarliarliarliarliarl")

@@ -22,7 +22,7 @@ from peerinfer.engine.constraints import check_constraint
 from peerinfer.engine.tools import generic_messages, parse_tool_calls, tool_call_grammar
 from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node
-from tests.test_http import in_thread, nodes, options, sdk
+from tests.http.test_http import in_thread, nodes, options, sdk
 
 WEATHER = {
     "type": "function",

@@ -18,7 +18,7 @@ import trio
 
 from peerinfer.cli import _bytes_amount
 from peerinfer.node import Node
-from tests.test_http import COSTS, RecordingEngine, options
+from tests.http.test_http import COSTS, RecordingEngine, options
 
 CHILD_TIMEOUT_S = 90.0
 

@@ -22,8 +22,8 @@ import shutil
 import pytest
 import trio
 
-from tests.browser import render
-from tests.test_http import nodes, wait_until
+from tests.http.browser import render
+from tests.http.test_http import nodes, wait_until
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 BROWSER_TIMEOUT_S = 120.0

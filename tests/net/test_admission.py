@@ -7,11 +7,11 @@ import logging
 
 import pytest
 import trio
-from net_helpers import config, echo, wait_until
 
 from peerinfer.errors import ConfigError, PeerUnavailableError
 from peerinfer.net import open_host
 from peerinfer.net.admission import make_invite, new_swarm_key, parse_invite
+from tests.net.net_helpers import config, echo, wait_until
 
 KEY = b"the members' key"
 TOPIC = "t"

@@ -31,12 +31,12 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.utils.varint import encode_uvarint, encode_varint_prefixed
-from net_helpers import config, echo, next_event, wait_until
 
 from peerinfer.errors import PeerUnavailableError, ProtocolError, RemoteError, RequestTimeoutError
 from peerinfer.net import FramedStream, GossipMessage, Host, open_host
+from tests.net.net_helpers import config, echo, next_event, wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RAW_LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 MESHSUB = TProtocol("/meshsub/1.1.0")
 ECHO = "/test/echo/1"

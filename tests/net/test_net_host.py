@@ -21,7 +21,6 @@ import trio
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from net_helpers import config, echo, next_event, wait_until
 
 import peerinfer.net as net
 from peerinfer.errors import (
@@ -37,6 +36,7 @@ from peerinfer.net.config import gossip_rate_limit, own_publish_rate
 from peerinfer.net.discovery import expand_unspecified
 from peerinfer.net.identity import load_or_create_identity, peer_id_of
 from peerinfer.net.pacing import Backoff, TokenBucket
+from tests.net.net_helpers import config, echo, next_event, wait_until
 
 
 async def mesh_ready(hosts: list[Host], topic: str) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import trio
-from net_helpers import config, wait_until
 
 from peerinfer.net import FramedStream, open_host
 from peerinfer.net.reach import DIALBACK_PROTOCOL, ReachSettings, run_reach
 from peerinfer.net.relay import RelaySettings, open_relay
+from tests.net.net_helpers import config, wait_until
 
 KEY = b"the members' key"
 HELD_S = 3.0

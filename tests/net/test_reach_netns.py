@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import body_failed
 
 from peerinfer.client import Client, GenerationResult
 from peerinfer.core.costmodel import CostModel
 from peerinfer.testing.cluster import NodeHandle
 from peerinfer.testing.netns import Internet, emulated_internet, netns_unavailable, run_in_netns
+from tests.conftest import body_failed
 
 _UNAVAILABLE = netns_unavailable()
 if _UNAVAILABLE is not None and os.environ.get("PEERINFER_REQUIRE_NETNS") == "1":

@@ -93,11 +93,11 @@ async def test_a_punched_connection_is_not_refused_beside_two_relayed_ones() -> 
     failed with EADDRNOTAVAIL for the closed 4-tuple's TIME_WAIT, 60 s: the pair stayed
     relayed). Here on loopback: both relayed dials, then the direct dial DCUtR makes."""
     from multiaddr import Multiaddr
-    from net_helpers import config, wait_until
 
     from peerinfer.net import open_host
     from peerinfer.net.host import parse_peer_id
     from peerinfer.net.relay import RelaySettings, open_relay
+    from tests.net.net_helpers import config, wait_until
 
     cfg = config(swarm_key=KEY)
     async with open_host(cfg) as r, open_host(cfg) as a, open_host(cfg) as b:
@@ -121,10 +121,10 @@ async def test_direct_connections_beyond_the_per_peer_bound_are_closed() -> None
     """The room left for relayed connections is not room for more direct ones: a direct
     connection beyond ``max_connections_per_peer`` is closed as it opens."""
     from multiaddr import Multiaddr
-    from net_helpers import config, wait_until
 
     from peerinfer.net import open_host
     from peerinfer.net.host import parse_peer_id
+    from tests.net.net_helpers import config, wait_until
 
     async with open_host(config(max_connections_per_peer=1)) as a, open_host(config()) as b:
         b_id, b_addr = parse_peer_id(b.peer_id), Multiaddr(_base(b.listen_addrs()[0]))

@@ -10,7 +10,6 @@ import contextlib
 
 import pytest
 import trio
-from net_helpers import config, echo, wait_until
 
 from peerinfer.errors import PeerUnavailableError
 from peerinfer.net import open_host
@@ -18,6 +17,7 @@ from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.net.relay import RelaySettings, open_relay
 from peerinfer.node.forwarding import ForwardingMixin
 from peerinfer.node.options import GENERATE_PROTOCOL
+from tests.net.net_helpers import config, echo, wait_until
 
 KEY = b"the members' key"
 ECHO = "/test/echo/1"

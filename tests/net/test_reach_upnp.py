@@ -22,7 +22,7 @@ from peerinfer.testing.netns import (
     netns_unavailable,
     upnp_gateway_unavailable,
 )
-from tests.test_reach_netns import FAST, SHARED, generate, status, wait_for
+from tests.net.test_reach_netns import FAST, SHARED, generate, status, wait_for
 
 _UNAVAILABLE = netns_unavailable() or upnp_gateway_unavailable()
 if _UNAVAILABLE is not None and os.environ.get("PEERINFER_REQUIRE_NETNS") == "1":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-from test_trust_liars import COSTS, options, prompt, until_routed_for_its_cache
 
 from peerinfer.cli import main
 from peerinfer.client import Client
@@ -20,6 +19,7 @@ from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.net import FramedStream
 from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
+from tests.node.test_trust_liars import COSTS, options, prompt, until_routed_for_its_cache
 
 KEY = b"members only, please"
 

@@ -391,7 +391,7 @@ def test_calibration_measures_batches_through_the_engine_and_says_how(tmp_path) 
                             busy_decoders=2, repeats=1)
     assert m.method == METHOD_DECODE_BATCH and sorted(m.step_s_by_batch) == [1, 2, 4]
     assert engine._decoding == 0  # every decoder it opened was closed
-    example = Path(__file__).resolve().parent.parent / "examples" / "custom_backend.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "custom_backend.py"
     echo = load_engine(f"{example}:EchoEngine")
     m = measure_batch_costs(echo, sizes=(1, 2), context_tokens=16, steps=1, chunk_tokens=8,
                             busy_decoders=1, repeats=1)

@@ -277,7 +277,7 @@ def test_python_dash_m_runs_standalone() -> None:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "peerinfer.sim", "--nodes", "2", "--requests", "5", "--json"],
         cwd=root,

@@ -33,7 +33,7 @@ from peerinfer.workload import (
     save_workload,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED_MMLU = REPO.parent / "shared" / "data" / "mmlu"
 EXCERPT = REPO / "peerinfer" / "data" / "mmlu_excerpt.json"
 needs_shared = pytest.mark.skipif(
