@@ -559,7 +559,7 @@ class Cluster:
 
         targets = list(self.alive if handles is None else handles)
         last: list[dict[str, Any]] = []
-        problem = "no status yet"
+        problem: str | None = "no status yet"
         try:
             with trio.fail_after(timeout_s):
                 async with contextlib.AsyncExitStack() as stack:

@@ -27,6 +27,7 @@ from peerinfer.errors import ERROR_TABLE, ConfigError, PeerInferError, error_fro
 from peerinfer.http import check_exposure, parse_http_address
 from peerinfer.http.openai import api_error_from
 from peerinfer.node import Node, NodeOptions
+from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
 
 COSTS = CostModel(
     prefill_s_per_token=0.0004, cached_s_per_token=0.00001, decode_s_per_token=0.002,
@@ -57,36 +58,21 @@ class RecordingEngine(SimulatedEngine):
 
 
 def options(**overrides: Any) -> NodeOptions:
-    base: dict[str, Any] = dict(
-        engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
-        policy="longest_prefix", costs=COSTS, announce_interval_s=0.3, peer_timeout_s=4.0,
-        seed=1, http="127.0.0.1:0", max_tokens=8192,  # the cancel tests ask for 5,000
-    )
-    base.update(overrides)
-    return NodeOptions(**base)
+    return node_options(**{
+        "costs": COSTS, "peer_timeout_s": 4.0, "http": "127.0.0.1:0",
+        "max_tokens": 8192,  # the cancel tests ask for 5,000
+        **overrides,
+    })
 
 
 @asynccontextmanager
 async def nodes(n: int = 1, costs: CostModel = COSTS, **overrides: Any) -> AsyncIterator[list[Node]]:
     """``n`` nodes in a chain, each with its HTTP API on a free loopback port."""
-    async with trio.open_nursery() as nursery:
-        started: list[Node] = []
-        for _ in range(n):
-            bootstrap = (started[-1].addresses()[0],) if started else ()
-            node = Node(options(bootstrap=bootstrap, costs=costs, **overrides),
-                        engine=RecordingEngine(costs=costs))
-            await nursery.start(node.serve)
-            started.append(node)
-        try:
-            yield started
-        finally:
-            nursery.cancel_scope.cancel()
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return Node(options(bootstrap=bootstrap, costs=costs, **overrides), engine=RecordingEngine(costs=costs))
 
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
+    async with open_nodes(n, make) as started:
+        yield started
 
 
 def sdk(node: Node, key: str = "none") -> openai.OpenAI:

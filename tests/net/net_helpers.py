@@ -1,4 +1,4 @@
-"""Helpers shared by the network shell's tests (imported as a sibling module by pytest)."""
+"""Helpers shared by the network shell's tests (tests/net/)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 import trio
 
 from peerinfer.net import FramedStream, HostConfig, PeerEvent
+from peerinfer.testing import waiting
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -26,9 +27,8 @@ def config(**overrides: object) -> HostConfig:
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
+    """``peerinfer.testing.wait_until`` with the host tests' tighter default bound (10 s)."""
+    await waiting.wait_until(predicate, timeout)
 
 
 async def next_event(events: trio.MemoryReceiveChannel[PeerEvent], kind: str, peer: str) -> PeerEvent:

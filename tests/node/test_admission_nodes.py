@@ -60,6 +60,7 @@ from peerinfer.node import (
     Node,
     NodeOptions,
 )
+from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
 from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
@@ -74,36 +75,17 @@ REFUSAL_BOUND_S = 2.0
 
 
 def options(**overrides: object) -> NodeOptions:
-    base: dict[str, object] = dict(
-        engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
-        policy="longest_prefix", costs=COSTS, announce_interval_s=0.3, peer_timeout_s=3.0, seed=1,
-    )
-    base.update(overrides)
-    return NodeOptions(**base)  # type: ignore[arg-type]
+    return node_options(**{"costs": COSTS, "peer_timeout_s": 3.0, **overrides})
 
 
 @asynccontextmanager
 async def nodes(*per_node: dict[str, object]) -> AsyncIterator[list[Node]]:
     """One node per dict of option overrides, each bootstrapping from the first."""
-    async with trio.open_nursery() as nursery:
-        started: list[Node] = []
-        for overrides in per_node:
-            extra = dict(overrides)
-            if started and "bootstrap" not in extra:
-                extra["bootstrap"] = (started[0].addresses()[0],)
-            node = Node(options(**extra), engine=SimulatedEngine(costs=COSTS))
-            await nursery.start(node.serve)
-            started.append(node)
-        try:
-            yield started
-        finally:
-            nursery.cancel_scope.cancel()
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return Node(options(**{"bootstrap": bootstrap, **per_node[i]}), engine=SimulatedEngine(costs=COSTS))
 
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
+    async with open_nodes(len(per_node), make, topology="star") as started:
+        yield started
 
 
 def core(node: Node):  # type: ignore[no-untyped-def]

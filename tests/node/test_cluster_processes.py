@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from peerinfer.engine.simulated import DEFAULT_KV_BYTES_PER_TOKEN
 from peerinfer.errors import PeerInferError, PeerUnavailableError
 from peerinfer.testing import Cluster, ClusterError, NodeHandle, open_cluster
 from peerinfer.testing.cluster import convergence_problem
+from peerinfer.testing.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +40,6 @@ def costs_file(tmp_path: Path, costs: CostModel = FAST) -> Path:
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(costs.to_dict()))
     return path
-
-
-async def wait_for(
-    probe: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float, what: str
-) -> Any:
-    """Poll ``await probe()`` until ``ok(value)``; fail with the last value after the bound."""
-    last: Any = None
-    try:
-        with trio.fail_after(timeout_s):
-            while True:
-                last = await probe()
-                if ok(last):
-                    return last
-                await trio.sleep(0.2)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {timeout_s} s: {what}; last seen: {last!r}") from None
 
 
 def peer_view(status: dict[str, Any], peer_id: str) -> dict[str, Any] | None:

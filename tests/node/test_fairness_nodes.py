@@ -45,6 +45,7 @@ from peerinfer.errors import InvalidRequestError, PeerBusyError, PeerInferError
 from peerinfer.http.app import requester_name
 from peerinfer.net import Host, HostConfig, open_host
 from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
+from peerinfer.testing.inprocess import node_options
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +62,13 @@ KEYS = ("flooder-key-0001", "honest-key-00002")
 
 
 def options(**overrides: object) -> NodeOptions:
-    base: dict[str, object] = dict(
-        engine="simulated", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
-        policy="longest_prefix", costs=COSTS, announce_interval_s=0.3, seed=1,
-        max_tokens=MAX_TOKENS,
+    return node_options(**{
+        "costs": COSTS, "max_tokens": MAX_TOKENS,
         # Liveness pings of 10 s, not 3: all of this shares one loaded event loop, and a ping
         # missed makes the node replace a client's connection as stalled (its streams reset).
-        peer_timeout_s=20.0,
-    )
-    base.update(overrides)
-    return NodeOptions(**base)  # type: ignore[arg-type]
+        "peer_timeout_s": 20.0,
+        **overrides,
+    })
 
 
 @asynccontextmanager

@@ -17,32 +17,17 @@ from peerinfer.engine import Tokens
 from peerinfer.errors import EngineError
 from peerinfer.node import Node, NodeOptions
 from peerinfer.testing.engines import BatchRecordingEngine
+from peerinfer.testing.inprocess import node_options, wait_until
 
 
 def _options(**overrides: object) -> NodeOptions:
-    base: dict[str, object] = dict(
-        engine="unused",
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        mdns=False,
-        persist_identity=False,
-        policy="local",
-        announce_interval_s=0.3,
-        seed=1,
-    )
-    base.update(overrides)
-    return NodeOptions(**base)  # type: ignore[arg-type]
+    return node_options(**{"engine": "unused", "policy": "local", **overrides})
 
 
 def _expected_text(prompt: str, max_tokens: int) -> str:
     reference = BatchRecordingEngine()
     events = reference.generate(reference.tokenize(prompt), SamplingParams(max_tokens=max_tokens))
     return "".join(ev.text for ev in events if isinstance(ev, Tokens))
-
-
-async def _wait_until(predicate, timeout: float = 30.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 def _handed_over(node: Node) -> int:
@@ -70,7 +55,7 @@ async def test_concurrent_clients_are_decoded_together() -> None:
             for i in range(4):
                 clients.start_soon(ask, i)
             # The first request holds the engine at the gate until all four are in the node.
-            await _wait_until(lambda: _handed_over(node) == 4)
+            await wait_until(lambda: _handed_over(node) == 4)
             gate.set()
         nursery.cancel_scope.cancel()
     for i, prompt in enumerate(prompts):
@@ -113,9 +98,9 @@ async def test_a_client_leaving_mid_batch_does_not_disturb_the_others() -> None:
         async with trio.open_nursery() as clients:
             for i in range(2):
                 clients.start_soon(ask, i)
-            await _wait_until(lambda: len(engine.batch_sizes) > 0)
+            await wait_until(lambda: len(engine.batch_sizes) > 0)
             clients.start_soon(ask_and_leave, trio.CancelScope())
-        await _wait_until(lambda: not node._local_runs and not node._local_new)
+        await wait_until(lambda: not node._local_runs and not node._local_new)
         nursery.cancel_scope.cancel()
     for i in range(2):
         assert results[i].text == _expected_text(prompts[i], n_tokens)  # type: ignore[attr-defined]
@@ -154,7 +139,7 @@ async def test_a_failing_request_gets_an_error_and_its_batch_neighbours_their_an
         async with trio.open_nursery() as clients:
             for i in range(3):
                 clients.start_soon(ask, i)
-            await _wait_until(lambda: _handed_over(node) == 3)
+            await wait_until(lambda: _handed_over(node) == 3)
             gate.set()
         nursery.cancel_scope.cancel()
     assert isinstance(outcomes[1], EngineError) and "poisoned" in str(outcomes[1])

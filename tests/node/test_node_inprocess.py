@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import pytest
 import trio
@@ -13,6 +14,8 @@ from peerinfer.core.costmodel import CostModel
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node, NodeOptions
+from peerinfer.testing import inprocess
+from peerinfer.testing.inprocess import node_options, open_nodes
 
 # Fast but not instantaneous: prefill dominates, so a cache hit is visible in the timings.
 COSTS = CostModel(
@@ -23,44 +26,21 @@ SHARED = " ".join(f"shared{i}" for i in range(300))
 
 
 def options(**overrides: object) -> NodeOptions:
-    base: dict[str, object] = dict(
-        engine="simulated",
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        mdns=False,
-        persist_identity=False,
-        policy="longest_prefix",
-        costs=COSTS,
-        announce_interval_s=0.3,
-        peer_timeout_s=4.0,
-        seed=1,
-    )
-    base.update(overrides)
-    return NodeOptions(**base)  # type: ignore[arg-type]
+    return node_options(**{"costs": COSTS, "peer_timeout_s": 4.0, **overrides})
 
 
 @asynccontextmanager
 async def cluster(n: int, **overrides: object) -> AsyncIterator[list[Node]]:
     """``n`` nodes in a chain: each bootstraps from the previous one only."""
-    async with trio.open_nursery() as nursery:
-        nodes: list[Node] = []
-        for _ in range(n):
-            bootstrap = (nodes[-1].addresses()[0],) if nodes else ()
-            node = Node(
-                options(bootstrap=bootstrap, **overrides),
-                engine=SimulatedEngine(costs=COSTS),
-            )
-            await nursery.start(node.serve)
-            nodes.append(node)
-        try:
-            yield nodes
-        finally:
-            nursery.cancel_scope.cancel()
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return Node(options(bootstrap=bootstrap, **overrides), engine=SimulatedEngine(costs=COSTS))
+
+    async with open_nodes(n, make) as nodes:
+        yield nodes
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
+#: A four-node chain converging on a loaded machine: these waits allow a minute.
+wait_until = partial(inprocess.wait_until, timeout=60.0)
 
 
 def addr(node: Node) -> str:

@@ -37,6 +37,7 @@ from peerinfer.core.messages import (
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.net import FramedStream, Host, HostConfig, open_host
 from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
+from peerinfer.testing.inprocess import node_options
 from peerinfer.types import PeerId
 
 pytestmark = pytest.mark.slow
@@ -53,21 +54,10 @@ def prompt(k: int) -> str:
 
 
 def options(**overrides: object) -> NodeOptions:
-    base: dict[str, object] = dict(
-        engine="simulated",
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        mdns=False,
-        persist_identity=False,
-        policy="longest_prefix",
-        costs=COSTS,
-        announce_interval_s=0.3,
-        peer_timeout_s=4.0,
-        first_token_timeout_s=1.0,
-        audit_rate=0.0,
-        seed=1,
-    )
-    base.update(overrides)
-    return NodeOptions(**base)  # type: ignore[arg-type]
+    return node_options(**{
+        "costs": COSTS, "peer_timeout_s": 4.0, "first_token_timeout_s": 1.0, "audit_rate": 0.0,
+        **overrides,
+    })
 
 
 Behaviour = Callable[[FramedStream, GenerateRequest, SimulatedEngine], Awaitable[None]]
