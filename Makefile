@@ -9,8 +9,8 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP) system-packages
 
 # System packages the tests need: Debian's chromium renders the dashboard in a headless test;
-# nftables masquerades in the emulated internet's routers (tests/test_reach_netns.py), and
-# miniupnpd is the UPnP gateway of one of them (tests/test_reach_upnp.py).
+# nftables masquerades in the emulated internet's routers (tests/net/test_reach_netns.py), and
+# miniupnpd is the UPnP gateway of one of them (tests/net/test_reach_upnp.py).
 # Skipped when present; installing needs root (apt-get), as on the CI machines.
 system-packages:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update && apt-get install -y chromium; }

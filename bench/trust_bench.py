@@ -23,7 +23,7 @@ Run ``python bench/trust_bench.py --json``. Scenarios:
     runs at ``--audit-rate``: forwarded requests until the ban, p50/p95/max. And 1,000 forwards
     to each of 7 honest peers with random evictions (at most one forward in six falls short),
     delays (first token up to 2x the estimate) and float noise (every audit passes: the noise is
-    inside the tolerance, see tests/test_trust_audit.py): honest peers banned or excluded.
+    inside the tolerance, see tests/engine/test_trust_audit.py): honest peers banned or excluded.
 ``audit_cost``
     With ``--hf``: the default real model (1 torch thread), for ``--cost-prompts`` prompts of
     about 200 tokens and 32 greedy tokens each: the engine time of serving (prefix cached, as on

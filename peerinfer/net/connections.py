@@ -226,7 +226,7 @@ class Connections:
         came). Liveness pings need not notice: libp2p opens each ping on the connection it
         prefers, which can be the new one. Meanwhile our pubsub stream to the peer stays on the
         old connection (libp2p opens no second one), so the peer never gets our subscriptions
-        and never gossips to us (a restart in tests/test_admission_nodes.py, whose old
+        and never gossips to us (a restart in tests/node/test_admission_nodes.py, whose old
         connections stay open: 1 of 6 runs of it failed so before this check).
 
         While an older connection is checked it is out of libp2p's choice for new streams, and

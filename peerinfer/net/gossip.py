@@ -259,7 +259,7 @@ class GuardedPubsub(Pubsub):
         # in the hello of a stream it opens, and it may have renewed its stream (hello and
         # all) just before our write failed. We would then send it nothing on the topic (no
         # subscriber known) while it gossips to us: a peer admitted but silent towards it
-        # (tests/test_net_host.py, the connection under the pubsub streams closing).
+        # (tests/net/test_net_host.py, the connection under the pubsub streams closing).
         reading = self._reading.get(peer_id)
         if reading is None or _stream_closed(reading) or reading.muxed_conn.is_closed:
             super()._handle_dead_peer(peer_id)

@@ -317,7 +317,7 @@ class _Reach:
             pending = bool(self._speaking(DIALBACK_PROTOCOL))
             # Not with a fresh UPnP port mapping: the verdict is expected to be "reachable",
             # and a relayed address advertised meanwhile had peers connect through the relay
-            # and stay there (tests/test_reach_upnp.py saw it).
+            # and stay there (tests/net/test_reach_upnp.py saw it).
             speculate = self.state.upnp_addr is None
             if self.state.reachable is None and not self.state.reservations and pending and speculate:
                 nursery.start_soon(reserve_until_the_verdict)

@@ -73,7 +73,7 @@ class _CircuitRelay(CircuitV2Protocol):
     older one closed the newer, and left its own streams open, so the far end of the older
     connection never learnt it was gone (it stayed silent). Seen in the heal tests as a
     relayed connection that dropped at both ends at once right after it replaced a stalled
-    one (tests/test_reach_relay.py::test_closing_one_circuit_leaves_a_newer_one_to_the_same_peer_open).
+    one (tests/net/test_reach_relay.py::test_closing_one_circuit_leaves_a_newer_one_to_the_same_peer_open).
     Only the per-reservation byte tracking, which the pump does by peer id when the circuit
     has no byte limit of its own, is lost; every circuit here has one (``RelayLimits.data``)."""
 

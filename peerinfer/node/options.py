@@ -3,7 +3,7 @@ names and its limits.
 
 ``NodeOptions`` stays flat (one field per flag). The configs of the parts it configures are
 built from it here, by pure functions beside the fields, each option read by exactly one of
-them (tests/test_node_options.py checks it, and that the defaults agree):
+them (tests/node/test_node_options.py checks it, and that the defaults agree):
 
 * :func:`core_config` -> ``NodeConfig`` (the sans-IO core: routing, limits, trust), with the
   policy derived from the engine (its batch size, its cache budget);

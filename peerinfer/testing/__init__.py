@@ -4,6 +4,11 @@
 127.0.0.1 (``open_cluster`` for trio code, ``start_cluster`` for plain scripts).
 ``peerinfer.testing.engines``: ``BatchRecordingEngine``, a deterministic batching engine that
 records its batch sizes and prefill chunks.
+``peerinfer.testing.inprocess``: real nodes in the test's own process (``node_options``,
+``open_nodes``); imported on its own, since it loads the node and libp2p.
+``peerinfer.testing.waiting``: bounded waits, ``wait_until`` (a predicate) and ``wait_for``
+(an awaited probe).
+``peerinfer.testing.netns``: an emulated internet of network namespaces and NATs (root only).
 """
 
 from peerinfer.testing.cluster import (
@@ -14,5 +19,15 @@ from peerinfer.testing.cluster import (
     start_cluster,
 )
 from peerinfer.testing.engines import BatchRecordingEngine
+from peerinfer.testing.waiting import wait_for, wait_until
 
-__all__ = ["BatchRecordingEngine", "Cluster", "ClusterError", "NodeHandle", "open_cluster", "start_cluster"]
+__all__ = [
+    "BatchRecordingEngine",
+    "Cluster",
+    "ClusterError",
+    "NodeHandle",
+    "open_cluster",
+    "start_cluster",
+    "wait_for",
+    "wait_until",
+]

@@ -1,0 +1,306 @@
+"""Real nodes (libp2p on 127.0.0.1, the simulated engine) in one process, under trio."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+
+from peerinfer.client import Client
+from peerinfer.core.costmodel import CostModel
+from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.errors import InvalidRequestError
+from peerinfer.node import Node, NodeOptions
+from peerinfer.testing import inprocess
+from peerinfer.testing.inprocess import node_options, open_nodes
+
+# Fast but not instantaneous: prefill dominates, so a cache hit is visible in the timings.
+COSTS = CostModel(
+    prefill_s_per_token=0.0004, cached_s_per_token=0.00001, decode_s_per_token=0.002,
+    overhead_s=0.002, slots=1,
+)
+SHARED = " ".join(f"shared{i}" for i in range(300))
+
+
+def options(**overrides: object) -> NodeOptions:
+    return node_options(**{"costs": COSTS, "peer_timeout_s": 4.0, **overrides})
+
+
+@asynccontextmanager
+async def cluster(n: int, **overrides: object) -> AsyncIterator[list[Node]]:
+    """``n`` nodes in a chain: each bootstraps from the previous one only."""
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return Node(options(bootstrap=bootstrap, **overrides), engine=SimulatedEngine(costs=COSTS))
+
+    async with open_nodes(n, make) as nodes:
+        yield nodes
+
+
+#: A four-node chain converging on a loaded machine: these waits allow a minute.
+wait_until = partial(inprocess.wait_until, timeout=60.0)
+
+
+def addr(node: Node) -> str:
+    return node.addresses()[0]
+
+
+@pytest.mark.slow
+async def test_chain_bootstrap_converges_to_full_membership_and_digests() -> None:
+    async with cluster(4) as nodes:
+        ids = {n.peer_id for n in nodes}
+
+        def everyone_known() -> bool:
+            return all(
+                {p.peer_id for p in n.core.peers(trio.current_time())} == ids - {n.peer_id}  # type: ignore[union-attr]
+                for n in nodes
+            )
+
+        await wait_until(everyone_known)
+        async with Client.connect(addr(nodes[0])) as client:
+            first = await client.generate(SHARED + " first question", max_tokens=3)
+        (holder,) = [n for n in nodes if n.peer_id == first.served_by]
+        # Every other node's replica of the holder converges to the holder's own digest.
+        await wait_until(
+            lambda: all(
+                n.core.index.replica(holder.core.peer_id) is not None  # type: ignore[union-attr]
+                and set(n.core.index.replica(holder.core.peer_id).digest)  # type: ignore[union-attr]
+                == set(holder.core.local.digest)  # type: ignore[union-attr]
+                for n in nodes
+                if n is not holder
+            )
+        )
+        assert len(holder.core.local.digest) > 0  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+async def test_repeated_prefix_is_forwarded_to_the_holder_and_served_from_cache() -> None:
+    async with cluster(3) as nodes:
+        async with Client.connect(addr(nodes[1])) as client:
+            warm = await client.generate(SHARED + " warm up", max_tokens=3)
+        (holder,) = [n for n in nodes if n.peer_id == warm.served_by]
+        asker = next(n for n in nodes if n is not holder)
+        # Wait until the asker knows the holder holds the prefix.
+        await wait_until(
+            lambda: asker.core.index.replica(holder.core.peer_id) is not None  # type: ignore[union-attr]
+            and len(asker.core.index.replica(holder.core.peer_id).digest) > 0  # type: ignore[union-attr]
+        )
+        async with Client.connect(addr(asker)) as client:
+            result = await client.generate(SHARED + " another question", max_tokens=3)
+        assert result.served_by == holder.peer_id
+        assert result.cached_tokens >= 256
+        assert result.completion_tokens == 3
+        assert result.text
+
+
+@pytest.mark.slow
+async def test_bad_requests_are_refused_and_the_node_keeps_serving() -> None:
+    async with cluster(1) as (node,):
+        async with Client.connect(addr(node)) as client:
+            with pytest.raises(InvalidRequestError):
+                await client.generate("", max_tokens=3)
+            with pytest.raises(InvalidRequestError):
+                await client.generate("x " * 9000, max_tokens=3)  # longer than the context
+            with pytest.raises(InvalidRequestError):
+                await client.generate("hello", max_tokens=0)
+            ok = await client.generate("hello there", max_tokens=2)
+            assert ok.completion_tokens == 2
+            status = await client.status()
+            assert status["peer_id"] == node.peer_id
+            assert status["cache"]["tokens"] >= 0
+            load = status["load"]
+            assert load["running"] == load["queued"] == 0 and load["capacity"] == load["slots"] >= 1
+            # The three bad requests were refused at the door, before the core counted them.
+            assert status["requests"] == {
+                "received": 1, "served_locally": 1, "forwarded": 0, "failovers": 0,
+                "rejected": 0, "rejected_over_limit": 0,
+            }
+
+
+@pytest.mark.slow
+async def test_streaming_and_chat() -> None:
+    async with cluster(1) as (node,):
+        async with Client.connect(addr(node)) as client:
+            chunks = [t async for t in client.stream([{"role": "user", "content": "hi"}], max_tokens=5)]
+            assert chunks and all(isinstance(t, str) for t in chunks)
+            whole = await client.generate([{"role": "user", "content": "hi"}], max_tokens=5)
+            assert "".join(chunks) == whole.text
+
+
+@pytest.mark.slow
+async def test_a_dead_peer_costs_no_request() -> None:
+    """The holder of the prefix vanishes; requests routed to it fail over and complete."""
+    async with trio.open_nursery() as outer:
+        survivor = Node(options(first_token_timeout_s=5.0), engine=SimulatedEngine(costs=COSTS))
+        await outer.start(survivor.serve)
+        victim_scope = trio.CancelScope()
+        victim = Node(
+            # 'local': the warm-up request entering at the victim is served (and cached) there.
+            options(bootstrap=(addr(survivor),), first_token_timeout_s=5.0, policy="local"),
+            engine=SimulatedEngine(costs=COSTS),
+        )
+
+        async def run_victim(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with victim_scope:
+                await victim.serve(task_status=task_status)
+
+        await outer.start(run_victim)
+        async with Client.connect(addr(victim)) as cv:
+            await cv.generate(SHARED + " warm", max_tokens=2)
+        await wait_until(
+            lambda: survivor.core.index.replica(victim.core.peer_id) is not None  # type: ignore[union-attr]
+            and len(survivor.core.index.replica(victim.core.peer_id).digest) > 0  # type: ignore[union-attr]
+        )
+        victim_scope.cancel()
+        async with Client.connect(addr(survivor)) as cs:
+            results = []
+            for i in range(4):
+                results.append(await cs.generate(SHARED + f" question {i}", max_tokens=2))
+        assert all(r.completion_tokens == 2 for r in results)
+        assert all(r.served_by == survivor.peer_id for r in results)
+        outer.cancel_scope.cancel()
+
+
+async def _holder_and_asker() -> AsyncIterator[tuple[Node, Node]]:
+    """B holds SHARED (cached while alone); A joins and knows it."""
+    async with trio.open_nursery() as nursery:
+        b = Node(options(), engine=SimulatedEngine(costs=COSTS))
+        await nursery.start(b.serve)
+        async with Client.connect(addr(b)) as client:
+            await client.generate(SHARED + " warm", max_tokens=2)
+        a = Node(options(bootstrap=(addr(b),)), engine=SimulatedEngine(costs=COSTS))
+        await nursery.start(a.serve)
+        await wait_until(
+            lambda: any(p.cached_tokens >= 256 for p in a.core.peers(trio.current_time()))  # type: ignore[union-attr]
+        )
+        try:
+            yield b, a
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+holder_and_asker = asynccontextmanager(_holder_and_asker)
+
+
+def _counting_generate_streams() -> tuple[list[str], object]:
+    """A stand-in for ``Host.open_stream`` (to monkeypatch in) that records the peer of every
+    generate stream it opens, in the list returned beside it, and then opens it."""
+    from peerinfer.net import Host
+    from peerinfer.node.options import GENERATE_PROTOCOL
+
+    opened: list[str] = []
+    original = Host.open_stream
+
+    async def counting(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
+        if protocol == GENERATE_PROTOCOL:
+            opened.append(peer_id)
+        return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+
+    return opened, counting
+
+
+async def test_forwards_to_a_peer_reuse_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consecutive forwards to the same peer go over one kept stream: one stream opened for
+    five forwards, each answered by the holder (its authenticated id), nothing failed over."""
+    from peerinfer.net import Host
+
+    opened, counting = _counting_generate_streams()
+
+    async with holder_and_asker() as (b, a):
+        monkeypatch.setattr(Host, "open_stream", counting)
+        async with Client.connect(addr(a)) as client:
+            results = [await client.generate(SHARED + f" q{i}", max_tokens=2) for i in range(5)]
+        assert all(r.served_by == b.peer_id and r.completion_tokens == 2 for r in results)
+        assert opened.count(b.peer_id) == 1  # the client's own stream goes to A, the rest reuse
+        assert a.core.statistics().failovers == 0  # type: ignore[union-attr]
+
+
+async def test_a_kept_stream_the_peer_let_go_costs_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder drops its end of the kept stream (its idle timeout) while the asker still
+    believes it usable: the next forward fails on it before any answer and goes again on a new
+    stream, still to the holder, without a failover."""
+    import peerinfer.node.door as door
+    from peerinfer.net import FramedStream, Host
+
+    opened, counting = _counting_generate_streams()
+
+    monkeypatch.setattr(door, "GENERATE_IDLE_TIMEOUT_S", 0.05)
+    # The asker cannot see that the stream is gone (as when the reset is still on its way).
+    monkeypatch.setattr(FramedStream, "reusable", property(lambda self: not self.closed))
+    async with holder_and_asker() as (b, a):
+        monkeypatch.setattr(Host, "open_stream", counting)
+        assert b.host is not None
+        async with Client.connect(addr(a)) as client:
+            first = await client.generate(SHARED + " one", max_tokens=2)
+            # The holder's door gave up waiting for a next request and reset the idle stream
+            # (its handler is gone), not a fixed sleep that a loaded machine may outrun.
+            await wait_until(lambda: b.host.statistics().handler_streams_running == 0)  # type: ignore[union-attr]
+            second = await client.generate(SHARED + " two", max_tokens=2)
+        assert first.served_by == b.peer_id and second.served_by == b.peer_id
+        # The second forward found the kept stream gone and went again on a new one.
+        assert opened.count(b.peer_id) == 2
+        assert second.completion_tokens == 2
+        stats = a.core.statistics()  # type: ignore[union-attr]
+        assert stats.failovers == 0 and stats.served_locally == 0
+
+
+@pytest.mark.parametrize("replaced", [True, False], ids=["connection-replaced", "peer-failed"])
+async def test_a_forward_whose_connection_was_replaced_before_any_answer_goes_again(
+    monkeypatch: pytest.MonkeyPatch, replaced: bool
+) -> None:
+    """A forward's first stream fails before any answer. If the peer's stalled connections
+    were replaced by a fresh one meanwhile (as after a healed partition), the failure was the
+    dead connection's: the request goes again on a new stream, to the same holder, without a
+    failover. Otherwise it is the peer's failure, and the request fails over (here: served by
+    the asker itself)."""
+    import trio
+
+    from peerinfer.net import Host
+    from peerinfer.node.options import GENERATE_PROTOCOL
+
+    original = Host.open_stream
+    opened: list[str] = []
+    holder = ""
+
+    async def first_one_fails(self: Host, peer_id: str, protocol: str, **kwargs: object) -> object:
+        if protocol != GENERATE_PROTOCOL or peer_id != holder:  # (the client's own stream goes to A)
+            return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+        opened.append(peer_id)
+        if len(opened) > 1:
+            return await original(self, peer_id, protocol, **kwargs)  # type: ignore[arg-type]
+        if replaced:
+            self._replaced_at[peer_id] = trio.current_time()  # what _replace_stalled records
+        # A protocol nobody speaks: refused, before any answer.
+        return await original(self, peer_id, "/peerinfer/nobody-speaks-this/1.0.0", **kwargs)  # type: ignore[arg-type]
+
+    async with holder_and_asker() as (b, a):
+        holder = b.peer_id
+        monkeypatch.setattr(Host, "open_stream", first_one_fails)
+        async with Client.connect(addr(a)) as client:
+            result = await client.generate(SHARED + " after the heal", max_tokens=2)
+        stats = a.core.statistics()  # type: ignore[union-attr]
+        if replaced:
+            assert result.served_by == b.peer_id and opened == [b.peer_id, b.peer_id]
+            assert stats.failovers == 0
+        else:
+            assert result.served_by == a.peer_id and opened == [b.peer_id]
+            assert stats.failovers == 1
+
+
+async def test_a_node_lost_is_redialed_without_waiting_for_peer_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nodes[2] met nodes[0] through peer exchange (its bootstrap is nodes[1]); their
+    connection goes (as after a cut link): they dial each other again by themselves. With the
+    periodic peer exchange off, nothing else would (nodes[0]'s gossip still reaches nodes[2]
+    through nodes[1], but a peer heard of only through gossip is never dialed for it)."""
+    import peerinfer.node.peers as peers
+
+    monkeypatch.setattr(peers, "PEER_EXCHANGE_INTERVAL_S", 1e6)
+    async with cluster(3) as nodes:
+        first, _, last = nodes
+        assert first.host is not None and last.host is not None
+        await wait_until(lambda: last.host.is_connected(first.peer_id) and last.peers.has_met(first.peer_id))  # type: ignore[union-attr]
+        await last.host.disconnect(first.peer_id)
+        await wait_until(lambda: last.peers.is_lost(first.peer_id) or last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
+        await wait_until(lambda: last.host.is_connected(first.peer_id), timeout=30)  # type: ignore[union-attr]
