@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import trio
-from tests.net.net_helpers import config, wait_until
 
 from peerinfer.errors import PeerUnavailableError, ProtocolError
 from peerinfer.net import FramedStream, open_host
 from peerinfer.net.streampool import StreamGoneEarly, StreamUse
+from tests.net.net_helpers import config, wait_until
 
 ECHO = "/test/pooled-echo/1.0.0"
 
