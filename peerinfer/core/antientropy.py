@@ -97,6 +97,7 @@ from peerinfer.core.digest import (
     HASH_DENSITY,
     LIST_CAP,
     CacheObserver,
+    DeltaMemo,
     LocalDigest,
     MerkleDigest,
     bitmap_indices,
@@ -240,12 +241,17 @@ class Replica:
     __slots__ = ("digest", "epoch", "max_elements", "refused", "_announced", "_rate")
 
     def __init__(
-        self, observer: CacheObserver | None = None, *, max_elements: int = MAX_REPLICA_ELEMENTS
+        self,
+        observer: CacheObserver | None = None,
+        *,
+        max_elements: int = MAX_REPLICA_ELEMENTS,
+        memo: DeltaMemo | None = None,
     ) -> None:
         if max_elements < 0:
             raise ValueError("max_elements must be >= 0")
         # Lazy: the trie exists only while a pull compares subtrees (see digest.py).
-        self.digest = MerkleDigest(observer, lazy=True)
+        # ``memo``: delta results shared with other replicas (a simulator's; see digest.py).
+        self.digest = MerkleDigest(observer, lazy=True, memo=memo)
         self.epoch = 0
         self.max_elements = max_elements
         self.refused = 0

@@ -110,6 +110,7 @@ forgotten at once. A request that arrived forwarded goes ``ROUTING -> QUEUED`` o
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import random
 from collections import Counter
@@ -119,7 +120,7 @@ from typing import Any
 
 from peerinfer.core.antientropy import Reconciliation, Replica
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
-from peerinfer.core.digest import LocalDigest
+from peerinfer.core.digest import DeltaMemo, LocalDigest
 from peerinfer.core.fairshare import (
     Share,
     ShareKey,
@@ -807,6 +808,7 @@ class NodeCore:
         rng: random.Random,
         epoch_base: int = 0,
         now: float = 0.0,
+        delta_memo: DeltaMemo | None = None,
     ) -> None:
         self.config = config
         self.hasher = hasher
@@ -819,8 +821,10 @@ class NodeCore:
         #: announced in every load, so that peers estimate this node at its own speed
         self._speed: tuple[int, ...] = config.costs.speed()
         self.local = LocalDigest(epoch_base=epoch_base)
+        # ``delta_memo``: the replicas of a simulator's cores share delta results (digest.py).
         self._index = PeerIndex(
-            max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks
+            max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks,
+            replica_factory=None if delta_memo is None else functools.partial(Replica, memo=delta_memo),
         )
         #: per peer, the last check that its unchanged announcements may wait, and those of
         #: them not taken in yet (only with ``config.lazy_announcements``)

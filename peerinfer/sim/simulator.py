@@ -88,7 +88,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from peerinfer.core.digest import share_applied_deltas
+from peerinfer.core.digest import DeltaMemo
 from peerinfer.core.messages import SamplingParams, encode
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -195,7 +195,7 @@ class Simulation:
     #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
     share_runs = True
     #: let replicas that hold the same set share the result of applying an announcement's
-    #: delta (``peerinfer.core.digest.share_applied_deltas``); False: each applies it itself
+    #: delta (one ``peerinfer.core.digest.DeltaMemo`` per run); False: each applies it itself
     share_deltas = True
 
     def __init__(
@@ -215,6 +215,8 @@ class Simulation:
         if arrivals is not None and len(arrivals) < config.requests:
             raise SimulationError(f"{len(arrivals)} arrivals for {config.requests} requests")
         self._fixed_arrivals = arrivals
+        #: handed to every core this run makes (``share_deltas``), dropped when the run ends
+        self.delta_memo = DeltaMemo() if self.share_deltas else None
         self.config = config
         self.workload = requests
         self.hasher = hasher
@@ -349,7 +351,7 @@ class Simulation:
             max_peers=max(4096, self.slots),
         )
         rng = random.Random(f"{config.seed}:node:{i}")
-        core = NodeCore(node_config, self.hasher, rng=rng, now=now)
+        core = NodeCore(node_config, self.hasher, rng=rng, now=now, delta_memo=self.delta_memo)
         if config.policy == ORACLE:
             # The simulator-only upper bound: the core's decisions read the swarm's exact
             # state instead of its own view (peerinfer.sim.oracle).
@@ -378,11 +380,11 @@ class Simulation:
         # The replicas of one peer take the same announcement objects in: with the memo they
         # build each resulting set once and share it (``peerinfer.core.digest``, "Shared
         # deltas"; the same sets, so the same decisions).
-        share_applied_deltas(self.share_deltas)
         try:
             return self._run()
         finally:
-            share_applied_deltas(False)
+            if self.delta_memo is not None:
+                self.delta_memo.clear()
 
     def _run(self) -> Simulation:
         started = time.perf_counter()
