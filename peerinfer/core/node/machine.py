@@ -1,111 +1,4 @@
-"""The node's whole logic as one sans-IO state machine, shared by the real node and the simulator.
-
-Theory of operation
--------------------
-A ``NodeCore`` is fed *events* (a client request arrived, an announcement was received, a sync
-response came back, the engine finished, a forwarded request failed, a timer is due) together
-with the current time, and answers with a list of *effects* (publish this announcement, send
-this sync request to that peer, run this request on the local engine, forward it to that peer,
-reject it, ping that peer, forget that peer). It never awaits, never reads a clock and never
-rolls its own dice: ``now`` is an argument and randomness comes from the ``random.Random`` it is
-given. The trio + libp2p shell (``peerinfer.net.node``) executes the effects over the network;
-the simulator (``peerinfer.sim``) executes the same effects in virtual time. No decision is
-coded twice.
-
-What it decides
-~~~~~~~~~~~~~~~
-* **Announce.** This node's cache digest (``LocalDigest``) changes when the engine reports
-  blocks added or evicted. An announcement (epoch, root, count, load and the changes since the
-  previous epoch when they fit) is published every ``announce_interval_s``, and sooner after a
-  change, but never more often than ``min_announce_gap_s`` (gossipsub drops bursts).
-* **Membership.** A peer is a *member* (it has state here, a replica, and may be a routing
-  candidate) only once it answered this node directly: a ``PeerSeen`` with a measured round trip,
-  which the shell feeds only for a ping answered over a direct, authenticated (and, in a private
-  swarm, admitted) connection. A connection alone (``PeerSeen`` without a round trip) asks for
-  that ping. Identities heard of only through relayed gossip are never members: their
-  announcements are refused and allocate nothing, so forged identities over one connection cost
-  nothing but the refusal (and a ping request the shell drops, having no connection to them).
-* **Pull.** An announcement from a member is refused when its epoch is not newer than the last
-  one seen from that peer (stale or replayed). Freshness never reads the sender's clock: a
-  member is as fresh as the last time *we* received from it (``now``, the receiver's monotonic
-  clock), so a skewed or stepped clock elsewhere changes nothing; the sender's epochs only have
-  to grow, across its restarts too (the shell persists them). Otherwise the peer's replica
-  applies the carried delta; if its root still differs, a pull runs the Merkle reconciliation
-  state machine (one session per peer at a time, with a deadline). Each refusal is reported once
-  per (peer, reason) through ``take_refusals()``, for the shell to log.
-  An announcement that changes nothing and chains from an in-step replica (most of them) waits:
-  the node keeps the newest per peer and takes them in when anything next reads the peer index
-  (the ``index`` property), with the state eager application would have left
-  (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
-  A shell that hands the same announcements to many recipients at once (the simulator) may
-  share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
-  handed the next ones; it reads them from the run when it next reads that peer (routing reads
-  only their loads and freshness, a rebalance only their claimed counts and freshness, and so
-  for kept ones; everything else takes them in), and leaves the run when a
-  pull, a rebalance or an emptied replica would make taking one in do more.
-* **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
-  index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
-  ``rebalance_interval_s``), favouring peers whose replicas help route this node's prompts. An
-  announcement claiming more than the sender's allowance is refused; a replica that grew past it
-  (a lying delta, a pull) is emptied.
-* **Route.** A client request is hashed into its block chain, the peer index estimates every
-  peer's match in one walk, and the routing policy picks a target among the local node and
-  every live peer; the decision (target, expected cached tokens, reason) is returned in the
-  effect so it can be logged. A forwarded request is always served where it lands (no loops).
-  After routing, the target is recorded as speculatively holding the prompt's blocks.
-* **Fail over.** A forward that fails, is refused as busy, or gives no first token before its
-  deadline goes to the next candidate in the policy's ranking, and finally to the local engine.
-  A failure after tokens were streamed resumes locally from the prompt plus the tokens already
-  relayed, so the client's stream continues instead of being lost.
-* **Admit, fair share.** The local engine runs ``slots`` requests at once (its capacity: the
-  engine's ``max_batch_size``); the rest wait, each in its *requester's* share (the origin peer
-  of a forwarded request, the client's peer of a direct one, an HTTP client's API key).
-  peerinfer.core.fairshare decides between requesters: each is entitled to a weighted part of
-  the slots (this node's own front ends weigh more); a free slot goes to a waiting requester
-  below its entitlement (own front ends first among those), by least service (tokens
-  generated here) per weight; and while one waits below its entitlement with no slot coming,
-  the requester furthest above its own yields one: its longest-running generation is
-  *preempted* (``PreemptLocal``) once it has made ``preempt_after_tokens`` tokens since it
-  (re)started, waits in ``PREEMPTED`` (the engine keeps its state) and resumes
-  (``ResumeLocal``) when its turn comes. It is never dropped. Refused as ``busy``, with a
-  message naming the limit and a retry hint: a forwarded request when ``max_queue`` requests
-  wait and every slot runs, or when more than its ``max_outstanding`` are here (its origin
-  has other options); a requester other than this node itself with ``max_queued_per_peer``
-  already waiting (default: ``slots``, so one requester has at most twice the slots admitted);
-  anything once ``hard_max_queue`` wait. A prompt longer than ``max_prompt_tokens`` or a
-  ``max_tokens`` above ``max_new_tokens`` is refused as ``invalid``. Nothing is dropped
-  silently: every request ends in exactly one ``Reject`` or one finish.
-* **Trust.** Every forward's outcome (served within its digest's claim and the estimated first
-  token, or short, slow, timed out, busy while announcing idle, a broken contract) feeds the
-  per-peer ``Reputation`` (peerinfer.core.reputation); demoted peers' cache claims count for
-  nothing in routing, excluded and banned peers (and, with ``trusted_peers``, every unlisted
-  peer) are not candidates. A peer's first answer, then ``audit_rate`` of them, is sent
-  for an audit (``AuditForward``); a failed audit bans the peer (``BanPeer``).
-* **Liveness.** Peers are pinged when quiet; a peer silent for ``peer_timeout_s`` leaves the
-  index (and the candidate set); when it announces again it rejoins with an empty replica.
-
-Request lifecycle
-~~~~~~~~~~~~~~~~~
-Every request this node holds is in exactly one ``Phase``; ``_TRANSITIONS`` (right after the
-imports) lists every allowed move with its cause, h11-style, and ``_transition`` refuses any other (a
-bug in this module: it raises). The bookkeeping each phase implies (the requester queues, the
-running count, in-flight counts per peer, the blocks pending locally, the requesters' shares)
-changes only in ``_transition``, so ``check_invariants()`` can recount all of it from the
-requests::
-
-    ROUTING --> QUEUED --> RUNNING --> DONE            (served here)
-       |          ^         |  ^
-       |          |         v  |                        (over its share while another waits:
-       |          |       PREEMPTED --> DONE             yields, resumes later; cancelled)
-       |          ^
-       +----> FORWARDED --> RELAYING --> DONE          (served by a peer, relayed)
-              |   ^  |         |
-              +---+  +--> QUEUED <-+                   (fail over: next peer, or here;
-                                                        mid-stream: resume here)
-
-``ROUTING`` lasts only within the handler of the request's arrival; ``DONE`` requests are
-forgotten at once. A request that arrived forwarded goes ``ROUTING -> QUEUED`` only.
-"""
+"""``NodeCore``: the sans-IO node (see ``peerinfer.core.node`` for its theory of operation)."""
 
 from __future__ import annotations
 
@@ -114,12 +7,10 @@ import functools
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from peerinfer.core.antientropy import Reconciliation, Replica
-from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.digest import DeltaMemo, LocalDigest
 from peerinfer.core.fairshare import (
     Share,
@@ -130,16 +21,51 @@ from peerinfer.core.fairshare import (
 )
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import (
-    MAX_NEW_TOKENS,
-    MAX_PROMPT_TOKENS,
     Announce,
     Load,
     SamplingParams,
     SyncRequest,
     SyncResponse,
 )
+from peerinfer.core.node.config import NodeConfig
+from peerinfer.core.node.events import (
+    AnnounceReceived,
+    AuditFinished,
+    AuditForward,
+    BanPeer,
+    CacheChanged,
+    Cancel,
+    CancelForward,
+    CancelLocal,
+    ClientRequest,
+    DropPeer,
+    Effect,
+    Event,
+    Forward,
+    ForwardFailed,
+    ForwardFinished,
+    ForwardFirstToken,
+    LocalFinished,
+    LocalPreempted,
+    LocalStarted,
+    NodeStatistics,
+    PeerLost,
+    PeerSeen,
+    PeerSnapshot,
+    PingPeer,
+    PreemptLocal,
+    Publish,
+    Reject,
+    ResumeLocal,
+    RunLocal,
+    SendSyncRequest,
+    Silence,
+    SyncFailed,
+    SyncResponseReceived,
+)
+from peerinfer.core.peerview import _Heard, _Kept
 from peerinfer.core.prefix import PrefixHasher
-from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, ReputationConfig, judge_finished
+from peerinfer.core.reputation import FAILURE_OUTCOMES, Reputation, judge_finished
 from peerinfer.core.routing import (
     Candidate,
     RouteDecision,
@@ -147,7 +73,7 @@ from peerinfer.core.routing import (
     ScaffoldHints,
     make_policy,
 )
-from peerinfer.errors import ConfigError, ProtocolError
+from peerinfer.errors import ProtocolError
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 # ---------------------------------------------------------------------------------------------
@@ -212,412 +138,6 @@ _LOCAL_PHASES = (Phase.QUEUED, Phase.RUNNING, Phase.PREEMPTED)
 _FORWARD_PHASES = (Phase.FORWARDED, Phase.RELAYING)
 
 # ---------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Everything a node's logic is tuned by. Times are seconds."""
-
-    peer_id: PeerId
-    policy: str = "cost"
-    costs: CostModel = DEFAULT_COSTS
-    announce_interval_s: float = 1.0
-    min_announce_gap_s: float = 0.25
-    sync_timeout_s: float = 5.0
-    #: a peer silent (no announcement, no pong) this long leaves the candidate set
-    peer_timeout_s: float = 6.0
-    #: ping a peer we have not heard from for this long
-    ping_after_s: float = 2.0
-    #: hashes all replicas together may hold (see PeerIndex: the replica budget)
-    replica_budget_blocks: int = 1 << 20
-    #: how often the replica budget's allowances are recomputed
-    rebalance_interval_s: float = 5.0
-    #: a forwarded request must produce its first token within this budget, or we fail over
-    first_token_timeout_s: float = 30.0
-    #: a request being served (running here, or with a peer once it streams) that gives its
-    #: client no event this long ends with a timeout; waiting its turn does not count (see
-    #: ``NodeCore.silence``)
-    token_gap_timeout_s: float = 120.0
-    max_forward_attempts: int = 3
-    #: forwarded requests are refused as busy beyond this many queued locally
-    max_queue: int = 8
-    #: client requests are refused beyond this many queued locally
-    hard_max_queue: int = 1024
-    #: a requester (other than this node itself) with this many requests waiting here is
-    #: refused as busy: its fair share of the queue (None: the engine's ``slots``, so that a
-    #: requester has at most twice the slots admitted, running plus waiting: what a node
-    #: runs, peerinfer.node.options; the simulator keeps the older 32)
-    max_queued_per_peer: int | None = 32
-    #: a running generation of a requester over its share yields its slot to a requester
-    #: below its share once it made this many tokens since it (re)started (None: never; the
-    #: shell must then execute ``PreemptLocal`` and ``ResumeLocal``; see core.fairshare)
-    preempt_after_tokens: int | None = None
-    #: per-request limits: longer prompts, or more tokens asked for, are refused as invalid
-    max_prompt_tokens: int = MAX_PROMPT_TOKENS
-    max_new_tokens: int = MAX_NEW_TOKENS
-    #: assumed round trip to a peer we have not measured yet
-    default_rtt_s: float = 0.005
-    #: a peer whose digest is older than this is not a routing candidate
-    max_digest_age_s: float = 60.0
-    max_peers: int = 4096
-    #: trust (peerinfer.core.reputation): how peers are scored, the share of forwarded
-    #: answers re-scored by the local model, and the only peers forwarded to (None: any peer)
-    reputation: ReputationConfig = field(default_factory=ReputationConfig)
-    audit_rate: float = 0.05
-    #: a peer's first answers are all audited (probation), before sampling at ``audit_rate``
-    audit_first: int = 1
-    trusted_peers: frozenset[PeerId] | None = None
-    #: take in announcements that change nothing but a peer's epoch, load and freshness only
-    #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
-    lazy_announcements: bool = True
-    #: route over the peers holding part of the prompt and stand-ins for the rest, where the
-    #: policy can (``CostPolicy.choose_among_holders``: the same decisions as over every peer)
-    route_among_holders: bool = True
-
-    def __post_init__(self) -> None:
-        if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
-            raise ConfigError("announce intervals must be positive")
-        if self.max_forward_attempts < 0 or self.max_queue < 0 or self.hard_max_queue < 1:
-            raise ConfigError("queue and attempt limits must be non-negative")
-        if not 0.0 <= self.audit_rate <= 1.0:
-            raise ConfigError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
-        if (self.max_queued_per_peer is not None and self.max_queued_per_peer < 1) or (
-            self.max_prompt_tokens < 1 or self.max_new_tokens < 1
-        ):
-            raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
-        if not self.token_gap_timeout_s > 0:
-            raise ConfigError(f"token_gap_timeout_s must be > 0, got {self.token_gap_timeout_s}")
-        if self.preempt_after_tokens is not None and self.preempt_after_tokens < 1:
-            raise ConfigError(f"preempt_after_tokens must be >= 1, got {self.preempt_after_tokens}")
-
-    @property
-    def queued_per_requester(self) -> int:
-        """``max_queued_per_peer``, its default resolved."""
-        return self.costs.slots if self.max_queued_per_peer is None else self.max_queued_per_peer
-
-
-# ---------------------------------------------------------------------------------------------
-# Events (inputs)
-
-
-@dataclass(frozen=True, slots=True)
-class ClientRequest:
-    """A request to serve. ``forwarded`` requests came from a peer and are never forwarded again."""
-
-    request_id: RequestId
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    forwarded: bool = False
-    origin: PeerId | None = None
-    #: a forwarded request is refused as busy if more requests than this are queued or
-    #: running here when it arrives (the origin's routing assumed no more; None: no limit)
-    max_outstanding: int | None = None
-    #: who asked, for the fair share of this node's engine: the client's peer id for a direct
-    #: client; "" means the origin for a forwarded request, else this node itself (an
-    #: in-process caller, the simulator's users)
-    requester: str = ""
-    #: from this node's own front ends (HTTP on this machine, the in-process API): entitled
-    #: to more of the engine than another requester, and first among those below their share
-    local: bool = False
-    #: the salted hash of the prompt's scaffold (``PrefixHasher.scaffold_hash``; None: none
-    #: known): what the ``scaffold_hash`` policy routes by and a server advertises
-    scaffold: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AnnounceReceived:
-    sender: PeerId
-    announce: Announce
-    #: the run of announcements this one is the newest of, when the shell hands the same
-    #: announcements to several recipients at once (the simulator; see ``AnnounceRun``)
-    run: AnnounceRun | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SyncResponseReceived:
-    peer: PeerId
-    response: SyncResponse
-
-
-@dataclass(frozen=True, slots=True)
-class SyncFailed:
-    peer: PeerId
-    session: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class LocalStarted:
-    """The local engine began a request (it left the queue and took a slot)."""
-
-    request_id: RequestId
-    cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class LocalFinished:
-    """The local engine finished (or failed) a request; ``cache_added``/``cache_removed`` are
-    the engine's cache changes since its previous report. ``generated``: tokens it made since
-    it last (re)started (its requester's service; 0 when not known)."""
-
-    request_id: RequestId
-    ok: bool
-    cache_added: tuple[BlockHash, ...] = ()
-    cache_removed: tuple[BlockHash, ...] = ()
-    error: str = ""
-    generated: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LocalPreempted:
-    """The local engine preempted a request as ``PreemptLocal`` asked: it left the running set
-    (its state kept, to resume) after making ``generated`` tokens since it last (re)started."""
-
-    request_id: RequestId
-    generated: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class CacheChanged:
-    """Cache changes reported outside a request (start-up snapshot, a cleared cache)."""
-
-    added: tuple[BlockHash, ...] = ()
-    removed: tuple[BlockHash, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardFirstToken:
-    request_id: RequestId
-    peer: PeerId
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardFinished:
-    """A forward ended well. ``cached_tokens`` (as the peer reported them) and ``ttft_s`` (as
-    the origin measured it) are checked against the decision's promise; ``completion`` is what
-    was relayed, for an audit. None/empty: not known (no check)."""
-
-    request_id: RequestId
-    peer: PeerId
-    cached_tokens: int | None = None
-    ttft_s: float | None = None
-    completion: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardFailed:
-    """A forward failed. ``reason`` is one of busy, unavailable, timeout, protocol, invalid,
-    internal, contract (the result broke the request's contract). ``generated`` holds the token
-    ids already relayed to the client (mid-stream failure); the request then resumes locally
-    after them, or ends if they were the whole ``max_tokens`` (the shell answered)."""
-
-    request_id: RequestId
-    peer: PeerId
-    reason: str
-    generated: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PeerSeen:
-    """The shell heard from (or connected to) a peer; ``rtt_s`` when a ping measured it."""
-
-    peer: PeerId
-    rtt_s: float | None = None
-    load: Load | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PeerLost:
-    """The shell lost the connection to a peer, or a ping failed."""
-
-    peer: PeerId
-
-
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    """The client went away; stop the request wherever it is."""
-
-    request_id: RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class AuditFinished:
-    """An ``AuditForward`` ran: ``ok`` says whether ``peer``'s answer is what the local model
-    gives (``detail`` says where it is not)."""
-
-    peer: PeerId
-    ok: bool
-    detail: str = ""
-
-
-Event = (
-    ClientRequest
-    | AnnounceReceived
-    | SyncResponseReceived
-    | SyncFailed
-    | LocalStarted
-    | LocalFinished
-    | LocalPreempted
-    | CacheChanged
-    | ForwardFirstToken
-    | ForwardFinished
-    | ForwardFailed
-    | PeerSeen
-    | PeerLost
-    | Cancel
-    | AuditFinished
-)
-
-# ---------------------------------------------------------------------------------------------
-# Effects (outputs)
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    announce: Announce
-
-
-@dataclass(frozen=True, slots=True)
-class SendSyncRequest:
-    """Send ``request`` to ``peer`` on the sync protocol and feed back its response (or a
-    ``SyncFailed``) within ``timeout_s``."""
-
-    peer: PeerId
-    request: SyncRequest
-    timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class RunLocal:
-    """Run ``tokens`` on the local engine and stream the result to the request's client. When
-    ``resume_after`` is non-empty the request was partly served elsewhere: those tokens were
-    already relayed and are part of ``tokens``; only the new ones go to the client."""
-
-    request_id: RequestId
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    decision: RouteDecision | None
-    resume_after: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """Forward the request to ``peer`` and relay its token stream to the client; report the first
-    token, the end or a failure back. ``first_token_timeout_s`` bounds the wait."""
-
-    request_id: RequestId
-    peer: PeerId
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    decision: RouteDecision
-    first_token_timeout_s: float
-    attempt: int
-    #: the request's scaffold hash, for the target to advertise (``ClientRequest.scaffold``)
-    scaffold: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """Answer the request with an error (``code`` as in messages.ERROR_CODES);
-    ``retry_after_s``: when a busy refusal may be worth retrying (0: no hint)."""
-
-    request_id: RequestId
-    code: str
-    message: str
-    retry_after_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptLocal:
-    """Preempt the running request once it has made ``after_tokens`` tokens since it last
-    (re)started: take it out of the running set, keep its state (its KV where memory allows,
-    else its tokens so far, to recompute from the prefix cache), report ``LocalPreempted``.
-    A request that ends first reports ``LocalFinished`` as usual."""
-
-    request_id: RequestId
-    after_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeLocal:
-    """Give the preempted request a slot again: it continues where it yielded."""
-
-    request_id: RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class CancelLocal:
-    request_id: RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class CancelForward:
-    request_id: RequestId
-    peer: PeerId
-
-
-@dataclass(frozen=True, slots=True)
-class PingPeer:
-    peer: PeerId
-
-
-@dataclass(frozen=True, slots=True)
-class DropPeer:
-    """The peer left the candidate set (silent too long). The shell may disconnect it."""
-
-    peer: PeerId
-
-
-@dataclass(frozen=True, slots=True)
-class AuditForward:
-    """Re-score ``peer``'s answer ``completion`` to ``tokens`` (greedy or sampled, as ``params``
-    say) with the local model, at low priority (never before a client's work), and feed back
-    ``AuditFinished``."""
-
-    peer: PeerId
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    completion: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BanPeer:
-    """``peer`` failed an audit: disconnect and refuse it until ``until`` (node clock)."""
-
-    peer: PeerId
-    until: float
-    reason: str
-
-
-Effect = (
-    Publish
-    | SendSyncRequest
-    | RunLocal
-    | Forward
-    | Reject
-    | PreemptLocal
-    | ResumeLocal
-    | CancelLocal
-    | CancelForward
-    | PingPeer
-    | DropPeer
-    | AuditForward
-    | BanPeer
-)
-
-@dataclass(frozen=True, slots=True)
-class Silence:
-    """``NodeCore.silence``'s answer: past ``deadline`` the request ends with a timeout error
-    saying ``message``; ``waiting``: it waits its turn here (its client may be told it is
-    still there: the shell's heartbeat)."""
-
-    deadline: float
-    waiting: bool
-    message: str
-
-
-# ---------------------------------------------------------------------------------------------
 # Internal state
 
 
@@ -665,122 +185,6 @@ class _PeerState:
     sync_attempt: int = 0
     pull_wanted: bool = False
     announced_root: int = 0
-
-
-class AnnounceRun:
-    """One sender's announcements that change nothing, as a shell hands them to a group of
-    recipients at one time (the simulator: all recipients at one link delay), shared by them.
-
-    A run starts with one announcement (``length`` 1); ``push`` appends one that ``extends``
-    it: no change, chaining from the run's newest epoch, announcing the same root and count.
-    Each recipient still decides for itself: one that kept the run's newest announcement for
-    later (``NodeCore._defer_unchanged``) *follows* the run (it joins ``followers``), and the
-    shell then stops handing it the run's announcements. It takes in those pushed since it
-    last looked (their number, the newest ``epoch``, ``load`` and arrival time ``at``) when it
-    next reads the sender's state, exactly as if it had been handed each; it leaves the run
-    as soon as taking the next one in at once could do more than that (a pull, a rebalance,
-    a replica emptied or replaced, the sender forgotten). Every recipient outside
-    ``followers`` is handed every announcement, with the run, as usual.
-
-    Why: with N nodes, each announcement otherwise costs N - 1 calls, although nearly all of
-    them change nothing; a shared run costs one ``push`` plus the recipients that do not follow.
-    """
-
-    __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers")
-
-    def __init__(self, announce: Announce, at: float) -> None:
-        self.sender = announce.sender
-        self.root = announce.root
-        self.count = announce.count
-        self.epoch = announce.epoch
-        self.load = announce.load
-        self.at = at
-        self.length = 1
-        self.followers: set[PeerId] = set()
-
-    def extends(self, a: Announce) -> bool:
-        """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
-        return (
-            a.prev_epoch == self.epoch < a.epoch
-            and a.root == self.root
-            and a.count == self.count
-            and a.sender == self.sender
-            and not (a.added or a.removed or a.truncated)
-            # (a recipient notes another speed or slot count when it is handed one)
-            and a.load.slots == self.load.slots
-            and a.load.speed == self.load.speed
-        )
-
-    def push(self, a: Announce, at: float) -> None:
-        """Append ``a`` (which ``extends`` the run), delivered to the group at ``at``."""
-        self.epoch = a.epoch
-        self.load = a.load
-        self.at = at
-        self.length += 1
-
-
-@dataclass(slots=True)
-class _Kept:
-    """One peer's announcements that change nothing, kept for later (``_defer_unchanged``).
-
-    ``times`` of them are not taken in yet (0: none), the newest at ``epoch`` with ``load``,
-    heard at ``at``. The check that let them wait stays true while the peer's replica is the
-    same object at the same epoch with the same flat summary (``replica_epoch``, ``summary``)
-    and the announcements keep announcing ``root`` and ``count``: then the next one may wait
-    without checking the digest again. While the node follows a shared ``run`` of the peer's
-    announcements, ``cursor`` is the run's length when it last took the run's newest ones.
-    """
-
-    replica: Replica
-    summary: tuple[int, int]
-    replica_epoch: int
-    root: int
-    count: int
-    epoch: int
-    load: Load
-    at: float
-    times: int = 0
-    run: AnnounceRun | None = None
-    cursor: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PeerSnapshot:
-    peer_id: PeerId
-    digest_age_s: float
-    load: Load
-    cached_tokens: int
-    rtt_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStatistics:
-    """A frozen snapshot of counters (trio's ``statistics()`` habit)."""
-
-    requests: int
-    served_locally: int
-    forwarded: int
-    failovers: int
-    rejected: int
-    #: forwarded requests refused because more were outstanding than the origin assumed
-    rejected_over_limit: int
-    #: requests that ended after admission: served, failed or cancelled (so requests ==
-    #: rejected + completed + those held now)
-    completed: int
-    announces_sent: int
-    announces_refused: int
-    #: announcements refused because the sender is not a member (never answered us directly)
-    announces_unverified: int
-    #: replicas emptied for growing past their allowance of the replica budget
-    replicas_emptied: int
-    syncs_started: int
-    syncs_converged: int
-    syncs_failed: int
-    #: running generations that yielded their slot (fair share), and resumes of them
-    preempted: int
-    resumed: int
-    queued: int
-    running: int
 
 
 def _after(params: SamplingParams, generated: tuple[int, ...]) -> SamplingParams:
@@ -2223,44 +1627,6 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     Cancel: NodeCore._on_cancel,  # type: ignore[dict-item]
     AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
 }
-
-
-class _Heard(Mapping[PeerId, tuple[Load, float]]):
-    """What routing reads of the announcements a node received and has not taken in, per
-    peer: the newest load and arrival time, from its followed run if that moved since the
-    node last looked (newer), else from its kept announcement. A view, read per peer asked
-    (routing asks only the peers it considers), not a dict built per decision."""
-
-    __slots__ = ("_following", "_unapplied")
-
-    def __init__(self, following: dict[PeerId, _Kept], unapplied: dict[PeerId, _Kept]) -> None:
-        self._following, self._unapplied = following, unapplied
-
-    def get(self, peer: PeerId, default: object = None) -> Any:
-        kept = self._following.get(peer)
-        if kept is not None:
-            run = kept.run
-            if run is not None and run.length != kept.cursor:
-                return run.load, run.at
-        kept = self._unapplied.get(peer)
-        if kept is not None:
-            return kept.load, kept.at
-        return default
-
-    def __getitem__(self, peer: PeerId) -> tuple[Load, float]:
-        news = self.get(peer)
-        if news is None:
-            raise KeyError(peer)
-        return news  # type: ignore[no-any-return]
-
-    def __iter__(self) -> Iterator[PeerId]:
-        return (p for p in {**self._unapplied, **self._following} if self.get(p) is not None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __bool__(self) -> bool:
-        return bool(self._following or self._unapplied)
 
 
 class _Excluded:
