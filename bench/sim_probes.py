@@ -31,7 +31,7 @@ from peerinfer.core import routing  # noqa: E402
 from peerinfer.core.digest import LocalDigest  # noqa: E402
 from peerinfer.core.messages import Announce, Load  # noqa: E402
 from peerinfer.core.node import AnnounceReceived, NodeConfig, NodeCore, PeerSeen  # noqa: E402
-from peerinfer.core.node import machine as core_node  # noqa: E402  (where NodeCore calls make_policy)
+from peerinfer.core.node import choice as core_node  # noqa: E402  (where make_policy is called)
 from peerinfer.core.prefix import PrefixHasher  # noqa: E402
 from peerinfer.sim import simulator  # noqa: E402
 from peerinfer.sim.config import SimConfig  # noqa: E402

@@ -317,7 +317,7 @@ class Replica:
         ``epoch``, each chaining from this replica's epoch with no change and announcing this
         replica's own ``root`` and ``count`` (the caller checked: a node keeps such
         announcements and takes them in when the peer's state is next read,
-        ``NodeCore._defer_unchanged``)."""
+        ``PeerView._defer_unchanged``)."""
         rate = self._rate
         per_epoch = 0.0  # no change in any of them
         for _ in range(times if self._announced is not None else times - 1):

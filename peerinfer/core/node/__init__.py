@@ -12,6 +12,24 @@ given. The trio + libp2p shell (``peerinfer.node``) executes the effects over th
 the simulator (``peerinfer.sim``) executes the same effects in virtual time. No decision is
 coded twice.
 
+Where the code is
+~~~~~~~~~~~~~~~~~
+``NodeCore`` (``machine``) is a thin composer: it feeds each event to the sub-machines it
+concerns, in an order written out in its handlers, and owns nothing else but the rebalance
+timer. Each sub-machine owns its state and none imports another; they exchange values through
+the composer:
+
+* ``requests``: the phase table, the requests held, admission, the engine's fair share;
+* ``choice``: the bridge from the peer view, reputation and round trips to the routing policy,
+  and what this node advertises of itself (its load, scaffold hints);
+* ``announcing``: this node's announcements, the ones received, pulls, refusals;
+* ``members``: membership, pings, round trips, liveness;
+* ``trust``: judging forward outcomes, audit sampling, bans;
+* ``events`` and ``config``: the values in and out, and the tuning.
+
+Below them ``peerinfer.core.peerview.PeerView`` keeps the peer index together with the
+announcements not taken in yet (see "Pull"); with lazy announcements off it is the index.
+
 What it decides
 ~~~~~~~~~~~~~~~
 * **Announce.** This node's cache digest (``LocalDigest``) changes when the engine reports
@@ -36,7 +54,8 @@ What it decides
   An announcement that changes nothing and chains from an in-step replica (most of them) waits:
   the node keeps the newest per peer and takes them in when anything next reads the peer index
   (the ``index`` property), with the state eager application would have left
-  (``lazy_announcements``; ``_defer_unchanged`` says when waiting cannot change an effect).
+  (``lazy_announcements``; ``PeerView._defer_unchanged`` in peerinfer.core.peerview says when
+  waiting cannot change an effect).
   A shell that hands the same announcements to many recipients at once (the simulator) may
   share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
   handed the next ones; it reads them from the run when it next reads that peer (routing reads
@@ -86,11 +105,11 @@ What it decides
 
 Request lifecycle
 ~~~~~~~~~~~~~~~~~
-Every request this node holds is in exactly one ``Phase``; ``_TRANSITIONS`` (right after the
-imports) lists every allowed move with its cause, h11-style, and ``_transition`` refuses any other (a
-bug in this module: it raises). The bookkeeping each phase implies (the requester queues, the
+Every request this node holds is in exactly one ``Phase``; ``_TRANSITIONS`` (in ``requests``)
+lists every allowed move with its cause, h11-style, and ``Requests.transition`` refuses any other (a
+bug in the core: it raises). The bookkeeping each phase implies (the requester queues, the
 running count, in-flight counts per peer, the blocks pending locally, the requesters' shares)
-changes only in ``_transition``, so ``check_invariants()`` can recount all of it from the
+changes only in ``Requests.transition``, so ``check_invariants()`` can recount all of it from the
 requests::
 
     ROUTING --> QUEUED --> RUNNING --> DONE            (served here)
@@ -145,8 +164,9 @@ from peerinfer.core.node.events import (
 )
 
 # The lifecycle table, for the tests that walk it.
-from peerinfer.core.node.machine import _TRANSITIONS as _TRANSITIONS
-from peerinfer.core.node.machine import NodeCore, Phase
+from peerinfer.core.node.machine import NodeCore
+from peerinfer.core.node.requests import _TRANSITIONS as _TRANSITIONS
+from peerinfer.core.node.requests import Phase
 from peerinfer.core.peerview import AnnounceRun
 
 __all__ = [

@@ -67,7 +67,7 @@ class NodeConfig:
     audit_first: int = 1
     trusted_peers: frozenset[PeerId] | None = None
     #: take in announcements that change nothing but a peer's epoch, load and freshness only
-    #: when that peer's state is next read (same decisions as at once; see ``_defer_unchanged``)
+    #: when that peer's state is next read (same decisions as at once; see ``PeerView._defer_unchanged``)
     lazy_announcements: bool = True
     #: route over the peers holding part of the prompt and stand-ins for the rest, where the
     #: policy can (``CostPolicy.choose_among_holders``: the same decisions as over every peer)
