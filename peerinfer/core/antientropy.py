@@ -240,17 +240,12 @@ class Replica:
 
     __slots__ = ("digest", "epoch", "max_elements", "refused", "_announced", "_rate")
 
-    def __init__(
-        self,
-        observer: CacheObserver | None = None,
-        *,
-        max_elements: int = MAX_REPLICA_ELEMENTS,
-        memo: DeltaMemo | None = None,
-    ) -> None:
+    def __init__(self, observer: CacheObserver | None = None, *,
+                 max_elements: int = MAX_REPLICA_ELEMENTS, memo: DeltaMemo | None = None) -> None:
         if max_elements < 0:
             raise ValueError("max_elements must be >= 0")
-        # Lazy: the trie exists only while a pull compares subtrees (see digest.py).
-        # ``memo``: delta results shared with other replicas (a simulator's; see digest.py).
+        # Lazy: the trie exists only while a pull compares subtrees; ``memo``: delta results
+        # shared with other replicas of the same sets (a simulator's). See digest.py for both.
         self.digest = MerkleDigest(observer, lazy=True, memo=memo)
         self.epoch = 0
         self.max_elements = max_elements

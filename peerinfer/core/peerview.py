@@ -225,6 +225,19 @@ class PeerView:
             # Peers' states are disjoint: their replicas first, then their index entries.
             self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
 
+    def check_invariants(self) -> None:
+        """What waits is consistent: every kept announcement not taken in counts at least one
+        announcement, every followed run is this node's to follow, and nothing waits without
+        lazy announcements."""
+        assert self.lazy or not (self._kept or self._unapplied or self._following), \
+            "announcements wait with lazy announcements off"
+        for peer, kept in self._unapplied.items():
+            assert kept.times > 0, f"{peer}: a kept record with nothing to take in"
+        for peer, kept in self._following.items():
+            assert kept.run is not None and self._me in kept.run.followers, \
+                f"{peer}: follows a run it is not a follower of"
+            assert kept.run.sender == peer, f"{peer}: follows another sender's run"
+
     # ------------------------------------------------------------------ receiving
 
     def offer(

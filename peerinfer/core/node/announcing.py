@@ -90,6 +90,18 @@ class Announcing:
         st = self._pulls.get(peer)
         return st is not None and st.sync is None and not st.pull_wanted
 
+    def check_invariants(self) -> None:
+        """Pulls run only in sessions handed out, with a deadline the node's next tick sees;
+        the tables kept for non-members stay bounded."""
+        for peer, st in self._pulls.items():
+            if st.sync is not None:
+                assert self._pulls_may_run, f"a pull of {peer} runs unseen by the deadlines"
+                assert 0 < st.sync_session < self._next_session, f"pull session of {peer}"
+        bound = 4 * self._config.max_peers
+        assert len(self._last_epochs) <= bound and len(self._refusals_seen) <= bound, \
+            "per-sender tables unbounded"
+        assert len(self._refusals) <= 1024, "refusals to report unbounded"
+
     # ------------------------------------------------------------------ our announcements
 
     def due(self, now: float) -> bool:

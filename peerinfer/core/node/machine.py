@@ -244,10 +244,13 @@ class NodeCore:
         return self.requests.silence(request_id, last_event, engine_progress)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any count disagrees with what it counts: the requests'
-        (``Requests.check_invariants``), and every member known to both membership and the
-        announcement state."""
+        """Raise AssertionError if any part's state disagrees with itself (each part's
+        ``check_invariants``; the requests' recount is ``Requests.check_invariants``), or
+        membership and the announcement state disagree on who the members are."""
         self.requests.check_invariants()
+        self.members.check_invariants()
+        self.announcing.check_invariants()
+        self.view.check_invariants()
         members = set(self.members)
         if members != self.announcing.members():
             raise AssertionError(

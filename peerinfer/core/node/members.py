@@ -91,6 +91,11 @@ class Members:
     def forget_ping_ask(self, peer: PeerId) -> None:
         self._ping_asked.pop(peer, None)
 
+    def check_invariants(self) -> None:
+        """Round trips are kept for members only, and the ping requests stay bounded."""
+        assert set(self.rtt) <= set(self._members), "a round trip kept for a non-member"
+        assert len(self._ping_asked) <= 4 * self._config.max_peers, "ping requests unbounded"
+
     def check(
         self,
         now: float,
