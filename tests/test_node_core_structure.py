@@ -88,3 +88,21 @@ def test_node_core_keeps_its_public_surface() -> None:
                  "local", "reputation", "policy", "load", "peers", "route", "silence", "phase",
                  "pending_requests", "is_member", "take_refusals", "answer_sync", "shares"):
         assert hasattr(NodeCore, name), name
+
+
+def test_a_restored_reputation_is_the_one_routing_reads() -> None:
+    """The shell replaces ``core.reputation`` with the one it saved (peerinfer.trust): trust
+    records into it and choice excludes by it, not the one the core started with."""
+    import random
+
+    from peerinfer.core.node import NodeConfig
+    from peerinfer.core.prefix import PrefixHasher
+    from peerinfer.core.reputation import Reputation
+    from peerinfer.types import PeerId
+
+    config = NodeConfig(peer_id=PeerId("A"))
+    core = NodeCore(config, PrefixHasher(b"test-model"), rng=random.Random(0))
+    restored = Reputation(config.reputation)
+    core.reputation = restored
+    assert core.reputation is restored
+    assert core.trust.reputation is restored and core.choice.reputation is restored
