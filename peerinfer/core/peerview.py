@@ -156,8 +156,8 @@ class PeerView:
     * ``heard_through_run(peer, run)``: a followed run's announcements since the node last
       looked are being taken in; record what receiving each does at once (the epoch remembered,
       the peer's announced epoch and root, and that it was heard at ``run.at``);
-    * ``pull_idle(peer)``: ``peer`` is a member with no pull running or wanted (then an
-      unchanged announcement of it may wait).
+    * ``pull_idle(peer)``: ``peer`` is a member with no pull running or wanted (then its
+      followed run's next announcement may still wait: ``recheck_following``).
     """
 
     __slots__ = ("_index", "_me", "lazy", "_kept", "_unapplied", "_following", "_heard_through_run",
@@ -241,12 +241,13 @@ class PeerView:
     # ------------------------------------------------------------------ receiving
 
     def offer(
-        self, peer: PeerId, a: Announce, run: AnnounceRun | None, now: float
+        self, peer: PeerId, a: Announce, run: AnnounceRun | None, now: float, pull_idle: bool
     ) -> PeerIndex | None:
         """``peer``'s announcement ``a``, received at ``now`` (the node checked it is a member,
-        the epoch is new, and noted what receiving does at once): None if it waits (kept, and
-        with ``run`` followed: nothing more to do now); else the index to apply it to, with
-        everything of ``peer`` that waited taken in first."""
+        the epoch is new, and noted what receiving does at once; ``pull_idle``: no pull of it
+        runs or is wanted): None if it waits (kept, and with ``run`` followed: nothing more to
+        do now); else the index to apply it to, with everything of ``peer`` that waited taken
+        in first."""
         if not self.lazy:
             return self._index
         kept = self._kept.get(peer)
@@ -255,13 +256,13 @@ class PeerView:
             and a.root == kept.root
             and a.count == kept.count
             and not (a.added or a.removed or a.truncated)
-            and self._pull_idle(peer)
+            and pull_idle
             and a.count <= kept.replica.max_elements  # the allowance (rebalanced or not)
             and kept.replica.epoch == kept.replica_epoch
             and kept.replica.digest.flat_summary() == kept.summary
             and self._index.replica(peer) is kept.replica
         ):
-            kept = self._defer_unchanged(peer, a)
+            kept = self._defer_unchanged(peer, a, pull_idle)
         if kept is not None:
             kept.epoch, kept.load, kept.at = a.epoch, a.load, now
             kept.times += 1
@@ -277,7 +278,7 @@ class PeerView:
             return self._index
         return self.index  # adding a peer may evict the least recently fresh one
 
-    def _defer_unchanged(self, peer: PeerId, a: Announce) -> _Kept | None:
+    def _defer_unchanged(self, peer: PeerId, a: Announce, pull_idle: bool) -> _Kept | None:
         """A record to keep ``a`` for later, if taking it in now could do nothing but move the
         replica to its epoch and record its load and freshness: no change, it chains from the
         replica's epoch, announces the replica's own root and count within its allowance, no
@@ -289,7 +290,7 @@ class PeerView:
         Why: a node hears every peer about once a second, almost always with no change, and
         reads the index when it routes or rebalances, every few seconds; the announcements
         in between then cost a few attribute updates instead of a replica and index update."""
-        if a.added or a.removed or a.truncated or not self._pull_idle(peer):
+        if a.added or a.removed or a.truncated or not pull_idle:
             return None
         pending = self._unapplied.get(peer)
         if pending is not None:

@@ -498,7 +498,7 @@ class NodeCore:
             return []
         self.choice.note_load(a.load)
         self.members.heard(sender, now)
-        index = self.view.offer(sender, a, ev.run, now)
+        index = self.view.offer(sender, a, ev.run, now, self.announcing.pull_idle(sender))
         if index is None:
             return []  # it waits (``PeerView.offer``)
         effects: list[Effect] = []
