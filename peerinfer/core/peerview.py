@@ -354,13 +354,14 @@ class PeerView:
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in
 
-    def run_heard_at(self, peer: PeerId) -> float | None:
-        """When ``peer`` was last heard through a followed run that moved since this node last
-        looked (read, not taken in: no state moves); None if not."""
-        kept = self._following.get(peer)
-        if kept is not None and kept.run is not None and kept.run.length != kept.cursor:
-            return kept.run.at
-        return None
+    def heard_in_runs(self) -> dict[PeerId, float]:
+        """When each peer was last heard through a followed run that moved since this node last
+        looked (read, not taken in: no state moves), for the peers where it did."""
+        return {
+            peer: kept.run.at
+            for peer, kept in self._following.items()
+            if kept.run is not None and kept.run.length != kept.cursor
+        }
 
     def expire(self, now: float) -> None:
         """Drop speculative entries past their time (``PeerIndex.expire``). Expiry only drops

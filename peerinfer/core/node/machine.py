@@ -181,7 +181,7 @@ class NodeCore:
         self.members.check(
             now, effects,
             forget=lambda peer: self._forget_peer(peer, now, effects),
-            heard_in_run=self.view.run_heard_at if self.view.follows_runs else None,
+            heard_in_runs=self.view.heard_in_runs if self.view.follows_runs else None,
         )
         self._maybe_announce(now, effects)
         self.view.expire(now)

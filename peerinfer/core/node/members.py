@@ -4,7 +4,7 @@ round trips (see "Membership" and "Liveness" in ``peerinfer.core.node``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from peerinfer.core.node.config import NodeConfig
@@ -102,11 +102,12 @@ class Members:
         effects: list[Effect],
         *,
         forget: Callable[[PeerId], None],
-        heard_in_run: Callable[[PeerId], float | None] | None,
+        heard_in_runs: Callable[[], Mapping[PeerId, float]] | None,
     ) -> None:
         """Ping the members silent for ``ping_after_s`` (not pinged lately), and have the node
-        ``forget`` those silent for ``peer_timeout_s``, in member order. ``heard_in_run``: when a
-        member was heard since through a followed run, if the node follows any."""
+        ``forget`` those silent for ``peer_timeout_s``, in member order. ``heard_in_runs``: when
+        members were heard since through followed runs, if the node follows any (read once the
+        loop runs)."""
         if now < self._liveness_due:
             return
         cfg = self._config
@@ -114,10 +115,12 @@ class Members:
         # "gone" mark or a new peer resets it to -inf meanwhile): the loop is skipped until then.
         self._liveness_due = due = math.inf
         ping_after, timeout = cfg.ping_after_s, cfg.peer_timeout_s
+        # Forgetting a member in the loop changes no other member's run (it leaves its own).
+        heard = heard_in_runs() if heard_in_runs is not None else None
         for peer, st in list(self._members.items()):
             last_seen = st.last_seen
-            if heard_in_run is not None:
-                at = heard_in_run(peer)
+            if heard:
+                at = heard.get(peer)
                 if at is not None:
                     last_seen = at
             silent = now - last_seen
