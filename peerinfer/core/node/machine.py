@@ -56,7 +56,7 @@ from peerinfer.core.node.events import (
     SyncResponseReceived,
 )
 from peerinfer.core.node.members import Members
-from peerinfer.core.node.requests import FORWARD_PHASES, LOCAL_PHASES, HeldRequest, Phase, Requests
+from peerinfer.core.node.requests import FORWARD_PHASES, HeldRequest, Phase, Requests
 from peerinfer.core.node.trust import Trust
 from peerinfer.core.peerview import AnnounceRun, PeerView
 from peerinfer.core.prefix import PrefixHasher
@@ -360,10 +360,7 @@ class NodeCore:
     def _on_local_finished(self, ev: LocalFinished, now: float) -> list[Effect]:
         effects: list[Effect] = []
         self._apply_local_changes(ev.cache_added, ev.cache_removed)
-        req = self.requests.get(ev.request_id)
-        if req is not None and req.phase in LOCAL_PHASES:
-            self.requests.shares[req.share].served += ev.generated
-            self.requests.end(req, effects)
+        self.requests.local_finished(ev.request_id, ev.generated, effects)
         self.requests.start_queued(effects)
         self._maybe_announce(now, effects)
         return effects

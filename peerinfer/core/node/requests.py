@@ -511,6 +511,14 @@ class Requests:
             self._shares[key].yielding += 1
             effects.append(PreemptLocal(victim.request_id, after))
 
+    def local_finished(self, request_id: RequestId, generated: int, effects: list[Effect]) -> None:
+        """The local engine finished (or failed) ``request_id`` after ``generated`` tokens
+        since it last (re)started: its requester is credited with them and it ends."""
+        req = self._requests.get(request_id)
+        if req is not None and req.phase in LOCAL_PHASES:
+            self._shares[req.share].served += generated
+            self.end(req, effects)
+
     def on_local_preempted(self, ev: LocalPreempted) -> list[Effect]:
         effects: list[Effect] = []
         req = self._requests.get(ev.request_id)
