@@ -106,3 +106,22 @@ def test_a_restored_reputation_is_the_one_routing_reads() -> None:
     core.reputation = restored
     assert core.reputation is restored
     assert core.trust.reputation is restored and core.choice.reputation is restored
+
+
+def test_a_new_config_reaches_every_part() -> None:
+    """Retuning a running core (a test narrowing ``trusted_peers``) retunes all its parts."""
+    import random
+    from dataclasses import replace
+
+    from peerinfer.core.node import NodeConfig
+    from peerinfer.core.prefix import PrefixHasher
+    from peerinfer.types import PeerId
+
+    core = NodeCore(NodeConfig(peer_id=PeerId("A")), PrefixHasher(b"test-model"),
+                    rng=random.Random(0))
+    narrowed = replace(core.config, trusted_peers=frozenset({PeerId("B")}),
+                       lazy_announcements=False)
+    core.config = narrowed
+    for part in (core.members, core.announcing, core.requests, core.trust, core.choice):
+        assert part.config is narrowed, type(part).__name__
+    assert core.view.lazy is False

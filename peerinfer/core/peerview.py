@@ -227,10 +227,7 @@ class PeerView:
 
     def check_invariants(self) -> None:
         """What waits is consistent: every kept announcement not taken in counts at least one
-        announcement, every followed run is this node's to follow, and nothing waits without
-        lazy announcements."""
-        assert self.lazy or not (self._kept or self._unapplied or self._following), \
-            "announcements wait with lazy announcements off"
+        announcement, and every followed run is this node's to follow."""
         for peer, kept in self._unapplied.items():
             assert kept.times > 0, f"{peer}: a kept record with nothing to take in"
         for peer, kept in self._following.items():

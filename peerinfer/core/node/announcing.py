@@ -47,7 +47,7 @@ class Announcing:
     report. Reads and writes the peer index through the peer ``view``."""
 
     def __init__(self, config: NodeConfig, view: PeerView, *, epoch_base: int, now: float) -> None:
-        self._config = config
+        self.config = config
         self._view = view
         self.local = LocalDigest(epoch_base=epoch_base)
         self._pulls: dict[PeerId, _Pull] = {}
@@ -97,7 +97,7 @@ class Announcing:
             if st.sync is not None:
                 assert self._pulls_may_run, f"a pull of {peer} runs unseen by the deadlines"
                 assert 0 < st.sync_session < self._next_session, f"pull session of {peer}"
-        bound = 4 * self._config.max_peers
+        bound = 4 * self.config.max_peers
         assert len(self._last_epochs) <= bound and len(self._refusals_seen) <= bound, \
             "per-sender tables unbounded"
         assert len(self._refusals) <= 1024, "refusals to report unbounded"
@@ -107,7 +107,7 @@ class Announcing:
     def due(self, now: float) -> bool:
         """Whether an announcement is due: the interval passed, or a change waits and the
         minimum gap since the last one passed."""
-        cfg = self._config
+        cfg = self.config
         changed = self.local.has_pending_changes()
         due = now >= self.next_announce
         early = changed and now >= self._last_announce + cfg.min_announce_gap_s
@@ -117,7 +117,7 @@ class Announcing:
         """Seal the digest's epoch and announce it with ``load`` (``due`` said so)."""
         delta = self.local.seal_epoch()
         self._last_announce = now
-        self.next_announce = now + self._config.announce_interval_s
+        self.next_announce = now + self.config.announce_interval_s
         self.stats["announces_sent"] += 1
         return Publish(
             Announce(
@@ -137,13 +137,13 @@ class Announcing:
     def announce_soon(self, now: float) -> None:
         """Announce again one gap from now rather than a whole interval later (a new member
         holds no digest of ours)."""
-        self.next_announce = min(self.next_announce, now + self._config.min_announce_gap_s)
+        self.next_announce = min(self.next_announce, now + self.config.min_announce_gap_s)
 
     def deadlines(self) -> list[float]:
         """When the schedule and the running pulls next need a tick."""
         out = [self.next_announce]
         if self.local.has_pending_changes():
-            out.append(self._last_announce + self._config.min_announce_gap_s)
+            out.append(self._last_announce + self.config.min_announce_gap_s)
         if self._pulls_may_run:
             for st in self._pulls.values():
                 if st.sync is not None:
@@ -159,7 +159,7 @@ class Announcing:
         if key in seen:
             return
         seen[key] = None
-        if len(seen) > 4 * self._config.max_peers:
+        if len(seen) > 4 * self.config.max_peers:
             del seen[next(iter(seen))]
         if len(self._refusals) < 1024:
             self._refusals.append((peer, reason, detail))
@@ -187,6 +187,10 @@ class Announcing:
         st.last_announce_epoch = a.epoch
         st.announced_root = a.root
         return True
+
+    def last_epoch(self, sender: PeerId) -> int:
+        """The newest epoch seen from ``sender`` (0: none remembered)."""
+        return self._last_epochs.get(sender, 0)
 
     def heard_through_run(self, peer: PeerId, run: AnnounceRun) -> None:
         """What receiving each of a followed run's announcements does here at once."""
@@ -233,7 +237,7 @@ class Announcing:
         epochs = self._last_epochs
         epochs.pop(peer, None)
         epochs[peer] = epoch
-        if len(epochs) > 4 * self._config.max_peers:
+        if len(epochs) > 4 * self.config.max_peers:
             del epochs[next(iter(epochs))]
 
     def replica_emptied(self, peer: PeerId) -> None:
@@ -256,14 +260,14 @@ class Announcing:
         self._next_session += 1
         st.pull_wanted = False
         st.sync_session = session
-        st.sync_deadline = now + self._config.sync_timeout_s
+        st.sync_deadline = now + self.config.sync_timeout_s
         st.sync_target_epoch = st.last_announce_epoch
         st.sync = replica.start_pull(
             session, st.last_announce_epoch, st.announced_root, attempt=st.sync_attempt
         )
         self._pulls_may_run = True
         self.stats["syncs_started"] += 1
-        effects.append(SendSyncRequest(peer, st.sync.first_request(), self._config.sync_timeout_s))
+        effects.append(SendSyncRequest(peer, st.sync.first_request(), self.config.sync_timeout_s))
 
     def on_sync_response(
         self,
@@ -291,8 +295,8 @@ class Announcing:
             return
         heard(ev.peer, now)
         if nxt is not None:
-            st.sync_deadline = now + self._config.sync_timeout_s
-            effects.append(SendSyncRequest(ev.peer, nxt, self._config.sync_timeout_s))
+            st.sync_deadline = now + self.config.sync_timeout_s
+            effects.append(SendSyncRequest(ev.peer, nxt, self.config.sync_timeout_s))
             return
         self._finish_sync(ev.peer, st, now, ok=st.sync.state == "converged", effects=effects)
 

@@ -41,7 +41,7 @@ class Choice:
         *,
         block_size: int,
     ) -> None:
-        self._config = config
+        self.config = config
         self._me = config.peer_id
         self._view = view
         self.reputation = reputation
@@ -61,7 +61,7 @@ class Choice:
     def load(self, queued: int, running: int) -> Load:
         """This node's load as announced, with ``queued`` and ``running`` requests."""
         return Load(
-            queued=queued, running=running, slots=self._config.costs.slots,
+            queued=queued, running=running, slots=self.config.costs.slots,
             speed=self._speed, scaffolds=self._scaffolds,
         )
 
@@ -103,7 +103,7 @@ class Choice:
         requests) and every peer not in ``exclude``; ``rtt``, ``rtt_version`` and ``inflight``:
         the members' round trips and forwards in flight."""
         bs = self._block_size
-        cfg = self._config
+        cfg = self.config
         if self._hints is not None:
             self.refresh_hints(now)  # the local candidate's load: its live hints
         index, heard = self._view.for_routing()

@@ -86,7 +86,7 @@ class NodeCore:
         now: float = 0.0,
         delta_memo: DeltaMemo | None = None,
     ) -> None:
-        self.config = config
+        self._config = config
         self.hasher = hasher
         self.rng = rng
         index = PeerIndex(
@@ -118,6 +118,20 @@ class NodeCore:
         return peer in self.members and self.announcing.pull_idle(peer)
 
     # ------------------------------------------------------------------ public surface
+
+    @property
+    def config(self) -> NodeConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: NodeConfig) -> None:
+        """Retune the node (a shell or a test changing e.g. ``trusted_peers`` while it runs):
+        every part reads the new config from its next event on. The policy, this node's peer
+        id and its announced speed stay those it started with."""
+        self._config = config
+        for part in (self.members, self.announcing, self.requests, self.trust, self.choice):
+            part.config = config
+        self.view.lazy = config.lazy_announcements
 
     @property
     def peer_id(self) -> PeerId:

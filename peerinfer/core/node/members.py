@@ -24,10 +24,10 @@ class Members:
     """The members (peers that answered this node directly and were not forgotten since), when
     each was last heard and pinged, and their smoothed round trips."""
 
-    __slots__ = ("_config", "_members", "rtt", "rtt_version", "_ping_asked", "_liveness_due")
+    __slots__ = ("config", "_members", "rtt", "rtt_version", "_ping_asked", "_liveness_due")
 
     def __init__(self, config: NodeConfig) -> None:
-        self._config = config
+        self.config = config
         self._members: dict[PeerId, _Member] = {}
         #: smoothed round trips per member
         self.rtt: dict[PeerId, float] = {}
@@ -80,11 +80,11 @@ class Members:
         """Ask the shell to ping a non-member (it will, over a direct connection only)."""
         asked = self._ping_asked
         last = asked.get(peer)
-        if last is not None and now - last < self._config.ping_after_s:
+        if last is not None and now - last < self.config.ping_after_s:
             return
         asked.pop(peer, None)
         asked[peer] = now
-        if len(asked) > 4 * self._config.max_peers:
+        if len(asked) > 4 * self.config.max_peers:
             del asked[next(iter(asked))]
         effects.append(PingPeer(peer))
 
@@ -94,7 +94,7 @@ class Members:
     def check_invariants(self) -> None:
         """Round trips are kept for members only, and the ping requests stay bounded."""
         assert set(self.rtt) <= set(self._members), "a round trip kept for a non-member"
-        assert len(self._ping_asked) <= 4 * self._config.max_peers, "ping requests unbounded"
+        assert len(self._ping_asked) <= 4 * self.config.max_peers, "ping requests unbounded"
 
     def check(
         self,
@@ -110,7 +110,7 @@ class Members:
         loop runs)."""
         if now < self._liveness_due:
             return
-        cfg = self._config
+        cfg = self.config
         # The earliest time any peer can be due again (peers are only heard later; a -1e18
         # "gone" mark or a new peer resets it to -inf meanwhile): the loop is skipped until then.
         self._liveness_due = due = math.inf

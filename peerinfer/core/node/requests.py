@@ -152,7 +152,7 @@ class Requests:
     blocks pending locally, forwards in flight per peer. ``me``: this node's peer id."""
 
     def __init__(self, config: NodeConfig, me: PeerId, *, now: float) -> None:
-        self._config = config
+        self.config = config
         self._me = me
         self._requests: dict[RequestId, HeldRequest] = {}
         #: requesters with requests waiting or running here (peerinfer.core.fairshare), and
@@ -241,7 +241,7 @@ class Requests:
         or a forwarded request while this node is full or has more outstanding than its origin
         assumed), else None."""
         self.stats["requests"] += 1
-        cfg = self._config
+        cfg = self.config
         rid = ev.request_id
         if rid in self._requests:
             return self.refuse(rid, "invalid", f"duplicate request id {rid!r}")
@@ -312,7 +312,7 @@ class Requests:
           and fail over rather than end the request; the backstop is twice
           ``token_gap_timeout_s``, so it never races them.
         """
-        gap = self._config.token_gap_timeout_s
+        gap = self.config.token_gap_timeout_s
         req = self._requests.get(request_id)
         if req is None or req.phase in (Phase.ROUTING, Phase.RUNNING):
             since = last_event if req is None else max(last_event, req.phase_since)
@@ -345,7 +345,7 @@ class Requests:
             if not cond:
                 raise AssertionError(f"node {self._me} invariant violated: {msg}")
 
-        slots = self._config.costs.slots
+        slots = self.config.costs.slots
         phases = Counter(r.phase for r in self._requests.values())
         check(not phases[Phase.ROUTING] and not phases[Phase.DONE], f"transient phases kept: {phases}")
         queued_ids = [rid for share in self._shares.values() for rid in share.queue]
@@ -368,7 +368,7 @@ class Requests:
         outstanding: Counter[ShareKey] = Counter()
         running: Counter[ShareKey] = Counter()
         yielding: Counter[ShareKey] = Counter()
-        attempts = self._config.max_forward_attempts
+        attempts = self.config.max_forward_attempts
         for rid, req in self._requests.items():
             check(rid == req.request_id, f"request {rid!r} is filed under another id")
             check(len(req.tried) <= attempts, f"{rid!r} was forwarded {len(req.tried)} times")
@@ -408,7 +408,7 @@ class Requests:
               "a share does not count its running requests")
         check({k: s.yielding for k, s in self._shares.items() if s.yielding} == dict(yielding),
               "a share does not count its yielding requests")
-        if self._config.preempt_after_tokens is not None:
+        if self.config.preempt_after_tokens is not None:
             check(not yields_needed(self._shares, slots, self.running),
                   "a requester below its share waits with no slot coming")
         check(all(0 <= s.last_start <= self.local_starts for s in self._shares.values()),
@@ -429,7 +429,7 @@ class Requests:
         the waiting work ahead to be served (by the cost model), at least 1 s, at most 10
         minutes. A hint, not a promise: it says "not at once" without telling a stranger more
         than the load it announces anyway."""
-        costs = self._config.costs
+        costs = self.config.costs
         one = costs.service_s(prompt_tokens, 0, params.max_tokens)
         ahead = (self.queued + 1) / max(1, costs.slots)
         return float(min(600.0, max(1.0, math.ceil(one * ahead))))
@@ -439,7 +439,7 @@ class Requests:
     ) -> bool:
         """Queue ``req`` here (True: the node then fills free slots, ``start_queued``), or
         refuse it as busy when the queue, or its requester's share of it, is full."""
-        cfg = self._config
+        cfg = self.config
         if self.queued >= cfg.hard_max_queue:
             hint = self.retry_hint(len(req.tokens), req.params)
             self.end(req, effects, Reject(
@@ -468,7 +468,7 @@ class Requests:
         """Fill free slots, each with the request whose requester's turn it is (a preempted
         one resumes before its requester's new ones); then ask for the yields the fair share
         needs."""
-        slots = self._config.costs.slots
+        slots = self.config.costs.slots
         while self.queued and self.running < slots:
             share = self._shares[next_turn(self._shares, slots)]
             if share.paused:
@@ -497,10 +497,10 @@ class Requests:
     def _ask_yields(self, effects: list[Effect]) -> None:
         """While a requester below its share waits with no slot coming, the requester furthest
         above its own yields one: its longest-running generation not yet asked to."""
-        after = self._config.preempt_after_tokens
+        after = self.config.preempt_after_tokens
         if after is None or not self.queued:
             return
-        for key in yields_needed(self._shares, self._config.costs.slots, self.running):
+        for key in yields_needed(self._shares, self.config.costs.slots, self.running):
             victim: HeldRequest | None = None
             for req in self._requests.values():
                 if (req.share == key and req.phase is Phase.RUNNING and not req.yielding

@@ -21,10 +21,10 @@ class Trust:
     """The peers' ``reputation`` and the audit sampling's own dice."""
 
     def __init__(self, config: NodeConfig) -> None:
-        self._config = config
+        self.config = config
         self.reputation = Reputation(config.reputation)
         # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
-        self._audit_rng = random.Random(f"audit/{config.peer_id}")
+        self.audit_rng = random.Random(f"audit/{config.peer_id}")
 
     def judge_finished(
         self,
@@ -61,13 +61,13 @@ class Trust:
     ) -> AuditForward | None:
         """An audit of the answer ``ev`` relayed, if this one is sampled: a peer's first
         ``audit_first`` answers, then ``audit_rate`` of them."""
-        rate = self._config.audit_rate
+        rate = self.config.audit_rate
         if not (
             ev.completion
             and rate > 0
             and (
-                self._audit_rng.random() < rate
-                or self.reputation.audits(ev.peer) < self._config.audit_first
+                self.audit_rng.random() < rate
+                or self.reputation.audits(ev.peer) < self.config.audit_first
             )
         ):
             return None
