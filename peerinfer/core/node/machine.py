@@ -88,7 +88,6 @@ class NodeCore:
     ) -> None:
         self._config = config
         self.hasher = hasher
-        self.rng = rng
         index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks,
             replica_factory=None if delta_memo is None else functools.partial(Replica, memo=delta_memo),
@@ -157,6 +156,15 @@ class NodeCore:
         it and choice reads it."""
         self.trust.reputation = reputation
         self.choice.reputation = reputation
+
+    @property
+    def rng(self) -> random.Random:
+        """Routing's dice (audits have their own: ``Trust.audit_rng``)."""
+        return self.choice.rng
+
+    @rng.setter
+    def rng(self, rng: random.Random) -> None:
+        self.choice.rng = rng
 
     @property
     def policy(self) -> RoutingPolicy:
