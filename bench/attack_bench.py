@@ -284,7 +284,7 @@ class ShareWatch:
 
         def watched(event: object, now: float) -> object:
             effects = handle(event, now)  # type: ignore[arg-type]
-            shares = core._shares
+            shares = core.shares
             flood = next((s for (_, who), s in shares.items() if who == flooder), None)
             if flood is not None and any(s.waiting for (_, who), s in shares.items() if who != flooder):
                 self.raw.append(flood.running)
@@ -475,11 +475,11 @@ async def jain(window_s: float, preempt: bool, quantum: int | None = None) -> No
         async with trio.open_nursery() as users:
             for r in range(8):
                 users.start_soon(requester, r)
-            await wait_until(lambda: node.core is not None and len(node.core._shares) == 8, 60)
+            await wait_until(lambda: node.core is not None and len(node.core.shares) == 8, 60)
             start = dict(served)
             await trio.sleep(window_s)
             window = [float(served[r] - start[r]) for r in range(8)]
-            active = len(node.core._shares) if node.core is not None else 0
+            active = len(node.core.shares) if node.core is not None else 0
             users.cancel_scope.cancel()
         stats = node.core.statistics() if node.core is not None else None
         emit("jain_8_requesters" + ("" if preempt else "_no_preemption"), window_s=window_s,

@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peerinfer.core import node as core_node  # noqa: E402
 from peerinfer.core import routing  # noqa: E402
 from peerinfer.core.digest import LocalDigest  # noqa: E402
 from peerinfer.core.messages import Announce, Load  # noqa: E402
 from peerinfer.core.node import AnnounceReceived, NodeConfig, NodeCore, PeerSeen  # noqa: E402
+from peerinfer.core.node import choice as core_node  # noqa: E402  (where make_policy is called)
 from peerinfer.core.prefix import PrefixHasher  # noqa: E402
 from peerinfer.sim import simulator  # noqa: E402
 from peerinfer.sim.config import SimConfig  # noqa: E402

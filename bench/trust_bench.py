@@ -410,7 +410,7 @@ def _forwards_until_ban(run: int, seed: int, rate: float, shared: tuple[int, ...
     prng = random.Random(seed * 7919 + run)
     origin = NodeCore(NodeConfig(peer_id=PeerId(f"origin-{seed}-{run}"), policy="longest_prefix",
                                  audit_rate=rate), hasher, rng=random.Random(run), now=0.0)
-    origin._audit_rng = random.Random(prng.random())  # independent runs
+    origin.trust.audit_rng = random.Random(prng.random())  # independent runs
     liar = NodeCore(NodeConfig(peer_id=PeerId("liar")), hasher, rng=random.Random(run), now=0.0)
     liar.handle(ClientRequest(RequestId("warm"), shared, params), 0.0)
     liar.handle(LocalFinished(RequestId("warm"), ok=True, cache_added=tuple(hasher.chain(shared))), 0.0)

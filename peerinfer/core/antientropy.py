@@ -97,6 +97,7 @@ from peerinfer.core.digest import (
     HASH_DENSITY,
     LIST_CAP,
     CacheObserver,
+    DeltaMemo,
     LocalDigest,
     MerkleDigest,
     bitmap_indices,
@@ -239,13 +240,13 @@ class Replica:
 
     __slots__ = ("digest", "epoch", "max_elements", "refused", "_announced", "_rate")
 
-    def __init__(
-        self, observer: CacheObserver | None = None, *, max_elements: int = MAX_REPLICA_ELEMENTS
-    ) -> None:
+    def __init__(self, observer: CacheObserver | None = None, *,
+                 max_elements: int = MAX_REPLICA_ELEMENTS, memo: DeltaMemo | None = None) -> None:
         if max_elements < 0:
             raise ValueError("max_elements must be >= 0")
-        # Lazy: the trie exists only while a pull compares subtrees (see digest.py).
-        self.digest = MerkleDigest(observer, lazy=True)
+        # Lazy: the trie exists only while a pull compares subtrees; ``memo``: delta results
+        # shared with other replicas of the same sets (a simulator's). See digest.py for both.
+        self.digest = MerkleDigest(observer, lazy=True, memo=memo)
         self.epoch = 0
         self.max_elements = max_elements
         self.refused = 0
@@ -311,7 +312,7 @@ class Replica:
         ``epoch``, each chaining from this replica's epoch with no change and announcing this
         replica's own ``root`` and ``count`` (the caller checked: a node keeps such
         announcements and takes them in when the peer's state is next read,
-        ``NodeCore._defer_unchanged``)."""
+        ``PeerView._defer_unchanged``)."""
         rate = self._rate
         per_epoch = 0.0  # no change in any of them
         for _ in range(times if self._announced is not None else times - 1):

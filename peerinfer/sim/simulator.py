@@ -63,7 +63,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from peerinfer.core.digest import share_applied_deltas
+from peerinfer.core.digest import DeltaMemo
 from peerinfer.core.messages import encode
 from peerinfer.core.node import (
     AnnounceReceived,
@@ -139,7 +139,7 @@ class Simulation(SimKernel):
     #: (``AnnounceRun``; the cores decide who follows); False: to every node, one call each
     share_runs = True
     #: let replicas that hold the same set share the result of applying an announcement's
-    #: delta (``peerinfer.core.digest.share_applied_deltas``); False: each applies it itself
+    #: delta (one ``peerinfer.core.digest.DeltaMemo`` per run); False: each applies it itself
     share_deltas = True
 
     def __init__(
@@ -159,6 +159,8 @@ class Simulation(SimKernel):
         if arrivals is not None and len(arrivals) < config.requests:
             raise SimulationError(f"{len(arrivals)} arrivals for {config.requests} requests")
         self._fixed_arrivals = arrivals
+        #: handed to every core this run makes (``share_deltas``), dropped when the run ends
+        self.delta_memo = DeltaMemo() if self.share_deltas else None
         self.config = config
         self.workload = requests
         self.hasher = hasher
@@ -274,7 +276,7 @@ class Simulation(SimKernel):
         config = self.config
         node_config = config.node_config(i, slots=self.slots, **self.node_overrides)
         rng = random.Random(f"{config.seed}:node:{i}")
-        core = NodeCore(node_config, self.hasher, rng=rng, now=now)
+        core = NodeCore(node_config, self.hasher, rng=rng, now=now, delta_memo=self.delta_memo)
         if config.policy == ORACLE:
             # The simulator-only upper bound: the core's decisions read the swarm's exact
             # state instead of its own view (peerinfer.sim.oracle).
@@ -288,11 +290,11 @@ class Simulation(SimKernel):
         # The replicas of one peer take the same announcement objects in: with the memo they
         # build each resulting set once and share it (``peerinfer.core.digest``, "Shared
         # deltas"; the same sets, so the same decisions).
-        share_applied_deltas(self.share_deltas)
         try:
             return self._run()
         finally:
-            share_applied_deltas(False)
+            if self.delta_memo is not None:
+                self.delta_memo.clear()
 
     def _start(self) -> None:
         """The run's first events: the nodes meet, the arrivals and churn begin."""

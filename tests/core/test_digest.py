@@ -20,6 +20,7 @@ from peerinfer.core import digest as digest_module
 from peerinfer.core.digest import (
     LEAF_MAX,
     LEAF_MIN,
+    DeltaMemo,
     LocalDigest,
     MerkleDigest,
     bitmap_indices,
@@ -281,7 +282,7 @@ class _Changes:
 
 
 def test_shared_delta_results_are_the_unshared_sets_and_copied_before_any_change() -> None:
-    """With sharing on, replicas holding the same set take one announcement's delta into one
+    """Given one memo, replicas holding the same set take one announcement's delta into one
     shared set (each observer still told of the changes); a change to one of them (a delta,
     an add, a pull's trie) leaves the others as they were."""
     rng = random.Random(3)
@@ -292,27 +293,26 @@ def test_shared_delta_results_are_the_unshared_sets_and_copied_before_any_change
     plain.update(base)
     plain.apply_delta(added, removed)
     observers = [_Changes() for _ in range(3)]
-    replicas = [MerkleDigest(o, lazy=True) for o in observers]
+    memo = DeltaMemo()
+    replicas = [MerkleDigest(o, lazy=True, memo=memo) for o in observers]
     for r in replicas:
         r.update(base)
     for o in observers:
         o.added.clear()
-    digest_module.share_applied_deltas(True)
-    try:
-        for r in replicas:
-            r.apply_delta(added, removed)
-        flats = {id(r._flat) for r in replicas}
-        assert len(flats) == 1  # one set for the three
-        for r, o in zip(replicas, observers, strict=True):
-            assert set(r) == set(plain) and r.root == plain.root
-            assert sorted(o.added) == sorted(added) and sorted(o.removed) == sorted(base[:25])
-            r.check_invariants()
-        replicas[0].apply_delta((), (added[0],))  # another delta: its own new set
-        replicas[1].add(BlockHash(7))  # copy on write
-        replicas[2].children(0, 0, 3)  # builds its trie from the set, leaving the set alone
-        replicas[2].discard(BlockHash(added[1]))
-    finally:
-        digest_module.share_applied_deltas(False)
+    for r in replicas:
+        r.apply_delta(added, removed)
+    flats = {id(r._flat) for r in replicas}
+    assert len(flats) == 1  # one set for the three
+    for r, o in zip(replicas, observers, strict=True):
+        assert set(r) == set(plain) and r.root == plain.root
+        assert sorted(o.added) == sorted(added) and sorted(o.removed) == sorted(base[:25])
+        r.check_invariants()
+    replicas[0].apply_delta((), (added[0],))  # another delta: its own new set
+    replicas[1].add(BlockHash(7))  # copy on write
+    replicas[2].children(0, 0, 3)  # builds its trie from the set, leaving the set alone
+    replicas[2].discard(BlockHash(added[1]))
+    assert memo.deltas and memo.roots  # the results were shared through the memo
+    memo.clear()
     assert set(replicas[0]) == set(plain) - {added[0]}
     assert set(replicas[1]) == set(plain) | {7}
     assert set(replicas[2]) == set(plain) - {added[1]}

@@ -115,14 +115,17 @@ def test_phases_follow_a_request_here_and_through_a_peer() -> None:
 def test_a_move_not_in_the_table_is_a_bug() -> None:
     a = make()
     send(a, "r", "c")
-    req = a._requests[RequestId("r")]
+    req = a.requests.get(RequestId("r"))
+    assert req is not None
     with pytest.raises(AssertionError, match="no transition from running to queued"):
-        a._transition(req, Phase.QUEUED)
+        a.requests.transition(req, Phase.QUEUED)
     forwarded = ClientRequest(RequestId("p/1"), prompt(2), PARAMS, forwarded=True,
                               origin=PeerId("P"))
     a.handle(forwarded, 0.0)
     with pytest.raises(AssertionError, match="from queued to forwarded"):
-        a._transition(a._requests[RequestId("p/1")], Phase.FORWARDED, target=PeerId("B"))
+        held = a.requests.get(RequestId("p/1"))
+        assert held is not None
+        a.requests.transition(held, Phase.FORWARDED, target=PeerId("B"))
 
 
 def yields(effects: Sequence[Effect]) -> list[str]:

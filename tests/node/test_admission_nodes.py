@@ -321,16 +321,16 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path,
                 await nursery.start(x.serve)
                 pid = PeerId(x.peer_id)
                 await wait_until(
-                    lambda: core(y)._last_epochs.get(pid, 0) > seen and candidate_at(y, x), 30
+                    lambda: core(y).announcing.last_epoch(pid) > seen and candidate_at(y, x), 30
                 )
-                latest = core(y)._last_epochs[pid]
+                latest = core(y).announcing.last_epoch(pid)
                 nursery.cancel_scope.cancel()
             return x.peer_id, latest
 
         peer, before = await run_x(time.time, 0)
         # Restart an hour in the past: without the persisted base every epoch would be
         # "stale" at Y (below the last one it took), and Y would refuse X's announcements.
-        again, after = await run_x(SteppedClock(-3600.0), core(y)._last_epochs[PeerId(peer)])
+        again, after = await run_x(SteppedClock(-3600.0), core(y).announcing.last_epoch(PeerId(peer)))
         assert again == peer and after > before
         assert (tmp_path / "identity.epoch").exists()
 

@@ -111,7 +111,7 @@ class ShareWatch:
 
         def watched(event: Any, now: float) -> Any:
             effects = handle(event, now)
-            shares = c._shares
+            shares = c.shares
             flood = next((s for (_, who), s in shares.items() if who == self.flooder), None)
             others_wait = any(s.waiting for (_, who), s in shares.items() if who != self.flooder)
             if flood is not None and others_wait and not flood.yielding:
@@ -352,11 +352,11 @@ async def test_eight_requesters_are_served_fairly() -> None:
                 for r in range(8):
                     nursery.start_soon(requester, r)
                 with trio.fail_after(60):
-                    while len(core(node)._shares) < 8:
+                    while len(core(node).shares) < 8:
                         await trio.sleep(0.005)
                 # The window: while all eight still have work here.
                 start = dict(served)
-                while len(core(node)._shares) == 8:
+                while len(core(node).shares) == 8:
                     await trio.sleep(0.01)
                 window = [float(served[r] - start[r]) for r in range(8)]
             assert sum(window) > 0

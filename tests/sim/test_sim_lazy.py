@@ -157,7 +157,7 @@ def test_lazy_nodes_keep_most_announcements_for_later(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(antientropy.Replica, "take_unchanged", counting)
     sim, _ = simulate(config)
-    waiting = sum(k.times for c in sim.cores for k in c._unapplied.values())
+    waiting = sum(k.times for c in sim.cores for k in c.view.unapplied.values())
     kept = sum(taken_in) + waiting
     assert kept > 0.6 * sim.announce_deliveries
     assert kept > 2 * len(taken_in)  # several announcements per take-in, on average
@@ -283,14 +283,14 @@ def test_a_rebalance_that_empties_a_replica_takes_its_waiting_announcements_in_f
     assert _core_state(cores[0], 3.5) == _core_state(cores[1], 3.5)  # all taken in
     deliver(4.1)
     deliver(4.6)  # news in the run and kept ones, waiting at the rebalance
-    assert cores[1]._unapplied and run is not None and run.length > 1
+    assert cores[1].view.unapplied and run is not None and run.length > 1
     for core in cores:
-        core._index.replica_budget_blocks = 600  # share 300 < 400: the next rebalance empties
-    # (read through ``_index``: reading ``index`` would take the waiting ones in now)
+        core.view.as_is.replica_budget_blocks = 600  # share 300 < 400: the next rebalance empties
+    # (read through ``view.as_is``: reading ``index`` would take the waiting ones in now)
     for core in cores:
         core.tick(5.0)
     for core in cores:
-        replica = core._index.replica(big)
+        replica = core.view.as_is.replica(big)
         assert replica is not None and replica.count == 0 and replica.epoch == 0
     assert _core_state(cores[0], 5.0) == _core_state(cores[1], 5.0)
     assert math.isinf(cores[1].index.digest_age(big, 5.0))  # emptied: not confirmed since

@@ -1,0 +1,218 @@
+"""Choice: the bridge from what this node knows of its peers (the peer view, reputation, round
+trips) to the routing policy (``peerinfer.core.routing``), and what this node advertises of
+itself in its load (see "Route" and "Trust" in ``peerinfer.core.node``).
+
+It decides where a prompt goes; it moves no request (the node does, with the decision).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from peerinfer.core.messages import Load, SamplingParams
+from peerinfer.core.node.config import NodeConfig
+from peerinfer.core.peerview import PeerView
+from peerinfer.core.reputation import Reputation
+from peerinfer.core.routing import (
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    ScaffoldHints,
+    make_policy,
+)
+from peerinfer.types import BlockHash, PeerId
+
+__all__ = ["Choice"]
+
+
+class Choice:
+    """The routing policy and what it reads: this node's announced speed and scaffold hints,
+    whether every peer's load is plain, the peer view and the peers' reputation."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        view: PeerView,
+        reputation: Reputation,
+        rng: random.Random,
+        *,
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self._me = config.peer_id
+        self._view = view
+        self.reputation = reputation
+        self._block_size = block_size
+        self.rng = rng
+        self.policy: RoutingPolicy = make_policy(config.policy, costs=config.costs)
+        #: the scaffolds this node served lately, advertised in its load (only for the
+        #: ``scaffold_hash`` policy, whose hints they are), and the live ones as last read
+        self._hints = ScaffoldHints() if config.policy == "scaffold_hash" else None
+        self._scaffolds: tuple[int, ...] = ()
+        #: announced in every load, so that peers estimate this node at its own speed
+        self._speed: tuple[int, ...] = config.costs.speed()
+        #: no peer has announced another speed than this node's or more than one slot (then
+        #: routing finds the best non-holders among the nearest: ``PeerIndex.holder_candidates``)
+        self._plain_loads = True
+
+    def load(self, queued: int, running: int) -> Load:
+        """This node's load as announced, with ``queued`` and ``running`` requests."""
+        return Load(
+            queued=queued, running=running, slots=self.config.costs.slots,
+            speed=self._speed, scaffolds=self._scaffolds,
+        )
+
+    def refresh_hints(self, now: float) -> None:
+        """Forget the scaffold hints that aged out by ``now`` (``load()`` advertises the rest)."""
+        if self._hints is not None:
+            self._scaffolds = self._hints.current(now)
+
+    def served_scaffold(self, scaffold: int | None, now: float) -> None:
+        """A request with ``scaffold`` is served here from now on: advertised as a hint (Mesh
+        LLM's, at admission)."""
+        if self._hints is not None and scaffold is not None:
+            self._hints.served(scaffold, now)
+            self.refresh_hints(now)
+
+    def note_load(self, load: Load) -> None:
+        """A peer announced ``load``: routing's shortcut for plain loads holds while all are."""
+        if load.slots > 1 or load.speed and load.speed != self._speed:
+            self._plain_loads = False
+
+    def decide(
+        self,
+        prompt_tokens: int,
+        params: SamplingParams,
+        chain: tuple[BlockHash, ...],
+        now: float,
+        exclude: Sequence[PeerId],
+        scaffold: int | None,
+        *,
+        local_matched_blocks: int,
+        queued: int,
+        running: int,
+        rtt: Mapping[PeerId, float],
+        rtt_version: int,
+        inflight: Mapping[PeerId, int],
+    ) -> RouteDecision:
+        """The policy's choice for a prompt of ``prompt_tokens`` hashed into ``chain``, among
+        this node (holding ``local_matched_blocks`` of it, with ``queued`` and ``running``
+        requests) and every peer not in ``exclude``; ``rtt``, ``rtt_version`` and ``inflight``:
+        the members' round trips and forwards in flight."""
+        bs = self._block_size
+        cfg = self.config
+        if self._hints is not None:
+            self.refresh_hints(now)  # the local candidate's load: its live hints
+        index, heard = self._view.for_routing()
+        request = RouteRequest(
+            prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain, scaffold=scaffold
+        )
+        options = dict(
+            block_size=bs,
+            local_peer=self._me,
+            local_matched_tokens=local_matched_blocks * bs,
+            local_load=self.load(queued, running),
+            now=now,
+            rtt_s=rtt,
+            default_rtt_s=cfg.default_rtt_s,
+            inflight=inflight,
+            exclude=_Excluded(exclude, self.reputation.blocked(), cfg.trusted_peers, now),
+            max_digest_age_s=cfg.max_digest_age_s,
+            # Never count the last prompt token as cached: the engine must run it for logits.
+            max_matched_tokens=max(0, prompt_tokens - 1),
+            heard=heard,
+        )
+        among_holders = getattr(self.policy, "choose_among_holders", None)
+        if among_holders is None or not cfg.route_among_holders:
+            candidates = index.candidates(chain, **options)  # type: ignore[arg-type]
+            return self.policy.choose(request, self._believed(candidates, now), self.rng)
+        # Only the peers holding part of the prompt, and the plain non-holders' stand-ins
+        # (PeerIndex.holder_candidates); every candidate only when a stand-in could win.
+        pruned = index.holder_candidates(
+            chain, own_speed=self._speed, plain_loads=self._plain_loads,
+            rtt_version=rtt_version, **options,  # type: ignore[arg-type]
+        )
+        decision: RouteDecision | None = among_holders(
+            request, self._believed(pruned.candidates, now), self.rng, pruned.stand_ins
+        )
+        if decision is None:
+            decision = self.policy.choose(request, self._believed(pruned.every(), now), self.rng)
+        return decision
+
+    def _believed(self, candidates: list[Candidate], now: float) -> list[Candidate]:
+        """``candidates`` as routing believes them: a demoted peer's cache promises count for
+        nothing, and a claim to be faster than this node only once proven."""
+        demoted = self.reputation.demoted()
+        if demoted:
+            # A peer whose claims did not hold: its cache promises count for nothing in the
+            # choice (it still answers for them if chosen on load: see digest_claim).
+            candidates = [
+                replace(c, matched_tokens=0) if demoted.get(c.peer, now) > now else c
+                for c in candidates
+            ]
+        own = self._speed
+        if any(c.load.speed and c.load.speed != own for c in candidates):
+            # A claim to be faster than this node is believed only once proven (reputation.py,
+            # "Speed claims"): announcing speed 0 would otherwise win every choice.
+            candidates = [self._with_believed_speed(c, now) for c in candidates]
+        return candidates
+
+    def believed_speed(self, peer: PeerId, speed: tuple[int, ...], now: float) -> tuple[int, ...] | None:
+        """What routing believes of ``peer``'s announced ``speed`` when that differs from the
+        claim (None: the claim is believed): until ``peer`` has proven to be faster than this
+        node, each figure is at least this node's own (slower claims are always believed)."""
+        own = self._speed
+        if not speed or speed == own or len(speed) != len(own):
+            return None
+        believed = tuple(max(a, b) for a, b in zip(speed, own, strict=True))
+        if believed == speed or self.reputation.speed_proven(peer, now):
+            return None
+        return believed
+
+    def _with_believed_speed(self, c: Candidate, now: float) -> Candidate:
+        believed = None if c.is_local else self.believed_speed(c.peer, c.load.speed, now)
+        if believed is None:
+            return c
+        # () is "as this node" to the cost policy.
+        return replace(c, load=replace(c.load, speed=() if believed == self._speed else believed))
+
+    def digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
+        (not this node's speculative entries, nor routing's discounts)."""
+        replica = self._view.as_is.replica(peer)  # unchanged announcements leave the digest alone
+        if replica is None:
+            return 0
+        n = replica.digest.leading(chain)
+        return min(n * self._block_size, max(0, prompt_tokens - 1))
+
+
+class _Excluded:
+    """The peers a routing decision leaves out: those already tried, those reputation blocks
+    (banned, or scored below the candidate threshold) until a later time, and, when the node
+    trusts only some peers, every other one. A container, so the index asks ``peer in it``."""
+
+    __slots__ = ("_tried", "_blocked", "_trusted", "_now")
+
+    def __init__(
+        self,
+        tried: Sequence[PeerId],
+        blocked: Mapping[PeerId, float],
+        trusted: frozenset[PeerId] | None,
+        now: float,
+    ) -> None:
+        self._tried, self._blocked, self._trusted, self._now = tried, blocked, trusted, now
+
+    def __bool__(self) -> bool:
+        return bool(self._tried or self._blocked or self._trusted is not None)
+
+    def __contains__(self, peer: object) -> bool:
+        if peer in self._tried:
+            return True
+        trusted = self._trusted
+        if trusted is not None and peer not in trusted:
+            return True
+        until = self._blocked.get(peer)  # type: ignore[call-overload]
+        return until is not None and bool(until > self._now)
