@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check peerinfer tests bench examples experiments
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy --strict peerinfer/core
+	$(VENV)/bin/mypy peerinfer experiments
 
 pytest: $(STAMP) system-packages
 	PEERINFER_REQUIRE_BROWSER=1 PEERINFER_REQUIRE_NETNS=1 $(VENV)/bin/pytest -q -p no:cacheprovider
