@@ -14,9 +14,10 @@ float32, or ``--hf-dtype bfloat16``; one thread each). It prints:
   with ``engine/audit.py``'s ``audit_answer`` under the node's default tolerances: half greedy,
   3 in 10 sampled (T 0.8, top-p 0.9, seeded: a nucleus the audit can check), 1 in 5 under a JSON
   schema of ``bench/agents_bench.py``'s suite. An honest answer that fails is a false failure
-  (target: 0). To show the bar still catches something, each greedy answer is also audited as
-  the answer to the *next* prompt (another question's answer: a lie), and those caught are
-  counted.
+  (target: 0). To show the bar still catches something, ``--swapped`` (20) greedy answers are
+  also audited as the answer to the *next* prompt (another question's answer: a lie), and those
+  caught are counted. ``--direction`` runs one direction only (two processes share a busy
+  machine's cores better than one).
 
 Prompts are MMLU validation questions (``--data``, default ``../shared/data/mmlu``), asked
 zero-shot as chat; answers are at most ``--max-tokens`` (32) tokens, run through the batch
@@ -139,13 +140,14 @@ def jobs_for(engine: Any, questions: Sequence[str], max_tokens: int) -> list[tup
 
 
 def bench_direction(producer: Any, auditor: Any, label: str, questions: Sequence[str],
-                    max_tokens: int, figures: dict[str, Any]) -> None:
+                    max_tokens: int, swapped: int, figures: dict[str, Any]) -> None:
     from peerinfer.engine.audit import audit_answer
 
     jobs = jobs_for(producer, questions, max_tokens)
     t0 = time.perf_counter()
     out = run_batch(producer, jobs)
     generate_s = time.perf_counter() - t0
+    print(f"   {label}: {len(jobs)} answers generated ({generate_s:.0f} s)", flush=True)
     false_failures = []
     kinds = {"greedy": 0, "sampled": 0, "constrained": 0}
     t0 = time.perf_counter()
@@ -157,10 +159,14 @@ def bench_direction(producer: Any, auditor: Any, label: str, questions: Sequence
             false_failures.append({"i": key, "kind": kind, "finish": out[key]["finish"],
                                    "why": verdict.describe() if verdict else "cannot audit",
                                    "text": out[key]["text"][:80]})
+        done = sum(kinds.values())
+        if done % 20 == 0:  # a partial figure survives a run cut short
+            print(f"   {label}: {done}/{len(jobs)} audited, {len(false_failures)} false failures "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
     audit_s = time.perf_counter() - t0
     # Lies: a greedy answer given as the answer to the next greedy prompt.
     greedy = [(key, prompt, params) for key, prompt, params in jobs
-              if params.constraint is None and params.temperature == 0]
+              if params.constraint is None and params.temperature == 0][: max(swapped, 2)]
     caught = 0
     for (key, _, _), (_, prompt, params) in zip(greedy, greedy[1:] + greedy[:1], strict=True):
         verdict = audit_answer(auditor, prompt, params, out[key]["ids"])
@@ -183,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--data", type=Path, default=Path("../shared/data/mmlu"))
+    parser.add_argument("--swapped", type=int, default=20, help="greedy answers audited as another prompt's")
+    parser.add_argument("--direction", choices=["both", "llamacpp-to-hf", "hf-to-llamacpp"], default="both",
+                        help="which engine answers and which audits (default: both ways)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args(argv)
     questions = mmlu_questions(args.data, args.requests)
@@ -195,8 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fingerprint  transformers {hf.fingerprint.hex()[:16]}  llama.cpp "
           f"{llama.fingerprint.hex()[:16]}  {'equal' if same else 'DIFFERENT'}")
     bench_tokens(hf, llama, questions, figures)
-    bench_direction(llama, hf, "llamacpp_audited_by_transformers", questions, args.max_tokens, figures)
-    bench_direction(hf, llama, "transformers_audited_by_llamacpp", questions, args.max_tokens, figures)
+    if args.direction != "hf-to-llamacpp":
+        bench_direction(llama, hf, "llamacpp_audited_by_transformers", questions, args.max_tokens,
+                        args.swapped, figures)
+    if args.direction != "llamacpp-to-hf":
+        bench_direction(hf, llama, "transformers_audited_by_llamacpp", questions, args.max_tokens,
+                        args.swapped, figures)
     llama.close()
     if args.json:
         print(json.dumps(figures, default=str))
