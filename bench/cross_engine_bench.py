@@ -21,7 +21,8 @@ float32, or ``--hf-dtype bfloat16``; one thread each). It prints:
 
 Prompts are MMLU validation questions (``--data``, default ``../shared/data/mmlu``), asked
 zero-shot as chat; answers are at most ``--max-tokens`` (32) tokens, run through the batch
-scheduler 8 at a time as a node would.
+scheduler 8 at a time as a node would, 20 requests per round of generation and audits (the
+running totals are printed after each round).
 """
 
 from __future__ import annotations
@@ -140,45 +141,50 @@ def jobs_for(engine: Any, questions: Sequence[str], max_tokens: int) -> list[tup
 
 
 def bench_direction(producer: Any, auditor: Any, label: str, questions: Sequence[str],
-                    max_tokens: int, swapped: int, figures: dict[str, Any]) -> None:
+                    max_tokens: int, swapped: int, figures: dict[str, Any], chunk: int = 20) -> None:
+    """Generate on ``producer`` and audit on ``auditor``, ``chunk`` requests at a time, printing
+    the running totals after each chunk (a run cut short still gives its figure so far)."""
     from peerinfer.engine.audit import audit_answer
 
     jobs = jobs_for(producer, questions, max_tokens)
-    t0 = time.perf_counter()
-    out = run_batch(producer, jobs)
-    generate_s = time.perf_counter() - t0
-    print(f"   {label}: {len(jobs)} answers generated ({generate_s:.0f} s)", flush=True)
-    false_failures = []
+    false_failures: list[dict[str, Any]] = []
     kinds = {"greedy": 0, "sampled": 0, "constrained": 0}
-    t0 = time.perf_counter()
-    for key, prompt, params in jobs:
-        kind = "constrained" if params.constraint else "sampled" if params.temperature > 0 else "greedy"
-        kinds[kind] += 1
-        verdict = audit_answer(auditor, prompt, params, out[key]["ids"])
-        if verdict is None or not verdict.ok:
-            false_failures.append({"i": key, "kind": kind, "finish": out[key]["finish"],
-                                   "why": verdict.describe() if verdict else "cannot audit",
-                                   "text": out[key]["text"][:80]})
+    generate_s = audit_s = 0.0
+    caught = swaps = tokens = 0
+    for first in range(0, len(jobs), chunk):
+        part = jobs[first : first + chunk]
+        t0 = time.perf_counter()
+        out = run_batch(producer, part)
+        generate_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for key, prompt, params in part:
+            kind = "constrained" if params.constraint else "sampled" if params.temperature > 0 else "greedy"
+            kinds[kind] += 1
+            tokens += len(out[key]["ids"])
+            verdict = audit_answer(auditor, prompt, params, out[key]["ids"])
+            if verdict is None or not verdict.ok:
+                false_failures.append({"i": key, "kind": kind, "finish": out[key]["finish"],
+                                       "why": verdict.describe() if verdict else "cannot audit",
+                                       "text": out[key]["text"][:80]})
+        # Lies: a greedy answer given as the answer to the chunk's next greedy prompt.
+        greedy = [(key, prompt, params) for key, prompt, params in part
+                  if params.constraint is None and params.temperature == 0]
+        for (key, _, _), (_, prompt, params) in zip(greedy, greedy[1:], strict=False):
+            if swaps >= swapped:
+                break
+            verdict = audit_answer(auditor, prompt, params, out[key]["ids"])
+            caught += verdict is not None and not verdict.ok
+            swaps += 1
+        audit_s += time.perf_counter() - t0
         done = sum(kinds.values())
-        if done % 20 == 0:  # a partial figure survives a run cut short
-            print(f"   {label}: {done}/{len(jobs)} audited, {len(false_failures)} false failures "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    audit_s = time.perf_counter() - t0
-    # Lies: a greedy answer given as the answer to the next greedy prompt.
-    greedy = [(key, prompt, params) for key, prompt, params in jobs
-              if params.constraint is None and params.temperature == 0][: max(swapped, 2)]
-    caught = 0
-    for (key, _, _), (_, prompt, params) in zip(greedy, greedy[1:] + greedy[:1], strict=True):
-        verdict = audit_answer(auditor, prompt, params, out[key]["ids"])
-        caught += verdict is not None and not verdict.ok
-    figures[label] = {"requests": len(jobs), **kinds, "false_failures": len(false_failures),
-                      "false_failure_details": false_failures, "swapped_answers": len(greedy),
-                      "swapped_caught": caught, "generate_s": generate_s, "audit_s": audit_s,
-                      "completion_tokens": sum(len(r["ids"]) for r in out.values())}
-    print(f"audit  {label}: {len(jobs)} honest answers ({kinds['greedy']} greedy, "
-          f"{kinds['sampled']} sampled, {kinds['constrained']} constrained): "
-          f"{len(false_failures)} false failures; {caught}/{len(greedy)} swapped answers caught "
-          f"(generate {generate_s:.0f} s, audit {audit_s:.0f} s wall)")
+        figures[label] = {"requests": done, **kinds, "false_failures": len(false_failures),
+                          "false_failure_details": false_failures, "swapped_answers": swaps,
+                          "swapped_caught": caught, "generate_s": generate_s, "audit_s": audit_s,
+                          "completion_tokens": tokens}
+        print(f"audit  {label}: {done}/{len(jobs)} honest answers ({kinds['greedy']} greedy, "
+              f"{kinds['sampled']} sampled, {kinds['constrained']} constrained): "
+              f"{len(false_failures)} false failures; {caught}/{swaps} swapped answers caught "
+              f"(generate {generate_s:.0f} s, audit {audit_s:.0f} s wall)", flush=True)
     for f in false_failures:
         print("   false failure:", f)
 
