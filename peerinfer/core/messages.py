@@ -406,12 +406,6 @@ class GenerateRequest(Message):
         Optional(UInt(U64)),
     )
 
-    def _to_fields(self) -> list[Any]:
-        out = Record._to_fields(self)
-        if self.scaffold is None:
-            out.pop()  # as an older node sends it: the hint is only for scaffold_hash swarms
-        return out
-
 
 @register(11)
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any, ClassVar, TypeVar
 
 import cbor2
@@ -183,11 +183,16 @@ class Record:
     OPTIONAL_TAIL: ClassVar[int] = 0
 
     def _to_fields(self) -> list[Any]:
-        out: list[Any] = []
-        for f in fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            out.append(_to_wire(v))
-        return out
+        record_fields = fields(self)  # type: ignore[arg-type]
+        values = [getattr(self, f.name) for f in record_fields]
+        # The optional tail is left off from the end while each field is at its default, as an
+        # older peer sends the record: that peer refuses a record longer than it knows, and a
+        # newer one fills the same defaults back in.
+        keep = len(values)
+        while keep > len(values) - self.OPTIONAL_TAIL and _at_default(
+                record_fields[keep - 1], values[keep - 1]):
+            keep -= 1
+        return [_to_wire(v) for v in values[:keep]]
 
     @classmethod
     def _from_fields(cls: type[R], v: Any, path: str) -> R:
@@ -205,6 +210,12 @@ class Record:
             for name, check, item in zip(names[: len(v)], cls.SCHEMA, v, strict=False)
         }
         return cls(**values)
+
+
+def _at_default(f: Any, value: Any) -> bool:
+    if f.default is not MISSING:
+        return bool(value == f.default)
+    return f.default_factory is not MISSING and bool(value == f.default_factory())
 
 
 def _to_wire(v: Any) -> Any:

@@ -494,7 +494,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="hf", help="backend to measure (default: hf)")
     parser.add_argument("--model", help="hub id, local directory or GGUF file (hf default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", help="cpu, cuda, ... (hf default: CUDA when available)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (hf; default: torch's choice)")
+    parser.add_argument("--threads", type=int, help="CPU threads: torch's (hf; default: torch's choice) or llama.cpp's (llamacpp)")
+    parser.add_argument("--gpu-layers", type=int, metavar="N", help="llamacpp: layers to offload to the GPU of a CUDA/Metal/Vulkan build (-1: all; default 0)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="hf: weights and KV precision (default auto: see peerinfer node --help)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point; medians are kept (default: 3)")
     parser.add_argument("--statistic", choices=sorted(_STATISTICS), default="median", help="per point: median (default) or min (steadier on a busy machine)")
@@ -509,7 +510,7 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
     from peerinfer.engine.registry import load_engine
 
     options: dict[str, Any] = {}
-    for name in ("model", "device", "threads", "dtype"):
+    for name in ("model", "device", "threads", "dtype", "gpu_layers"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

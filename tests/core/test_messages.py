@@ -60,16 +60,17 @@ def record_fields(cls: type[Record]) -> list[tuple[str, Any]]:
     return [(f.name, check) for f, check in zip(fields(cls), cls.SCHEMA, strict=True)]  # type: ignore[arg-type]
 
 
-#: records whose last field (the scaffold_hash policy's hint) is not sent at its default
-LEFT_OFF_AT_DEFAULT = (wire.Load, wire.GenerateRequest)
-
-
 def to_wire(value: Any) -> Any:
     """What encode() puts on the wire for a field value (records and tuples become lists)."""
     if is_dataclass(value) and isinstance(value, Record):
         names = [name for name, _ in record_fields(type(value))]
-        if type(value) in LEFT_OFF_AT_DEFAULT and getattr(value, names[-1]) in ((), None):
-            names.pop()  # the hint field, left off unless set (older nodes never send it)
+        defaults = {f.name: f.default for f in dataclasses.fields(value)}  # tails: no factories
+        # Load leaves off only its last field (the scaffold_hash hint); every other record its
+        # optional tail from the end while at its defaults (older peers never send them).
+        tail = 1 if type(value) is wire.Load else type(value).OPTIONAL_TAIL
+        while tail and getattr(value, names[-1]) == defaults[names[-1]]:
+            names.pop()
+            tail -= 1
         return [to_wire(getattr(value, name)) for name in names]
     if isinstance(value, tuple | list):
         return [to_wire(x) for x in value]
@@ -359,6 +360,24 @@ def test_any_mutation_of_any_message_is_refused(message: Message, data: st.DataO
     with pytest.raises(ProtocolError) as info:
         decode(pack(replaced(frame, where, bad, offset=2)))
     assert named in str(info.value)
+
+
+def test_new_fields_at_their_defaults_stay_off_the_wire_for_older_peers() -> None:
+    # An older peer refuses a record longer than it knows: a plain request (no tools, no
+    # constraint, no logprobs) and its token chunks must be the frames it always got.
+    plain = wire.GenerateRequest("r1", wire.SamplingParams(max_tokens=5), prompt="hi")
+    frame = msgpack.unpackb(encode(plain), raw=False)
+    assert len(frame) == 2 + 9 and len(frame[3]) == 5, frame
+    assert decode(encode(plain)) == plain
+    chunk = wire.TokenChunk("r1", (1, 2), "ab")
+    assert len(msgpack.unpackb(encode(chunk), raw=False)) == 2 + 3
+    # A field set past the defaults travels, with every field before it.
+    constrained = wire.SamplingParams(top_logprobs=2)
+    frame = msgpack.unpackb(encode(wire.GenerateRequest("r2", constrained, prompt="hi")), raw=False)
+    assert frame[3] == [64, 0.0, 1.0, None, [], None, False, 2], frame[3]
+    chat = wire.ChatMessage("user", "hi")
+    assert to_wire(chat) == ["user", "hi"] and wire.ChatMessage("tool", "x", tool_call_id="c")._to_fields() == [
+        "tool", "x", "", "c"]
 
 
 @pytest.mark.parametrize("cls", MESSAGE_CLASSES, ids=lambda cls: cls.__name__)

@@ -147,3 +147,11 @@ def test_calibrate_command_writes_a_cost_model(tmp_path, capsys):
     assert costs.slots == 1 and printed["model"] == "EchoEngine"
     with pytest.raises(ConfigError):
         main_calibrate(["--engine", "nope"])
+
+
+def test_calibrate_passes_gpu_layers_to_the_engine():
+    from peerinfer.engine.calibrate import main_calibrate
+
+    # The echo engine takes no gpu_layers: the option reached its constructor (llamacpp takes it).
+    with pytest.raises(ConfigError, match="gpu_layers"):
+        main_calibrate(["--engine", f"{EXAMPLE}:EchoEngine", "--gpu-layers", "2", "--quick"])

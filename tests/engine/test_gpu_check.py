@@ -58,3 +58,32 @@ def test_cpu_dry_run_writes_every_part(tmp_path):
         assert part["throughput"]["1"]["tokens"] > 0
         assert part["ttft"]["miss_s"] > 0 and part["ttft"]["hit_s"] > 0
     assert result["dtypes"]["float32"]["agreement"]["mismatch"] == 0
+
+
+def test_llamacpp_without_a_gpu_build_stops_at_once_saying_why(tmp_path, capsys):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama-cpp-python build offloads to a GPU")
+    out = tmp_path / "r.json"
+    assert gpu_check.main(["--engine", "llamacpp", "--output", str(out)]) == 2
+    assert "cannot offload" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_llamacpp_cpu_dry_run_writes_every_part(tmp_path):
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "r.json"
+    rc = gpu_check.main(["--engine", "llamacpp", "--device", "cpu", "--quick", "--budget-s", "3600",
+                         "--output", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    part = result["llamacpp"]
+    assert part["gpu_layers"] == 0  # --device cpu offloads nothing
+    agreement = part["agreement"]
+    assert agreement["requests"] == 3
+    assert agreement["equal"] + agreement["tie"] + agreement["mismatch"] == 3
+    assert agreement["mismatch"] == 0
+    assert part["throughput"]["1"]["tokens"] > 0
+    assert part["ttft"]["miss_s"] > 0 and part["ttft"]["hit_s"] > 0
+    assert max(part["ttft"]["hit_cached_tokens"]) > 0  # the warm prefix was reused
