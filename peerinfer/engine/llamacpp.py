@@ -30,7 +30,12 @@ rounds differently (logits of the default model moved by up to 1.0), when a phys
 whether its prompt ran alone or beside others, in one chunk or many (measured: 4 prompts prefilled
 together and decoded together gave the lone runs' logits exactly; with ``n_ubatch`` 64 or 512 they
 differed by 0.57-1.24). It costs about 10 % of prefill speed against 512-token ubatches (5.9-6.4 s
-against 5.1-5.6 s of CPU for 512 tokens, 1 thread, on a machine at load 10).
+against 5.1-5.6 s of CPU for 512 tokens, 1 thread, on a machine at load 10). That holds while
+each sequence's cells lie in position order. In the unified cache a finished request frees cells
+below the running ones, and llama.cpp may place a running (or newly restored) sequence's next
+tokens there; flash attention accumulates V in float16 in cell order, so such a sequence's logits
+move (by up to 0.44 on the default model: ``bench/llamacpp_cell_order_probe.py``), and greedy
+tokens can flip where the two best logits are that close (docs/performance.md).
 Greedy rows take the first maximum; sampled rows draw from their own seeded NumPy generator, so a
 seeded request's tokens do not depend on its neighbours.
 
