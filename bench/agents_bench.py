@@ -458,7 +458,7 @@ def bench_overhead(engine: Any, figures: dict[str, Any]) -> None:
     original = (constraints.ConstraintState.allowed, constraints.ConstraintState.advance)
     llama = None
     if hasattr(engine, "scored_logits"):  # the llama.cpp engine masks with NumPy: time that too
-        import peerinfer.engine.llamacpp as llama
+        import peerinfer.engine.llamacpp_decoder as llama  # where guided_token reads the mask
     apply_mask = None if llama is None else llama.mask_logits_numpy
     schema = SCHEMAS[27][1]  # recipe: strings, numbers, arrays, enums
     results: dict[str, Any] = {}

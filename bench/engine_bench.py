@@ -338,7 +338,8 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     say = (lambda _m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     threads = args.threads or 1
     engine = LlamaCppEngine(threads=threads)
-    raw = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=threads)
+    # The raw run is timed with the same clock as the engine (CPU time under --clock cpu).
+    raw = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=threads, clock=clock)
 
     def ids(text: str) -> list[int]:
         return engine._tokenize(text, False)
