@@ -44,6 +44,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
         f"(it compiles llama.cpp; see the README) ({_exc})"
     ) from _exc
 
+__all__ = [
+    "EXTRA_BUFFERS_ENV", "PROBE_CRASH_ENV", "L", "ProbeVerdict", "_init_backend", "_probe_main",
+    "probe_extra_buffers", "resolve_gguf",
+]
+
 
 #: The environment variable that forces llama.cpp's extra CPU buffer types on (1) or off (0).
 EXTRA_BUFFERS_ENV = "PEERINFER_LLAMACPP_EXTRA_BUFFERS"
@@ -77,7 +82,7 @@ def _silence_llama_log() -> None:
 
     last = [0]
 
-    @L.llama_log_callback  # type: ignore[misc]
+    @L.llama_log_callback  # type: ignore[untyped-decorator]  # llama_cpp has no type hints
     def _log(level: int, text: bytes, user_data: Any) -> None:
         # ggml's levels: 2 info, 3 warn, 4 error, 5 continuation of the previous line.
         if level != 5:
