@@ -91,7 +91,7 @@ def test_node_core_keeps_its_public_surface() -> None:
 
 
 def test_a_restored_reputation_is_the_one_routing_reads() -> None:
-    """The shell replaces ``core.reputation`` with the one it saved (peerinfer.trust): trust
+    """The shell replaces ``core.reputation`` with the one it saved (peerinfer.node.trust): trust
     records into it and choice excludes by it, not the one the core started with."""
     import random
 
