@@ -6,6 +6,7 @@ The curated public API (pinned by tests/test_public_api.py)::
     peerinfer.connect           synchronous client (``with peerinfer.connect(multiaddr) as c``)
     peerinfer.GenerationResult  what ``generate`` returns
     peerinfer.Node, NodeOptions run a node from Python
+    peerinfer.serve_node        run a node with its HTTP API (``NodeOptions.http``) beside it
     peerinfer.errors            the error tree (PeerInferError and its children)
 
 Heavier parts (libp2p, torch) load only when these names are first used.
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from peerinfer.client import Client, GenerationResult, SyncClient, connect
     from peerinfer.node import Node, NodeOptions
+    from peerinfer.serve import serve_node
 
 _LAZY = {
     "Client": "peerinfer.client",
@@ -42,6 +44,7 @@ _LAZY = {
     "connect": "peerinfer.client",
     "Node": "peerinfer.node",
     "NodeOptions": "peerinfer.node",
+    "serve_node": "peerinfer.serve",
 }
 
 
@@ -73,4 +76,5 @@ __all__ = [
     "SyncClient",
     "__version__",
     "connect",
+    "serve_node",
 ]

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 PUBLIC = {
     "Client", "GenerationResult", "SyncClient", "connect",            # peerinfer.client
     "Node", "NodeOptions",                                             # peerinfer.node
+    "serve_node",                                                      # peerinfer.serve
     "PeerInferError", "LocalError", "ConfigError", "InvalidRequestError", "ClosedError",
     "RemoteError", "ProtocolError", "PeerUnavailableError", "PeerBusyError",
     "RequestTimeoutError", "EngineError",                              # peerinfer.errors
@@ -41,6 +42,7 @@ LAZY_HOMES = {
     "connect": "peerinfer.client",
     "Node": "peerinfer.node",
     "NodeOptions": "peerinfer.node",
+    "serve_node": "peerinfer.serve",
 }
 
 #: Module-level names of peerinfer/__init__.py that are not API but cannot be helped: the

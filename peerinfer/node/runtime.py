@@ -212,6 +212,9 @@ class Node:
         self, *,
         task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Load the engine, join the swarm and serve until cancelled; ``task_status.started(self)``
+        once it accepts requests. The HTTP API (``NodeOptions.http``) is not this method's:
+        ``peerinfer.serve_node`` runs it beside the node."""
         ctx, opts = self.ctx, self.options
         if ctx.engine is None:
             ctx.engine = await trio.to_thread.run_sync(_load_engine, opts)
