@@ -39,8 +39,9 @@ from peerinfer.testing.llamacpp_reference import LlamaCppReference  # noqa: E402
 #: The largest gap between the two best logits (in logit units) at which a flipped greedy token
 #: counts as a near-tie. With the engine's ubatches under 64 rows, llama.cpp computes every row
 #: with the same kernels whatever shares its batch, so batched and lone logits are bit-identical
-#: while each sequence's cells lie in position order; 1e-3 only allows for a last-bit difference. Out-of-order cells
-#: move logits by up to 0.44 (bench/llamacpp_cell_order_probe.py, docs/performance.md).
+#: while each sequence's cells lie in position order; 1e-3 only allows for a last-bit
+#: difference. Out-of-order cells move logits by up to 0.44 (bench/llamacpp_cell_order_probe.py,
+#: docs/performance.md).
 NEAR_TIE = 1e-3
 
 TEXT = (
