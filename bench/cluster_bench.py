@@ -6,7 +6,11 @@ What it runs
 ``--nodes`` node processes (``peerinfer.testing.cluster``) on 127.0.0.1 with the simulated
 engine, whose timing follows a cost model (``--costs``: a ``peerinfer calibrate`` JSON of the
 real model; default: ``CostModel``'s defaults), each with a prefix cache of ``--cache-tokens``
-tokens. The workload is MMLU 5-shot prompts (``peerinfer.workload.mmlu_workload``) with Zipf
+tokens. With ``--engine llamacpp`` the nodes run the real model instead (``--engine llamacpp
+--threads 1``, the default GGUF) with a byte budget of ``--cache-tokens`` simulated-engine
+tokens (llama.cpp splits it between its context and the cached blocks); ``--costs`` then only
+informs the nodes' cost policy. The oracle, ``--sim`` and ``--speedup`` model the simulated
+engine's cache and timing, so they are refused with this engine. The workload is MMLU 5-shot prompts (``peerinfer.workload.mmlu_workload``) with Zipf
 subject popularity (``--skew``), open-loop Poisson arrivals at ``--rate`` requests per second
 *per node* (the simulator's convention), sent by concurrent client tasks (one stream per
 request, as many in flight as the arrivals make). Each request enters at a node drawn from the
@@ -45,6 +49,7 @@ Output: a table, or with ``--json`` one object with ``ttft_mean_ratio_vs_random`
     .venv/bin/python bench/cluster_bench.py                 # 8 nodes, 4 policies: ~11 minutes
     .venv/bin/python bench/cluster_bench.py --speedup 4     # the same model 4x faster: ~4 min
     .venv/bin/python bench/cluster_bench.py --requests 100 --policies cost,random --json
+    .venv/bin/python bench/cluster_bench.py --engine llamacpp --nodes 3 --policies cost,random --no-extras
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ from peerinfer.testing.cluster import Cluster, open_cluster  # noqa: E402
 from peerinfer.workload import MMLU, WorkloadItem, default_data_dir, mmlu_workload, save_workload  # noqa: E402
 
 ORACLE = "oracle"
+ENGINES = ("simulated", "llamacpp")
 DEFAULT_POLICIES = (DEFAULT_POLICY, "random", "least_loaded", ORACLE)
 #: The issue's targets: (JSON key, bound, "max" when the figure must stay at or below it).
 TARGETS = (
@@ -211,13 +217,19 @@ class Setup:
     seed: int
     workdir: Path
     log: Any
+    engine: str = "simulated"
 
 
 async def run_workload(setup: Setup, policy: str, *, extras: bool, args: argparse.Namespace) -> dict[str, Any]:
     node_policy = "local" if policy == ORACLE else policy
     started = time.perf_counter()
+    real = setup.engine != "simulated"
     async with open_cluster(
         setup.nodes,
+        engine=setup.engine,
+        # One compute thread per node: several nodes share the machine's cores.
+        extra_args=("--threads", "1") if real else (),
+        ready_timeout_s=300 if real else None,
         policy=node_policy,
         costs_file=setup.costs_file,
         cache_bytes=setup.cache_bytes,
@@ -512,9 +524,10 @@ def sim_forward_overhead_ms(args: argparse.Namespace, results: dict[str, dict[st
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Routing policies on a cluster of real node processes (loopback, simulated engine)."
+        description="Routing policies on a cluster of real node processes (loopback, simulated or llama.cpp engine)."
     )
     p.add_argument("--nodes", type=int, default=8, help="node processes (default 8)")
+    p.add_argument("--engine", choices=ENGINES, default="simulated", help="the nodes' engine: simulated (timed by the cost model) or llamacpp (the default GGUF, one thread per node); default simulated")
     p.add_argument("--requests", type=int, default=300, help="requests per policy (default 300)")
     p.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per node per second (default 0.3: with the default costs the busiest node is about 60-80%% busy)")
     p.add_argument("--speedup", type=float, default=1.0, help="run K times faster: every cost-model figure divided by K and the rate multiplied by K (the model's ratios are unchanged; the real overheads weigh K times more). Default 1")
@@ -539,12 +552,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_refusal(args: argparse.Namespace, policies: list[str]) -> str | None:
+    """Why these options cannot run on ``args.engine`` (one line), or None: the oracle's
+    mirrors, the simulator replay and the speed-up model the simulated engine only."""
+    if args.engine == "simulated":
+        return None
+    wanted = [
+        name for name, on in (
+            ("the oracle policy", ORACLE in policies), ("--sim", args.sim), ("--speedup", args.speedup != 1),
+        ) if on
+    ]
+    if not wanted:
+        return None
+    return (
+        f"{' and '.join(wanted)} model the simulated engine's cache and costs; with --engine "
+        f"{args.engine} drop them (e.g. --policies cost,random)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in (*POLICY_NAMES, ORACLE):
             raise SystemExit(f"unknown policy {p!r}")
+    refusal = engine_refusal(args, policies)
+    if refusal:
+        raise SystemExit(refusal)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -606,9 +640,10 @@ def main(argv: list[str] | None = None) -> int:
             nodes=args.nodes, items=items, tokens=tokens, entries=entries, costs=costs,
             costs_file=costs_file, cache_bytes=cache_bytes,
             announce_interval_s=args.announce_interval, seed=args.seed, workdir=workdir, log=log,
+            engine=args.engine,
         )
         log(
-            f"cluster bench: {args.nodes} nodes, {len(items)} requests at {total_rate:g}/s, "
+            f"cluster bench: {args.nodes} {args.engine} nodes, {len(items)} requests at {total_rate:g}/s, "
             f"{args.skew}, cache {args.cache_tokens} tokens/node, costs {args.costs or 'default'}"
         )
         results: dict[str, dict[str, Any]] = {}
@@ -667,7 +702,7 @@ def build_report(args: argparse.Namespace, results: dict[str, dict[str, Any]], c
         "join_announce_intervals": join.get("announce_intervals"),
         "policies": {p: {k: v for k, v in r.items() if not k.startswith("_")} for p, r in results.items()},
         "params": {
-            "nodes": args.nodes, "requests": args.requests, "rate_per_node": args.rate,
+            "nodes": args.nodes, "engine": args.engine, "requests": args.requests, "rate_per_node": args.rate,
             "speedup": args.speedup,
             "skew": args.skew, "max_tokens": args.max_tokens, "cache_tokens": args.cache_tokens,
             "costs": costs.to_dict(), "costs_source": str(args.costs or "default"),
@@ -687,7 +722,7 @@ def build_report(args: argparse.Namespace, results: dict[str, dict[str, Any]], c
 def format_table(report: dict[str, Any]) -> str:
     p = report["params"]
     lines = [
-        f"cluster bench: {p['nodes']} node processes on loopback, {p['requests']} MMLU 5-shot "
+        f"cluster bench: {p['nodes']} {p['engine']} node processes on loopback, {p['requests']} MMLU 5-shot "
         f"requests ({p['skew']}) at {p['rate_per_node']}/s per node, cache {p['cache_tokens']} "
         f"tokens/node, costs {p['costs_source']}"
         + (f" sped up {p['speedup']:g}x" if p["speedup"] != 1 else "")
@@ -720,7 +755,7 @@ def format_table(report: dict[str, Any]) -> str:
 def format_markdown(report: dict[str, Any]) -> str:
     p = report["params"]
     lines = [
-        f"{p['nodes']} node processes on loopback, {p['requests']} MMLU 5-shot requests "
+        f"{p['nodes']} {p['engine']} node processes on loopback, {p['requests']} MMLU 5-shot requests "
         f"({p['skew']}, seed {p['seed']}) at {p['rate_per_node']}/s per node, cache "
         f"{p['cache_tokens']} tokens/node, costs {p['costs_source']}. Command: "
         f"`bench/cluster_bench.py {' '.join(p['argv'])}`",
