@@ -13,7 +13,6 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
-import trio
 
 from peerinfer.core.messages import ChatMessage, Constraint, SamplingParams
 from peerinfer.core.prefix import PrefixHasher
@@ -23,7 +22,7 @@ from peerinfer.engine.batch import BatchScheduler
 from peerinfer.engine.constraints import log_softmax_numpy
 from peerinfer.engine.llamacpp import LlamaCppEngine
 from peerinfer.node import Node
-from peerinfer.serve import serve_node
+from peerinfer.testing.inprocess import open_nodes
 from tests.http.test_agents import TIME, WEATHER, _chat
 from tests.http.test_http import in_thread, options, sdk
 
@@ -193,13 +192,8 @@ def test_audit_rescores_under_the_constraint(smol: LlamaCppEngine) -> None:
 async def llama_node() -> AsyncIterator[Node]:
     engine = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False)
     try:
-        async with trio.open_nursery() as nursery:
-            node = Node(options(engine="llamacpp"), engine=engine)
-            await nursery.start(serve_node, node)
-            try:
-                yield node
-            finally:
-                nursery.cancel_scope.cancel()
+        async with open_nodes(1, lambda i, bootstrap: Node(options(engine="llamacpp"), engine=engine)) as (node,):
+            yield node
     finally:
         engine.close()
 

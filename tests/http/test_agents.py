@@ -23,6 +23,7 @@ from peerinfer.engine.tools import generic_messages, parse_tool_calls, tool_call
 from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node
 from peerinfer.serve import serve_node
+from peerinfer.testing.inprocess import open_nodes
 from tests.http.test_http import in_thread, nodes, options, sdk
 
 WEATHER = {
@@ -138,13 +139,8 @@ async def smol_node() -> AsyncIterator[Node]:
     threads = torch.get_num_threads()
     engine = TransformersEngine(device="cpu", dtype="float32", threads=1)
     try:
-        async with trio.open_nursery() as nursery:
-            node = Node(options(engine="hf"), engine=engine)
-            await nursery.start(serve_node, node)
-            try:
-                yield node
-            finally:
-                nursery.cancel_scope.cancel()
+        async with open_nodes(1, lambda i, bootstrap: Node(options(engine="hf"), engine=engine)) as (node,):
+            yield node
     finally:
         engine.close()
         torch.set_num_threads(threads)
