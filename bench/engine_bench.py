@@ -362,8 +362,7 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
             # already holds the prefix (restored untimed).
             seq = engine._take_seq()
             try:
-                for payload in engine.radix_cache.match(prompt[:cached], touch=False).payloads:
-                    engine.restore_block(seq, payload)
+                engine.restore_blocks(seq, engine.radix_cache.match(prompt[:cached], touch=False).payloads)
                 rest = prompt[cached:]
                 t0 = clock()
                 engine._decode([(t, cached + j, seq, j == len(rest) - 1) for j, t in enumerate(rest)])

@@ -12,8 +12,9 @@ nothing).
 
 Variations (``--only a,b`` runs some): ``engine`` (as the engine opens it), ``fa_off`` /
 ``fa_on`` (flash attention forced; the engine leaves llama.cpp's auto), ``ubatch512``,
-``small_ctx`` (a context just big enough for the 8 sequences), ``seq_max9``, ``split_kv``
-(``kv_unified`` false: a KV stream per sequence), ``split_kv_fa_off``, ``no_extra_bufs``, ``v_f32`` (V cells in float32).
+``small_ctx`` (a context just big enough for the 8 sequences), ``seq_max9``, ``unified``
+(``kv_unified`` true: one KV cache for all sequences, as the engine had it before it gave each
+sequence a stream), ``unified_fa_off``, ``no_extra_bufs``, ``v_f32`` (V cells in float32).
 
 ``--clock cpu`` (the default) times with the process's CPU time (with one thread, what the wall
 clock would read on an idle machine), ``--clock wall`` with the wall clock; either way give the
@@ -62,8 +63,8 @@ def main() -> None:
         "n_ctx": eng.context_tokens,
         "n_batch": eng._n_batch,
         "n_ubatch": min(eng._n_batch, eng.ubatch_tokens),
-        "n_seq_max": eng._max_sequences + 1,
-        "kv_unified": True,
+        "n_seq_max": eng._max_sequences,
+        "kv_unified": False,  # a KV stream per sequence, as the engine opens it
         "flash_attn_type": int(L.llama_context_default_params().flash_attn_type),
         "extra_buffers": eng.extra_buffers,
         "type_v": 1,  # GGML_TYPE_F16, llama.cpp's default
@@ -74,7 +75,8 @@ def main() -> None:
     eng.close()
     assert len(prompt) == prompt_len, len(prompt)
 
-    small = -(-(N_SEQ * (prompt_len + 64) + 64) // 256) * 256
+    # Each stream holds n_ctx / n_seq_max cells: just enough for the prompt and the steps.
+    small = int(base["n_seq_max"]) * (-(-(prompt_len + 64) // 256) * 256)  # type: ignore[call-overload]
     variations: dict[str, dict[str, object]] = {
         "engine": {},
         "fa_off": {"flash_attn_type": 0},
@@ -82,9 +84,9 @@ def main() -> None:
         "ubatch512": {"n_ubatch": base["n_batch"]},
         "small_ctx": {"n_ctx": small},
         "seq_max9": {"n_seq_max": N_SEQ + 1},
-        # A stream per sequence: each stream holds n_ctx / n_seq_max cells.
-        "split_kv": {"kv_unified": False, "n_ctx": max(base["n_ctx"], small * 2)},
-        "split_kv_fa_off": {"kv_unified": False, "flash_attn_type": 0, "n_ctx": max(base["n_ctx"], small * 2)},
+        # One unified KV cache for all sequences (the engine before it split the streams).
+        "unified": {"kv_unified": True},
+        "unified_fa_off": {"kv_unified": True, "flash_attn_type": 0},
         "no_extra_bufs": {"extra_buffers": False},
         # V cells in float32: flash attention then accumulates in float32, not float16.
         "v_f32": {"type_v": 0},

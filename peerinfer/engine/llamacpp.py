@@ -1,8 +1,8 @@
 """The llama.cpp engine: GGUF models run natively and quantized, batched, with exact prefix reuse.
 
 Built on llama-cpp-python's low-level API (``llama_cpp``: the C functions through ctypes), never
-its ``Llama`` class: one model and **one llama context per node**, with a unified KV cache that
-holds every running request as its own sequence id.
+its ``Llama`` class: one model and **one llama context per node**, which holds every running
+request as its own sequence id, each with a KV stream of its own (``kv_unified`` false).
 
 Loading
 -------
@@ -18,8 +18,8 @@ whether llama.cpp's extra CPU buffer types are safe) lives in :mod:`peerinfer.en
 
 Batching
 --------
-Every request owns a sequence id from a pool (``max_sequences``, default twice the batch size)
-for its whole life. Its prompt runs in chunks (``Decoder.prefill``); several newcomers' chunks run
+Every request owns a sequence id from a pool (``max_sequences``, default the batch size plus
+two) for its whole life (the engine may renumber it: below). Its prompt runs in chunks (``Decoder.prefill``); several newcomers' chunks run
 in **one** ``llama_decode`` (``prefill_batch``), and every decoding request's next token runs in
 **one** ``llama_decode`` with one row per sequence (``decode_batch``). Logits are asked for only
 where a token is sampled. llama.cpp masks each row to its own sequence's cells, and its CPU kernels
@@ -31,23 +31,46 @@ whether its prompt ran alone or beside others, in one chunk or many (measured: 4
 together and decoded together gave the lone runs' logits exactly; with ``n_ubatch`` 64 or 512 they
 differed by 0.57-1.24). It costs about 10 % of prefill speed against 512-token ubatches (5.9-6.4 s
 against 5.1-5.6 s of CPU for 512 tokens, 1 thread, on a machine at load 10). That holds while
-each sequence's cells lie in position order. In the unified cache a finished request frees cells
-below the running ones, and llama.cpp may place a running (or newly restored) sequence's next
-tokens there; flash attention accumulates V in float16 in cell order, so such a sequence's logits
-move (by up to 0.44 on the default model: ``bench/llamacpp_cell_order_probe.py``), and greedy
-tokens can flip where the two best logits are that close (docs/performance.md).
+each sequence's cells lie in position order, which is why each sequence has a stream of its own.
+
+One KV stream per sequence
+--------------------------
+In a unified KV cache (one stream for all sequences) a finished request frees cells below the
+running ones, and llama.cpp places a running (or newly restored) sequence's next tokens there;
+CPU flash attention accumulates V in float16 in cell order, so such a sequence's logits move (by
+up to 0.44 on the default model: ``bench/llamacpp_cell_order_probe.py``) and greedy tokens flip
+where the two best logits are that close. So the context is created with ``kv_unified`` false:
+sequence ``i`` has stream ``i``, its cells always in position order, as in a lone run (an 8-row
+decode step is also 9-29 % cheaper: each row's attention walks only its own cells). llama.cpp
+0.3.36 then forces three things:
+
+* ``llama_memory_seq_cp`` copies only whole streams, and ``llama_state_seq_set_data`` clears the
+  sequence first; so blocks are cut out of a sequence's whole saved state and a prefix's blocks
+  are joined into one saved state (:mod:`peerinfer.engine.llamacpp_state`; below).
+* A batch is split with ``split_equal(sequential=true)``: one physical batch holds only rows of
+  consecutive, increasing sequence ids, so ``decode_batch`` and ``prefill_batch`` sort their rows
+  by sequence id, ids are taken lowest first, and when a request ends while a higher id runs, the
+  highest one's KV moves down into the freed id (``_give_seq``): else each gap between the ids
+  costs one more forward pass.
+* Each stream holds ``n_ctx / n_seq_max`` cells: one request's prompt and completion must fit in
+  its stream, and ``max_context_tokens`` reports that bound (``sequence_tokens``). With the
+  default 1 GiB budget and 10 sequences it is about 2,300 tokens (docs/performance.md);
+  ``max_sequences`` trades concurrent requests for context per request.
 Greedy rows take the first maximum; sampled rows draw from their own seeded NumPy generator, so a
 seeded request's tokens do not depend on its neighbours.
 
 KV reuse: saved sequence state, not shared cells
 ------------------------------------------------
-A cached block's payload is the ``bytes`` that ``llama_state_seq_get_data`` writes for that block's
-cells (K and V rows of every layer, with their positions): it is cut out of the request's sequence
-through a scratch sequence (``llama_memory_seq_cp`` of the block's positions, get the data,
-``seq_rm``), and restored the same way (``llama_state_seq_set_data`` into the scratch sequence,
-``seq_cp`` to the request, ``seq_rm``). So the radix cache keeps its blocks in process memory
-(``--cache-bytes``), eviction frees bytes, and a block is already an exportable byte string (the
-KV-tier issue's disk format).
+A cached block's payload is a ``bytes`` value in ``llama_state_seq_get_data``'s format holding
+that block's cells alone (K and V rows of every layer, with their positions), written as one
+stream of sequence 0 so that the same KV gives the same bytes whatever sequence it came from
+(``export_block``, ``export_blocks``: one saved state of the whole sequence, cut into blocks by
+:func:`~peerinfer.engine.llamacpp_state.cut`). A hit's blocks are joined into one saved state of
+the request's sequence and restored in one ``llama_state_seq_set_data`` (``restore_blocks``;
+``restore_block`` adds one block after what the sequence holds). So the radix cache keeps its
+blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
+self-contained byte string that restores into any sequence at its positions (the KV-tier issue's
+disk format).
 
 The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
 and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected
@@ -68,16 +91,18 @@ block as soon as it is complete (after the ``llama_decode`` that filled it), whi
 all there, and hands those payloads to the cache when the request ends.
 
 Memory: the byte budget (``capacity_bytes``, the node's ``--cache-bytes``) covers the context and
-the cached blocks together. Half of it (at most what ``max_sequences`` requests of full context
-need) is the context's KV cells, allocated up front; the radix cache gets the rest, and the
-scheduler reserves each running request's ``(prompt + max_tokens) * kv_bytes_per_token`` out of
-that rest, so the running requests always fit in the context (its cells are at least as many as
-the reservations can cover).
+the cached blocks together. Half of it, split among the ``max_sequences`` streams (each at most
+the trained context, and at least llama.cpp's 256-cell padding, so a small budget's context may
+take more than half), is the context's KV cells, allocated up front; the radix cache gets the
+rest, and the scheduler reserves each running request's ``(prompt + max_tokens) *
+kv_bytes_per_token`` out of that rest. A request longer than one stream is refused
+(``max_context_tokens``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import sys
 import threading
@@ -89,6 +114,7 @@ from typing import Any
 import numpy as np
 
 from peerinfer.core.messages import ChatMessage
+from peerinfer.engine import llamacpp_state as llstate
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine
 from peerinfer.engine.constraints import GrammarTokenizer
 from peerinfer.engine.llamacpp_decoder import (
@@ -121,6 +147,10 @@ DEFAULT_MAX_BATCH_SIZE = 8
 #: differ by up to ~1 on the default model). Keeping every ubatch under 64 rows makes a token's
 #: result independent of what shares its ubatch (neighbours, chunking): see the module docstring.
 DEFAULT_UBATCH_TOKENS = 32
+#: Sequences (KV streams) beyond ``max_batch_size`` by default: room for a suspended request or an
+#: audit's teacher forcing beside a full batch. Every stream costs its share of the context, so
+#: more spares mean a shorter context per request (module docstring, "One KV stream per sequence").
+DEFAULT_SPARE_SEQUENCES = 2
 _CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
 
 
@@ -173,7 +203,7 @@ class LlamaCppEngine(Engine):
         if type(max_batch_size) is not int or max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if max_sequences is None:
-            max_sequences = max(16, 2 * max_batch_size)
+            max_sequences = max_batch_size + DEFAULT_SPARE_SEQUENCES
         if type(max_sequences) is not int or not 1 <= max_sequences <= 255:
             raise ConfigError(f"max_sequences must be an integer in [1, 255], got {max_sequences!r}")
         if type(ubatch_tokens) is not int or ubatch_tokens < 1:
@@ -189,8 +219,10 @@ class LlamaCppEngine(Engine):
         self.last_timings: RequestTimings | None = None
         self._lock = threading.Lock()
         self._max_sequences = max_sequences
-        self._scratch = max_sequences  # the sequence id blocks pass through
-        self._free_seqs = list(range(max_sequences - 1, -1, -1))
+        #: Free sequence ids, a heap: the lowest is taken first, to keep the ids in use dense.
+        self._free_seqs = list(range(max_sequences))
+        #: The decoder that owns each sequence id in use (moved when a lower id frees up).
+        self._owners: dict[int, Any] = {}
         self._ctx: Any = None
         self._batch: Any = None
         self._batch_capacity = 0
@@ -228,45 +260,50 @@ class LlamaCppEngine(Engine):
             # this very chunk before its block is exported (see the module docstring).
             self.prefill_chunk_tokens = min(prefill_chunk_tokens, max(self._swa, block_size))
         self._context_tokens = 0
+        self._sequence_tokens = 0
         # A small context first, to measure a block's saved size; then the real one.
         self._open_context(_CONTEXT_PAD)
         self.kv_bytes_per_token = self._measure_kv_bytes(block_size)
-        self._open_context(self._context_cells(capacity_bytes))
+        self._open_context(self._sequence_cells(capacity_bytes))
 
     # ------------------------------------------------------------ context management
 
-    def _context_cells(self, budget: int | None) -> int:
-        """KV cells of the context for a byte budget: half of it, at most what every sequence
-        at full context needs, plus room for one block in the scratch sequence."""
+    def _sequence_cells(self, budget: int | None) -> int:
+        """KV cells of each sequence's stream for a byte budget: half of the budget split among
+        the ``max_sequences`` streams, at most the model's trained context, rounded down to
+        llama.cpp's 256-cell padding (at least 256)."""
         kv = max(1, self.kv_bytes_per_token)
-        most = self._max_sequences * self._n_ctx_train
-        cells = most if budget is None else min(most, budget // 2 // kv)
-        cells += 2 * self.default_block_size
-        return max(_CONTEXT_PAD, -(-cells // _CONTEXT_PAD) * _CONTEXT_PAD)
+        cells = self._n_ctx_train
+        if budget is not None:
+            cells = min(cells, budget // 2 // kv // self._max_sequences)
+        return max(_CONTEXT_PAD, cells // _CONTEXT_PAD * _CONTEXT_PAD)
 
-    def _open_context(self, cells: int) -> None:
-        if self._ctx is not None and cells == self._context_tokens:
+    def _open_context(self, per_sequence: int) -> None:
+        if self._ctx is not None and per_sequence == self._sequence_tokens:
             return
         self._free_context()
         cp = L.llama_context_default_params()
-        cp.n_ctx = cells
+        cp.n_ctx = per_sequence * self._max_sequences
         # One call holds a prefill chunk, or one decode row per sequence.
-        cp.n_batch = max(self.prefill_chunk_tokens, self._max_sequences + 1, 64)
+        cp.n_batch = max(self.prefill_chunk_tokens, self._max_sequences, 64)
         cp.n_ubatch = min(cp.n_batch, self.ubatch_tokens)
-        cp.n_seq_max = self._max_sequences + 1
+        cp.n_seq_max = self._max_sequences
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.kv_unified = True
+        # A KV stream per sequence: each request's cells in position order, whatever the others
+        # do (see "One KV stream per sequence" in the module docstring).
+        cp.kv_unified = False
         cp.swa_full = True
         cp.no_perf = True
         ctx = L.llama_init_from_model(self._model, cp)
         if not ctx:
             raise ConfigError(
-                f"llama.cpp cannot create a context of {cells} KV cells "
-                f"({cells * max(1, self.kv_bytes_per_token) / 2**20:.0f} MiB); lower --cache-bytes"
+                f"llama.cpp cannot create a context of {cp.n_ctx} KV cells "
+                f"({cp.n_ctx * max(1, self.kv_bytes_per_token) / 2**20:.0f} MiB); lower --cache-bytes"
             )
         self._ctx = ctx
         self._mem = L.llama_get_memory(ctx)
         self._context_tokens = int(L.llama_n_ctx(ctx))
+        self._sequence_tokens = int(L.llama_n_ctx_seq(ctx))
         self._n_batch = int(cp.n_batch)
         self._ensure_batch(self._n_batch)
 
@@ -287,12 +324,14 @@ class LlamaCppEngine(Engine):
         self._batch_capacity = n
 
     def _measure_kv_bytes(self, block_size: int) -> int:
-        """Bytes of saved state per token, measured on one block run through the scratch."""
+        """Bytes of a block's payload per token, measured on one block run in sequence 0."""
         bos = L.llama_vocab_bos(self._vocab)
         token = bos if 0 <= bos < self._n_vocab else 0
-        self._decode([(token, p, self._scratch, False) for p in range(block_size)])
-        size = int(L.llama_state_seq_get_size(self._ctx, self._scratch))
-        L.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+        self._decode([(token, p, 0, False) for p in range(block_size)])
+        try:
+            size = len(self.export_block(0, 0, block_size))
+        finally:
+            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
         return -(-size // block_size)
 
     def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,
@@ -301,7 +340,7 @@ class LlamaCppEngine(Engine):
         "Memory" in the module docstring); the context is re-created when its size changes."""
         self._check_open()
         budget = self.default_capacity_bytes if capacity_bytes is None else capacity_bytes
-        cells = self._context_cells(budget)
+        cells = self._sequence_cells(budget)
         old = self._cache
         if old is not None and old.stats().locked_blocks:
             raise ConfigError("cannot reconfigure the cache while requests are running")
@@ -310,14 +349,20 @@ class LlamaCppEngine(Engine):
         self._open_context(cells)
         cache_bytes = None
         if budget is not None:
-            context_bytes = (cells - 2 * self.default_block_size) * self.kv_bytes_per_token
-            cache_bytes = max(0, budget - min(context_bytes, budget // 2 + budget % 2))
+            # The context's streams take what they hold (half the budget, or more where the
+            # 256-cell minimum per sequence exceeds it); the cached blocks get the rest.
+            cache_bytes = max(0, budget - self.context_bytes)
         super().configure_cache(hasher, capacity_bytes=cache_bytes, capacity_tokens=capacity_tokens)
 
     @property
     def context_tokens(self) -> int:
-        """KV cells of the llama context (shared by every running request)."""
+        """KV cells of the llama context, all streams together."""
         return self._context_tokens
+
+    @property
+    def sequence_tokens(self) -> int:
+        """KV cells of one sequence's stream: the most one request can hold."""
+        return self._sequence_tokens
 
     @property
     def context_bytes(self) -> int:
@@ -335,7 +380,8 @@ class LlamaCppEngine(Engine):
 
     @property
     def max_context_tokens(self) -> int:
-        return min(self._n_ctx_train, self._context_tokens - 2 * self.default_block_size)
+        # A request lives in one sequence's stream: prompt and completion must fit in it.
+        return min(self._n_ctx_train, self._sequence_tokens)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -483,47 +529,92 @@ class LlamaCppEngine(Engine):
             self._give_seq(seq)
         return out
 
-    def _take_seq(self) -> int:
+    def _take_seq(self, owner: Any = None) -> int:
+        """The lowest free sequence id; ``owner`` (a decoder, with a ``_seq``) lets the engine
+        move it to a lower id when one frees up (``_give_seq``)."""
         if not self._free_seqs:
             raise EngineError(
                 f"all {self._max_sequences} llama.cpp sequences are busy (raise max_sequences)"
             )
-        return self._free_seqs.pop()
+        seq = heapq.heappop(self._free_seqs)
+        if owner is not None:
+            self._owners[seq] = owner
+        return seq
 
     def _give_seq(self, seq: int) -> None:
+        """Free ``seq``; then, if a decoder holds a higher id, move the highest one's KV down into
+        it, so the ids in use stay dense (llama.cpp splits a batch at each gap between the
+        sequence ids of its rows: one more forward pass per gap, see ``decode_batch``)."""
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._free_seqs.append(seq)
+        self._owners.pop(seq, None)
+        if self._owners:
+            top = max(self._owners)
+            if top > seq:
+                self._move_seq(top, seq)
+                seq = top
+        heapq.heappush(self._free_seqs, seq)
+
+    def _move_seq(self, src: int, dst: int) -> None:
+        """Move sequence ``src``'s cells (empty ``dst``) and its owner to ``dst``. Through saved
+        state, not ``llama_memory_seq_cp``: the whole-stream copy is deferred to the next
+        ``llama_decode``, and an export before it would read ``dst``'s stale cells."""
+        owner = self._owners.pop(src)
+        data = self._state_bytes(src)
+        state = llstate.parse(data)
+        if any(section is not None for section in state.sections):
+            self._set_state(dst, llstate.write(state, dst, self._max_sequences))
+        L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        owner._seq = dst
+        self._owners[dst] = owner
+
+    def _state_bytes(self, seq: int) -> bytes:
+        """``seq``'s whole saved state (``llama_state_seq_get_data``)."""
+        size = int(L.llama_state_seq_get_size(self._ctx, seq))
+        buf = bytearray(size)
+        arr = (ctypes.c_uint8 * size).from_buffer(buf)
+        n = int(L.llama_state_seq_get_data(self._ctx, arr, size, seq))
+        del arr
+        if n <= 0:
+            raise EngineError(f"llama.cpp saved no state for sequence {seq}")
+        return bytes(memoryview(buf)[:n])
+
+    def _set_state(self, seq: int, data: bytes) -> None:
+        """Replace ``seq``'s cells with a saved state's (``llama_state_seq_set_data``)."""
+        src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        n = int(L.llama_state_seq_set_data(self._ctx, src, len(data), seq))
+        if n <= 0:
+            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise EngineError(
+                "llama.cpp could not restore cached blocks (the sequence's stream is full?)"
+            )
+
+    def export_blocks(self, seq: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The payloads of ``seq``'s cells at each ``(start, length)`` of ``ranges``: one saved
+        state of the whole sequence, cut into blocks (``llamacpp_state.cut``)."""
+        if not ranges:
+            return []
+        state = llstate.parse(self._state_bytes(seq))
+        return [llstate.cut(state, start, start + length) for start, length in ranges]
 
     def export_block(self, seq: int, start: int, length: int) -> bytes:
-        """The saved state of ``seq``'s cells at positions ``[start, start + length)``."""
-        scratch, mem = self._scratch, self._mem
-        L.llama_memory_seq_rm(mem, scratch, -1, -1)
-        L.llama_memory_seq_cp(mem, seq, scratch, start, start + length)
-        try:
-            size = int(L.llama_state_seq_get_size(self._ctx, scratch))
-            buf = bytearray(size)
-            arr = (ctypes.c_uint8 * size).from_buffer(buf)
-            n = int(L.llama_state_seq_get_data(self._ctx, arr, size, scratch))
-            del arr
-        finally:
-            L.llama_memory_seq_rm(mem, scratch, -1, -1)
-        if n <= 0:
-            raise EngineError(f"llama.cpp saved no state for positions {start}..{start + length}")
-        return bytes(memoryview(buf)[:n])
+        """The payload of ``seq``'s cells at positions ``[start, start + length)``: a saved state
+        of those cells alone, the same bytes whatever sequence they came from."""
+        return self.export_blocks(seq, [(start, length)])[0]
+
+    def restore_blocks(self, seq: int, payloads: Sequence[bytes]) -> None:
+        """Add saved blocks' cells to ``seq`` (at the positions they were saved with), in one
+        ``llama_state_seq_set_data``: the blocks, after any cells ``seq`` already holds, are
+        joined into one saved state (restoring clears the sequence first)."""
+        if not payloads:
+            return
+        states = [llstate.parse(p) for p in payloads]
+        if int(L.llama_memory_seq_pos_max(self._mem, seq)) >= 0:
+            states.insert(0, llstate.parse(self._state_bytes(seq)))
+        self._set_state(seq, llstate.join(states, seq, self._max_sequences))
 
     def restore_block(self, seq: int, payload: bytes) -> None:
         """Add a saved block's cells to ``seq`` (at the positions they were saved with)."""
-        scratch, mem = self._scratch, self._mem
-        src = ctypes.cast(ctypes.c_char_p(payload), ctypes.POINTER(ctypes.c_uint8))
-        try:
-            n = int(L.llama_state_seq_set_data(self._ctx, src, len(payload), scratch))
-            if n <= 0:
-                raise EngineError(
-                    "llama.cpp could not restore a cached block (context full?); raise --cache-bytes"
-                )
-            L.llama_memory_seq_cp(mem, scratch, seq, -1, -1)
-        finally:
-            L.llama_memory_seq_rm(mem, scratch, -1, -1)
+        self.restore_blocks(seq, [payload])
 
     # ------------------------------------------------------------ decoding
 
@@ -558,6 +649,9 @@ class LlamaCppEngine(Engine):
             i, d = batched[0]
             out[i] = d.step()
             return out
+        # Rows in increasing sequence id: llama.cpp puts only consecutive, increasing ids in one
+        # physical batch when each sequence has its own stream.
+        batched.sort(key=lambda item: item[1]._seq)
         self._decode([(d._pending, d._kv, d._seq, True) for _, d in batched])
         for row, (i, d) in enumerate(batched):
             out[i] = d._advanced(self._logits(row))
@@ -588,6 +682,7 @@ class LlamaCppEngine(Engine):
                 done[i] = d._prompt_left == 0
                 continue
             plans.append((i, d, take))
+        plans.sort(key=lambda plan: plan[1]._seq)  # as in decode_batch: ids increasing
         # Pack the chunks into calls of at most n_batch tokens; a chunk never straddles two calls
         # (a decoder is committed once its call succeeded: a later failure leaves it consistent).
         call: list[tuple[int, _LlamaDecoder, int]] = []

@@ -81,12 +81,12 @@ class _DecoderEngine(Protocol):
     prefill_chunk_tokens: int
     last_timings: RequestTimings | None
 
-    def _take_seq(self) -> int: ...
+    def _take_seq(self, owner: Any = None) -> int: ...
     def _give_seq(self, seq: int) -> None: ...
     def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> None: ...
     def _logits(self, row: int) -> np.ndarray: ...
-    def restore_block(self, seq: int, payload: bytes) -> None: ...
-    def export_block(self, seq: int, start: int, length: int) -> bytes: ...
+    def restore_blocks(self, seq: int, payloads: Sequence[bytes]) -> None: ...
+    def export_blocks(self, seq: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]: ...
     def prefill_batch(self, decoders: Sequence[Decoder], max_tokens: Sequence[int]) -> list[bool]: ...
 
 
@@ -99,16 +99,17 @@ class _LlamaDecoder(Decoder):
         self._request = request
         self._params = request.params
         self._bs = request.block_size
-        self._seq = engine._take_seq()
+        #: The sequence id (its own KV stream). The engine may lower it when a lower id frees up.
+        self._seq = engine._take_seq(self)
         self._closed = False
         #: SWA models: payloads of the blocks exported as soon as they were complete.
         self._early: list[bytes] | None = [] if engine._swa else None
         try:
             t0 = time.perf_counter()
-            for payload in request.prefix.segments:
-                engine.restore_block(self._seq, payload)
-                if self._early is not None:
-                    self._early.append(payload)
+            payloads = [bytes(p) for p in request.prefix.segments]
+            engine.restore_blocks(self._seq, payloads)
+            if self._early is not None:
+                self._early.extend(payloads)
             self._build_s = time.perf_counter() - t0
         except BaseException:
             self.close()
@@ -160,8 +161,8 @@ class _LlamaDecoder(Decoder):
         if early is None:
             return
         bs = self._bs
-        while (len(early) + 1) * bs <= self._kv:
-            early.append(self._engine.export_block(self._seq, len(early) * bs, bs))
+        ranges = [(b * bs, bs) for b in range(len(early), self._kv // bs)]
+        early.extend(self._engine.export_blocks(self._seq, ranges))
 
     def step(self) -> int | None:
         if self._prompt_left and not self.prefill(self._prompt_left):
@@ -202,9 +203,8 @@ class _LlamaDecoder(Decoder):
         if self._early is not None:
             payloads = self._early[first_block:n_full]
         else:
-            payloads = [
-                self._engine.export_block(self._seq, b * bs, bs) for b in range(first_block, n_full)
-            ]
+            ranges = [(b * bs, bs) for b in range(first_block, n_full)]
+            payloads = self._engine.export_blocks(self._seq, ranges)
         return [KVSegment(p, len(p)) for p in payloads]
 
     def close(self) -> None:

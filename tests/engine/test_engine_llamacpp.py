@@ -16,6 +16,7 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 L = pytest.importorskip("llama_cpp")
@@ -32,6 +33,7 @@ from peerinfer.engine.llamacpp import (  # noqa: E402
     probe_extra_buffers,
     resolve_gguf,
 )
+from peerinfer.engine.llamacpp_decoder import _LlamaDecoder  # noqa: E402
 from peerinfer.engine.modelfiles import default_gguf_path, gguf_fingerprint  # noqa: E402
 from peerinfer.errors import ConfigError, EngineError  # noqa: E402
 from peerinfer.testing.llamacpp_reference import LlamaCppReference  # noqa: E402
@@ -167,8 +169,12 @@ def test_a_cached_prefix_is_not_recomputed_and_gives_llamacpp_alones_tokens(smol
 
 def test_eviction_frees_blocks_and_reports_them(smol) -> None:
     kv = smol.kv_bytes_per_token
-    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16), capacity_bytes=4 * 600 * kv)
+    # The fixture's context already has the smallest streams (256 cells each), so a budget of
+    # the context plus 600 tokens keeps the context and leaves the cache 600 tokens' bytes.
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16),
+                         capacity_bytes=smol.context_bytes + 600 * kv)
     cache = smol.radix_cache
+    assert cache.capacity_bytes == 600 * kv
     digest = set(smol.cached_block_hashes())
     for q in QUESTIONS:
         prompt = smol.tokenize(f"{q}: " + TEXT[: 200 + 40 * len(q)])
@@ -241,6 +247,50 @@ def test_batched_requests_with_shared_prefixes_match_llamacpp_alone(smol, smol_r
         identical += _assert_same_or_near_tie(_ids(events[i]), smol_ref.greedy(p, 16), f"request {i}")
     assert identical >= 6  # near-ties are rare: most must be identical outright
     assert all(isinstance(evs[0], Started) and evs[0].cached_tokens >= 64 for evs in events.values())
+
+
+def test_a_request_ending_first_leaves_a_running_ones_logits_as_alone(smol, smol_ref, monkeypatch) -> None:
+    """The out-of-order case: a short request prefilled before a long one ends while the long one
+    decodes. In a unified KV cache the long one's later tokens landed in the freed cells below
+    its earlier ones, and CPU flash attention (V summed in float16 in cell order) moved its logits
+    by up to 0.44. With a KV stream per sequence every logit equals its lone run's bit for bit,
+    and its greedy tokens equal llama.cpp alone."""
+    seen: dict[tuple[int, ...], list[np.ndarray]] = {}
+    real = _LlamaDecoder._sampled
+
+    def record(self: _LlamaDecoder, logits: np.ndarray) -> int:
+        seen.setdefault(tuple(self._request.tokens), []).append(np.array(logits, copy=True))
+        return real(self, logits)
+
+    monkeypatch.setattr(_LlamaDecoder, "_sampled", record)
+    short = smol.tokenize(_suffix(QUESTIONS[4]))
+    long = smol.tokenize(TEXT[:360] + _suffix(QUESTIONS[5]))
+
+    def run(jobs: list[tuple[str, list[int], int]]) -> dict[str, list[object]]:
+        smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # nothing cached
+        scheduler = BatchScheduler(smol, max_running=4)
+        for key, prompt, n in jobs:
+            scheduler.submit(key, prompt, SamplingParams(max_tokens=n))
+        events: dict[str, list[object]] = {}
+        for _ in range(300):
+            if scheduler.idle:
+                break
+            for key, item in scheduler.step():
+                events.setdefault(key, []).append(item)
+        assert scheduler.idle
+        return events
+
+    run([("long", long, 24)])
+    alone = seen.pop(tuple(long))
+    events = run([("short", short, 2), ("long", long, 24)])
+    batched = seen[tuple(long)]
+    # The short one ends (at most 2 tokens) while the long one still has tokens to go.
+    assert 1 <= len(_ids(events["short"])) <= 2 and len(batched) == len(alone) > 2
+    for k, (got, want) in enumerate(zip(batched, alone, strict=True)):
+        assert np.array_equal(got, want), (
+            f"token {k}: logits differ from the lone run by {float(np.abs(got - want).max()):.4f}"
+        )
+    assert _assert_same_or_near_tie(_ids(events["long"]), smol_ref.greedy(long, 24), "long")
 
 
 def test_seeded_sampling_does_not_depend_on_batch_neighbours(smol) -> None:
@@ -362,8 +412,9 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_gemma3_sliding_window_prefix_reuse_matches_llamacpp_alone(gemma_gguf: Path) -> None:
+    # 4 sequences: each stream then holds 1,792 cells, room for a prompt past the 512-token window.
     engine = load_engine("llamacpp", model=str(gemma_gguf), threads=1, capacity_bytes=256 << 20,
-                         extra_buffers=False)
+                         extra_buffers=False, max_sequences=4)
     ref = _Reference(gemma_gguf, engine.eos_token_ids)
     try:
         assert engine._swa > 0  # a sliding-window model: the case this test is about
