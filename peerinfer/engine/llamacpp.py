@@ -93,8 +93,8 @@ all there, and hands those payloads to the cache when the request ends.
 Memory: the byte budget (``capacity_bytes``, the node's ``--cache-bytes``) covers the context and
 the cached blocks together. Half of it, split among the ``max_sequences`` streams (each at most
 the trained context, and at least llama.cpp's 256-cell padding, so a small budget's context may
-take more than half), is the context's KV cells, allocated up front; the radix cache gets the
-rest, and the scheduler reserves each running request's ``(prompt + max_tokens) *
+hold more than half), is the context's KV cells, allocated up front; the radix cache gets the
+other half, and the scheduler reserves each running request's ``(prompt + max_tokens) *
 kv_bytes_per_token`` out of that rest. A request longer than one stream is refused
 (``max_context_tokens``).
 """
@@ -349,9 +349,9 @@ class LlamaCppEngine(Engine):
         self._open_context(cells)
         cache_bytes = None
         if budget is not None:
-            # The context's streams take what they hold (half the budget, or more where the
-            # 256-cell minimum per sequence exceeds it); the cached blocks get the rest.
-            cache_bytes = max(0, budget - self.context_bytes)
+            # The cached blocks get the rest, and never less than half: a small budget's streams
+            # (256 cells at least) may hold more than the other half.
+            cache_bytes = max(0, budget - min(self.context_bytes, budget // 2 + budget % 2))
         super().configure_cache(hasher, capacity_bytes=cache_bytes, capacity_tokens=capacity_tokens)
 
     @property

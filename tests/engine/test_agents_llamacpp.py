@@ -190,7 +190,8 @@ def test_audit_rescores_under_the_constraint(smol: LlamaCppEngine) -> None:
 
 @asynccontextmanager
 async def llama_node() -> AsyncIterator[Node]:
-    engine = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False)
+    # 256 MiB: each request's stream then holds 512 tokens (the tool prompts run to ~300).
+    engine = LlamaCppEngine(threads=1, capacity_bytes=256 << 20, extra_buffers=False)
     try:
         async with open_nodes(1, lambda i, bootstrap: Node(options(engine="llamacpp"), engine=engine)) as (node,):
             yield node
