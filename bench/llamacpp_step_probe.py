@@ -76,7 +76,7 @@ def main() -> None:
     assert len(prompt) == prompt_len, len(prompt)
 
     # Each stream holds n_ctx / n_seq_max cells: just enough for the prompt and the steps.
-    small = int(base["n_seq_max"]) * (-(-(prompt_len + 64) // 256) * 256)  # type: ignore[call-overload]
+    small = int(base["n_seq_max"]) * (-(-(prompt_len + 64) // 256) * 256)
     variations: dict[str, dict[str, object]] = {
         "engine": {},
         "fa_off": {"flash_attn_type": 0},
