@@ -12,6 +12,9 @@ position's logits with a lone in-order run:
 
 CPU flash attention skips masked cells exactly, but accumulates V in float16 in cell order, so a
 sequence whose cells are not in position order gets different logits. Prints max |difference|.
+In a unified KV cache (the engine's context before it gave each sequence a stream of its own)
+``out_of_order`` differed by 0.442; in the engine's context now (``kv_unified`` false) the freed
+cells belong to the other sequence's stream, so all three are 0.0 (docs/performance.md).
 Usage: python bench/llamacpp_cell_order_probe.py [--threads 1]
 """
 
