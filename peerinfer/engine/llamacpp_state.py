@@ -59,7 +59,8 @@ class _Section:
     k: list[_Layer]
     v: list[_Layer]
 
-    def take(self, rows: np.ndarray) -> _Section:
+    def take(self, rows: np.ndarray | slice) -> _Section:
+        """The cells at ``rows`` (a slice gives views: no copy until written)."""
         return _Section(
             self.positions[rows],
             self.v_trans,
@@ -155,7 +156,7 @@ def write(state: SavedState, seq: int, n_stream: int) -> bytes:
     slot = 0 if n_stream == 1 else seq
     if not 0 <= slot < n_stream:
         raise ValueError(f"sequence {seq} has no stream among {n_stream}")
-    out = [_HEADER.pack(state.magic, seq)]
+    out: list[bytes | memoryview] = [_HEADER.pack(state.magic, seq)]
     for section in state.sections:
         out.append(_U32.pack(n_stream))
         for s in range(n_stream):
@@ -170,10 +171,11 @@ def write(state: SavedState, seq: int, n_stream: int) -> bytes:
             cells[:, 2] = seq
             out.append(cells.tobytes())
             out.append(_HEADER.pack(section.v_trans, len(section.k)))
+            # Contiguous arrays go into the join as buffers: one copy, into the result.
             for layer in section.k:
-                out += [layer.header, layer.data.tobytes()]
+                out += [layer.header, np.ascontiguousarray(layer.data).data]
             for layer in section.v:
-                out += [layer.header, layer.data.tobytes()]
+                out += [layer.header, np.ascontiguousarray(layer.data).data]
     return b"".join(out)
 
 
@@ -189,7 +191,10 @@ def cut(state: SavedState, start: int, stop: int) -> bytes:
             raise EngineError(
                 f"llama.cpp saved {len(rows)} cells for positions {start}..{stop}, not {stop - start}"
             )
-        sections.append(section.take(rows))
+        if rows[-1] - rows[0] + 1 == len(rows):  # the usual case: consecutive cells, no copy
+            sections.append(section.take(slice(int(rows[0]), int(rows[-1]) + 1)))
+        else:
+            sections.append(section.take(rows))
     return write(SavedState(state.magic, sections), 0, 1)
 
 
