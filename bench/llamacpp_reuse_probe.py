@@ -10,6 +10,12 @@ It prints, for the default model (or --gguf), one thread (or --threads): the tim
 512-token prefix, to export it as 32 blocks of 16, to restore them, to seq_cp it; and the time of
 one decode step of 8 sequences with 0, 4,096 and 16,384 other (cached) cells in the context.
 
+It was written for, and measured on, the engine's unified KV cache (one stream for all
+sequences). The engine now gives each sequence a KV stream of its own (``kv_unified`` false), in
+which the shared-cells alternative cannot exist (a stream holds one sequence's cells, and
+``llama_memory_seq_cp`` copies only whole streams), so the probe refuses to run on it; its
+figures stay in the engine's module docstring and docs/performance.md as the record of the choice.
+
 Usage: python bench/llamacpp_reuse_probe.py [--threads N] [--gguf FILE]
 """
 
@@ -33,6 +39,10 @@ def main() -> None:
     gguf = argv[argv.index("--gguf") + 1] if "--gguf" in argv else None
     # 40 MiB budget: a small context of its own; the probe then makes one of 32k cells.
     eng = LlamaCppEngine(gguf, threads=threads, capacity_bytes=1 << 30, max_sequences=60)
+    if eng.sequence_tokens < eng.context_tokens:
+        eng.close()
+        raise SystemExit("the engine's context has a KV stream per sequence: this probe needs the "
+                         "unified cache it was written for (see its docstring)")
     bs = 16
     eng._open_context(32768)
     mem = eng._mem
