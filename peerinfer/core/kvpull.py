@@ -50,7 +50,7 @@ __all__ = [
 #: the blocks of 2,000-token pulls within 20 pulls in every one of 200 seeded runs, and costs
 #: about 5% of the prefill a pull saves at that size; the minimum of one block a pull makes
 #: small pulls dearer to check (a 4-block pull: 25%).
-DEFAULT_VERIFY_RATE = 0.05
+DEFAULT_VERIFY_RATE = 0.08
 #: A recomputed block matches the pulled one when their largest difference is at most this
 #: share of the pulled block's largest magnitude: float noise between two runs of one engine
 #: (batching, thread counts) stays orders of magnitude below it.
@@ -86,7 +86,7 @@ class PullSettings:
     open_swarm: bool = False
     min_gain_s: float = 0.01
     min_gain_fraction: float = 0.1
-    min_pull_tokens: int = 16
+    min_pull_tokens: int = 192
     bandwidth_half_life_s: float = 60.0
     bandwidth_max_age_s: float = 600.0
     probe_bytes: int = 1 << 20
@@ -267,8 +267,8 @@ class PullVerdict:
 class PullVerifier:
     """Picks a random sample of each pull's blocks to recompute locally, and judges them.
 
-    Each block is picked with probability ``rate``, and at least ``min_blocks`` are (a pull
-    always gets some check); the dice are this verifier's own (``seed``), so the choice is
+    A share ``rate`` of the blocks is picked, and at least ``min_blocks`` (a pull always gets
+    some check); the dice are this verifier's own (``seed``), so the choice is
     deterministic given the seed and the pulls before, and a peer cannot tell which blocks
     will be checked. The first block of a pull is checked like any other: recomputing block
     ``i`` needs the KV of blocks ``0..i-1`` (pulled too, or local), and costs about one block's
@@ -300,17 +300,18 @@ class PullVerifier:
         )
 
     def sample(self, blocks: int) -> tuple[int, ...]:
-        """The positions (ascending) among a pull's ``blocks`` blocks to recompute."""
+        """The positions (ascending) among a pull's ``blocks`` blocks to recompute: ``rate *
+        blocks`` of them, rounded up or down at random so that the mean is exact, at least
+        ``min_blocks``, drawn without replacement."""
         if blocks <= 0:
             return ()
         rng = self._rng
-        rate = self.rate
-        picked = [i for i in range(blocks) if rng.random() < rate]
-        short = min(self.min_blocks, blocks) - len(picked)
-        if short > 0:
-            rest = [i for i in range(blocks) if i not in set(picked)]
-            picked.extend(rng.sample(rest, short))
-        return tuple(sorted(picked))
+        want = self.rate * blocks
+        k = int(want)
+        if rng.random() < want - k:
+            k += 1
+        k = min(blocks, max(k, self.min_blocks))
+        return tuple(sorted(rng.sample(range(blocks), k)))
 
     def judge(self, errors: Iterable[tuple[int, float]]) -> PullVerdict:
         """The verdict on a pull from ``(block position, relative error)`` of each block

@@ -83,11 +83,13 @@ from peerinfer.core.node import (
     NodeCore,
     PeerSeen,
     PingPeer,
+    ProbeLink,
     Publish,
     Reject,
     RunLocal,
     SendSyncRequest,
     SyncResponseReceived,
+    TransferMeasured,
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import error_kind
@@ -100,6 +102,7 @@ from peerinfer.sim.kernel import (
     ARRIVAL,
     GOSSIP,
     NODE,
+    PULL,
     RELAY,
     STEP,
     SYNC,
@@ -246,6 +249,14 @@ class Simulation(SimKernel):
         self.pull_response_bytes = 0
         self.pings = 0
         self.drops = 0
+        # KV pulls (config.pull): per request the tokens pulled; pulls, their bytes, probes
+        self.pulled = [0] * total
+        self.pulls = 0
+        self.pull_bytes = 0
+        self.probes = 0
+        self._pull_on = bool(config.pull)
+        self._link_bytes_per_s = config.link_bytes_per_s
+        self._disk_bytes_per_s = config.disk_read_mb_s * 1e6 if config.kv_disk else 0.0
         # Residency probes: which nodes cache the shared prefix of the ``probe_top`` most
         # frequent labels, sampled every ``share_stride`` arrivals.
         self.probe_hashes: dict[str, BlockHash] = {}
@@ -455,6 +466,8 @@ class Simulation(SimKernel):
                     self.push(now + rtt, NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
             elif t is DropPeer:
                 self.drops += 1
+            elif t is ProbeLink:
+                self._probe(n, eff, now)
             else:  # pragma: no cover - a new effect type the simulator does not know
                 raise SimulationError(f"the simulator cannot execute {t.__name__}")
         if rearm:
@@ -588,11 +601,74 @@ class Simulation(SimKernel):
         wait = now - self.enqueued[n].pop(rid, now)
         self.waits[n].append(wait)
         self.queue_wait[i] = wait
-        job = BatchJob(
-            rid, plan.prompt_tokens, plan.cached_tokens, plan.completion_tokens, payload=run
-        )
+        cached = plan.cached_tokens
+        decision = eff.decision
+        move = 0.0
+        if self._pull_on and decision is not None and decision.pull_from is not None:
+            cached, move = self._pull(n, i, eff, decision.pull_from, cached, now)
+        job = BatchJob(rid, plan.prompt_tokens, cached, plan.completion_tokens, payload=run)
+        if move > 0.0:
+            # The run holds its slot while the KV comes (the core counts it running), and
+            # joins the batch when the last byte is in.
+            self.push(now + move, PULL, n, job)
+        else:
+            self._batch_moved(n, self.batches[n].join(job, now))
+        self._deliver(n, LocalStarted(rid, cached), now)
+
+    def _held_blocks(self, k: int, chain: Sequence[BlockHash]) -> int:
+        """How many of ``chain``'s leading blocks node ``k``'s engine holds now."""
+        cached = self.engines[k].cached
+        held = 0
+        for h in chain:
+            if not cached(h):
+                break
+            held += 1
+        return held
+
+    def _pull(
+        self, n: int, i: int, eff: RunLocal, peer: Any, cached: int, now: float
+    ) -> tuple[int, float]:
+        """Execute a decision's pull for request ``i`` on node ``n``: the blocks the holder
+        still holds beyond ``n``'s match (what was matched before this run's plan, ``cached``)
+        come over the link, a round trip plus bytes / bandwidth (plus the holder's disk read,
+        ``kv_disk``). Returns the run's cached tokens and the transfer's seconds; the
+        transfer is fed back to the node's core as a bandwidth sample."""
+        p = self.index_of[peer]
+        if self.churn is not None and not self.churn.up(p):
+            rtt = 2 * self.delay[n][p]
+            return cached, rtt  # no answer: a round trip lost, then a recompute
+        bs = self.hasher.block_size
+        prompt = len(eff.tokens)
+        chain = self.hasher.prompt_chain(eff.tokens)
+        held = self._held_blocks(p, chain)
+        tokens = max(0, min(held * bs, prompt - 1) - cached)
+        nbytes = tokens * self.config.kv_bytes_per_token
+        rtt = 2 * self.delay[n][p]
+        move = rtt + nbytes / self._link_bytes_per_s
+        if self._disk_bytes_per_s:
+            move += nbytes / self._disk_bytes_per_s
+        if tokens:
+            self.pulls += 1
+            self.pull_bytes += nbytes
+            self.pulled[i] = tokens
+            self.push(now + move, NODE, n, TransferMeasured(peer, nbytes, move, rtt))
+        return cached + tokens, move
+
+    def _pulled(self, n: int, job: BatchJob, now: float) -> None:
+        """A pull ended: its run joins the batch, unless it was cancelled meanwhile."""
+        if self._runs[n].get(job.key) != job.payload:
+            return
         self._batch_moved(n, self.batches[n].join(job, now))
-        self._deliver(n, LocalStarted(rid, plan.cached_tokens), now)
+
+    def _probe(self, n: int, eff: ProbeLink, now: float) -> None:
+        """Measure a link as the core asked: ``nbytes`` of filler over it."""
+        p = self.index_of.get(eff.peer)
+        if p is None or (self.churn is not None and not self.churn.up(p)):
+            return
+        self.probes += 1
+        rtt = 2 * self.delay[n][p]
+        move = rtt + eff.nbytes / self._link_bytes_per_s
+        self.push(now + move, NODE, n, TransferMeasured(eff.peer, eff.nbytes, move, rtt))
 
     def _batch_moved(self, n: int, end: float | None) -> None:
         if end is not None:
