@@ -72,7 +72,7 @@ def decision(args: argparse.Namespace) -> None:
                 if name in fixed:
                     cache[name] = ttft[name]
                 if name == "core":
-                    pulls = sim.pulls
+                    pulls = sim.kv.pulls if sim.kv is not None else 0
             best = min(ttft["recompute"], ttft["forward"], ttft["pull"])
             ratio = ttft["core"] / best
             if ratio > 1.1:

@@ -33,7 +33,9 @@ How effects are executed
     token and the end; the end reports ``LocalFinished`` with the cache changes accumulated
     since the node's previous report. ``CancelForward`` sends ``Cancel`` to the peer;
     ``CancelLocal`` takes the run out of the batch and reports ``LocalFinished(ok=False)``. ``PingPeer`` is answered with
-    ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts.
+    ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts. With ``config.pull``, a local decision's
+    KV pull and a ``ProbeLink`` are ``peerinfer.sim.pulls``'s (transfers over links with a
+    bandwidth; their measurements come back as ``TransferMeasured``).
 
 The client's view
     A request's TTFT is from its arrival at its entry node to the first token reaching the
@@ -89,7 +91,6 @@ from peerinfer.core.node import (
     RunLocal,
     SendSyncRequest,
     SyncResponseReceived,
-    TransferMeasured,
 )
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import error_kind
@@ -112,6 +113,7 @@ from peerinfer.sim.kernel import (
 )
 from peerinfer.sim.mix import node_costs
 from peerinfer.sim.oracle import OracleRouter
+from peerinfer.sim.pulls import KvPulls
 from peerinfer.types import BlockHash, RequestId
 
 
@@ -249,14 +251,8 @@ class Simulation(SimKernel):
         self.pull_response_bytes = 0
         self.pings = 0
         self.drops = 0
-        # KV pulls (config.pull): per request the tokens pulled; pulls, their bytes, probes
-        self.pulled = [0] * total
-        self.pulls = 0
-        self.pull_bytes = 0
-        self.probes = 0
-        self._pull_on = bool(config.pull)
-        self._link_bytes_per_s = config.link_bytes_per_s
-        self._disk_bytes_per_s = config.disk_read_mb_s * 1e6 if config.kv_disk else 0.0
+        #: KV pulls and link probes (``config.pull``; ``peerinfer.sim.pulls``), None when off
+        self.kv: KvPulls | None = None
         # Residency probes: which nodes cache the shared prefix of the ``probe_top`` most
         # frequent labels, sampled every ``share_stride`` arrivals.
         self.probe_hashes: dict[str, BlockHash] = {}
@@ -281,6 +277,8 @@ class Simulation(SimKernel):
         self.churn: Churn | None = Churn(self, schedule) if churning else None
         #: gossipsub's mesh instead of the direct broadcast (peerinfer.sim.gossip)
         self.mesh: Mesh | None = Mesh(self) if config.gossip == "mesh" else None
+        if config.pull:
+            self.kv = KvPulls(self, self.engines, hasher)
 
     def make_core(self, i: int, now: float) -> NodeCore:
         """Node ``i``'s core, started at ``now``."""
@@ -466,8 +464,8 @@ class Simulation(SimKernel):
                     self.push(now + rtt, NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
             elif t is DropPeer:
                 self.drops += 1
-            elif t is ProbeLink:
-                self._probe(n, eff, now)
+            elif t is ProbeLink and self.kv is not None:
+                self.kv.probe(n, eff, now)
             else:  # pragma: no cover - a new effect type the simulator does not know
                 raise SimulationError(f"the simulator cannot execute {t.__name__}")
         if rearm:
@@ -604,8 +602,8 @@ class Simulation(SimKernel):
         cached = plan.cached_tokens
         decision = eff.decision
         move = 0.0
-        if self._pull_on and decision is not None and decision.pull_from is not None:
-            cached, move = self._pull(n, i, eff, decision.pull_from, cached, now)
+        if self.kv is not None and decision is not None and decision.pull_from is not None:
+            cached, move = self.kv.pull(n, i, eff.tokens, decision.pull_from, cached, now)
         job = BatchJob(rid, plan.prompt_tokens, cached, plan.completion_tokens, payload=run)
         if move > 0.0:
             # The run holds its slot while the KV comes (the core counts it running), and
@@ -615,60 +613,11 @@ class Simulation(SimKernel):
             self._batch_moved(n, self.batches[n].join(job, now))
         self._deliver(n, LocalStarted(rid, cached), now)
 
-    def _held_blocks(self, k: int, chain: Sequence[BlockHash]) -> int:
-        """How many of ``chain``'s leading blocks node ``k``'s engine holds now."""
-        cached = self.engines[k].cached
-        held = 0
-        for h in chain:
-            if not cached(h):
-                break
-            held += 1
-        return held
-
-    def _pull(
-        self, n: int, i: int, eff: RunLocal, peer: Any, cached: int, now: float
-    ) -> tuple[int, float]:
-        """Execute a decision's pull for request ``i`` on node ``n``: the blocks the holder
-        still holds beyond ``n``'s match (what was matched before this run's plan, ``cached``)
-        come over the link, a round trip plus bytes / bandwidth (plus the holder's disk read,
-        ``kv_disk``). Returns the run's cached tokens and the transfer's seconds; the
-        transfer is fed back to the node's core as a bandwidth sample."""
-        p = self.index_of[peer]
-        if self.churn is not None and not self.churn.up(p):
-            rtt = 2 * self.delay[n][p]
-            return cached, rtt  # no answer: a round trip lost, then a recompute
-        bs = self.hasher.block_size
-        prompt = len(eff.tokens)
-        chain = self.hasher.prompt_chain(eff.tokens)
-        held = self._held_blocks(p, chain)
-        tokens = max(0, min(held * bs, prompt - 1) - cached)
-        nbytes = tokens * self.config.kv_bytes_per_token
-        rtt = 2 * self.delay[n][p]
-        move = rtt + nbytes / self._link_bytes_per_s
-        if self._disk_bytes_per_s:
-            move += nbytes / self._disk_bytes_per_s
-        if tokens:
-            self.pulls += 1
-            self.pull_bytes += nbytes
-            self.pulled[i] = tokens
-            self.push(now + move, NODE, n, TransferMeasured(peer, nbytes, move, rtt))
-        return cached + tokens, move
-
     def _pulled(self, n: int, job: BatchJob, now: float) -> None:
         """A pull ended: its run joins the batch, unless it was cancelled meanwhile."""
         if self._runs[n].get(job.key) != job.payload:
             return
         self._batch_moved(n, self.batches[n].join(job, now))
-
-    def _probe(self, n: int, eff: ProbeLink, now: float) -> None:
-        """Measure a link as the core asked: ``nbytes`` of filler over it."""
-        p = self.index_of.get(eff.peer)
-        if p is None or (self.churn is not None and not self.churn.up(p)):
-            return
-        self.probes += 1
-        rtt = 2 * self.delay[n][p]
-        move = rtt + eff.nbytes / self._link_bytes_per_s
-        self.push(now + move, NODE, n, TransferMeasured(eff.peer, eff.nbytes, move, rtt))
 
     def _batch_moved(self, n: int, end: float | None) -> None:
         if end is not None:
