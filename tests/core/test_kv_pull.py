@@ -337,3 +337,34 @@ def test_a_pull_that_fails_its_check_bans_the_peer() -> None:
     assert "altered KV" in bans[0].reason
     assert not a.is_member(b.peer_id)
     assert make("C").pull_sample(125) == ()  # pulls off: nothing to check
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    queued=st.integers(0, 8),
+    length=st.integers(200, 1500),
+    mbps=st.floats(1.0, 100_000.0),
+    setup=st.sampled_from(["off", "open swarm", "not trusted"]),
+)
+def test_never_pulls_when_off_or_not_allowed(queued, length, mbps, setup) -> None:  # type: ignore[no-untyped-def]
+    # Pulls off; on in an open swarm without the option; on in a private swarm with the holder
+    # outside ``trusted_peers``: no decision ever pulls, whatever the link and the queues.
+    kw: dict[str, object] = {
+        "off": {"kv_pull": None, "private_swarm": True},
+        "open swarm": {"kv_pull": PullSettings(), "private_swarm": False},
+        "not trusted": {"kv_pull": PullSettings(), "private_swarm": True,
+                        "trusted_peers": frozenset({PeerId("someone else")})},
+    }[setup]
+    a = make("A", policy="cost", **kw)
+    b = make("B", policy="cost")
+    shared = prompt(1, length)
+    serve_locally(b, "warm", shared, 0.0)
+    for k in range(queued):
+        b.handle(ClientRequest(RequestId(f"q{k}"), prompt(100 + k, 512), PARAMS), 0.5)
+    introduce(a, b, 1.0)
+    a.handle(TransferMeasured(b.peer_id, 1 << 22, (1 << 22) / (mbps * MB)), 1.5)
+    effects = a.handle(ClientRequest(RequestId("r"), shared + prompt(9, 16), PARAMS), 2.0)
+    assert not of(effects, ProbeLink)
+    assert all(e.decision is None or e.decision.pull_from is None
+               for e in effects if isinstance(e, (RunLocal, Forward)))
+    assert a.route(shared + prompt(9, 16), PARAMS, 2.1).pull_from is None
