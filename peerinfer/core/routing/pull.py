@@ -14,8 +14,10 @@ holds ``l`` (the ``cost`` policy's figures, ``CostPolicy.estimate``)::
 ``1 - p`` the holder has evicted the blocks, the pull brings nothing back after a round trip,
 and the prompt is recomputed. ``TTFT(local, as if it held m)`` is the local estimate with ``m``
 tokens cached: the local queue, then the prefill of the rest. The transfer and the queue are
-added, not overlapped: the node pulls when the request's turn comes, so the blocks cannot be
-evicted while it waits (the simulator executes it so).
+added, not overlapped: the node pulls when the request's turn comes (pulled blocks take no
+room here while it waits, and what comes is what the holder holds then), holding its slot
+until the last byte is in (the simulator executes it so). That also makes the requests queued
+behind it wait for the transfer, which this estimate does not count.
 
 The pull is chosen when its best estimate beats the policy's own choice (the local estimate when
 the policy serves here, the target's when it forwards) by ``max(min_gain_s, min_gain_fraction *
