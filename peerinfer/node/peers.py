@@ -32,7 +32,7 @@ from peerinfer.errors import (
     PeerInferError,
     ProtocolError,
 )
-from peerinfer.net import FramedStream, Host, PeerEvent
+from peerinfer.net import NodeHost, PeerEvent, Stream
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import (
@@ -53,7 +53,7 @@ from peerinfer.node.trust import reputation_line
 from peerinfer.types import PeerId
 
 
-def _new_circuit(host: Host, peer: str, addrs: Sequence[str]) -> bool:
+def _new_circuit(host: NodeHost, peer: str, addrs: Sequence[str]) -> bool:
     """Whether ``addrs`` (told for ``peer``) hold a relayed address we do not know yet."""
     known = {a.removesuffix(f"/p2p/{peer}") for a in host.circuit_addrs(peer)}
     return any("/p2p-circuit" in a and a.removesuffix(f"/p2p/{peer}") not in known for a in addrs)
@@ -154,7 +154,7 @@ class PeerKeeper:
             ),
         )
 
-    async def serve_status(self, stream: FramedStream) -> None:
+    async def serve_status(self, stream: Stream) -> None:
         decode(await stream.receive(), expected=StatusRequest)
         await stream.send(encode(self.status()))
 
@@ -246,7 +246,7 @@ class PeerKeeper:
         finally:
             self._dialing.discard(peer)
 
-    async def serve_peers(self, stream: FramedStream) -> None:
+    async def serve_peers(self, stream: Stream) -> None:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
         self._met_node(stream.remote_peer)
