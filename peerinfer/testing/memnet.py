@@ -34,6 +34,7 @@ The model, kept small and said plainly:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -106,6 +107,8 @@ class MemStream:
         self._done = False
         self._wrote_end = False
         self._read_end = False
+        #: Its connection closed under it (``cut``): sends fail, receives see a reset.
+        self._cut = False
         self.other: MemStream | None = None
 
     def __repr__(self) -> str:
@@ -123,6 +126,9 @@ class MemStream:
             raise ClosedError(f"{self!r} is closed")
         if self._wrote_end:
             raise ClosedError(f"{self!r} was closed for writing")
+        if self._cut:
+            await self.reset()
+            raise PeerUnavailableError(f"the connection to {self.remote_peer} closed")
         if len(data) > self._host.config.max_frame_bytes:
             raise InvalidRequestError(f"frame of {len(data)} bytes exceeds {self._host.config.max_frame_bytes}")
         await trio.lowlevel.checkpoint()
@@ -190,6 +196,20 @@ class MemStream:
             return
         self._put(_End(reset=True))
         self._finish()
+
+    def cut(self) -> None:
+        """Its connection closed: what is in flight is lost, the next receive is a reset."""
+        if self._done:
+            return
+        self._cut = True
+        while True:
+            try:
+                self._in.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            self._in.send.send_nowait((trio.current_time(), _End(reset=True)))
+        self._host.streams_open.discard(self)
 
     def _finish(self) -> None:
         self._done = True
@@ -334,7 +354,7 @@ class MemHost:
                 continue
             host._connected.discard(peer)
             for stream in [s for s in host.streams_open if s.remote_peer == peer]:
-                stream.reset_now()
+                stream.cut()
             host._emit(PeerEvent("disconnected", peer))
 
     async def disconnect(self, peer_id: str) -> None:
