@@ -88,6 +88,8 @@ class PeerKeeper:
         self._dialing: set[str] = set()
         #: dials caused by peer exchange (statistics for tests and the attack bench)
         self.exchange_dials = 0
+        #: pings the core's ``PingPeer`` cost (not answered from the host's fresh round trips)
+        self.pings_sent = 0
 
     def has_met(self, peer: str) -> bool:
         """``peer`` answered peer exchange: a node, redialed if lost."""
@@ -370,11 +372,16 @@ class PeerKeeper:
             # A would-be member is pinged over its own direct connection only: an identity
             # heard of through gossip (forged, or just far away) is never dialed for it.
             return
-        try:
-            rtt = await host.ping(peer, timeout=2.0)
-        except PeerInferError:
-            self._ctx.feed(PeerLost(peer))
-            return
+        # One pinger: a round trip the host measured lately (its liveness loop pings every
+        # connected peer) is the proof of life the core asks for; ping only without one.
+        rtt = host.fresh_rtt(peer, core.config.ping_after_s)
+        if rtt is None:
+            try:
+                rtt = await host.ping(peer, timeout=2.0)
+            except PeerInferError:
+                self._ctx.feed(PeerLost(peer))
+                return
+            self.pings_sent += 1
         self._ctx.feed(PeerSeen(peer, rtt_s=rtt))
         if peer not in self._exchanged and peer in self._bootstrap_peers() and self.is_member(peer):
             # A bootstrap peer is a node (we were told so): swap peer lists as soon as it is a

@@ -23,6 +23,7 @@ from peerinfer.node import Node, NodeOptions
 from peerinfer.testing import inprocess
 from peerinfer.testing.inprocess import node_options, open_nodes
 from peerinfer.testing.memnet import MemNetwork
+from peerinfer.types import PeerId
 
 # Fast but not instantaneous: prefill dominates, so a cache hit is visible in the timings.
 COSTS = CostModel(
@@ -171,3 +172,27 @@ async def test_a_dead_peer_costs_no_request(autojump_clock: trio.testing.MockClo
         assert all(r.completion_tokens == 2 for r in results)
         assert all(r.served_by == survivor.peer_id for r in results)
         outer.cancel_scope.cancel()
+
+
+async def test_a_ping_the_core_asks_for_uses_a_fresh_round_trip_of_the_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One pinger: the core's ``PingPeer`` is answered from the host's round trip when one was
+    measured within ``ping_after_s`` (the liveness loop's, on libp2p), and pings otherwise."""
+    net = MemNetwork(delay_s=0.005)
+    async with cluster(net, 2) as (a, b):
+        assert a.host is not None and a.core is not None
+        core = a.core
+        await wait_until(lambda: any(p.peer_id == b.peer_id for p in core.peers(trio.current_time())))
+        ping_after = core.config.ping_after_s
+        net.set_delay(a.peer_id, b.peer_id, 0.020)
+        await a.host.ping(b.peer_id)  # what the host's liveness loop does on libp2p
+        await trio.sleep(ping_after / 2)  # fresh still
+        sent = a.peers.pings_sent
+        await a.peers.ping(PeerId(b.peer_id))
+        assert a.peers.pings_sent == sent  # answered from the host's table
+        (seen,) = [p for p in core.peers(trio.current_time()) if p.peer_id == b.peer_id]
+        assert seen.rtt_s is not None and seen.rtt_s > 0.010  # the 40 ms round trip moved it
+        await trio.sleep(ping_after / 2 + 0.1)  # the host's figure is stale now
+        await a.peers.ping(PeerId(b.peer_id))
+        assert a.peers.pings_sent == sent + 1
