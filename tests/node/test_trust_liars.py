@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-import pytest
 import trio
 import trio.testing
 
@@ -42,8 +41,6 @@ from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
 from peerinfer.testing.inprocess import node_options
 from peerinfer.testing.memnet import MemHost, MemNetwork
 from peerinfer.types import PeerId
-
-pytestmark = pytest.mark.slow
 
 COSTS = CostModel(
     prefill_s_per_token=0.0002, cached_s_per_token=0.00001, decode_s_per_token=0.001,
