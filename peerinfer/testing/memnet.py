@@ -282,6 +282,8 @@ class MemHost:
         self._validators: dict[str, Validator] = {}
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._seqno = itertools.count(1)
+        #: when our last gossip message to each peer arrives (``_flood``)
+        self._gossip_due: dict[str, float] = {}
         self.streams_open: set[MemStream] = set()
         self._streams = _NewStreamEachTime(self)
 
@@ -503,13 +505,18 @@ class MemHost:
         return True
 
     def _flood(self, message: GossipMessage, came_from: str | None) -> None:
+        now = trio.current_time()
         for peer in sorted(self._connected):
             other = self.network.host(peer)
             if peer != came_from and other is not None and other.subscribed(message.topic):
-                self._nursery.start_soon(other._arrive, message, self.peer_id, self.network.delay(self.peer_id, peer))
+                # In order per link, as over one gossip stream: tasks woken at one instant run
+                # in any order, so each message is due a hair after the one before it.
+                due = max(now + self.network.delay(self.peer_id, peer), self._gossip_due.get(peer, -math.inf) + 1e-9)
+                self._gossip_due[peer] = due
+                self._nursery.start_soon(other._arrive, message, self.peer_id, due)
 
-    async def _arrive(self, message: GossipMessage, forwarder: str, delay_s: float) -> None:
-        await trio.sleep(delay_s)
+    async def _arrive(self, message: GossipMessage, forwarder: str, due: float) -> None:
+        await trio.sleep_until(due)
         if not self.open or forwarder not in self._connected or message.sender in self._banned or not self._note_seen(message):
             return
         validator = self._validators.get(message.topic)
