@@ -1,6 +1,6 @@
 """Nodes on the in-memory network (``peerinfer.testing.memnet``), the simulated engine called
 inline, under trio's virtual clock: routing, forwarding to the holder of a prefix, refusals,
-streaming and failover, as the node does them, without libp2p or real time.
+streaming, failover and the one pinger, as the node does them, without libp2p or real time.
 
 (The same nodes on libp2p over 127.0.0.1: tests/node/test_node_inprocess.py.)
 """
