@@ -42,7 +42,7 @@ from peerinfer.core.node import NodeStatistics as CoreStatistics
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine
 from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
-from peerinfer.net import Host, open_host
+from peerinfer.net import Host, NodeHost, Transport, open_host
 from peerinfer.net.config import default_identity_path
 from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.node.antientropy import AntiEntropy
@@ -103,11 +103,20 @@ class Node:
 
     ``engine`` may be given ready-made (tests, embedding); otherwise it is loaded from
     ``options`` in a worker thread at start.
+
+    ``transport`` opens the node's host: by default ``peerinfer.net.open_host`` (libp2p, which
+    alone also runs reachability, ``peerinfer.net.reach``); tests pass an in-memory network's
+    (``peerinfer.testing.memnet``). ``inline_engine``: call the engine on trio's thread
+    (``NodeContext.inline_engine``; only for tests under trio's virtual clock).
     """
 
-    def __init__(self, options: NodeOptions, engine: Engine | None = None) -> None:
+    def __init__(
+        self, options: NodeOptions, engine: Engine | None = None, *,
+        transport: Transport | None = None, inline_engine: bool = False,
+    ) -> None:
         self.options = options
-        self.ctx = NodeContext(options, feed=self._feed, engine=engine)
+        self.ctx = NodeContext(options, feed=self._feed, engine=engine, inline_engine=inline_engine)
+        self._transport = transport
         self.door = Door(self.ctx)
         self.worker = EngineWorker(self.ctx)
         self.forwarder = Forwarder(self.ctx)
@@ -128,7 +137,7 @@ class Node:
         return self.ctx.engine
 
     @property
-    def host(self) -> Host | None:
+    def host(self) -> NodeHost | None:
         return self.ctx.host
 
     @property
@@ -217,7 +226,7 @@ class Node:
         ``peerinfer.serve_node`` runs it beside the node."""
         ctx, opts = self.ctx, self.options
         if ctx.engine is None:
-            ctx.engine = await trio.to_thread.run_sync(_load_engine, opts)
+            ctx.engine = await ctx.in_thread(_load_engine, opts)
         engine = ctx.engine
         secret = opts.swarm_key
         hasher = PrefixHasher(engine.fingerprint, derive_swarm_key(engine.fingerprint, secret))
@@ -230,7 +239,8 @@ class Node:
         ctx.topic = announce_topic(engine.fingerprint, secret)
         cache = engine.statistics().cache
         hosting = host_config(opts, ctx.topic)
-        async with open_host(hosting) as host:
+        transport: Transport = self._transport or open_host
+        async with transport(hosting) as host:
             ctx.host = host
             epoch_base = self._epoch_base()
             config = core_config(
@@ -258,10 +268,11 @@ class Node:
                 self.trust.load(hosting)
                 nursery.start_soon(self.trust.run)
                 nursery.start_soon(self.worker.run, scheduler)
-                await nursery.start(
-                    functools.partial(run_reach, on_addrs_changed=self.peers.spread_addrs),
-                    host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
-                )
+                if isinstance(host, Host):  # relays, hole punching, UPnP: libp2p's alone
+                    await nursery.start(
+                        functools.partial(run_reach, on_addrs_changed=self.peers.spread_addrs),
+                        host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
+                    )
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
                 self.ready.set()
