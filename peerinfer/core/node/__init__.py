@@ -153,7 +153,9 @@ from peerinfer.core.node.events import (
     PeerSnapshot,
     PingPeer,
     PreemptLocal,
+    ProbeLink,
     Publish,
+    PullChecked,
     Reject,
     ResumeLocal,
     RunLocal,
@@ -161,6 +163,7 @@ from peerinfer.core.node.events import (
     Silence,
     SyncFailed,
     SyncResponseReceived,
+    TransferMeasured,
 )
 
 # The lifecycle table, for the tests that walk it.
@@ -199,6 +202,8 @@ __all__ = [
     "Phase",
     "PingPeer",
     "PreemptLocal",
+    "ProbeLink",
+    "PullChecked",
     "Publish",
     "Reject",
     "ResumeLocal",
@@ -207,4 +212,5 @@ __all__ = [
     "Silence",
     "SyncFailed",
     "SyncResponseReceived",
+    "TransferMeasured",
 ]
