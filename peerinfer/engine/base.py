@@ -442,6 +442,30 @@ class Engine(ABC):
                         self.free_segment(payload)
         return cache.match(seq, touch=False).tokens
 
+    #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine
+    #: that can check what it pulled.
+    verifies_kv_blocks: bool = False
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Recompute some pulled blocks locally and say how far each is from what was pulled.
+
+        ``blocks`` are the encoded blocks ``first_block ..`` of ``tokens`` (from a peer, not
+        adopted yet); the blocks before ``first_block`` must be in this engine's cache.
+        For each ``p`` in ``positions`` (indexes into ``blocks``), block ``first_block + p``
+        is recomputed from the KV of the blocks before it (cached or pulled: about one
+        block's prefill) and compared with ``blocks[p]``: ``(p, relative error)``, the
+        largest difference over the pulled block's largest magnitude (as
+        ``peerinfer.core.kvpull.relative_error``). Raises ProtocolError when a needed block
+        does not decode, EngineError when a block before ``first_block`` is not cached.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot verify KV blocks")
+
     def _ensure_cache(self) -> RadixCache | None:
         if self._cache is None and self.supports_prefix_cache:
             self.configure_cache(PrefixHasher(self.fingerprint, block_size=self.default_block_size))

@@ -89,6 +89,7 @@ import contextlib
 import inspect
 import itertools
 import json
+import math
 import os
 import struct
 import threading
@@ -144,7 +145,7 @@ from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tes
     models_home,
 )
 from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
-from peerinfer.errors import ConfigError, InvalidRequestError, ProtocolError
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
 
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -542,6 +543,48 @@ class TransformersEngine(Engine):
         if not bool(torch.isfinite(tensor).all()):
             raise ProtocolError("a KV block with non-finite values")
         return KVSegment(tensor.to(self.device), nbytes)
+
+    verifies_kv_blocks = True
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Each sampled block recomputed by one forward pass of its tokens over the KV of the
+        blocks before it (the cached ones, then the pulled ones decoded), see ``Engine``."""
+        if not positions:
+            return []
+        cache = self._ensure_cache()
+        assert cache is not None
+        bs = cache.block_size
+        head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
+        if len(head) < first_block:
+            raise EngineError(f"blocks before {first_block} are no longer cached here")
+        segments: list[torch.Tensor] = [n.payload for n in head[:first_block]]
+        last = max(positions)
+        for k in range(last + 1):
+            segments.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
+        out: list[tuple[int, float]] = []
+        with torch.inference_mode():
+            for p in sorted(positions):
+                i = first_block + p
+                kv = self.kv_cache_from_segments(segments[:i], contiguous=True)
+                self.forward(tokens[i * bs : (i + 1) * bs], kv)
+                fresh = self.export_blocks(kv, i, 1, bs)[0].payload
+                pulled = segments[i].to(fresh.dtype)
+                scale = float(pulled.abs().max())
+                diff = float((fresh - pulled).abs().max())
+                if diff != diff:
+                    error = math.inf
+                elif diff == 0.0:
+                    error = 0.0
+                else:
+                    error = diff / scale if scale > 0.0 else math.inf
+                out.append((p, error))
+        return out
 
     # ------------------------------------------------------------ decoding
 

@@ -35,6 +35,7 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -303,6 +304,25 @@ class SimulatedEngine(Engine):
         cache = self._ensure_cache()
         bs = self.default_block_size if cache is None else cache.block_size
         return KVSegment(None, self.kv_bytes_per_token * bs)
+
+    verifies_kv_blocks = True
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """A synthetic block's recompute is the synthetic block itself: a pulled block whose
+        bytes differ from it in any way is a mismatch (error inf), as a real engine's altered
+        values would be."""
+        expected = self.encode_block(None)
+        out: list[tuple[int, float]] = []
+        for p in positions:
+            self.decode_block(blocks[p], 0)  # the size and magic, as an adoption checks them
+            out.append((p, 0.0 if bytes(blocks[p]) == expected else math.inf))
+        return out
 
     def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
         """One token for each decoder, sleeping one decode step of the batch: those that
