@@ -165,6 +165,8 @@ class NodeOptions:
     #: ``kv_pull_open_swarm``; ``trusted_peers`` narrows either.
     kv_pull: str | None = None
     kv_pull_open_swarm: bool = False
+    #: pull only when it brings at least this many tokens (None: ``PullSettings``'s default)
+    kv_pull_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_prompt_tokens", "max_queued_per_requester",
@@ -196,13 +198,16 @@ def core_config(
     KV takes ``kv_bytes_per_token`` a token: what a pull moves; None: ``PullSettings``'s)."""
     kv_pull = opts.kv_pull
     pull_open = opts.kv_pull_open_swarm
+    pull_min = opts.kv_pull_min_tokens
     private = opts.swarm_key is not None
     pull: PullSettings | None = None
     if kv_pull is not None:
-        pull = PullSettings(mode=kv_pull, open_swarm=pull_open)
+        figures: dict[str, Any] = {}
         if kv_bytes_per_token:
-            pull = PullSettings(mode=kv_pull, open_swarm=pull_open,
-                                kv_bytes_per_token=kv_bytes_per_token)
+            figures["kv_bytes_per_token"] = kv_bytes_per_token
+        if pull_min is not None:
+            figures["min_pull_tokens"] = pull_min
+        pull = PullSettings(mode=kv_pull, open_swarm=pull_open, **figures)
     return NodeConfig(
         peer_id=peer_id,
         policy=opts.policy,

@@ -52,7 +52,8 @@ def prompt(k: int) -> str:
 
 def options(**overrides: Any) -> NodeOptions:
     return node_options(**{
-        "policy": "local", "kv_pull": "always", "swarm_key": SWARM_KEY, "audit_rate": 0.0,
+        "policy": "local", "kv_pull": "always", "kv_pull_min_tokens": 16, "swarm_key": SWARM_KEY,
+        "audit_rate": 0.0,
         "peer_timeout_s": 4.0, **overrides,
     })
 
