@@ -100,8 +100,12 @@ async def _pull(args: argparse.Namespace) -> None:
     ]
     load_s = time.perf_counter() - loaded
     engine0 = engines[0]
+    # Generous timeouts: on a loaded machine a cold 2,000-token prefill, or a ping, can take long,
+    # and a node that dropped its peer as gone would recompute instead of pulling.
     base = node_options(engine="hf", policy="local", swarm_key=SWARM_KEY, audit_rate=0.0,
-                        max_prompt_tokens=max(4096, args.prefix_tokens + args.suffix_tokens + 64))
+                        max_prompt_tokens=max(4096, args.prefix_tokens + args.suffix_tokens + 64),
+                        token_gap_timeout_s=900.0, first_token_timeout_s=900.0,
+                        peer_timeout_s=120.0)
     made = [
         replace(base, seed=1, kv_pull="always"),  # H: serves pulls (pulls on), holds first
         replace(base, seed=2, kv_pull="always"),  # P
@@ -137,6 +141,9 @@ async def _pull(args: argparse.Namespace) -> None:
             suffix = _text(engine0.tokenize, rng, args.suffix_tokens)
             text = prefix + suffix
             _, warm = await ask(holder, prefix)
+            if not args.json:
+                print(f"trial {trial}: the holder computed the prefix ({warm.prompt_tokens} tokens) "
+                      f"in {warm.ttft_s:.3f} s", flush=True)
             assert puller.core is not None
             target = len(engine0.tokenize(prefix)) // 16 * 16
 

@@ -181,6 +181,9 @@ class NodeOptions:
                                   f"protocol's limit), got {getattr(self, name)}")
         if self.kv_pull is not None and self.kv_pull not in ("auto", "always"):
             raise ConfigError(f"--kv-pull must be off, auto or always, got {self.kv_pull!r}")
+        if self.kv_pull == "auto" and self.policy != "cost":
+            raise ConfigError(f"--kv-pull auto weighs the cost policy's estimates; --policy is "
+                              f"{self.policy!r} (use --kv-pull always, or --policy cost)")
         if self.kv_pull_open_swarm and self.kv_pull is None:
             raise ConfigError("--kv-pull-open-swarm needs --kv-pull auto or always")
         if self.trust_swarm and self.swarm_key is None:

@@ -146,6 +146,22 @@ async def test_a_probe_measures_the_link() -> None:
         assert bw is not None and bw > 0
 
 
+async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
+    """The core asks for a probe (``ProbeLink``) of a holder's link it has no figure for; the
+    node fetches the filler and reports the transfer, so the link has a figure after."""
+    async with pair(options(), options(policy="cost", kv_pull="auto", seed=2)) as (holder, puller):
+        text = prompt(6)
+        await warm(holder, puller, text)
+        assert puller.core is not None and puller.core.choice.links is not None
+        peer = PeerId(holder.peer_id)
+        assert puller.core.choice.links.bandwidth(peer, puller.ctx.now()) is None
+        await ask(puller, text)
+        await wait_until(
+            lambda: puller.core.choice.links.bandwidth(peer, puller.ctx.now()) is not None,  # type: ignore[union-attr]
+            timeout=10,
+        )
+
+
 async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_recomputed() -> None:
     # An open swarm: the puller opted in to pulling there, the holder did not.
     holder_opts = options(swarm_key=None)
