@@ -157,7 +157,7 @@ async def _pull(args: argparse.Namespace) -> None:
             pulled_ids, pulled = await ask(puller, text)
             outcome = puller.kv.outcomes[-1] if len(puller.kv.outcomes) > before else None
             local_ids, local = await ask(recomputer, text)
-            row = {
+            row: dict[str, Any] = {
                 "trial": trial,
                 "prompt_tokens": local.prompt_tokens,
                 "pull_ttft_s": pulled.ttft_s,

@@ -64,9 +64,11 @@ PULL_RATE_PER_PEER = 2.0
 PULL_BURST_PER_PEER = 4
 #: Peers whose pull rate is remembered (the least recently seen are forgotten beyond).
 MAX_RATE_PEERS = 4096
-#: The puller's wait for each frame of an answer, and for the whole pull.
+#: The puller's wait for each frame of an answer (a stalled or vanished holder costs this), and
+#: for the whole pull: generous, since the core chose the pull knowing the link's bandwidth, and
+#: py-libp2p moved only about 10 MB/s on a loaded 2-core machine's loopback (docs/performance.md).
 PULL_FRAME_TIMEOUT_S = 5.0
-PULL_TIMEOUT_S = 30.0
+PULL_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ def test_the_flags_reach_the_core_with_the_engine_kv_size() -> None:
     assert config.kv_pull.mode == "auto" and config.kv_pull.open_swarm
     assert config.kv_pull.kv_bytes_per_token == 23_040
     assert options_of("--kv-pull", "off").kv_pull is None
-    assert config_of(options_of("--kv-pull", "always")).kv_pull.mode == "always"  # type: ignore[union-attr]
+    assert config_of(options_of("--kv-pull", "always")).kv_pull.mode == "always"
 
 
 def test_a_private_swarm_trusts_its_members_for_pulls() -> None:
