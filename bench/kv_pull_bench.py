@@ -140,19 +140,23 @@ async def _pull(args: argparse.Namespace) -> None:
             prefix = _text(engine0.tokenize, rng, args.prefix_tokens)
             suffix = _text(engine0.tokenize, rng, args.suffix_tokens)
             text = prefix + suffix
+            assert puller.core is not None
+
+            def held() -> int:
+                """What the puller's index says the holder caches, in all."""
+                assert puller.core is not None
+                return max((p.cached_tokens for p in puller.core.peers(puller.ctx.now())
+                            if p.peer_id == holder.peer_id), default=0)
+
+            before = held()
             _, warm = await ask(holder, prefix)
             if not args.json:
                 print(f"trial {trial}: the holder computed the prefix ({warm.prompt_tokens} tokens) "
                       f"in {warm.ttft_s:.3f} s", flush=True)
-            assert puller.core is not None
-            target = len(engine0.tokenize(prefix)) // 16 * 16
-
-            def seen(target: int = target) -> bool:
-                assert puller.core is not None
-                return any(p.peer_id == holder.peer_id and p.cached_tokens >= target
-                           for p in puller.core.peers(puller.ctx.now()))
-
-            await wait_until(seen, timeout=30)
+            # The holder's new blocks have reached the puller's index (its total grew by them:
+            # the cache is large enough that nothing is evicted in a run).
+            target = before + len(engine0.tokenize(prefix)) // 16 * 16
+            await wait_until(lambda target=target: held() >= target, timeout=60)  # type: ignore[misc]
             before = len(puller.kv.outcomes)
             pulled_ids, pulled = await ask(puller, text)
             outcome = puller.kv.outcomes[-1] if len(puller.kv.outcomes) > before else None
