@@ -233,7 +233,7 @@ class KvExchange:
             if stream.remote_peer != peer:
                 raise ProtocolError(f"a stream to {peer} reached {stream.remote_peer}")
             await stream.send(encode(KvPullRequest(fmt, hashes)), timeout=PULL_FRAME_TIMEOUT_S)
-            await stream.widen_receive_window(PULL_WINDOW_BYTES)
+            await _widen(stream)
             while True:
                 frame = await stream.receive(timeout=PULL_FRAME_TIMEOUT_S)
                 msg = decode(frame, expected=(KvBlocks, KvPullDone))
@@ -306,7 +306,7 @@ class KvExchange:
 
         async def exchange(use: StreamUse) -> KvPullDone:
             await use.stream.send(encode(KvPullRequest("", (), nbytes)), timeout=PULL_FRAME_TIMEOUT_S)
-            await use.stream.widen_receive_window(PULL_WINDOW_BYTES)  # measure as a pull moves
+            await _widen(use.stream)  # measured as a pull moves
             while True:
                 msg = decode(await use.stream.receive(timeout=PULL_FRAME_TIMEOUT_S),
                              expected=(KvBlocks, KvPullDone))
@@ -333,6 +333,14 @@ class KvExchange:
             logger.info("link probe of %s: %s", eff.peer, done.detail or "short answer")
             return
         ctx.feed(TransferMeasured(eff.peer, received[0], seconds))
+
+
+async def _widen(stream: object) -> None:
+    """More receive window for a bulk answer, where the stream type offers it (a libp2p
+    ``FramedStream`` does; another transport's stream may not)."""
+    widen = getattr(stream, "widen_receive_window", None)
+    if widen is not None:
+        await widen(PULL_WINDOW_BYTES)
 
 
 def _plan(engine: Engine, tokens: Sequence[int], target_tokens: int) -> tuple[str, int, tuple[int, ...]] | None:
