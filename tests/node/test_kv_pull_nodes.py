@@ -162,6 +162,34 @@ async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
         )
 
 
+async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
+    """Filler requests back to back: the burst is served, the next is refused as busy; a pull
+    in another KV format is refused as such. (Each request on its own stream.)"""
+    from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
+    from peerinfer.node.kvpull import PULL_BURST_PER_PEER
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        assert puller.host is not None
+        answers = []
+        for _ in range(PULL_BURST_PER_PEER + 2):
+            reply = await puller.host.request(
+                holder.peer_id, KV_PROTOCOL, encode(KvPullRequest("", (), 1)), timeout=5
+            )
+            answers.append(decode(reply, expected=(KvBlocks, KvPullDone)))
+        served = [a for a in answers if isinstance(a, KvBlocks)]
+        busy = [a for a in answers if isinstance(a, KvPullDone) and a.refused == "busy"]
+        # The bucket refills at 2 a second: a slow loop may earn one more.
+        assert PULL_BURST_PER_PEER <= len(served) <= PULL_BURST_PER_PEER + 1
+        assert len(busy) == len(answers) - len(served) >= 1
+        await trio.sleep(1.0)
+        reply = await puller.host.request(
+            holder.peer_id, KV_PROTOCOL, encode(KvPullRequest("other-format", (1, 2))), timeout=5
+        )
+        done = decode(reply, expected=KvPullDone)
+        assert isinstance(done, KvPullDone) and done.refused == "format"
+
+
 async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_recomputed() -> None:
     # An open swarm: the puller opted in to pulling there, the holder did not.
     holder_opts = options(swarm_key=None)
