@@ -190,6 +190,26 @@ async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
         assert isinstance(done, KvPullDone) and done.refused == "format"
 
 
+async def test_the_kv_protocol_is_admitted_like_every_other() -> None:
+    """In a private swarm a host without the key gets no KV (nor filler) from a member."""
+    from peerinfer.core.messages import KvPullRequest
+    from peerinfer.errors import PeerUnavailableError
+    from tests.node.test_admission_nodes import raw_host
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        for outsider_key in (b"a guess", None):
+            async with raw_host(outsider_key, None) as outsider:
+                with pytest.raises(PeerUnavailableError):
+                    await outsider.connect(holder.addresses()[0])
+                    await outsider.request(holder.peer_id, KV_PROTOCOL,
+                                           encode(KvPullRequest("", (), 1)), timeout=5)
+                with pytest.raises(PeerUnavailableError):
+                    await outsider.request(holder.peer_id, KV_PROTOCOL,
+                                           encode(KvPullRequest("", (), 1)), timeout=5)
+        assert holder.ctx.traffic["kv-probe", "sent"] == 0
+
+
 async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_recomputed() -> None:
     # An open swarm: the puller opted in to pulling there, the holder did not.
     holder_opts = options(swarm_key=None)
