@@ -5,9 +5,13 @@
                                         # bandwidths and loads (docs/evaluation.md)
     python bench/kv_bench.py verify     # the pull verifier's policy: liars caught, honest peers
                                         # spared, cost (docs/performance.md)
+    python bench/kv_bench.py pull       # TTFT of pulling a 2,000-token prefix's KV from a peer
+                                        # plus the suffix, against a local recompute, on real
+                                        # nodes (bench/kv_pull_bench.py; docs/performance.md)
 
-Each subcommand is one function taking the parsed arguments; add a study by adding a parser
-and a function (``SUBCOMMANDS``).
+Each subcommand is one function taking the parsed arguments, or a module beside this one with
+``add_parser(subparsers)`` (``pull``); add a study by adding a parser and a function
+(``SUBCOMMANDS``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # --------------------------------------------------------------------------- decision
 
@@ -244,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="a liar's change, times the block's largest value")
     p.set_defaults(run=verify)
 
+    import kv_pull_bench
+
+    kv_pull_bench.add_parser(sub)
+
     args = parser.parse_args(argv)
     if args.command == "verify":
         from peerinfer.core.kvpull import PullSettings
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     run(args)
 
 
-SUBCOMMANDS = ("decision", "verify")
+SUBCOMMANDS = ("decision", "verify", "pull")
 
 if __name__ == "__main__":
     main()

@@ -123,6 +123,14 @@ def _add_node(sub: Any) -> None:
     trust = p.add_argument_group("trust")
     trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer); 'swarm': only to members of this private swarm (needs a swarm key)")
     trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded answers re-scored by the local model (default: 0.05)")
+    trust.add_argument("--kv-pull", choices=("off", "auto", "always"), default="off",
+                       help="pull a prompt's KV from a peer that holds it when that beats recomputing "
+                       "and forwarding (auto; always: whenever a trusted peer holds more), and serve "
+                       "pulls to the same peers; only from members of a private swarm unless "
+                       "--kv-pull-open-swarm (default: off)")
+    trust.add_argument("--kv-pull-open-swarm", action="store_true",
+                       help="with --kv-pull: pull from (and serve) any peer of an open swarm; pulled "
+                       "KV is only checked by sampling (docs/security.md)")
     p.set_defaults(run=_run_node)
 
 
@@ -179,6 +187,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         trusted_peers=trusted_ids or None,
         trust_swarm="swarm" in (args.trust or ()),
         audit_rate=args.audit_rate,
+        kv_pull=None if args.kv_pull == "off" else args.kv_pull,
+        kv_pull_open_swarm=args.kv_pull_open_swarm,
         relay_service=not args.no_relay_service,
         upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,

@@ -363,6 +363,109 @@ class Engine(ABC):
             cache=None if self._cache is None else self._cache.stats(),
         )
 
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """The name of this engine's KV block format, or None when its blocks cannot be
+        exported (no prefix cache, or a backend that does not implement the codec).
+
+        Two engines can exchange KV blocks exactly when their formats are equal strings. A
+        format is ``<kind>/<numerics>/<fingerprint hex>/b<block size>``: ``kind`` names the
+        engine and its layout version (``hf-kv1``, ``llamacpp-kv1``, ``sim-kv1``), ``numerics``
+        what else changes the bytes or their values (dtype and device for Transformers, the
+        llama.cpp version and its K/V cell types), then the model fingerprint and the block
+        size of the configured cache. Blocks of one format are interchangeable by block hash.
+        """
+        return None
+
+    def encode_block(self, payload: Any) -> bytes:
+        """One cached block's payload as bytes of ``kv_format()`` (for a disk or a peer)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        """The payload (and its accounted size) of a block encoded by ``encode_block`` in this
+        engine's ``kv_format()``, the block holding positions ``first_token`` onwards.
+
+        The bytes may come from a hostile peer or a damaged file: a decoder checks every size
+        and shape against what this engine expects, never executes anything, and raises
+        :class:`~peerinfer.errors.ProtocolError` on bytes that are not such a block.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
+
+    def encode_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The encoded blocks (``encode_block``) of the leading run of ``hashes`` this engine
+        holds, in order: it stops at the first hash it does not hold. What a peer serves a
+        pull from; the puller hands the bytes to ``adopt_blocks`` with its prompt."""
+        self._check_open()
+        cache = self._ensure_cache()
+        if cache is None or self.kv_format() is None:
+            return []
+        out: list[bytes] = []
+        for h in hashes:
+            node = cache.node_by_hash(h)
+            if node is None:
+                break
+            out.append(self.encode_block(node.payload))
+        return out
+
+    def adopt_blocks(self, tokens: Sequence[int], blocks: Sequence[bytes | memoryview]) -> int:
+        """Insert ``blocks`` (encoded KV of full blocks ``0 .. len(blocks)`` of ``tokens``, in
+        order) into the cache, so that a request whose prompt starts with them hits.
+
+        Blocks already cached are not decoded. Returns how many leading tokens of ``tokens``
+        are cached afterwards (fewer than ``len(blocks) * block_size`` when the cache could not
+        make room). Raises ProtocolError, inserting nothing past the last good block, when a
+        block does not decode.
+        """
+        self._check_open()
+        cache = self._ensure_cache()
+        if cache is None or self.kv_format() is None:
+            raise EngineError(f"{type(self).__name__} cannot adopt KV blocks")
+        bs = cache.block_size
+        n = len(blocks)
+        if n * bs > len(tokens):
+            raise ValueError(f"{n} blocks need {n * bs} tokens, got {len(tokens)}")
+        seq = tuple(tokens[: n * bs])
+        have = cache.match(seq, touch=False).tokens // bs
+        segments: list[KVSegment] = []
+        try:
+            for i in range(have, n):
+                segments.append(self.decode_block(blocks[i], i * bs))
+        finally:
+            good = have + len(segments)
+            if good > have:
+                payloads: list[Any] = [None] * have + [s.payload for s in segments]
+                sizes = [0] * have + [s.nbytes for s in segments]
+                result = cache.insert(seq[: good * bs], payloads, sizes)
+                for payload in result.unused_payloads:
+                    if payload is not None:
+                        self.free_segment(payload)
+        return cache.match(seq, touch=False).tokens
+
+    #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine
+    #: that can check what it pulled.
+    verifies_kv_blocks: bool = False
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Recompute some pulled blocks locally and say how far each is from what was pulled.
+
+        ``blocks`` are the encoded blocks ``first_block ..`` of ``tokens`` (from a peer, not
+        adopted yet); the blocks before ``first_block`` must be in this engine's cache.
+        For each ``p`` in ``positions`` (indexes into ``blocks``), block ``first_block + p``
+        is recomputed from the KV of the blocks before it (cached or pulled: about one
+        block's prefill) and compared with ``blocks[p]``: ``(p, relative error)``, the
+        largest difference over the pulled block's largest magnitude (as
+        ``peerinfer.core.kvpull.relative_error``). Raises ProtocolError when a needed block
+        does not decode, EngineError when a block before ``first_block`` is not cached.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot verify KV blocks")
+
     def _ensure_cache(self) -> RadixCache | None:
         if self._cache is None and self.supports_prefix_cache:
             self.configure_cache(PrefixHasher(self.fingerprint, block_size=self.default_block_size))

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import sys
 import threading
 import time
@@ -89,7 +90,7 @@ from typing import Any
 import numpy as np
 
 from peerinfer.core.messages import ChatMessage
-from peerinfer.engine.base import Decoder, DecodeRequest, Engine
+from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
 from peerinfer.engine.constraints import GrammarTokenizer
 from peerinfer.engine.llamacpp_decoder import (
     RequestTimings,
@@ -108,7 +109,7 @@ from peerinfer.engine.llamacpp_load import (
     resolve_gguf,
 )
 from peerinfer.engine.modelfiles import gguf_fingerprint
-from peerinfer.errors import ConfigError, EngineError, InvalidRequestError
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
 
 #: The byte budget (context + cached blocks) when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -122,6 +123,8 @@ DEFAULT_MAX_BATCH_SIZE = 8
 #: result independent of what shares its ubatch (neighbours, chunking): see the module docstring.
 DEFAULT_UBATCH_TOKENS = 32
 _CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
+#: Part of ``kv_format``: llama.cpp's saved-state layout is the library's own.
+_LLAMA_VERSION = getattr(L, "__version__", "unknown")
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,13 +290,70 @@ class LlamaCppEngine(Engine):
         self._batch_capacity = n
 
     def _measure_kv_bytes(self, block_size: int) -> int:
-        """Bytes of saved state per token, measured on one block run through the scratch."""
+        """Bytes of saved state per token, measured on one block run through the scratch
+        (which also records a block's exact saved size and header, for ``decode_block``)."""
+        return -(-self._measure_block_state(block_size) // block_size)
+
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """``llamacpp-kv1/<llama.cpp version>-k<type>v<type>-<cpu|gpu>/<fingerprint>/b<block
+        size>``: a payload is llama.cpp's own saved sequence state, whose layout is the
+        library's (so its version is part of the name) and whose values depend on the K/V cell
+        types and on where the layers ran."""
+        cache = self._ensure_cache()
+        if cache is None:
+            return None
+        cp = L.llama_context_default_params()
+        numerics = f"{_LLAMA_VERSION}-k{int(cp.type_k)}v{int(cp.type_v)}-{self.device}"
+        return f"llamacpp-kv1/{numerics}/{self.fingerprint.hex()}/b{cache.block_size}"
+
+    def encode_block(self, payload: Any) -> bytes:
+        return bytes(payload)  # already llama.cpp's saved state of the block's cells
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        """Checks what llama.cpp's loader would trust: the exact size of a saved block of this
+        model, the header (format tag, stream and cell counts), and each cell's position
+        (``first_token + i``) and sequence count (1); llama.cpp then checks the layer count,
+        cell types and row sizes itself when the block is restored (refusing a mismatch)."""
+        view = memoryview(data)
+        block_size, size = self._block_state
+        cache = self._ensure_cache()
+        if cache is None or cache.block_size != block_size:
+            # The reference was measured for another block size: measure this one.
+            bs = self.default_block_size if cache is None else cache.block_size
+            size = self._measure_block_state(bs)
+            block_size = bs
+        if len(view) != size:
+            raise ProtocolError(f"a llama.cpp KV block of {len(view)} bytes, expected {size}")
+        # Measured on 0.3.36: a tag word, a word we do not interpret, the stream count, the
+        # cell count; then per cell (pos, n_seq_id, seq_id), whose seq_id llama.cpp discards.
+        magic, _, n_stream, cells = struct.unpack_from("<IIII", view, 0)
+        if (magic, n_stream, cells) != (self._state_magic, 1, block_size):
+            raise ProtocolError("a llama.cpp KV block with a foreign header")
+        for i, (pos, n_seq, _seq) in enumerate(struct.iter_unpack("<iIi", view[16 : 16 + 12 * cells])):
+            if pos != first_token + i or n_seq != 1:
+                raise ProtocolError(
+                    f"a llama.cpp KV block for positions other than {first_token}.."
+                    f"{first_token + block_size - 1}"
+                )
+        return KVSegment(bytes(view), size)
+
+    def _measure_block_state(self, block_size: int) -> int:
         bos = L.llama_vocab_bos(self._vocab)
         token = bos if 0 <= bos < self._n_vocab else 0
         self._decode([(token, p, self._scratch, False) for p in range(block_size)])
-        size = int(L.llama_state_seq_get_size(self._ctx, self._scratch))
-        L.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
-        return -(-size // block_size)
+        try:
+            size = int(L.llama_state_seq_get_size(self._ctx, self._scratch))
+            buf = (ctypes.c_uint8 * size)()
+            n = int(L.llama_state_seq_get_data(self._ctx, buf, size, self._scratch))
+        finally:
+            L.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+        if n < 16:
+            raise EngineError("llama.cpp saved no state for a measured block")
+        self._block_state = (block_size, n)
+        self._state_magic = struct.unpack_from("<I", bytes(buf[:4]))[0]
+        return n
 
     def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,
                         capacity_tokens: int | None = None) -> None:

@@ -32,6 +32,7 @@ from peerinfer.core.node import (
     PeerSnapshot,
     PingPeer,
     PreemptLocal,
+    ProbeLink,
     Publish,
     Reject,
     ResumeLocal,
@@ -49,9 +50,11 @@ from peerinfer.node.antientropy import AntiEntropy
 from peerinfer.node.context import NodeContext
 from peerinfer.node.door import Door, RoutingRecord, Submission
 from peerinfer.node.forwarding import Forwarder
+from peerinfer.node.kvpull import KvExchange
 from peerinfer.node.options import (
     EPOCH_STRIDE,
     GENERATE_PROTOCOL,
+    KV_PROTOCOL,
     PEERS_PROTOCOL,
     SHUTDOWN_GRACE_S,
     STATUS_PROTOCOL,
@@ -123,6 +126,7 @@ class Node:
         self.peers = PeerKeeper(self.ctx)
         self.antientropy = AntiEntropy(self.ctx, on_announcer=self.peers.on_announcer)
         self.trust = TrustKeeper(self.ctx)
+        self.kv = KvExchange(self.ctx, run_after=self.worker.run_local)
         self._scheduler: BatchScheduler | None = None
         self._wake = trio.Event()
         self._started_at = time.time()
@@ -246,6 +250,7 @@ class Node:
             config = core_config(
                 opts, PeerId(host.peer_id), max_batch_size=engine.max_batch_size,
                 cache_capacity_bytes=cache.capacity_bytes if cache is not None else None,
+                kv_bytes_per_token=engine.kv_bytes_per_token or None,
             )
             scheduler = BatchScheduler(engine, max_running=config.costs.slots)
             self._scheduler = scheduler
@@ -259,6 +264,7 @@ class Node:
                 host.set_handler(SYNC_PROTOCOL, self.antientropy.serve_sync)
                 host.set_handler(STATUS_PROTOCOL, self.peers.serve_status)
                 host.set_handler(PEERS_PROTOCOL, self.peers.serve_peers)
+                host.set_handler(KV_PROTOCOL, self.kv.serve_kv)
                 messages = await host.subscribe(ctx.topic, self.antientropy.validate_announce)
                 nursery.start_soon(self.antientropy.gossip_loop, messages)
                 nursery.start_soon(self.peers.peer_event_loop, host.peer_events())
@@ -362,7 +368,10 @@ class Node:
             elif isinstance(eff, SendSyncRequest):
                 nursery.start_soon(self.antientropy.sync_round, eff)
             elif isinstance(eff, RunLocal):
-                nursery.start_soon(self.worker.run_local, eff)
+                if eff.decision is not None and eff.decision.pull_from is not None:
+                    nursery.start_soon(self.kv.run_local, eff)  # pull, then the worker's
+                else:
+                    nursery.start_soon(self.worker.run_local, eff)
             elif isinstance(eff, Forward):
                 nursery.start_soon(self.forwarder.forward, eff)
             elif isinstance(eff, Reject):
@@ -390,6 +399,8 @@ class Node:
                 self.trust.queue_audit(eff)
             elif isinstance(eff, BanPeer):
                 nursery.start_soon(self.trust.ban, eff)
+            elif isinstance(eff, ProbeLink):
+                nursery.start_soon(self.kv.probe, eff)
 
     async def _timer_loop(self) -> None:
         while True:
