@@ -47,7 +47,7 @@ from peerinfer.core.messages import (
 from peerinfer.core.node import ProbeLink, PullChecked, RunLocal, TransferMeasured
 from peerinfer.engine.base import Engine
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
-from peerinfer.net import FramedStream
+from peerinfer.net.api import Stream
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.streampool import StreamUse
 from peerinfer.node.context import NodeContext
@@ -128,7 +128,7 @@ class KvExchange:
             return "busy", f"more than {PULL_RATE_PER_PEER:g} pulls a second"
         return "", ""
 
-    async def serve_kv(self, stream: FramedStream) -> None:
+    async def serve_kv(self, stream: Stream) -> None:
         """Answer pulls on ``stream``, one after another (the puller keeps the stream)."""
         ctx = self._ctx
         peer = stream.remote_peer
@@ -173,7 +173,7 @@ class KvExchange:
             finally:
                 self._serving.release()
 
-    async def _send_filler(self, stream: FramedStream, nbytes: int) -> None:
+    async def _send_filler(self, stream: Stream, nbytes: int) -> None:
         left = min(nbytes, MAX_KV_FILLER_BYTES)
         while left > 0:
             n = min(left, KV_FRAME_TARGET_BYTES)
