@@ -528,6 +528,31 @@ class Engine(ABC):
                     if h not in in_memory and (old is None or h not in old):
                         changes._added(h)
 
+    def save_to_disk(self) -> int:
+        """Write every block in memory that the disk tier lacks to it, least recently used
+        first, keeping them in memory too (a node does this as it stops, so that it restarts
+        warm). Returns how many blocks were written."""
+        self._check_open()
+        disk, cache = self._disk, self._cache
+        if disk is None or cache is None:
+            return 0
+        nodes = [n for h in cache.block_hashes() if (n := cache.node_by_hash(h)) is not None]
+        nodes.sort(key=lambda n: n.last_access)
+        written = 0
+        for node in nodes:
+            if node.hash in disk:
+                disk.touch(node.hash)
+                continue
+            try:
+                data = self.encode_block(node.payload)
+            except Exception:  # as in _spill: a block that cannot be exported stays unsaved
+                continue
+            evicted = disk.put(node.hash, node.key, data)
+            written += node.hash in disk
+            for h in evicted:
+                self._disk_removed(h)
+        return written
+
     def disk_statistics(self) -> DiskTierStatistics | None:
         """The disk tier's counters (None without one); safe from any thread."""
         disk = self._disk

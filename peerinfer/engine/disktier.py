@@ -50,6 +50,9 @@ from peerinfer.types import BlockHash
 MAGIC = b"PIKVDSK1"
 _HEAD = struct.Struct("<8s32sQI")  # magic, checksum, block hash, token count
 _SUFFIX = ".kv"
+#: The load rate (read and decode) a node announces before its first disk hit has measured
+#: its own: a conservative figure for an SSD (docs/performance.md has measured ones).
+DEFAULT_READ_BYTES_PER_S = 200e6
 #: The most tokens a block file may claim (a sanity bound on a damaged header).
 _MAX_BLOCK_TOKENS = 1 << 16
 
@@ -279,4 +282,4 @@ def _unlink(path: Path) -> None:
         pass
 
 
-__all__ = ["MAGIC", "DiskTier", "DiskTierStatistics", "format_id"]
+__all__ = ["DEFAULT_READ_BYTES_PER_S", "MAGIC", "DiskTier", "DiskTierStatistics", "format_id"]

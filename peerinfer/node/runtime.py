@@ -42,6 +42,7 @@ from peerinfer.core.node import NodeStatistics as CoreStatistics
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine
 from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
+from peerinfer.engine.disktier import DEFAULT_READ_BYTES_PER_S
 from peerinfer.net import Host, open_host
 from peerinfer.net.config import default_identity_path
 from peerinfer.net.reach import ReachSettings, run_reach
@@ -60,6 +61,7 @@ from peerinfer.node.options import (
     _load_engine,
     announce_topic,
     core_config,
+    disk_cache_path,
     host_config,
     logger,
 )
@@ -73,6 +75,10 @@ if TYPE_CHECKING:
     # trio-stubs shadow trio's inline types and name the class here.
     from trio_typing import TaskStatus
 
+
+
+#: The longest a stopping node spends saving its memory cache to its disk tier.
+DISK_SAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,8 @@ class Node:
         self.trust = TrustKeeper(self.ctx)
         self._scheduler: BatchScheduler | None = None
         self._wake = trio.Event()
+        #: the disk tier figure last put in this node's load (``_disk_figure``)
+        self._disk_announced: tuple[int, int] | None = None
         self._started_at = time.time()
         self.ready = trio.Event()
         #: the HTTP API's URL once it accepts (set by ``peerinfer.serve``; None: off)
@@ -227,6 +235,9 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
+        if opts.disk_cache_bytes:
+            # Before the snapshot below: a restarted node announces what its disk kept.
+            await ctx.in_engine(engine.configure_disk, disk_cache_path(opts), opts.disk_cache_bytes)
         ctx.topic = announce_topic(engine.fingerprint, secret)
         cache = engine.statistics().cache
         hosting = host_config(opts, ctx.topic)
@@ -273,6 +284,11 @@ class Node:
                     # dropped silently.
                     self._drain_now()
                     nursery.cancel_scope.cancel()
+                    if opts.disk_cache_bytes:
+                        # Save what memory holds, so that the node restarts warm (bounded:
+                        # a stop must not hang on a slow disk).
+                        with trio.CancelScope(shield=True), trio.move_on_after(DISK_SAVE_S):
+                            await ctx.in_engine(engine.save_to_disk)
 
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests and wait up to ``grace_s`` for in-flight ones to finish; the
@@ -380,6 +396,23 @@ class Node:
             elif isinstance(eff, BanPeer):
                 nursery.start_soon(self.trust.ban, eff)
 
+    def _disk_figure(self) -> tuple[int, int] | None:
+        """What this node's load says of its disk tier (``Load.disk``), None without one:
+        the share of held blocks that are on disk only, and the time to load a token's KV
+        from disk at the rate measured on hits so far (read and decode), else the default."""
+        engine, core = self.ctx.engine, self.ctx.core
+        if engine is None or core is None:
+            return None
+        disk = engine.disk_statistics()
+        if disk is None:
+            return None
+        held = len(core.local.digest)
+        cache = engine.statistics().cache
+        in_memory = cache.blocks if cache is not None else 0
+        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
+        rate = disk.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
+        return share, int(engine.kv_bytes_per_token / rate * 1e9)
+
     async def _timer_loop(self) -> None:
         while True:
             core = self.ctx.core
@@ -389,6 +422,10 @@ class Node:
             self._wake = trio.Event()
             with trio.move_on_after(delay):
                 await self._wake.wait()
+            disk = self._disk_figure()
+            if disk is not None and disk != self._disk_announced:
+                self._disk_announced = disk
+                self._feed(CacheChanged(disk=disk))
             if self.ctx.now() >= core.next_deadline():
                 try:
                     effects = core.tick(self.ctx.now())

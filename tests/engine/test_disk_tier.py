@@ -255,3 +255,32 @@ def test_hf_disk_hit_after_restart_gives_the_recompute_tokens(tiny_dir: Path, tm
     cached, after_restart, _ = _run(again, a)
     assert cached == 40 and after_restart == recomputed
     again.close()
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp: saved sequence state on disk.
+
+
+def test_llamacpp_disk_hit_gives_the_recompute_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False)
+    try:
+        hasher = PrefixHasher(engine.fingerprint, block_size=16)
+        engine.configure_cache(hasher)
+        engine.configure_disk(tmp_path, 1 << 30)
+        prompt = engine.tokenize(
+            "A short history of the lighthouse: the keeper climbed the stairs every evening, "
+            "trimmed the wick, polished the lens and watched the ships pass in the dark. " * 2
+        )
+        cold, recomputed, _ = _run(engine, prompt, 8)
+        assert cold == 0
+        engine.configure_cache(hasher)  # memory emptied: every block spills to disk
+        assert len(engine.radix_cache or ()) == 0
+        assert engine.disk_statistics().blocks >= (len(prompt) - 1) // 16  # type: ignore[union-attr]
+        cached, from_disk, _ = _run(engine, prompt, 8)
+        assert cached == (len(prompt) - 1) // 16 * 16 > 0
+        assert from_disk == recomputed
+    finally:
+        engine.close()
