@@ -140,6 +140,7 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
                 "disk_files_bytes": stats1.bytes,
             })
         kv_per_token = rows[-1]["disk_read_bytes"] / max(1, rows[-1]["disk_hit_cached"])
+        kv_format = engine.kv_format()
         engine.close()  # as a stopping node: what memory held spills
         again = make()
         again.configure_cache(hasher)
@@ -153,7 +154,7 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": args.engine,
         "model": engine.model_name,
-        "kv_format": engine.kv_format() if not engine._closed else None,
+        "kv_format": kv_format,
         "threads": args.threads,
         "prefix_tokens": args.prefix_tokens,
         "reps": args.reps,
