@@ -49,11 +49,18 @@ the same way for every backend:
    block not cached yet; the engine inserts them, so the next turn of a conversation hits too.
 3. *Free.* Whenever the cache drops a payload (eviction under the byte/token budget, or a block
    someone else cached first) the engine calls :meth:`Engine.free_segment`.
+4. *Spill and load* (optional). An engine that names a ``kv_format()`` and encodes its payloads
+   as bytes (``encode_block``/``decode_block``) can keep a disk tier (``configure_disk``;
+   :mod:`peerinfer.engine.disktier`): every evicted block is written to it, and before step 1
+   the blocks continuing the prompt's cached prefix are loaded from it back into the cache.
+   The same bytes serve peers (``encode_blocks`` by hash) and take in their blocks
+   (``adopt_blocks``).
 
 The node keeps its own digest of the cache on the trio thread, so the engine *reports* changes
 instead of letting anyone observe its cache: every ``Finished`` carries the block hashes added and
-removed since the previous report (net: a block added and evicted in between is in neither), and
-:meth:`Engine.cached_block_hashes` gives a snapshot for start-up. Reports are deltas: apply them
+removed since the previous report (net: a block added and evicted in between is in neither; with
+a disk tier, "cached" means in memory or on disk), and :meth:`Engine.cached_block_hashes` gives a
+snapshot for start-up. Reports are deltas: apply them
 in the order they are made (with interleaved requests, as soon as each ``Finished`` arrives). A
 backend without a cache reports ``cached_tokens=0`` and empty changes.
 """
@@ -128,7 +135,7 @@ class _ChangeLog:
     With a disk tier (``elsewhere``) the engine reports the blocks it holds in memory *or* on
     disk: a block moving between the two is no change. The radix cache tells it of memory
     changes (``block_added``/``block_removed``, skipped while the block is on disk); the engine
-    tells it of disk changes through ``disk_added``/``disk_removed``.
+    tells it of disk-only changes through ``_added``/``_removed``.
     """
 
     __slots__ = ("added", "removed", "elsewhere")
