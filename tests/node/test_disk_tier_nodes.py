@@ -79,3 +79,24 @@ async def test_a_restarted_node_is_warm_and_its_peer_sees_its_digest(tmp_path: P
     # Reported for docs/performance.md (the target: within one announce interval).
     print(f"peer saw the restarted node's digest {seen_after:.2f} s after both served "
           f"(announce interval {INTERVAL_S} s)")
+
+
+def test_the_disk_flags_reach_the_options_and_the_directory_defaults_beside_the_identity(
+    tmp_path: Path,
+) -> None:
+    from peerinfer.cli import build_parser
+    from peerinfer.cli import node_options as cli_options
+    from peerinfer.node.options import disk_cache_path
+
+    base = ["node", "--engine", "simulated", "--no-mdns", "--http", "none"]
+
+    def parse(*flags: str):  # type: ignore[no-untyped-def]
+        return cli_options(build_parser("node").parse_args([*base, *flags]))
+
+    plain = parse()
+    assert plain.disk_cache_bytes == 0
+    given = parse("--disk-cache-bytes", "2G", "--identity", str(tmp_path / "id" / "identity.key"))
+    assert given.disk_cache_bytes == 2 << 30 and given.disk_cache_dir is None
+    assert disk_cache_path(given) == tmp_path / "id" / "kvcache"
+    moved = parse("--disk-cache-bytes", "1M", "--disk-cache-dir", str(tmp_path / "elsewhere"))
+    assert disk_cache_path(moved) == tmp_path / "elsewhere"
