@@ -284,3 +284,28 @@ def test_llamacpp_disk_hit_gives_the_recompute_tokens(tmp_path: Path) -> None:
         assert from_disk == recomputed
     finally:
         engine.close()
+
+
+def test_the_disk_tier_shows_in_the_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from peerinfer.http.metrics import _engine_metrics
+
+    def values(engine: Engine) -> dict[str, float]:
+        return {s.name: s.value for m in _engine_metrics(engine, None, 0, 1) for s in m.samples}
+
+    engine = _sim(capacity_blocks=5)
+    assert not any(k.startswith("peerinfer_disk") for k in values(engine))
+    engine.configure_disk(tmp_path, 1 << 20)
+    a = list(range(100, 121))
+    _run(engine, a)
+    _run(engine, list(range(300, 321)))
+    _run(engine, a)
+    got = values(engine)
+    disk = engine.disk_statistics()
+    assert disk is not None and disk.hits > 0
+    assert got["peerinfer_disk_cache_bytes"] == disk.bytes > 0
+    assert got["peerinfer_disk_cache_blocks"] == disk.blocks
+    assert got["peerinfer_disk_cache_capacity_bytes"] == 1 << 20
+    assert got["peerinfer_disk_cache_hits_total"] == disk.hits
+    assert got["peerinfer_disk_cache_writes_total"] == disk.writes
+    assert got["peerinfer_disk_cache_damaged_total"] == 0
