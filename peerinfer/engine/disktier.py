@@ -83,6 +83,11 @@ class DiskTierStatistics:
         """Bytes loaded per second of reading and decoding (None before the first hit)."""
         return self.read_bytes / self.read_s if self.read_s > 0 and self.read_bytes else None
 
+    @property
+    def load_bytes_per_s(self) -> float:
+        """The load rate to plan with: measured, else ``DEFAULT_READ_BYTES_PER_S``."""
+        return self.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
+
 
 class DiskTier:
     """One format's blocks on disk (see the module docstring)."""

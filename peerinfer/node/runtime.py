@@ -42,7 +42,6 @@ from peerinfer.core.node import NodeStatistics as CoreStatistics
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine
 from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
-from peerinfer.engine.disktier import DEFAULT_READ_BYTES_PER_S
 from peerinfer.net import Host, open_host
 from peerinfer.net.config import default_identity_path
 from peerinfer.net.reach import ReachSettings, run_reach
@@ -410,8 +409,7 @@ class Node:
         cache = engine.statistics().cache
         in_memory = cache.blocks if cache is not None else 0
         share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
-        rate = disk.read_bytes_per_s or DEFAULT_READ_BYTES_PER_S
-        return share, int(engine.kv_bytes_per_token / rate * 1e9)
+        return share, int(engine.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
 
     async def _timer_loop(self) -> None:
         while True:

@@ -1,7 +1,10 @@
-"""KV tier benchmark: what a block kept beyond memory buys (issue 24).
+"""KV tier benchmark: what a block kept beyond memory buys (issue 24, the disk tier).
 
-``python bench/kv_bench.py disk [--engine llamacpp|hf|simulated] [--prefix-tokens 2000]
-[--reps 3] [--threads 1] [--json]``
+``python bench/kv_disk.py [--engine llamacpp|hf|simulated] [--prefix-tokens 2000] [--reps 3]
+[--threads 1] [--json]``
+
+Also a study for ``bench/kv_bench.py``'s dispatcher: ``add_disk_parser(sub)`` registers it as
+its ``disk`` subcommand (``kv_bench.py disk ...`` then takes the same options).
 
 Workload: a ``--prefix-tokens`` prefix (deterministic English-like text, a different one per
 repetition) followed by a short question; greedy, one generated token (TTFT is the time from
@@ -173,22 +176,7 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("disk", help="TTFT of a disk-tier hit against a recompute, and a restart")
-    d.add_argument("--engine", default="llamacpp", choices=("llamacpp", "hf", "simulated"))
-    d.add_argument("--model", help="another model than the engine's default")
-    d.add_argument("--prefix-tokens", type=int, default=2000)
-    d.add_argument("--reps", type=int, default=3)
-    d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
-    result = run_disk(args)
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
-    r = result
+def report(r: dict[str, Any]) -> None:
     print(f"{r['engine']} {r['model']}, {r['prefix_tokens']}-token prefix, {r['threads']} thread(s), "
           f"median of {r['reps']}; load average {r['load_average'][0]:.2f}")
     print(f"  recompute TTFT     {r['recompute_ttft_s']:.3f} s")
@@ -199,6 +187,37 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({r['disk_load_bytes_per_s'] / 1e6:.0f} MB/s, {r['disk_bytes_per_token'] / 1e3:.1f} KB/token)")
     print(f"  after a restart    first request cached {r['restart_cached_tokens']} tokens, "
           f"TTFT {r['restart_ttft_s']:.3f} s")
+
+
+def disk(args: argparse.Namespace) -> None:
+    """The study: run it and print a table, or one JSON object with ``--json``."""
+    result = run_disk(args)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        report(result)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="llamacpp", choices=("llamacpp", "hf", "simulated"))
+    p.add_argument("--model", help="another model than the engine's default")
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_disk_parser(sub: Any) -> None:
+    """Register the study as the ``disk`` subcommand of a dispatcher's subparsers (``run``)."""
+    p = sub.add_parser("disk", help="TTFT of a disk-tier hit against a recompute, and a restart")
+    add_arguments(p)
+    p.set_defaults(run=disk)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(p)
+    disk(p.parse_args(argv))
     return 0
 
 
