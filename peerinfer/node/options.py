@@ -160,6 +160,8 @@ class NodeOptions:
     trust_swarm: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.disk_cache_bytes) is not int or self.disk_cache_bytes < 0:
+            raise ConfigError(f"--disk-cache-bytes must be an integer >= 0, got {self.disk_cache_bytes!r}")
         for name in ("max_tokens", "max_prompt_tokens", "max_queued_per_requester",
                      "preempt_after_tokens"):
             value = getattr(self, name)
@@ -170,8 +172,6 @@ class NodeOptions:
             if getattr(self, name) > most:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at most {most} (the "
                                   f"protocol's limit), got {getattr(self, name)}")
-        if type(self.disk_cache_bytes) is not int or self.disk_cache_bytes < 0:
-            raise ConfigError(f"--disk-cache-bytes must be an integer >= 0, got {self.disk_cache_bytes!r}")
         if self.trust_swarm and self.swarm_key is None:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"
