@@ -88,6 +88,8 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the local network")
     p.add_argument("--identity", type=Path, help="identity key file (created on first start; default in the user's data directory)")
     p.add_argument("--cache-bytes", type=_bytes_amount, help="KV cache budget, e.g. 512M (default: the engine's)")
+    p.add_argument("--disk-cache-bytes", type=_bytes_amount, default=0, help="spill KV blocks evicted from memory to disk, up to this many bytes (LRU), e.g. 20G; kept across restarts (default 0: off)")
+    p.add_argument("--disk-cache-dir", type=Path, help="where --disk-cache-bytes keeps its files (default: kvcache in the identity key's directory)")
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice; llamacpp: up to 8)")
@@ -177,6 +179,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         mdns=not args.no_mdns,
         identity=args.identity,
         cache_bytes=args.cache_bytes,
+        disk_cache_bytes=args.disk_cache_bytes,
+        disk_cache_dir=args.disk_cache_dir,
         policy=args.policy,
         swarm_key=swarm_key,
         costs=costs,

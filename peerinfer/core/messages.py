@@ -72,7 +72,11 @@ class Load(Record):
     #: 128, ``routing.MAX_SCAFFOLD_HINTS``, none older than its lifetime). Empty unless that policy runs,
     #: and then left off the wire, so other swarms' loads are byte for byte as before.
     scaffolds: tuple[int, ...] = field(default=(), compare=False)
-    OPTIONAL_TAIL: ClassVar[int] = 2
+    #: the disk tier (``--disk-cache-bytes``), what a hit on this node costs beyond a memory
+    #: hit: ``(per mille of the blocks it holds that are on disk only, nanoseconds to load
+    #: one token's KV from disk)``; empty: no disk tier (and left off the wire)
+    disk: tuple[int, ...] = field(default=(), compare=False)
+    OPTIONAL_TAIL: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(U32),
         UInt(U32),
@@ -80,13 +84,25 @@ class Load(Record):
         # below 10**15 ns (a million seconds): what a CostModel accepts
         UIntList(10**15 - 1, 4),
         UIntList(U64, 128),
+        UIntList(10**15 - 1, 2),
     )
 
     def _to_fields(self) -> list[Any]:
         out = [self.queued, self.running, self.slots, list(self.speed)]
-        if self.scaffolds:
+        if self.scaffolds or self.disk:
             out.append(list(self.scaffolds))
+        if self.disk:
+            out.append(list(self.disk))
         return out
+
+    @property
+    def disk_s_per_token(self) -> float:
+        """The expected extra seconds per matched token of a hit here, for the share of
+        blocks on disk (0.0 without a disk tier, or for a malformed figure)."""
+        disk = self.disk
+        if len(disk) != 2:
+            return 0.0
+        return min(disk[0], 1000) * disk[1] * 1e-12
 
 
 #: Kinds of output constraint (``Constraint.kind``); see ``peerinfer.engine.constraints``.

@@ -29,7 +29,7 @@ from peerinfer.core.messages import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 from peerinfer.core.node import NodeConfig
 from peerinfer.engine.base import Engine
 from peerinfer.errors import ConfigError
-from peerinfer.net.config import DEFAULT_PORT, HostConfig
+from peerinfer.net.config import DEFAULT_PORT, HostConfig, default_data_dir
 from peerinfer.types import PeerId
 
 logger = logging.getLogger("peerinfer.node")
@@ -116,6 +116,10 @@ class NodeOptions:
     persist_identity: bool = True
     cache_bytes: int | None = None
     cache_tokens: int | None = None
+    #: the disk tier's bound (``--disk-cache-bytes``; 0: no disk tier) and its directory
+    #: (None: ``kvcache`` beside the identity key, see ``disk_cache_path``)
+    disk_cache_bytes: int = 0
+    disk_cache_dir: Path | None = None
     policy: str = "cost"
     swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
     costs: CostModel = DEFAULT_COSTS
@@ -169,6 +173,8 @@ class NodeOptions:
     kv_pull_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if type(self.disk_cache_bytes) is not int or self.disk_cache_bytes < 0:
+            raise ConfigError(f"--disk-cache-bytes must be an integer >= 0, got {self.disk_cache_bytes!r}")
         for name in ("max_tokens", "max_prompt_tokens", "max_queued_per_requester",
                      "preempt_after_tokens"):
             value = getattr(self, name)
@@ -190,6 +196,16 @@ class NodeOptions:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"
             )
+
+
+def disk_cache_path(opts: NodeOptions) -> Path:
+    """Where the disk tier keeps its files: ``--disk-cache-dir``, else ``kvcache`` in the
+    node's data directory (the directory of ``--identity``, else ``default_data_dir()``), so a
+    node restarted with the same identity finds its blocks again."""
+    if opts.disk_cache_dir is not None:
+        return opts.disk_cache_dir
+    base = opts.identity.parent if opts.identity is not None else default_data_dir()
+    return base / "kvcache"
 
 
 def core_config(
@@ -294,6 +310,8 @@ READ_ELSEWHERE = {
     "engine_options": "_load_engine",
     "cache_bytes": "Node.serve: Engine.configure_cache",
     "cache_tokens": "Node.serve: Engine.configure_cache",
+    "disk_cache_bytes": "Node.serve: Engine.configure_disk",
+    "disk_cache_dir": "disk_cache_path (Node.serve hands its result to Engine.configure_disk)",
     "seed": "Node.serve: the core's random generator",
     "wall_clock": "Node._epoch_base",
     "relay_service": "Node.serve: ReachSettings.of",

@@ -63,6 +63,7 @@ from peerinfer.node.options import (
     _load_engine,
     announce_topic,
     core_config,
+    disk_cache_path,
     host_config,
     logger,
 )
@@ -76,6 +77,10 @@ if TYPE_CHECKING:
     # trio-stubs shadow trio's inline types and name the class here.
     from trio_typing import TaskStatus
 
+
+
+#: The longest a stopping node spends saving its memory cache to its disk tier.
+DISK_SAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +134,8 @@ class Node:
         self.kv = KvExchange(self.ctx, run_after=self.worker.run_local)
         self._scheduler: BatchScheduler | None = None
         self._wake = trio.Event()
+        #: the disk tier figure last put in this node's load (``_disk_figure``)
+        self._disk_announced: tuple[int, int] | None = None
         self._started_at = time.time()
         self.ready = trio.Event()
         #: the HTTP API's URL once it accepts (set by ``peerinfer.serve``; None: off)
@@ -240,6 +247,9 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
+        if opts.disk_cache_bytes:
+            # Before the snapshot below: a restarted node announces what its disk kept.
+            await ctx.in_engine(engine.configure_disk, disk_cache_path(opts), opts.disk_cache_bytes)
         ctx.topic = announce_topic(engine.fingerprint, secret)
         cache = engine.statistics().cache
         hosting = host_config(opts, ctx.topic)
@@ -290,6 +300,11 @@ class Node:
                     # dropped silently.
                     self._drain_now()
                     nursery.cancel_scope.cancel()
+                    if opts.disk_cache_bytes:
+                        # Save what memory holds, so that the node restarts warm (bounded:
+                        # a stop must not hang on a slow disk).
+                        with trio.CancelScope(shield=True), trio.move_on_after(DISK_SAVE_S):
+                            await ctx.in_engine(engine.save_to_disk)
 
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests and wait up to ``grace_s`` for in-flight ones to finish; the
@@ -402,6 +417,22 @@ class Node:
             elif isinstance(eff, ProbeLink):
                 nursery.start_soon(self.kv.probe, eff)
 
+    def _disk_figure(self) -> tuple[int, int] | None:
+        """What this node's load says of its disk tier (``Load.disk``), None without one:
+        the share of held blocks that are on disk only, and the time to load a token's KV
+        from disk at the rate measured on hits so far (read and decode), else the default."""
+        engine, core = self.ctx.engine, self.ctx.core
+        if engine is None or core is None:
+            return None
+        disk = engine.disk_statistics()
+        if disk is None:
+            return None
+        held = len(core.local.digest)
+        cache = engine.statistics().cache
+        in_memory = cache.blocks if cache is not None else 0
+        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
+        return share, int(engine.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
+
     async def _timer_loop(self) -> None:
         while True:
             core = self.ctx.core
@@ -411,6 +442,10 @@ class Node:
             self._wake = trio.Event()
             with trio.move_on_after(delay):
                 await self._wake.wait()
+            disk = self._disk_figure()
+            if disk is not None and disk != self._disk_announced:
+                self._disk_announced = disk
+                self._feed(CacheChanged(disk=disk))
             if self.ctx.now() >= core.next_deadline():
                 try:
                     effects = core.tick(self.ctx.now())

@@ -57,6 +57,8 @@ class Choice:
         self._scaffolds: tuple[int, ...] = ()
         #: announced in every load, so that peers estimate this node at its own speed
         self._speed: tuple[int, ...] = config.costs.speed()
+        #: announced in every load: the disk tier's share and load time (``Load.disk``)
+        self.disk: tuple[int, ...] = ()
         #: no peer has announced another speed than this node's or more than one slot (then
         #: routing finds the best non-holders among the nearest: ``PeerIndex.holder_candidates``)
         self._plain_loads = True
@@ -74,7 +76,7 @@ class Choice:
         """This node's load as announced, with ``queued`` and ``running`` requests."""
         return Load(
             queued=queued, running=running, slots=self.config.costs.slots,
-            speed=self._speed, scaffolds=self._scaffolds,
+            speed=self._speed, scaffolds=self._scaffolds, disk=self.disk,
         )
 
     def refresh_hints(self, now: float) -> None:

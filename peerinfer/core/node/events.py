@@ -132,10 +132,14 @@ class LocalPreempted:
 
 @dataclass(frozen=True, slots=True)
 class CacheChanged:
-    """Cache changes reported outside a request (start-up snapshot, a cleared cache)."""
+    """Cache changes reported outside a request (start-up snapshot, a cleared cache).
+
+    ``disk``, when given, is the disk tier's figure announced in this node's load from now on
+    (``Load.disk``: per mille of held blocks on disk only, ns to load a token from disk)."""
 
     added: tuple[BlockHash, ...] = ()
     removed: tuple[BlockHash, ...] = ()
+    disk: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

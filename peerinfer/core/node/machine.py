@@ -396,6 +396,8 @@ class NodeCore:
 
     def _on_cache_changed(self, ev: CacheChanged, now: float) -> list[Effect]:
         self._apply_local_changes(ev.added, ev.removed)
+        if ev.disk is not None:
+            self.choice.disk = ev.disk
         effects: list[Effect] = []
         self._maybe_announce(now, effects)
         return effects
