@@ -8,9 +8,11 @@
     python bench/kv_bench.py pull       # TTFT of pulling a 2,000-token prefix's KV from a peer
                                         # plus the suffix, against a local recompute, on real
                                         # nodes (bench/kv_pull_bench.py; docs/performance.md)
+    python bench/kv_bench.py disk       # TTFT of a disk-tier hit on a 2,000-token prefix against
+                                        # a recompute, and a restart (bench/kv_disk.py)
 
 Each subcommand is one function taking the parsed arguments, or a module beside this one with
-``add_parser(subparsers)`` (``pull``); add a study by adding a parser and a function
+``add_parser(subparsers)`` (``pull``, ``disk``); add a study by adding a parser and a function
 (``SUBCOMMANDS``).
 """
 
@@ -249,9 +251,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="a liar's change, times the block's largest value")
     p.set_defaults(run=verify)
 
+    import kv_disk
     import kv_pull_bench
 
     kv_pull_bench.add_parser(sub)
+    kv_disk.add_disk_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "verify":
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     run(args)
 
 
-SUBCOMMANDS = ("decision", "verify", "pull")
+SUBCOMMANDS = ("decision", "verify", "pull", "disk")
 
 if __name__ == "__main__":
     main()
