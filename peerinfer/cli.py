@@ -88,6 +88,8 @@ def _add_node(sub: Any) -> None:
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the local network")
     p.add_argument("--identity", type=Path, help="identity key file (created on first start; default in the user's data directory)")
     p.add_argument("--cache-bytes", type=_bytes_amount, help="KV cache budget, e.g. 512M (default: the engine's)")
+    p.add_argument("--disk-cache-bytes", type=_bytes_amount, default=0, help="spill KV blocks evicted from memory to disk, up to this many bytes (LRU), e.g. 20G; kept across restarts (default 0: off)")
+    p.add_argument("--disk-cache-dir", type=Path, help="where --disk-cache-bytes keeps its files (default: kvcache in the identity key's directory)")
     p.add_argument("--policy", default="cost", choices=POLICY_NAMES, help="routing policy (default: cost)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: CUDA when available)")
     p.add_argument("--threads", type=int, help="CPU threads for the model (default: torch's choice; llamacpp: up to 8)")
@@ -123,6 +125,14 @@ def _add_node(sub: Any) -> None:
     trust = p.add_argument_group("trust")
     trust.add_argument("--trust", action="append", metavar="PEERID", help="forward requests only to this peer (repeatable; default: any peer); 'swarm': only to members of this private swarm (needs a swarm key)")
     trust.add_argument("--audit-rate", type=float, default=0.05, metavar="P", help="share of forwarded answers re-scored by the local model (default: 0.05)")
+    trust.add_argument("--kv-pull", choices=("off", "auto", "always"), default="off",
+                       help="pull a prompt's KV from a peer that holds it when that beats recomputing "
+                       "and forwarding (auto; always: whenever a trusted peer holds more), and serve "
+                       "pulls to the same peers; only from members of a private swarm unless "
+                       "--kv-pull-open-swarm (default: off)")
+    trust.add_argument("--kv-pull-open-swarm", action="store_true",
+                       help="with --kv-pull: pull from (and serve) any peer of an open swarm; pulled "
+                       "KV is only checked by sampling (docs/security.md)")
     p.set_defaults(run=_run_node)
 
 
@@ -169,6 +179,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         mdns=not args.no_mdns,
         identity=args.identity,
         cache_bytes=args.cache_bytes,
+        disk_cache_bytes=args.disk_cache_bytes,
+        disk_cache_dir=args.disk_cache_dir,
         policy=args.policy,
         swarm_key=swarm_key,
         costs=costs,
@@ -179,6 +191,8 @@ def node_options(args: argparse.Namespace) -> NodeOptions:
         trusted_peers=trusted_ids or None,
         trust_swarm="swarm" in (args.trust or ()),
         audit_rate=args.audit_rate,
+        kv_pull=None if args.kv_pull == "off" else args.kv_pull,
+        kv_pull_open_swarm=args.kv_pull_open_swarm,
         relay_service=not args.no_relay_service,
         upnp=args.upnp,
         relay_circuit_bytes=args.relay_circuit_bytes,

@@ -56,7 +56,7 @@ from peerinfer.errors import (
     ProtocolError,
     error_from_code,
 )
-from peerinfer.net import Host, HostConfig, open_host
+from peerinfer.net import HostConfig, NodeHost, Transport, open_host
 
 GENERATE_PROTOCOL = "/peerinfer/generate/1.0.0"
 STATUS_PROTOCOL = "/peerinfer/status/1.0.0"
@@ -152,7 +152,7 @@ def _build_request(
 class Client:
     """A connection to one peerinfer node. Create it with ``Client.connect``."""
 
-    def __init__(self, host: Host, node_peer: str, timeout_s: float) -> None:
+    def __init__(self, host: NodeHost, node_peer: str, timeout_s: float) -> None:
         self._host = host
         self._node = node_peer
         self._timeout = timeout_s
@@ -163,10 +163,12 @@ class Client:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, multiaddr: str, *, timeout_s: float = 120.0, swarm_key: bytes | None = None
+        cls, multiaddr: str, *, timeout_s: float = 120.0, swarm_key: bytes | None = None,
+        transport: Transport | None = None,
     ) -> AsyncIterator[Client]:
         """Connect to the node at ``multiaddr`` (``/ip4/.../tcp/.../p2p/<peer id>``); a node of
-        a private swarm needs its ``swarm_key``."""
+        a private swarm needs its ``swarm_key``. ``transport`` opens the client's host
+        (default: libp2p's ``open_host``; tests: an in-memory network's)."""
         config = HostConfig(
             listen=("/ip4/127.0.0.1/tcp/0",),
             persist_identity=False,
@@ -175,7 +177,7 @@ class Client:
             gossip_topics=(),
             swarm_key=swarm_key,
         )
-        async with open_host(config) as host:
+        async with (transport or open_host)(config) as host:
             peer = await host.connect(multiaddr)
             client = cls(host, peer, timeout_s)
             try:

@@ -73,16 +73,17 @@ and one-element nodes consistent with them, deltas only when offered. Answers ar
 trips are capped: the requester's memory and work stay bounded whatever the responder claims. A
 violation raises ``ProtocolError`` and ends the pull.
 
-State table of ``Reconciliation`` (any other event is a local error, ``ClosedError``)::
+State table of ``Reconciliation`` (in code: ``core/pullstate.py``; any other event is a local
+error, ``ClosedError``); its ``state`` is "pulling" while ``ready`` or ``awaiting``::
 
-    state       event                                      next state  returns
-    ---------   ----------------------------------------   ----------  -------------------------
-    pulling     first_request() (once)                     pulling     SyncRequest
-    pulling     handle_response: root and count match      converged   None
-    pulling     handle_response: queries left              pulling     SyncRequest
-    pulling     handle_response: pass over, passes left    pulling     SyncRequest (next pass)
-    pulling     handle_response: no passes/rounds left     failed      None
-    pulling     handle_response: protocol violation        failed      raises ProtocolError
+    phase      event                                      next phase  returns
+    --------   ----------------------------------------   ----------  -------------------------
+    ready      first_request()                            awaiting    SyncRequest
+    awaiting   handle_response: root and count match      converged   None
+    awaiting   handle_response: queries left              awaiting    SyncRequest
+    awaiting   handle_response: pass over, passes left    awaiting    SyncRequest (next pass)
+    awaiting   handle_response: no passes/rounds left     failed      None
+    awaiting   handle_response: protocol violation        failed      raises ProtocolError
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ from peerinfer.core.digest import (
     unpack_fixed,
 )
 from peerinfer.core.messages import SyncNode, SyncQuery, SyncRequest, SyncResponse, decode, encode
-from peerinfer.errors import ClosedError, ProtocolError
+from peerinfer.core.pullstate import STATE_OF, PullEvent, PullPhase, accepts, move
+from peerinfer.errors import ProtocolError
 from peerinfer.types import BlockHash
 
 __all__ = [
@@ -127,10 +129,6 @@ __all__ = [
     "Replica",
     "reconcile_in_memory",
 ]
-
-PULLING = "pulling"
-CONVERGED = "converged"
-FAILED = "failed"
 
 #: Expected differences per compared descendant in the first round of a pass...
 LAMBDA_FIRST = 0.5
@@ -362,7 +360,8 @@ class Replica:
 class Reconciliation:
     """The requester's state machine for one pull (see the module docstring's state table).
 
-    ``state`` is "pulling", "converged" or "failed". ``rounds`` counts responses handled,
+    ``phase``: its row of the state table; ``state``: "pulling", "converged" or "failed".
+    ``rounds`` counts responses handled,
     ``passes`` Merkle passes begun, ``bytes_sent``/``bytes_received`` the encoded sizes of the
     requests and responses.
     """
@@ -383,7 +382,7 @@ class Reconciliation:
             raise ValueError("max_rounds must be >= 1")
         self.replica = replica
         self.session = session
-        self.state = PULLING
+        self.phase = PullPhase.READY
         self.rounds = 0
         self.passes = 0
         self.bytes_sent = 0
@@ -398,15 +397,16 @@ class Reconciliation:
         self._slice = 0
         self._pending: deque[_Spec] = deque()
         self._sent: SyncRequest | None = None
-        self._started = False
+
+    @property
+    def state(self) -> str:
+        return STATE_OF[self.phase]
 
     # ------------------------------------------------------------------ events
 
     def first_request(self) -> SyncRequest:
         """The opening request: a delta offer if the replica matched an epoch, else pass 1."""
-        if self._started or self.state != PULLING:
-            raise ClosedError("first_request() was already called for this reconciliation")
-        self._started = True
+        self.phase = move(accepts(self.phase, PullEvent.FIRST_REQUEST), PullPhase.AWAITING)
         if self.replica.epoch > 0:
             self._slice = self._slice_index(0)
             return self._send(since_epoch=self.replica.epoch)
@@ -415,11 +415,11 @@ class Reconciliation:
 
     def handle_response(self, response: SyncResponse) -> SyncRequest | None:
         """Take in the answer to the last request; the next request, or None when finished."""
+        allowed = accepts(self.phase, PullEvent.RESPONSE)
         sent = self._sent
-        if self.state != PULLING or sent is None:
-            raise ClosedError(f"no request is awaiting a response (state {self.state})")
+        assert sent is not None  # awaiting: a request is out
         if response.session != self.session:
-            self.state = FAILED
+            self.phase = move(allowed, PullPhase.FAILED)
             raise ProtocolError(
                 f"sync response for session {response.session}, expected {self.session}"
             )
@@ -432,31 +432,30 @@ class Reconciliation:
                 self._take_delta(sent, response)
             else:
                 self._take_answers(sent, response)
-            return self._advance()
+            phase, request = self._advance()
         except ProtocolError:
-            self.state = FAILED
+            self.phase = move(allowed, PullPhase.FAILED)
             raise
+        self.phase = move(allowed, phase)
+        return request
 
     # ------------------------------------------------------------------ passes and requests
 
     def _slice_index(self, pass_number: int) -> int:
         return (self._attempt * (MAX_PASSES + 1) + pass_number) & 0xFF
 
-    def _advance(self) -> SyncRequest | None:
+    def _advance(self) -> tuple[PullPhase, SyncRequest | None]:
         replica = self.replica
         if self.count is not None and replica.matches(self.root, self.count):
-            self.state = CONVERGED
             replica.epoch = self.epoch
-            return None
+            return PullPhase.CONVERGED, None
         if not self._pending:
             if self.passes >= MAX_PASSES:
-                self.state = FAILED
-                return None
+                return PullPhase.FAILED, None
             self._begin_pass()
         if self.rounds >= self.max_rounds:
-            self.state = FAILED
-            return None
-        return self._send()
+            return PullPhase.FAILED, None
+        return PullPhase.AWAITING, self._send()
 
     def _begin_pass(self) -> None:
         self.passes += 1

@@ -72,7 +72,11 @@ class Load(Record):
     #: 128, ``routing.MAX_SCAFFOLD_HINTS``, none older than its lifetime). Empty unless that policy runs,
     #: and then left off the wire, so other swarms' loads are byte for byte as before.
     scaffolds: tuple[int, ...] = field(default=(), compare=False)
-    OPTIONAL_TAIL: ClassVar[int] = 2
+    #: the disk tier (``--disk-cache-bytes``), what a hit on this node costs beyond a memory
+    #: hit: ``(per mille of the blocks it holds that are on disk only, nanoseconds to load
+    #: one token's KV from disk)``; empty: no disk tier (and left off the wire)
+    disk: tuple[int, ...] = field(default=(), compare=False)
+    OPTIONAL_TAIL: ClassVar[int] = 3
     SCHEMA: ClassVar[tuple[Validator, ...]] = (
         UInt(U32),
         UInt(U32),
@@ -80,13 +84,25 @@ class Load(Record):
         # below 10**15 ns (a million seconds): what a CostModel accepts
         UIntList(10**15 - 1, 4),
         UIntList(U64, 128),
+        UIntList(10**15 - 1, 2),
     )
 
     def _to_fields(self) -> list[Any]:
         out = [self.queued, self.running, self.slots, list(self.speed)]
-        if self.scaffolds:
+        if self.scaffolds or self.disk:
             out.append(list(self.scaffolds))
+        if self.disk:
+            out.append(list(self.disk))
         return out
+
+    @property
+    def disk_s_per_token(self) -> float:
+        """The expected extra seconds per matched token of a hit here, for the share of
+        blocks on disk (0.0 without a disk tier, or for a malformed figure)."""
+        disk = self.disk
+        if len(disk) != 2:
+            return 0.0
+        return min(disk[0], 1000) * disk[1] * 1e-12
 
 
 #: Kinds of output constraint (``Constraint.kind``); see ``peerinfer.engine.constraints``.
@@ -577,6 +593,68 @@ class PeerExchange(Message):
     SCHEMA: ClassVar[tuple[Validator, ...]] = (ListOf(Nested(PeerAddrs), 1024),)
 
 
+# --------------------------------------------------------------------------------------------
+# KV pulls (node -> node, ``/peerinfer/kv/1.0.0``; issue 24): the KV of a run of blocks by hash,
+# or bounded filler bytes that measure the link (``NodeCore``'s ``ProbeLink``).
+
+#: The most blocks one pull may ask for (4,096 tokens at 16-token blocks: the node's default
+#: prompt limit), and the most filler bytes one probe may ask for.
+MAX_KV_PULL_BLOCKS = 256
+MAX_KV_FILLER_BYTES = 8 * 1024 * 1024
+#: One ``KvBlocks`` frame carries at most this many bytes of blocks (the frame limit is 8 MiB):
+#: a block larger than this travels alone.
+KV_FRAME_TARGET_BYTES = 4 * 1024 * 1024
+#: Why a holder refused a pull (``KvPullDone.refused``; "" when it served).
+KV_REFUSALS = frozenset({"", "off", "untrusted", "format", "busy", "too_large"})
+
+
+@register(40)
+@dataclass(frozen=True, slots=True)
+class KvPullRequest(Message):
+    """Ask a holder for the KV of the blocks ``hashes`` (in chain order) in the engine format
+    ``format`` (``Engine.kv_format()``), or, with ``filler_bytes`` > 0 and no hashes, for that
+    many filler bytes (a link probe). The holder answers ``KvBlocks`` frames, then ``KvPullDone``.
+    """
+
+    format: str
+    hashes: tuple[int, ...] = ()
+    filler_bytes: int = 0
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        Text(256),
+        UIntList(U64, MAX_KV_PULL_BLOCKS),
+        UInt(MAX_KV_FILLER_BYTES),
+    )
+
+
+@register(41)
+@dataclass(frozen=True, slots=True)
+class KvBlocks(Message):
+    """The next encoded blocks of a pull, in order (``Engine.encode_block``), or filler."""
+
+    blocks: tuple[bytes, ...] = ()
+    filler: bytes = b""
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        ListOf(Bin(MAX_FRAME_BYTES), MAX_KV_PULL_BLOCKS),
+        Bin(MAX_FRAME_BYTES),
+    )
+
+
+@register(42)
+@dataclass(frozen=True, slots=True)
+class KvPullDone(Message):
+    """The end of a pull's answer: ``blocks`` blocks were sent (the leading run of the hashes
+    asked for that the holder held), or the pull was ``refused`` (``KV_REFUSALS``) and why."""
+
+    blocks: int = 0
+    refused: str = ""
+    detail: str = ""
+    SCHEMA: ClassVar[tuple[Validator, ...]] = (
+        UInt(MAX_KV_PULL_BLOCKS),
+        Text(32, KV_REFUSALS),
+        Text(512),
+    )
+
+
 def _check_schemas(classes: Sequence[type[Record]]) -> None:
     for cls in classes:
         n = len(fields(cls))  # type: ignore[arg-type]
@@ -605,12 +683,19 @@ __all__ = [
     "GenerateDone",
     "GenerateRequest",
     "HASH",
+    "KV_FRAME_TARGET_BYTES",
+    "KV_REFUSALS",
+    "KvBlocks",
+    "KvPullDone",
+    "KvPullRequest",
     "ListOf",
     "Load",
     "MAX_CONSTRAINT_CHARS",
     "MAX_DELTA",
     "MAX_FRAME_BYTES",
     "MAX_ID_CHARS",
+    "MAX_KV_FILLER_BYTES",
+    "MAX_KV_PULL_BLOCKS",
     "MAX_LIST",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS",

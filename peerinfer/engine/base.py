@@ -49,19 +49,28 @@ the same way for every backend:
    block not cached yet; the engine inserts them, so the next turn of a conversation hits too.
 3. *Free.* Whenever the cache drops a payload (eviction under the byte/token budget, or a block
    someone else cached first) the engine calls :meth:`Engine.free_segment`.
+4. *Spill and load* (optional). An engine that names a ``kv_format()`` and encodes its payloads
+   as bytes (``encode_block``/``decode_block``) can keep a disk tier (``configure_disk``;
+   :mod:`peerinfer.engine.disktier`): every evicted block is written to it, and before step 1
+   the blocks continuing the prompt's cached prefix are loaded from it back into the cache.
+   The same bytes serve peers (``encode_blocks`` by hash) and take in their blocks
+   (``adopt_blocks``).
 
 The node keeps its own digest of the cache on the trio thread, so the engine *reports* changes
 instead of letting anyone observe its cache: every ``Finished`` carries the block hashes added and
-removed since the previous report (net: a block added and evicted in between is in neither), and
-:meth:`Engine.cached_block_hashes` gives a snapshot for start-up. Reports are deltas: apply them
+removed since the previous report (net: a block added and evicted in between is in neither; with
+a disk tier, "cached" means in memory or on disk), and :meth:`Engine.cached_block_hashes` gives a
+snapshot for start-up. Reports are deltas: apply them
 in the order they are made (with interleaved requests, as soon as each ``Finished`` arrives). A
 backend without a cache reports ``cached_tokens=0`` and empty changes.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from peerinfer.core.messages import MAX_PROMPT_TOKENS, ChatMessage, SamplingParams
@@ -89,11 +98,18 @@ from peerinfer.engine.events import (
 from peerinfer.engine.job import RequestJob, _Counters
 from peerinfer.engine.textstream import TextStream
 from peerinfer.engine.validation import validate_prompt, validate_sampling_params
-from peerinfer.errors import ClosedError, ConfigError, EngineError, InvalidRequestError
+from peerinfer.errors import (
+    ClosedError,
+    ConfigError,
+    EngineError,
+    InvalidRequestError,
+    ProtocolError,
+)
 from peerinfer.types import BlockHash
 
 if TYPE_CHECKING:
     from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
+    from peerinfer.engine.disktier import DiskTier, DiskTierStatistics
 
 
 class _IteratorDecoder(Decoder):
@@ -114,21 +130,36 @@ class _IteratorDecoder(Decoder):
 
 
 class _ChangeLog:
-    """A cache observer that keeps the net set difference since the last ``take()``."""
+    """A cache observer that keeps the net set difference since the last ``take()``.
 
-    __slots__ = ("added", "removed")
+    With a disk tier (``elsewhere``) the engine reports the blocks it holds in memory *or* on
+    disk: a block moving between the two is no change. The radix cache tells it of memory
+    changes (``block_added``/``block_removed``, skipped while the block is on disk); the engine
+    tells it of disk-only changes through ``_added``/``_removed``.
+    """
+
+    __slots__ = ("added", "removed", "elsewhere")
 
     def __init__(self) -> None:
         self.added: set[BlockHash] = set()
         self.removed: set[BlockHash] = set()
+        self.elsewhere: Container[BlockHash] = ()
 
     def block_added(self, h: BlockHash) -> None:
+        if h not in self.elsewhere:
+            self._added(h)
+
+    def block_removed(self, h: BlockHash) -> None:
+        if h not in self.elsewhere:
+            self._removed(h)
+
+    def _added(self, h: BlockHash) -> None:
         if h in self.removed:
             self.removed.discard(h)
         else:
             self.added.add(h)
 
-    def block_removed(self, h: BlockHash) -> None:
+    def _removed(self, h: BlockHash) -> None:
         if h in self.added:
             self.added.discard(h)
         else:
@@ -171,6 +202,7 @@ class Engine(ABC):
     supports_logprobs: bool = False
 
     _cache: RadixCache | None = None
+    _disk: DiskTier | None = None
     _changes: _ChangeLog | None = None
     _counters: _Counters | None = None
     _closed: bool = False
@@ -331,6 +363,9 @@ class Engine(ABC):
         cache.add_observer(changes)
         self._cache = cache
         self._changes = changes
+        disk = self._disk
+        if disk is not None and disk.kv_format != self.kv_format():
+            self.configure_disk(None)  # blocks of another block size: of no use to this cache
 
     @property
     def radix_cache(self) -> RadixCache | None:
@@ -344,7 +379,10 @@ class Engine(ABC):
             self._changes.take()
         if cache is None:
             return ()
-        return tuple(sorted(cache.block_hashes()))
+        held = set(cache.block_hashes())
+        if self._disk is not None:
+            held.update(self._disk.hashes())
+        return tuple(sorted(held))
 
     def take_cache_changes(self) -> CacheChanges:
         """Hashes added/removed since the last report (for generations abandoned mid-way)."""
@@ -363,6 +401,114 @@ class Engine(ABC):
             cache=None if self._cache is None else self._cache.stats(),
         )
 
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """The name of this engine's KV block format, or None when its blocks cannot be
+        exported (no prefix cache, or a backend that does not implement the codec).
+
+        Two engines can exchange KV blocks exactly when their formats are equal strings. A
+        format is ``<kind>/<numerics>/<fingerprint hex>/b<block size>``: ``kind`` names the
+        engine and its layout version (``hf-kv1``, ``llamacpp-kv1``, ``sim-kv1``), ``numerics``
+        what else changes the bytes or their values (dtype and device for Transformers, the
+        llama.cpp version and its K/V cell types), then the model fingerprint and the block
+        size of the configured cache. Blocks of one format are interchangeable by block hash.
+        """
+        return None
+
+    def encode_block(self, payload: Any) -> bytes:
+        """One cached block's payload as bytes of ``kv_format()`` (for a disk or a peer)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        """The payload (and its accounted size) of a block encoded by ``encode_block`` in this
+        engine's ``kv_format()``, the block holding positions ``first_token`` onwards.
+
+        The bytes may come from a hostile peer or a damaged file: a decoder checks every size
+        and shape against what this engine expects, never executes anything, and raises
+        :class:`~peerinfer.errors.ProtocolError` on bytes that are not such a block.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
+
+    def encode_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The encoded blocks (``encode_block``) of the leading run of ``hashes`` this engine
+        holds, in order: it stops at the first hash it does not hold. What a peer serves a
+        pull from; the puller hands the bytes to ``adopt_blocks`` with its prompt."""
+        self._check_open()
+        cache = self._ensure_cache()
+        if cache is None or self.kv_format() is None:
+            return []
+        out: list[bytes] = []
+        disk = self._disk
+        for h in hashes:
+            node = cache.node_by_hash(h)
+            if node is not None:
+                out.append(self.encode_block(node.payload))
+                continue
+            data = None if disk is None else disk.get(h, None)
+            if data is None:
+                break
+            out.append(data)
+        return out
+
+    def adopt_blocks(self, tokens: Sequence[int], blocks: Sequence[bytes | memoryview]) -> int:
+        """Insert ``blocks`` (encoded KV of full blocks ``0 .. len(blocks)`` of ``tokens``, in
+        order) into the cache, so that a request whose prompt starts with them hits.
+
+        Blocks already cached are not decoded. Returns how many leading tokens of ``tokens``
+        are cached afterwards (fewer than ``len(blocks) * block_size`` when the cache could not
+        make room). Raises ProtocolError, inserting nothing past the last good block, when a
+        block does not decode.
+        """
+        self._check_open()
+        cache = self._ensure_cache()
+        if cache is None or self.kv_format() is None:
+            raise EngineError(f"{type(self).__name__} cannot adopt KV blocks")
+        bs = cache.block_size
+        n = len(blocks)
+        if n * bs > len(tokens):
+            raise ValueError(f"{n} blocks need {n * bs} tokens, got {len(tokens)}")
+        seq = tuple(tokens[: n * bs])
+        have = cache.match(seq, touch=False).tokens // bs
+        segments: list[KVSegment] = []
+        try:
+            for i in range(have, n):
+                segments.append(self.decode_block(blocks[i], i * bs))
+        finally:
+            good = have + len(segments)
+            if good > have:
+                payloads: list[Any] = [None] * have + [s.payload for s in segments]
+                sizes = [0] * have + [s.nbytes for s in segments]
+                result = cache.insert(seq[: good * bs], payloads, sizes)
+                for payload in result.unused_payloads:
+                    if payload is not None:
+                        self.free_segment(payload)
+        return cache.match(seq, touch=False).tokens
+
+    #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine
+    #: that can check what it pulled.
+    verifies_kv_blocks: bool = False
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Recompute some pulled blocks locally and say how far each is from what was pulled.
+
+        ``blocks`` are the encoded blocks ``first_block ..`` of ``tokens`` (from a peer, not
+        adopted yet); the blocks before ``first_block`` must be in this engine's cache.
+        For each ``p`` in ``positions`` (indexes into ``blocks``), block ``first_block + p``
+        is recomputed from the KV of the blocks before it (cached or pulled: about one
+        block's prefill) and compared with ``blocks[p]``: ``(p, relative error)``, the
+        largest difference over the pulled block's largest magnitude (as
+        ``peerinfer.core.kvpull.relative_error``). Raises ProtocolError when a needed block
+        does not decode, EngineError when a block before ``first_block`` is not cached.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot verify KV blocks")
+
     def _ensure_cache(self) -> RadixCache | None:
         if self._cache is None and self.supports_prefix_cache:
             self.configure_cache(PrefixHasher(self.fingerprint, block_size=self.default_block_size))
@@ -370,8 +516,144 @@ class Engine(ABC):
 
     def _on_evict(self, node: RadixNode) -> None:
         payload, node.payload = node.payload, None
-        if payload is not None:
-            self.free_segment(payload)
+        try:
+            if self._disk is not None:
+                self._spill(node, payload)
+        finally:
+            if payload is not None:
+                self.free_segment(payload)
+
+    # ------------------------------------------------------------ the disk tier
+
+    def configure_disk(self, directory: str | os.PathLike[str] | None, capacity_bytes: int = 0) -> None:
+        """Spill blocks the cache evicts to files under ``directory`` (a subdirectory per
+        ``kv_format()``), at most ``capacity_bytes`` of them, and load them back on a hit
+        (:mod:`peerinfer.engine.disktier`). The blocks already there (a restart) count as
+        cached at once. None or 0 bytes: no disk tier. Call it after ``configure_cache``
+        (the format names the block size); a later ``configure_cache`` keeps the tier only if
+        the format is unchanged."""
+        self._check_open()
+        from peerinfer.engine.disktier import DiskTier
+
+        self._ensure_cache()
+        old = self._disk
+        changes = self._changes
+        if directory is None or not capacity_bytes:
+            new = None
+        else:
+            fmt = self.kv_format()
+            if fmt is None:
+                raise ConfigError(f"{type(self).__name__} cannot keep KV blocks on disk")
+            new = DiskTier(directory, fmt, capacity_bytes)
+        self._disk = new
+        cache = self._cache
+        if changes is not None:
+            changes.elsewhere = new if new is not None else ()
+            in_memory: Container[BlockHash] = cache if cache is not None else ()
+            if old is not None:
+                for h in old.hashes():
+                    if h not in in_memory and (new is None or h not in new):
+                        changes._removed(h)
+            if new is not None:
+                for h in new.hashes():
+                    if h not in in_memory and (old is None or h not in old):
+                        changes._added(h)
+
+    def save_to_disk(self) -> int:
+        """Write every block in memory that the disk tier lacks to it, least recently used
+        first, keeping them in memory too (a node does this as it stops, so that it restarts
+        warm). Returns how many blocks were written."""
+        self._check_open()
+        disk, cache = self._disk, self._cache
+        if disk is None or cache is None:
+            return 0
+        nodes = [n for h in cache.block_hashes() if (n := cache.node_by_hash(h)) is not None]
+        nodes.sort(key=lambda n: n.last_access)
+        written = 0
+        for node in nodes:
+            if node.hash in disk:
+                disk.touch(node.hash)
+                continue
+            try:
+                data = self.encode_block(node.payload)
+            except Exception:  # as in _spill: a block that cannot be exported stays unsaved
+                continue
+            evicted = disk.put(node.hash, node.key, data)
+            written += node.hash in disk
+            for h in evicted:
+                self._disk_removed(h)
+        return written
+
+    def disk_statistics(self) -> DiskTierStatistics | None:
+        """The disk tier's counters (None without one); safe from any thread."""
+        disk = self._disk
+        return None if disk is None else disk.statistics()
+
+    def _spill(self, node: RadixNode, payload: Any) -> None:
+        """Write an evicted block to the disk tier (or mark it used, if it is there)."""
+        disk = self._disk
+        assert disk is not None
+        if node.hash in disk:
+            disk.touch(node.hash)
+            return
+        if payload is None and self.kv_format() is None:
+            return
+        try:
+            data = self.encode_block(payload)
+        except Exception:  # an export that fails loses the block, as eviction always did
+            return
+        for h in disk.put(node.hash, node.key, data):
+            self._disk_removed(h)
+
+    def _disk_removed(self, h: BlockHash) -> None:
+        cache, changes = self._cache, self._changes
+        if changes is not None and (cache is None or h not in cache):
+            changes._removed(h)
+
+    def _load_from_disk(self, cache: RadixCache, tokens: Sequence[int]) -> int:
+        """Bring the blocks that continue ``tokens``' cached prefix from the disk tier into the
+        cache (before a request matches it); how many blocks came from disk."""
+        disk = self._disk
+        if disk is None or not len(disk):
+            return 0
+        bs = cache.block_size
+        match = cache.match(tokens, touch=False)
+        have = len(match.nodes)
+        n_full = len(tokens) // bs
+        if have >= n_full:
+            return 0
+        block_hash = cache.hasher.block_hash
+        h = match.last_hash
+        start = time.perf_counter()
+        segments: list[KVSegment] = []
+        read = 0
+        for i in range(have, n_full):
+            key = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(h, key)
+            if h not in disk:
+                break
+            data = disk.get(h, key)
+            if data is None:  # damaged: deleted, so a miss from here on
+                self._disk_removed(h)
+                break
+            try:
+                segments.append(self.decode_block(data, i * bs))
+            except ProtocolError:
+                disk.discard(h, damaged=True)
+                self._disk_removed(h)
+                break
+            read += len(data)
+        if not segments:
+            return 0
+        good = have + len(segments)
+        payloads: list[Any] = [None] * have + [s.payload for s in segments]
+        sizes = [0] * have + [s.nbytes for s in segments]
+        result = cache.insert(tuple(tokens[: good * bs]), payloads, sizes)
+        for payload in result.unused_payloads:
+            if payload is not None:
+                self.free_segment(payload)
+        disk.note_read(read, time.perf_counter() - start)
+        return len(segments)
 
     # ------------------------------------------------------------ requests
 

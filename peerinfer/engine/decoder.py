@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -42,9 +44,35 @@ class _NeverCancelled:
 NEVER_CANCELLED: CancelToken = _NeverCancelled()
 
 
+#: Set by ``deferred_sleeps``: the seconds ``wait_cancelled`` owes instead of sleeping them.
+_DEFERRED_SLEEPS: ContextVar[list[float] | None] = ContextVar("deferred_sleeps", default=None)
+
+
+@contextmanager
+def deferred_sleeps() -> Iterator[list[float]]:
+    """Inside the block, ``wait_cancelled`` does not sleep: it adds the seconds to the list
+    yielded and returns at once, for the caller to sleep them on its event loop afterwards.
+    For an engine called inline on trio's thread under its virtual clock (the node's inline
+    engine calls, ``NodeContext.inline_engine``: tests on the in-memory network), where a real
+    sleep would stall the loop and the clock alike. The cancel token is then looked at once
+    per sleep, not during it."""
+    token = _DEFERRED_SLEEPS.set([])
+    try:
+        owed = _DEFERRED_SLEEPS.get()
+        assert owed is not None
+        yield owed
+    finally:
+        _DEFERRED_SLEEPS.reset(token)
+
+
 def wait_cancelled(cancel: CancelToken, seconds: float) -> bool:
-    """Sleep ``seconds`` (real time) or until ``cancel`` is set; True if it was set."""
+    """Sleep ``seconds`` (real time) or until ``cancel`` is set; True if it was set. Inside
+    ``deferred_sleeps`` the seconds are owed instead of slept."""
     if seconds <= 0:
+        return cancel.is_set()
+    owed = _DEFERRED_SLEEPS.get()
+    if owed is not None:
+        owed.append(seconds)
         return cancel.is_set()
     wait = getattr(cancel, "wait", None)
     if callable(wait):
@@ -162,5 +190,6 @@ __all__ = [
     "DecodeRequest",
     "Decoder",
     "KVSegment",
+    "deferred_sleeps",
     "wait_cancelled",
 ]

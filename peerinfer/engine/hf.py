@@ -89,7 +89,9 @@ import contextlib
 import inspect
 import itertools
 import json
+import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -143,7 +145,7 @@ from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tes
     models_home,
 )
 from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
-from peerinfer.errors import ConfigError, InvalidRequestError
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
 
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -156,6 +158,8 @@ DEFAULT_MAX_BATCH_SIZE = 8
 _PACKED_MODEL_TYPES = frozenset({"llama"})
 #: Blocks copied out of a finished request's cache per staging step.
 _EXPORT_GROUP = 32
+#: The first bytes of an encoded KV block (``encode_block``), with the layout version.
+_KV_MAGIC = b"peerinfer-hf-kv1"
 
 
 class TransformersEngine(Engine):
@@ -492,6 +496,94 @@ class TransformersEngine(Engine):
                         memory_format=torch.contiguous_format
                     )
                     out.append(KVSegment(seg, seg.numel() * seg.element_size()))
+        return out
+
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """``hf-kv1/<dtype>-<device type>/<fingerprint>/b<block size>`` (see ``Engine``)."""
+        cache = self._ensure_cache()
+        if cache is None:
+            return None
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"hf-kv1/{dtype}-{self.device.type}/{self.fingerprint.hex()}/b{cache.block_size}"
+
+    def _block_header(self) -> bytes:
+        """What every encoded block starts with: the magic, the dtype and the shape
+        ``[layers, 2, kv_heads, block_size, head_dim]`` (little-endian u32s)."""
+        cache = self._ensure_cache()
+        assert cache is not None
+        dtype = str(self.dtype).removeprefix("torch.").encode().ljust(16, b"\0")
+        shape = (self._layers, 2, self._kv_heads, cache.block_size, self._head_dim)
+        return _KV_MAGIC + dtype + struct.pack("<5I", *shape)
+
+    def encode_block(self, payload: Any) -> bytes:
+        """The header, then the tensor's raw bytes in C order (no pickle: see ``decode_block``)."""
+        tensor = payload.detach().to("cpu").contiguous()
+        raw: bytes = tensor.view(torch.uint8).numpy().tobytes()
+        return self._block_header() + raw
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        """Checks the header against this engine's (dtype, every dimension) and the length
+        exactly, then reads the values as this engine's dtype; a non-finite value is refused
+        (no model computes one into its KV)."""
+        header = self._block_header()
+        shape = struct.unpack_from("<5I", header, len(header) - 20)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        nbytes = elem * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        view = memoryview(data)
+        if len(view) != len(header) + nbytes:
+            raise ProtocolError(
+                f"a KV block of {len(view)} bytes, expected {len(header) + nbytes} ({self.kv_format()})"
+            )
+        if view[: len(header)] != header:
+            raise ProtocolError(f"a KV block of another format than {self.kv_format()}")
+        raw = bytearray(view[len(header) :])  # a writable copy torch may own
+        tensor = torch.frombuffer(raw, dtype=self.dtype).view(shape)
+        if not bool(torch.isfinite(tensor).all()):
+            raise ProtocolError("a KV block with non-finite values")
+        return KVSegment(tensor.to(self.device), nbytes)
+
+    verifies_kv_blocks = True
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Each sampled block recomputed by one forward pass of its tokens over the KV of the
+        blocks before it (the cached ones, then the pulled ones decoded), see ``Engine``."""
+        if not positions:
+            return []
+        cache = self._ensure_cache()
+        assert cache is not None
+        bs = cache.block_size
+        head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
+        if len(head) < first_block:
+            raise EngineError(f"blocks before {first_block} are no longer cached here")
+        segments: list[torch.Tensor] = [n.payload for n in head[:first_block]]
+        last = max(positions)
+        for k in range(last + 1):
+            segments.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
+        out: list[tuple[int, float]] = []
+        with torch.inference_mode():
+            for p in sorted(positions):
+                i = first_block + p
+                kv = self.kv_cache_from_segments(segments[:i], contiguous=True)
+                self.forward(tokens[i * bs : (i + 1) * bs], kv)
+                fresh = self.export_blocks(kv, i, 1, bs)[0].payload
+                pulled = segments[i].to(fresh.dtype)
+                scale = float(pulled.abs().max())
+                diff = float((fresh - pulled).abs().max())
+                if diff != diff:
+                    error = math.inf
+                elif diff == 0.0:
+                    error = 0.0
+                else:
+                    error = diff / scale if scale > 0.0 else math.inf
+                out.append((p, error))
         return out
 
     # ------------------------------------------------------------ decoding

@@ -69,6 +69,8 @@ class JobEngine(Protocol):
 
     def _ensure_cache(self) -> RadixCache | None: ...
 
+    def _load_from_disk(self, cache: RadixCache, tokens: Sequence[int]) -> int: ...
+
     def _store(
         self,
         cache: RadixCache,
@@ -231,6 +233,7 @@ class RequestJob:
         bs = cache.block_size if cache is not None else engine.default_block_size
         prompt = self.prompt
         if cache is not None:
+            engine._load_from_disk(cache, prompt[: len(prompt) - 1])
             match = cache.match(prompt[: len(prompt) - 1])
             if match.nodes:
                 self._locked = match.last_node
@@ -278,6 +281,7 @@ class RequestJob:
         bs = cache.block_size if cache is not None else engine.default_block_size
         seq = self.prompt + tuple(self.generated)
         if cache is not None:
+            engine._load_from_disk(cache, seq[: len(seq) - 1])
             match = cache.match(seq[: len(seq) - 1])
             if match.nodes:
                 self._locked = match.last_node

@@ -104,6 +104,7 @@ from __future__ import annotations
 import ctypes
 import heapq
 import os
+import struct
 import sys
 import threading
 import time
@@ -115,7 +116,7 @@ import numpy as np
 
 from peerinfer.core.messages import ChatMessage
 from peerinfer.engine import llamacpp_state as llstate
-from peerinfer.engine.base import Decoder, DecodeRequest, Engine
+from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
 from peerinfer.engine.constraints import GrammarTokenizer
 from peerinfer.engine.llamacpp_decoder import (
     RequestTimings,
@@ -134,7 +135,7 @@ from peerinfer.engine.llamacpp_load import (
     resolve_gguf,
 )
 from peerinfer.engine.modelfiles import gguf_fingerprint
-from peerinfer.errors import ConfigError, EngineError, InvalidRequestError
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
 
 #: The byte budget (context + cached blocks) when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -152,6 +153,8 @@ DEFAULT_UBATCH_TOKENS = 32
 #: more spares mean a shorter context per request (module docstring, "One KV stream per sequence").
 DEFAULT_SPARE_SEQUENCES = 2
 _CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
+#: Part of ``kv_format``: llama.cpp's saved-state layout is the library's own.
+_LLAMA_VERSION = getattr(L, "__version__", "unknown")
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,15 +327,71 @@ class LlamaCppEngine(Engine):
         self._batch_capacity = n
 
     def _measure_kv_bytes(self, block_size: int) -> int:
-        """Bytes of a block's payload per token, measured on one block run in sequence 0."""
+        """Bytes of a block's payload per token, measured on one block (which also records a
+        block's exact payload size and header, for ``decode_block``)."""
+        return -(-self._measure_block_state(block_size) // block_size)
+
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """``llamacpp-kv1/<llama.cpp version>-k<type>v<type>-<cpu|gpu>/<fingerprint>/b<block
+        size>``: a payload is llama.cpp's own saved sequence state, whose layout is the
+        library's (so its version is part of the name) and whose values depend on the K/V cell
+        types and on where the layers ran."""
+        cache = self._ensure_cache()
+        if cache is None:
+            return None
+        cp = L.llama_context_default_params()
+        numerics = f"{_LLAMA_VERSION}-k{int(cp.type_k)}v{int(cp.type_v)}-{self.device}"
+        return f"llamacpp-kv1/{numerics}/{self.fingerprint.hex()}/b{cache.block_size}"
+
+    def encode_block(self, payload: Any) -> bytes:
+        return bytes(payload)  # already llama.cpp's saved state of the block's cells
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        """Checks what llama.cpp's loader would trust: the exact size of a saved block of this
+        model, the header (format tag, stream and cell counts), and each cell's position
+        (``first_token + i``) and sequence count (1); llama.cpp then checks the layer count,
+        cell types and row sizes itself when the block is restored (refusing a mismatch)."""
+        view = memoryview(data)
+        block_size, size = self._block_state
+        cache = self._ensure_cache()
+        if cache is None or cache.block_size != block_size:
+            # The reference was measured for another block size: measure this one.
+            bs = self.default_block_size if cache is None else cache.block_size
+            size = self._measure_block_state(bs)
+            block_size = bs
+        if len(view) != size:
+            raise ProtocolError(f"a llama.cpp KV block of {len(view)} bytes, expected {size}")
+        # A payload's layout (engine/llamacpp_state.py): a tag word, the sequence id (0), the
+        # stream count (1), the cell count; then per cell (pos, n_seq_id, seq_id).
+        magic, _, n_stream, cells = struct.unpack_from("<IIII", view, 0)
+        if (magic, n_stream, cells) != (self._state_magic, 1, block_size):
+            raise ProtocolError("a llama.cpp KV block with a foreign header")
+        for i, (pos, n_seq, _seq) in enumerate(struct.iter_unpack("<iIi", view[16 : 16 + 12 * cells])):
+            if pos != first_token + i or n_seq != 1:
+                raise ProtocolError(
+                    f"a llama.cpp KV block for positions other than {first_token}.."
+                    f"{first_token + block_size - 1}"
+                )
+        return KVSegment(bytes(view), size)
+
+    def _measure_block_state(self, block_size: int) -> int:
+        """A block's exact payload size (one block run in a free sequence and exported), kept
+        with the payload's first word for ``decode_block``."""
         bos = L.llama_vocab_bos(self._vocab)
         token = bos if 0 <= bos < self._n_vocab else 0
-        self._decode([(token, p, 0, False) for p in range(block_size)])
+        seq = self._take_seq()
         try:
-            size = len(self.export_block(0, 0, block_size))
+            self._decode([(token, p, seq, False) for p in range(block_size)])
+            payload = self.export_block(seq, 0, block_size)
         finally:
-            L.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        return -(-size // block_size)
+            self._give_seq(seq)
+        if len(payload) < 16:
+            raise EngineError("llama.cpp saved no state for a measured block")
+        self._block_state = (block_size, len(payload))
+        self._state_magic = struct.unpack_from("<I", payload)[0]
+        return len(payload)
 
     def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,
                         capacity_tokens: int | None = None) -> None:

@@ -35,6 +35,7 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ from peerinfer.engine.base import (
     KVSegment,
     wait_cancelled,
 )
-from peerinfer.errors import ConfigError
+from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash
 
 #: Ids below this are reserved (pad, bos, eos, unk) and never produced by the tokenizer.
@@ -61,6 +62,8 @@ EOS_ID = 2
 #: SmolLM2-135M's KV state per token in float32 (30 layers x K,V x 3 heads x 64 x 4 bytes).
 DEFAULT_KV_BYTES_PER_TOKEN = 46_080
 _MAX_PIECE_CHARS = 8
+#: The first bytes of a synthetic encoded KV block (``encode_block``).
+_SIM_KV_MAGIC = b"peerinfer-sim-kv1"
 
 _PIECES = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\w\s]+|\s+")
 _CONSONANTS = "bdfgklmnprstvz"
@@ -272,6 +275,54 @@ class SimulatedEngine(Engine):
             self.kv_bytes_per_token * request.block_size,
             request.block_size,
         )
+
+    # ------------------------------------------------------------ KV blocks as bytes
+
+    def kv_format(self) -> str | None:
+        """``sim-kv1/<kv bytes per token>/<fingerprint>/b<block size>``."""
+        cache = self._ensure_cache()
+        if cache is None:
+            return None
+        return f"sim-kv1/{self.kv_bytes_per_token}/{self.fingerprint.hex()}/b{cache.block_size}"
+
+    def _encoded_size(self) -> int:
+        cache = self._ensure_cache()
+        bs = self.default_block_size if cache is None else cache.block_size
+        return max(len(_SIM_KV_MAGIC), self.kv_bytes_per_token * bs)
+
+    def encode_block(self, payload: object) -> bytes:
+        """A synthetic block of the size a real one would have (the magic, then zeros): this
+        engine's output is a function of the prompt alone, so a block carries no state, but
+        the disk tier and a pull should move (and time) as many bytes as a real engine's."""
+        return _SIM_KV_MAGIC.ljust(self._encoded_size(), b"\0")
+
+    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
+        view = memoryview(data)
+        size = self._encoded_size()
+        if len(view) != size or view[: len(_SIM_KV_MAGIC)] != _SIM_KV_MAGIC:
+            raise ProtocolError(f"not a simulated KV block of {size} bytes")
+        cache = self._ensure_cache()
+        bs = self.default_block_size if cache is None else cache.block_size
+        return KVSegment(None, self.kv_bytes_per_token * bs)
+
+    verifies_kv_blocks = True
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """A synthetic block's recompute is the synthetic block itself: a pulled block whose
+        bytes differ from it in any way is a mismatch (error inf), as a real engine's altered
+        values would be."""
+        expected = self.encode_block(None)
+        out: list[tuple[int, float]] = []
+        for p in positions:
+            self.decode_block(blocks[p], 0)  # the size and magic, as an adoption checks them
+            out.append((p, 0.0 if bytes(blocks[p]) == expected else math.inf))
+        return out
 
     def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:
         """One token for each decoder, sleeping one decode step of the batch: those that

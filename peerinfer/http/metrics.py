@@ -163,6 +163,18 @@ def _engine_metrics(
         if cache.capacity_bytes:
             yield _gauge("peerinfer_cache_capacity_bytes", "The prefix cache's byte budget",
                          cache.capacity_bytes)
+    disk = engine.disk_statistics()
+    if disk is not None:
+        yield _gauge("peerinfer_disk_cache_bytes", "Bytes of KV block files the disk tier holds",
+                     disk.bytes)
+        yield _gauge("peerinfer_disk_cache_blocks", "KV blocks the disk tier holds", disk.blocks)
+        yield _gauge("peerinfer_disk_cache_capacity_bytes", "The disk tier's byte bound",
+                     disk.capacity_bytes)
+        yield _counter("peerinfer_disk_cache_hits", "Blocks loaded from the disk tier", disk.hits)
+        yield _counter("peerinfer_disk_cache_writes", "Blocks written to the disk tier",
+                       disk.writes)
+        yield _counter("peerinfer_disk_cache_damaged",
+                       "Damaged block files found (deleted and recomputed)", disk.damaged)
     yield _counter("peerinfer_engine_errors", "Requests the engine failed", stats.errors)
     per_token = int(getattr(engine, "kv_bytes_per_token", 0) or 0)
     if per_token:

@@ -29,7 +29,8 @@ refused), ``RequestTimeoutError`` (a deadline passed), ``ProtocolError`` (malfor
 frame), ``ConfigError`` / ``InvalidRequestError`` / ``ClosedError`` (ours to fix). A clean end
 of stream is ``trio.EndOfChannel``, as for trio channels.
 
-Module map: ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, the
+Module map: ``api`` (``NodeHost``, ``Stream``: the narrow API the node and the client use, which
+another transport may provide too), ``config`` (HostConfig and the sizing of rate limits), ``host`` (open_host, the
 ``Host`` façade, the theory of operation) and its parts: ``context`` (what they share),
 ``connections`` (registry, disconnect, healing, probes), ``gatekeeper`` (admission verdicts),
 ``dialing``, ``streams`` (handlers, open_stream), ``streampool`` (stream reuse), ``liveness``
@@ -45,6 +46,7 @@ ones all timed out after 30 s (TCP + Noise + Yamux: 100 in 3.1 s). It also secur
 with its own TLS stack, not Noise, so the attack tests here would not cover it.
 """
 
+from peerinfer.net.api import NodeHost, Stream, StreamUse, Transport
 from peerinfer.net.config import DEFAULT_PORT, HostConfig, default_identity_path, gossip_rate_limit
 from peerinfer.net.framing import FramedStream
 from peerinfer.net.gossip import GossipMessage, Validator
@@ -66,9 +68,13 @@ __all__ = [
     "Host",
     "HostConfig",
     "HostStatistics",
+    "NodeHost",
     "PeerEvent",
     "PeerEventKind",
+    "Stream",
     "StreamHandler",
+    "StreamUse",
+    "Transport",
     "Validator",
     "default_identity_path",
     "gossip_rate_limit",

@@ -242,6 +242,13 @@ class FramedStream:
 
     # -- closing ------------------------------------------------------------------------------
 
+    async def widen_receive_window(self, nbytes: int) -> bool:
+        """Let the peer send ``nbytes`` more ahead of our reads on this stream, for good (bulk
+        transfers: ``peerinfer.net.muxer.widen_receive_window``); after the first frame went."""
+        from peerinfer.net.muxer import widen_receive_window
+
+        return await widen_receive_window(self._stream, nbytes)
+
     async def aclose(self) -> None:
         """Close both directions politely (our pending writes are flushed). Idempotent."""
         if self._done:

@@ -104,6 +104,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from peerinfer.errors import ConfigError
 from peerinfer.net.admission import ADMIT_PROTOCOL, admission_key
+from peerinfer.net.api import NodeHost
 from peerinfer.net.config import HostConfig
 from peerinfer.net.connections import (
     DISCONNECT_TIMEOUT_S,
@@ -586,6 +587,11 @@ class Host:
         for channel in self._ctx.event_channels:
             channel.close()
         self._ctx.event_channels.clear()
+
+
+def _as_node_host(host: Host) -> NodeHost:
+    """Never called: mypy checks here that ``Host`` provides the node's narrow API."""
+    return host
 
 
 def stream_is_relayed(stream: FramedStream) -> bool:

@@ -40,6 +40,7 @@ import trio
 from libp2p.abc import INetConn
 
 from peerinfer.errors import PeerInferError, PeerUnavailableError
+from peerinfer.net.api import StreamUse
 from peerinfer.net.connections import Connections
 from peerinfer.net.context import HostContext, logger
 from peerinfer.net.framing import FramedStream
@@ -70,30 +71,6 @@ class OpenStream(Protocol):
 class StreamGoneEarly(Exception):
     """An attempt's stream failed before any answer, and not for the peer's doing (see the
     module docstring); ``StreamPool.exchange`` tries once more on a new stream."""
-
-
-class StreamUse:
-    """One attempt's stream (``stream``), with when the attempt began (``started``: before the
-    stream was taken or opened, for deadlines and first-token times) and whether it is the
-    second try (``retry``)."""
-
-    def __init__(self, stream: FramedStream, *, started: float, reused: bool, retry: bool) -> None:
-        self.stream = stream
-        self.started = started
-        self.reused = reused
-        self.retry = retry
-        self._frames_before = stream.frames_received
-        self.kept = False
-
-    @property
-    def answered(self) -> bool:
-        """Whether any frame came back on this attempt."""
-        return self.stream.frames_received > self._frames_before
-
-    def keep(self) -> None:
-        """The exchange ended cleanly: keep the stream for the next one to the same peer on
-        the same protocol (else it is closed at the end of the attempt)."""
-        self.kept = True
 
 
 class StreamPool:

@@ -33,7 +33,8 @@ nursery, and it reads the node through ``Node.submit``, ``Node.status()`` and
   the component that executes it. A timer task calls ``core.tick(now)`` no later than
   ``core.next_deadline()``.
 * The engine is synchronous; every call into it runs in a worker thread, one at a time (a
-  ``trio.Lock``), so the event loop never blocks on compute. One *engine worker* task owns a
+  ``trio.Lock``), so the event loop never blocks on compute. (Tests on the in-memory network
+  call it inline instead, ``NodeContext.inline_engine``, to run under trio's virtual clock.) One *engine worker* task owns a
   :class:`~peerinfer.engine.batch.BatchScheduler` and is the only caller into the engine while
   requests run: ``EngineWorker.run_local`` hands it the requests the core started, and it calls
   ``scheduler.step()`` (one prefill chunk and one batched decode step) in the thread while any

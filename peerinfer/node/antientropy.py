@@ -28,7 +28,7 @@ from peerinfer.errors import (
     PeerInferError,
     ProtocolError,
 )
-from peerinfer.net import FramedStream, GossipMessage
+from peerinfer.net import GossipMessage, Stream
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import SYNC_PROTOCOL, logger
 from peerinfer.types import PeerId
@@ -92,7 +92,7 @@ class AntiEntropy:
             return
         ctx.feed(SyncResponseReceived(eff.peer, response))
 
-    async def serve_sync(self, stream: FramedStream) -> None:
+    async def serve_sync(self, stream: Stream) -> None:
         ctx = self._ctx
         core = ctx.core
         assert core is not None

@@ -18,7 +18,8 @@ import trio
 
 from peerinfer.core.node import Event, NodeCore
 from peerinfer.engine.base import Engine
-from peerinfer.net import Host
+from peerinfer.engine.decoder import deferred_sleeps
+from peerinfer.net import NodeHost
 from peerinfer.node.options import NodeOptions
 from peerinfer.node.sinks import SinkTable
 
@@ -33,7 +34,7 @@ class NodeContext:
     #: Feed the core one event and execute the effects it returns (``Node._feed``).
     feed: Callable[[Event], None]
     engine: Engine | None = None
-    host: Host | None = None
+    host: NodeHost | None = None
     core: NodeCore | None = None
     #: The node's task nursery, for the tasks components start (None: not serving).
     nursery: trio.Nursery | None = None
@@ -49,6 +50,12 @@ class NodeContext:
     traffic: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     #: Engines are not thread-safe: one call at a time, in a worker thread (``in_engine``).
     engine_lock: trio.Lock = field(default_factory=trio.Lock)
+    #: Call the engine on trio's thread instead of a worker thread (``in_thread``). Only for
+    #: tests on the in-memory network (``peerinfer.testing.memnet``) under trio's virtual
+    #: clock, which jumps whenever every task waits and would not wait for a thread; the
+    #: simulated engine's sleeps are then slept in virtual time after each call
+    #: (``deferred_sleeps``). A real engine would block the event loop: never in production.
+    inline_engine: bool = False
     #: Set (and renewed) each time the core handled an event or ticked (``note_core_moved``).
     _core_moved: trio.Event = field(default_factory=trio.Event, init=False, repr=False)
 
@@ -74,7 +81,17 @@ class NodeContext:
     async def in_engine(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one engine call in the worker thread (engines are not thread-safe)."""
         async with self.engine_lock:
+            return await self.in_thread(fn, *args, **kwargs)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` in a worker thread (the caller holds ``engine_lock`` where it must);
+        with ``inline_engine``, on trio's thread, then sleep what the engine owes."""
+        if not self.inline_engine:
             return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        with deferred_sleeps() as owed:
+            result = fn(*args, **kwargs)
+        await trio.sleep(sum(owed))  # a checkpoint even when nothing is owed
+        return result
 
 
 __all__ = ["NodeContext"]

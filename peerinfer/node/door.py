@@ -39,7 +39,7 @@ from peerinfer.errors import (
     ProtocolError,
     RequestTimeoutError,
 )
-from peerinfer.net import FramedStream
+from peerinfer.net import Stream
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import RECENT_DECISIONS, TOKEN_GAP_TIMEOUT_S, logger
 from peerinfer.node.sinks import Sink, node_request_id
@@ -178,7 +178,7 @@ class Door:
         """Until no front end is inside ``submit`` (each wrote its request's final frame)."""
         await self._handlers_gone.wait()
 
-    async def serve_generate(self, stream: FramedStream) -> None:
+    async def serve_generate(self, stream: Stream) -> None:
         """A client (or a peer forwarding) asks for a completion; stream it back.
 
         After a request's final event the stream may carry the next request (a forwarding
@@ -334,7 +334,7 @@ class Door:
         assert engine is not None
         # Routing needs the tokens: with a thread-safe tokenizer they are computed beside the
         # running generation instead of queueing behind its current (possibly long) step.
-        run = trio.to_thread.run_sync if engine.thread_safe_tokenizer else self._ctx.in_engine
+        run = self._ctx.in_thread if engine.thread_safe_tokenizer else self._ctx.in_engine
         if req.forwarded or req.tokens:
             tokens = list(req.tokens)
         elif req.messages:

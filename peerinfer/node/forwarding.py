@@ -32,8 +32,7 @@ from peerinfer.errors import (
     RequestTimeoutError,
     error_kind,
 )
-from peerinfer.net import Host
-from peerinfer.net.streampool import StreamUse
+from peerinfer.net import NodeHost, StreamUse
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import GENERATE_PROTOCOL, TOKEN_GAP_TIMEOUT_S, logger
 from peerinfer.node.sinks import Sink, forward_request_id
@@ -162,7 +161,7 @@ class Forwarder:
             ctx.feed(outcome)
 
     async def _forward_attempt(
-        self, host: Host, eff: Forward, sink: Sink, check: _RelayCheck
+        self, host: NodeHost, eff: Forward, sink: Sink, check: _RelayCheck
     ) -> tuple[Event, GenerateDone | None]:
         """Send the request on a stream of the host's pool (``host.streams.exchange``): one
         kept from the last forward to the same peer when it can (no stream to open, no protocol

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel, default_costs
+from peerinfer.core.kvpull import PullSettings
 from peerinfer.core.messages import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 from peerinfer.core.node import NodeConfig
 from peerinfer.engine.base import Engine
 from peerinfer.errors import ConfigError
-from peerinfer.net.config import DEFAULT_PORT, HostConfig
+from peerinfer.net.config import DEFAULT_PORT, HostConfig, default_data_dir
 from peerinfer.types import PeerId
 
 logger = logging.getLogger("peerinfer.node")
@@ -36,6 +37,8 @@ GENERATE_PROTOCOL = "/peerinfer/generate/1.0.0"
 SYNC_PROTOCOL = "/peerinfer/sync/1.0.0"
 STATUS_PROTOCOL = "/peerinfer/status/1.0.0"
 PEERS_PROTOCOL = "/peerinfer/peers/1.0.0"
+#: KV pulls between peers (issue 24; ``peerinfer.node.kvpull``)
+KV_PROTOCOL = "/peerinfer/kv/1.0.0"
 PROTOCOL_GENERATION = 1
 #: How long a node waits for in-flight requests to finish on shutdown before failing them.
 SHUTDOWN_GRACE_S = 30.0
@@ -113,6 +116,10 @@ class NodeOptions:
     persist_identity: bool = True
     cache_bytes: int | None = None
     cache_tokens: int | None = None
+    #: the disk tier's bound (``--disk-cache-bytes``; 0: no disk tier) and its directory
+    #: (None: ``kvcache`` beside the identity key, see ``disk_cache_path``)
+    disk_cache_bytes: int = 0
+    disk_cache_dir: Path | None = None
     policy: str = "cost"
     swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never in a repr
     costs: CostModel = DEFAULT_COSTS
@@ -154,8 +161,20 @@ class NodeOptions:
     #: forward only to members of this private swarm (peers that proved ``swarm_key``); with
     #: ``trusted_peers`` too, only to listed members. Needs ``swarm_key`` (``--trust swarm``).
     trust_swarm: bool = False
+    #: pull KV from peers (issue 24): None (off, the default), "auto" (when the core's estimate
+    #: says a pull beats recomputing and forwarding; needs the cost policy) or "always" (from
+    #: the trusted holder with the longest match: a benchmark baseline). A node with pulls on
+    #: also serves pulls to the peers it would pull from. Peers trusted for pulls: the members
+    #: of a private swarm (``swarm_key``), or any peer of an open swarm only with
+    #: ``kv_pull_open_swarm``; ``trusted_peers`` narrows either.
+    kv_pull: str | None = None
+    kv_pull_open_swarm: bool = False
+    #: pull only when it brings at least this many tokens (None: ``PullSettings``'s default)
+    kv_pull_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if type(self.disk_cache_bytes) is not int or self.disk_cache_bytes < 0:
+            raise ConfigError(f"--disk-cache-bytes must be an integer >= 0, got {self.disk_cache_bytes!r}")
         for name in ("max_tokens", "max_prompt_tokens", "max_queued_per_requester",
                      "preempt_after_tokens"):
             value = getattr(self, name)
@@ -166,17 +185,48 @@ class NodeOptions:
             if getattr(self, name) > most:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at most {most} (the "
                                   f"protocol's limit), got {getattr(self, name)}")
+        if self.kv_pull is not None and self.kv_pull not in ("auto", "always"):
+            raise ConfigError(f"--kv-pull must be off, auto or always, got {self.kv_pull!r}")
+        if self.kv_pull == "auto" and self.policy != "cost":
+            raise ConfigError(f"--kv-pull auto weighs the cost policy's estimates; --policy is "
+                              f"{self.policy!r} (use --kv-pull always, or --policy cost)")
+        if self.kv_pull_open_swarm and self.kv_pull is None:
+            raise ConfigError("--kv-pull-open-swarm needs --kv-pull auto or always")
         if self.trust_swarm and self.swarm_key is None:
             raise ConfigError(
                 "--trust swarm needs a swarm key: in an open swarm anyone who connects is a member"
             )
 
 
+def disk_cache_path(opts: NodeOptions) -> Path:
+    """Where the disk tier keeps its files: ``--disk-cache-dir``, else ``kvcache`` in the
+    node's data directory (the directory of ``--identity``, else ``default_data_dir()``), so a
+    node restarted with the same identity finds its blocks again."""
+    if opts.disk_cache_dir is not None:
+        return opts.disk_cache_dir
+    base = opts.identity.parent if opts.identity is not None else default_data_dir()
+    return base / "kvcache"
+
+
 def core_config(
-    opts: NodeOptions, peer_id: PeerId, *, max_batch_size: int, cache_capacity_bytes: int | None
+    opts: NodeOptions, peer_id: PeerId, *, max_batch_size: int, cache_capacity_bytes: int | None,
+    kv_bytes_per_token: int | None = None,
 ) -> NodeConfig:
     """The core's configuration for a node run with ``opts`` whose engine batches
-    ``max_batch_size`` requests and whose prefix cache holds ``cache_capacity_bytes``."""
+    ``max_batch_size`` requests and whose prefix cache holds ``cache_capacity_bytes`` (and whose
+    KV takes ``kv_bytes_per_token`` a token: what a pull moves; None: ``PullSettings``'s)."""
+    kv_pull = opts.kv_pull
+    pull_open = opts.kv_pull_open_swarm
+    pull_min = opts.kv_pull_min_tokens
+    private = opts.swarm_key is not None
+    pull: PullSettings | None = None
+    if kv_pull is not None:
+        figures: dict[str, Any] = {}
+        if kv_bytes_per_token:
+            figures["kv_bytes_per_token"] = kv_bytes_per_token
+        if pull_min is not None:
+            figures["min_pull_tokens"] = pull_min
+        pull = PullSettings(mode=kv_pull, open_swarm=pull_open, **figures)
     return NodeConfig(
         peer_id=peer_id,
         policy=opts.policy,
@@ -197,6 +247,8 @@ def core_config(
             else frozenset(PeerId(p) for p in opts.trusted_peers)
         ),
         replica_budget_blocks=replica_budget(opts.replica_budget_blocks, cache_capacity_bytes),
+        kv_pull=pull,
+        private_swarm=private,
     )
 
 
@@ -248,6 +300,7 @@ def host_config(opts: NodeOptions, topic: str) -> HostConfig:
 READ_BY_BOTH = {
     "announce_interval_s": "the core announces at it; the host sizes its gossip rate limit for it",
     "peer_timeout_s": "the core's membership timeout; the host's liveness pings derive from it",
+    "swarm_key": "the host admits members by it; the core trusts them for KV pulls",
 }
 #: Options neither builder reads, and where they are used.
 READ_ELSEWHERE = {
@@ -257,6 +310,8 @@ READ_ELSEWHERE = {
     "engine_options": "_load_engine",
     "cache_bytes": "Node.serve: Engine.configure_cache",
     "cache_tokens": "Node.serve: Engine.configure_cache",
+    "disk_cache_bytes": "Node.serve: Engine.configure_disk",
+    "disk_cache_dir": "disk_cache_path (Node.serve hands its result to Engine.configure_disk)",
     "seed": "Node.serve: the core's random generator",
     "wall_clock": "Node._epoch_base",
     "relay_service": "Node.serve: ReachSettings.of",

@@ -32,7 +32,7 @@ from peerinfer.errors import (
     PeerInferError,
     ProtocolError,
 )
-from peerinfer.net import FramedStream, Host, PeerEvent
+from peerinfer.net import NodeHost, PeerEvent, Stream
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import (
@@ -53,7 +53,7 @@ from peerinfer.node.trust import reputation_line
 from peerinfer.types import PeerId
 
 
-def _new_circuit(host: Host, peer: str, addrs: Sequence[str]) -> bool:
+def _new_circuit(host: NodeHost, peer: str, addrs: Sequence[str]) -> bool:
     """Whether ``addrs`` (told for ``peer``) hold a relayed address we do not know yet."""
     known = {a.removesuffix(f"/p2p/{peer}") for a in host.circuit_addrs(peer)}
     return any("/p2p-circuit" in a and a.removesuffix(f"/p2p/{peer}") not in known for a in addrs)
@@ -88,6 +88,8 @@ class PeerKeeper:
         self._dialing: set[str] = set()
         #: dials caused by peer exchange (statistics for tests and the attack bench)
         self.exchange_dials = 0
+        #: pings the core's ``PingPeer`` cost (not answered from the host's fresh round trips)
+        self.pings_sent = 0
 
     def has_met(self, peer: str) -> bool:
         """``peer`` answered peer exchange: a node, redialed if lost."""
@@ -154,7 +156,7 @@ class PeerKeeper:
             ),
         )
 
-    async def serve_status(self, stream: FramedStream) -> None:
+    async def serve_status(self, stream: Stream) -> None:
         decode(await stream.receive(), expected=StatusRequest)
         await stream.send(encode(self.status()))
 
@@ -246,7 +248,7 @@ class PeerKeeper:
         finally:
             self._dialing.discard(peer)
 
-    async def serve_peers(self, stream: FramedStream) -> None:
+    async def serve_peers(self, stream: Stream) -> None:
         exchange = decode(await stream.receive(), expected=PeerExchange)
         assert isinstance(exchange, PeerExchange)
         self._met_node(stream.remote_peer)
@@ -370,11 +372,16 @@ class PeerKeeper:
             # A would-be member is pinged over its own direct connection only: an identity
             # heard of through gossip (forged, or just far away) is never dialed for it.
             return
-        try:
-            rtt = await host.ping(peer, timeout=2.0)
-        except PeerInferError:
-            self._ctx.feed(PeerLost(peer))
-            return
+        # One pinger: a round trip the host measured lately (its liveness loop pings every
+        # connected peer) is the proof of life the core asks for; ping only without one.
+        rtt = host.fresh_rtt(peer, core.config.ping_after_s)
+        if rtt is None:
+            try:
+                rtt = await host.ping(peer, timeout=2.0)
+            except PeerInferError:
+                self._ctx.feed(PeerLost(peer))
+                return
+            self.pings_sent += 1
         self._ctx.feed(PeerSeen(peer, rtt_s=rtt))
         if peer not in self._exchanged and peer in self._bootstrap_peers() and self.is_member(peer):
             # A bootstrap peer is a node (we were told so): swap peer lists as soon as it is a

@@ -32,6 +32,7 @@ from peerinfer.core.node import (
     PeerSnapshot,
     PingPeer,
     PreemptLocal,
+    ProbeLink,
     Publish,
     Reject,
     ResumeLocal,
@@ -42,16 +43,18 @@ from peerinfer.core.node import NodeStatistics as CoreStatistics
 from peerinfer.core.prefix import PrefixHasher, derive_swarm_key
 from peerinfer.engine.base import Engine
 from peerinfer.engine.batch import BatchScheduler, SchedulerStatistics
-from peerinfer.net import Host, open_host
+from peerinfer.net import Host, NodeHost, Transport, open_host
 from peerinfer.net.config import default_identity_path
 from peerinfer.net.reach import ReachSettings, run_reach
 from peerinfer.node.antientropy import AntiEntropy
 from peerinfer.node.context import NodeContext
 from peerinfer.node.door import Door, RoutingRecord, Submission
 from peerinfer.node.forwarding import Forwarder
+from peerinfer.node.kvpull import KvExchange
 from peerinfer.node.options import (
     EPOCH_STRIDE,
     GENERATE_PROTOCOL,
+    KV_PROTOCOL,
     PEERS_PROTOCOL,
     SHUTDOWN_GRACE_S,
     STATUS_PROTOCOL,
@@ -60,6 +63,7 @@ from peerinfer.node.options import (
     _load_engine,
     announce_topic,
     core_config,
+    disk_cache_path,
     host_config,
     logger,
 )
@@ -73,6 +77,10 @@ if TYPE_CHECKING:
     # trio-stubs shadow trio's inline types and name the class here.
     from trio_typing import TaskStatus
 
+
+
+#: The longest a stopping node spends saving its memory cache to its disk tier.
+DISK_SAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,19 +111,31 @@ class Node:
 
     ``engine`` may be given ready-made (tests, embedding); otherwise it is loaded from
     ``options`` in a worker thread at start.
+
+    ``transport`` opens the node's host: by default ``peerinfer.net.open_host`` (libp2p, which
+    alone also runs reachability, ``peerinfer.net.reach``); tests pass an in-memory network's
+    (``peerinfer.testing.memnet``). ``inline_engine``: call the engine on trio's thread
+    (``NodeContext.inline_engine``; only for tests under trio's virtual clock).
     """
 
-    def __init__(self, options: NodeOptions, engine: Engine | None = None) -> None:
+    def __init__(
+        self, options: NodeOptions, engine: Engine | None = None, *,
+        transport: Transport | None = None, inline_engine: bool = False,
+    ) -> None:
         self.options = options
-        self.ctx = NodeContext(options, feed=self._feed, engine=engine)
+        self.ctx = NodeContext(options, feed=self._feed, engine=engine, inline_engine=inline_engine)
+        self._transport = transport
         self.door = Door(self.ctx)
         self.worker = EngineWorker(self.ctx)
         self.forwarder = Forwarder(self.ctx)
         self.peers = PeerKeeper(self.ctx)
         self.antientropy = AntiEntropy(self.ctx, on_announcer=self.peers.on_announcer)
         self.trust = TrustKeeper(self.ctx)
+        self.kv = KvExchange(self.ctx, run_after=self.worker.run_local)
         self._scheduler: BatchScheduler | None = None
         self._wake = trio.Event()
+        #: the disk tier figure last put in this node's load (``_disk_figure``)
+        self._disk_announced: tuple[int, int] | None = None
         self._started_at = time.time()
         self.ready = trio.Event()
         #: the HTTP API's URL once it accepts (set by ``peerinfer.serve``; None: off)
@@ -128,7 +148,7 @@ class Node:
         return self.ctx.engine
 
     @property
-    def host(self) -> Host | None:
+    def host(self) -> NodeHost | None:
         return self.ctx.host
 
     @property
@@ -217,7 +237,7 @@ class Node:
         ``peerinfer.serve_node`` runs it beside the node."""
         ctx, opts = self.ctx, self.options
         if ctx.engine is None:
-            ctx.engine = await trio.to_thread.run_sync(_load_engine, opts)
+            ctx.engine = await ctx.in_thread(_load_engine, opts)
         engine = ctx.engine
         secret = opts.swarm_key
         hasher = PrefixHasher(engine.fingerprint, derive_swarm_key(engine.fingerprint, secret))
@@ -227,15 +247,20 @@ class Node:
             capacity_bytes=opts.cache_bytes,
             capacity_tokens=opts.cache_tokens,
         )
+        if opts.disk_cache_bytes:
+            # Before the snapshot below: a restarted node announces what its disk kept.
+            await ctx.in_engine(engine.configure_disk, disk_cache_path(opts), opts.disk_cache_bytes)
         ctx.topic = announce_topic(engine.fingerprint, secret)
         cache = engine.statistics().cache
         hosting = host_config(opts, ctx.topic)
-        async with open_host(hosting) as host:
+        transport: Transport = self._transport or open_host
+        async with transport(hosting) as host:
             ctx.host = host
             epoch_base = self._epoch_base()
             config = core_config(
                 opts, PeerId(host.peer_id), max_batch_size=engine.max_batch_size,
                 cache_capacity_bytes=cache.capacity_bytes if cache is not None else None,
+                kv_bytes_per_token=engine.kv_bytes_per_token or None,
             )
             scheduler = BatchScheduler(engine, max_running=config.costs.slots)
             self._scheduler = scheduler
@@ -249,6 +274,7 @@ class Node:
                 host.set_handler(SYNC_PROTOCOL, self.antientropy.serve_sync)
                 host.set_handler(STATUS_PROTOCOL, self.peers.serve_status)
                 host.set_handler(PEERS_PROTOCOL, self.peers.serve_peers)
+                host.set_handler(KV_PROTOCOL, self.kv.serve_kv)
                 messages = await host.subscribe(ctx.topic, self.antientropy.validate_announce)
                 nursery.start_soon(self.antientropy.gossip_loop, messages)
                 nursery.start_soon(self.peers.peer_event_loop, host.peer_events())
@@ -258,10 +284,11 @@ class Node:
                 self.trust.load(hosting)
                 nursery.start_soon(self.trust.run)
                 nursery.start_soon(self.worker.run, scheduler)
-                await nursery.start(
-                    functools.partial(run_reach, on_addrs_changed=self.peers.spread_addrs),
-                    host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
-                )
+                if isinstance(host, Host):  # relays, hole punching, UPnP: libp2p's alone
+                    await nursery.start(
+                        functools.partial(run_reach, on_addrs_changed=self.peers.spread_addrs),
+                        host, ReachSettings.of(opts.relay_service, opts.relay_circuit_bytes, upnp=opts.upnp),
+                    )
                 if snapshot:
                     self._feed(CacheChanged(added=snapshot))
                 self.ready.set()
@@ -273,6 +300,11 @@ class Node:
                     # dropped silently.
                     self._drain_now()
                     nursery.cancel_scope.cancel()
+                    if opts.disk_cache_bytes:
+                        # Save what memory holds, so that the node restarts warm (bounded:
+                        # a stop must not hang on a slow disk).
+                        with trio.CancelScope(shield=True), trio.move_on_after(DISK_SAVE_S):
+                            await ctx.in_engine(engine.save_to_disk)
 
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests and wait up to ``grace_s`` for in-flight ones to finish; the
@@ -351,7 +383,10 @@ class Node:
             elif isinstance(eff, SendSyncRequest):
                 nursery.start_soon(self.antientropy.sync_round, eff)
             elif isinstance(eff, RunLocal):
-                nursery.start_soon(self.worker.run_local, eff)
+                if eff.decision is not None and eff.decision.pull_from is not None:
+                    nursery.start_soon(self.kv.run_local, eff)  # pull, then the worker's
+                else:
+                    nursery.start_soon(self.worker.run_local, eff)
             elif isinstance(eff, Forward):
                 nursery.start_soon(self.forwarder.forward, eff)
             elif isinstance(eff, Reject):
@@ -379,6 +414,24 @@ class Node:
                 self.trust.queue_audit(eff)
             elif isinstance(eff, BanPeer):
                 nursery.start_soon(self.trust.ban, eff)
+            elif isinstance(eff, ProbeLink):
+                nursery.start_soon(self.kv.probe, eff)
+
+    def _disk_figure(self) -> tuple[int, int] | None:
+        """What this node's load says of its disk tier (``Load.disk``), None without one:
+        the share of held blocks that are on disk only, and the time to load a token's KV
+        from disk at the rate measured on hits so far (read and decode), else the default."""
+        engine, core = self.ctx.engine, self.ctx.core
+        if engine is None or core is None:
+            return None
+        disk = engine.disk_statistics()
+        if disk is None:
+            return None
+        held = len(core.local.digest)
+        cache = engine.statistics().cache
+        in_memory = cache.blocks if cache is not None else 0
+        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
+        return share, int(engine.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -389,6 +442,10 @@ class Node:
             self._wake = trio.Event()
             with trio.move_on_after(delay):
                 await self._wake.wait()
+            disk = self._disk_figure()
+            if disk is not None and disk != self._disk_announced:
+                self._disk_announced = disk
+                self._feed(CacheChanged(disk=disk))
             if self.ctx.now() >= core.next_deadline():
                 try:
                     effects = core.tick(self.ctx.now())

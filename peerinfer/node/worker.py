@@ -122,7 +122,7 @@ class EngineWorker:
                 self._local_runs.update(new)
                 try:
                     async with ctx.engine_lock:
-                        results, changes = await trio.to_thread.run_sync(
+                        results, changes = await ctx.in_thread(
                             self._engine_step, scheduler, new, control
                         )
                 except Exception as exc:  # a bug in the scheduler: fail what runs, keep serving
@@ -132,8 +132,8 @@ class EngineWorker:
                     assert engine is not None
                     try:
                         async with ctx.engine_lock:
-                            await trio.to_thread.run_sync(scheduler.close)
-                            changes = await trio.to_thread.run_sync(engine.take_cache_changes)
+                            await ctx.in_thread(scheduler.close)
+                            changes = await ctx.in_thread(engine.take_cache_changes)
                     except Exception:
                         logger.exception("the batch scheduler failed to close")
                     failure = EngineError(f"engine failure: {type(exc).__name__}")
@@ -150,7 +150,7 @@ class EngineWorker:
         finally:
             with trio.CancelScope(shield=True):
                 async with ctx.engine_lock:
-                    await trio.to_thread.run_sync(scheduler.close)
+                    await ctx.in_thread(scheduler.close)
 
     def _engine_step(
         self, scheduler: BatchScheduler, new: list[_LocalRun], control: Sequence[_Control] = ()

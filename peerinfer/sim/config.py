@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.kvpull import PullSettings
 from peerinfer.core.node import NodeConfig
 from peerinfer.core.routing import POLICY_NAMES
 from peerinfer.errors import ConfigError
@@ -93,6 +94,17 @@ class SimConfig:
     #: arrivals enter at the first ``entries`` nodes only (0: at every node): fewer entry
     #: nodes, fewer routers; the dilution experiment (bench/policy_bench.py dilution)
     entries: int = 0
+    #: pulling KV from peers (issue 24): "" (off: every run as before), "auto" (the core's
+    #: decision, ``peerinfer.core.routing.pull``) or "always" (pull from the longest holder
+    #: whenever the policy serves here: a baseline). The swarm is private: every peer is
+    #: trusted for pulls. ``link_mbps``: every link's bandwidth (megabits/s; a transfer takes
+    #: a round trip plus bytes / bandwidth); ``kv_bytes_per_token``: the KV format's bytes;
+    #: ``kv_disk``: holders serve pulls from a disk tier read at ``disk_read_mb_s`` (MB/s).
+    pull: str = ""
+    link_mbps: float = 1000.0
+    kv_bytes_per_token: int = 46_000
+    kv_disk: bool = False
+    disk_read_mb_s: float = 500.0
     seed: int = 0
     #: moving window (requests) and stride for the per-node subject share series
     share_window: int = 300
@@ -148,6 +160,14 @@ class SimConfig:
             raise ConfigError("churn needs open-loop arrivals (--rate), not --clients")
         if self.mix:
             parse_mix(self.mix, self.cache_tokens)  # a bad mix fails here, not mid-run
+        if self.pull not in ("", "auto", "always"):
+            raise ConfigError(f"pull must be '', 'auto' or 'always', got {self.pull!r}")
+        for name in ("link_mbps", "disk_read_mb_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        if self.kv_bytes_per_token < 1:
+            raise ConfigError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
         if self.gossip not in ("broadcast", "mesh"):
             raise ConfigError(f"gossip must be 'broadcast' or 'mesh', got {self.gossip!r}")
         if self.mesh_degree < 1:
@@ -182,8 +202,28 @@ class SimConfig:
             "max_queue": self.max_queue,
             "max_peers": max(_NODE_DEFAULTS.max_peers, self.nodes if slots is None else slots),
         }
+        settings = self.pull_settings
+        if settings is not None:
+            node["kv_pull"] = settings
+            node["private_swarm"] = True
         node.update(overrides)
         return NodeConfig(**node)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_mbps * 1e6 / 8
+
+    @property
+    def pull_settings(self) -> PullSettings | None:
+        """The nodes' ``NodeConfig.kv_pull`` (None: pulls off)."""
+        if not self.pull:
+            return None
+        return PullSettings(
+            mode=self.pull,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            peer_blocks_on_disk=self.kv_disk,
+            peer_disk_read_bytes_per_s=self.disk_read_mb_s * 1e6,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Every parameter, JSON-ready (the cost model as its figures)."""

@@ -32,6 +32,7 @@ The event heap
     ``MESH``        ``(kind, src, dst, payload)``: a gossipsub transmission arrives (message,
                     IHAVE, IWANT: ``peerinfer.sim.gossip``); ``MESH_BEAT`` ``(node,)``: its
                     heartbeat
+    ``PULL``        ``(node, job)``: a KV pull ends, the run joins the node's batch
     ==============  ===========================================================================
 
     Events pushed with ``push`` are *live*: while one is in the heap, the run has something
@@ -56,7 +57,7 @@ from peerinfer.sim.batch import BatchNode
 from peerinfer.sim.config import SimConfig
 from peerinfer.types import PeerId, RequestId
 
-NODE, TICK, ARRIVAL, GOSSIP, SYNC, STEP, RELAY, CHURN, MESH, MESH_BEAT = range(10)
+NODE, TICK, ARRIVAL, GOSSIP, SYNC, STEP, RELAY, CHURN, MESH, MESH_BEAT, PULL = range(11)
 _INF = math.inf
 
 
@@ -216,6 +217,9 @@ class SimKernel:
     def _relay(self, item: tuple[Any, ...], now: float) -> None:
         raise NotImplementedError
 
+    def _pulled(self, n: int, job: Any, now: float) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ the loop
 
     def _run(self) -> Self:
@@ -279,6 +283,8 @@ class SimKernel:
                 self._relay(item, now)
             elif kind == MESH:
                 self.mesh.fire(item[3], item[4], item[5], item[6], now)  # type: ignore[union-attr]
+            elif kind == PULL:
+                self._pulled(item[3], item[4], now)
         self.events = events
         self.wall_s = time.perf_counter() - started
         if self.check:
@@ -293,6 +299,7 @@ __all__ = [
     "MESH",
     "MESH_BEAT",
     "NODE",
+    "PULL",
     "RELAY",
     "STEP",
     "SYNC",

@@ -33,7 +33,9 @@ How effects are executed
     token and the end; the end reports ``LocalFinished`` with the cache changes accumulated
     since the node's previous report. ``CancelForward`` sends ``Cancel`` to the peer;
     ``CancelLocal`` takes the run out of the batch and reports ``LocalFinished(ok=False)``. ``PingPeer`` is answered with
-    ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts.
+    ``PeerSeen(rtt)`` one round trip later. ``DropPeer`` only counts. With ``config.pull``, a local decision's
+    KV pull and a ``ProbeLink`` are ``peerinfer.sim.pulls``'s (transfers over links with a
+    bandwidth; their measurements come back as ``TransferMeasured``).
 
 The client's view
     A request's TTFT is from its arrival at its entry node to the first token reaching the
@@ -83,6 +85,7 @@ from peerinfer.core.node import (
     NodeCore,
     PeerSeen,
     PingPeer,
+    ProbeLink,
     Publish,
     Reject,
     RunLocal,
@@ -100,6 +103,7 @@ from peerinfer.sim.kernel import (
     ARRIVAL,
     GOSSIP,
     NODE,
+    PULL,
     RELAY,
     STEP,
     SYNC,
@@ -109,6 +113,7 @@ from peerinfer.sim.kernel import (
 )
 from peerinfer.sim.mix import node_costs
 from peerinfer.sim.oracle import OracleRouter
+from peerinfer.sim.pulls import KvPulls
 from peerinfer.types import BlockHash, RequestId
 
 
@@ -246,6 +251,8 @@ class Simulation(SimKernel):
         self.pull_response_bytes = 0
         self.pings = 0
         self.drops = 0
+        #: KV pulls and link probes (``config.pull``; ``peerinfer.sim.pulls``), None when off
+        self.kv: KvPulls | None = None
         # Residency probes: which nodes cache the shared prefix of the ``probe_top`` most
         # frequent labels, sampled every ``share_stride`` arrivals.
         self.probe_hashes: dict[str, BlockHash] = {}
@@ -270,6 +277,8 @@ class Simulation(SimKernel):
         self.churn: Churn | None = Churn(self, schedule) if churning else None
         #: gossipsub's mesh instead of the direct broadcast (peerinfer.sim.gossip)
         self.mesh: Mesh | None = Mesh(self) if config.gossip == "mesh" else None
+        if config.pull:
+            self.kv = KvPulls(self, self.engines, hasher)
 
     def make_core(self, i: int, now: float) -> NodeCore:
         """Node ``i``'s core, started at ``now``."""
@@ -455,6 +464,8 @@ class Simulation(SimKernel):
                     self.push(now + rtt, NODE, n, PeerSeen(eff.peer, rtt_s=rtt))
             elif t is DropPeer:
                 self.drops += 1
+            elif t is ProbeLink and self.kv is not None:
+                self.kv.probe(n, eff, now)
             else:  # pragma: no cover - a new effect type the simulator does not know
                 raise SimulationError(f"the simulator cannot execute {t.__name__}")
         if rearm:
@@ -588,11 +599,25 @@ class Simulation(SimKernel):
         wait = now - self.enqueued[n].pop(rid, now)
         self.waits[n].append(wait)
         self.queue_wait[i] = wait
-        job = BatchJob(
-            rid, plan.prompt_tokens, plan.cached_tokens, plan.completion_tokens, payload=run
-        )
+        cached = plan.cached_tokens
+        decision = eff.decision
+        move = 0.0
+        if self.kv is not None and decision is not None and decision.pull_from is not None:
+            cached, move = self.kv.pull(n, i, eff.tokens, decision.pull_from, cached, now)
+        job = BatchJob(rid, plan.prompt_tokens, cached, plan.completion_tokens, payload=run)
+        if move > 0.0:
+            # The run holds its slot while the KV comes (the core counts it running), and
+            # joins the batch when the last byte is in.
+            self.push(now + move, PULL, n, job)
+        else:
+            self._batch_moved(n, self.batches[n].join(job, now))
+        self._deliver(n, LocalStarted(rid, cached), now)
+
+    def _pulled(self, n: int, job: BatchJob, now: float) -> None:
+        """A pull ended: its run joins the batch, unless it was cancelled meanwhile."""
+        if self._runs[n].get(job.key) != job.payload:
+            return
         self._batch_moved(n, self.batches[n].join(job, now))
-        self._deliver(n, LocalStarted(rid, plan.cached_tokens), now)
 
     def _batch_moved(self, n: int, end: float | None) -> None:
         if end is not None:

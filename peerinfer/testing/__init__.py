@@ -6,6 +6,8 @@
 records its batch sizes and prefill chunks.
 ``peerinfer.testing.inprocess``: real nodes in the test's own process (``node_options``,
 ``open_nodes``); imported on its own, since it loads the node and libp2p.
+``peerinfer.testing.memnet``: ``MemNetwork``, an in-memory network (link delays, partitions) whose
+nodes (``MemNetwork.node``) run under trio's virtual clock; imported on its own too.
 ``peerinfer.testing.waiting``: bounded waits, ``wait_until`` (a predicate) and ``wait_for``
 (an awaited probe).
 ``peerinfer.testing.netns``: an emulated internet of network namespaces and NATs (root only).

@@ -6,7 +6,9 @@ a throwaway identity, no mDNS, the simulated engine, announcements every 0.3 s, 
 from one started before it, and stops them all when the block ends, whatever happened.
 ``wait_until`` (from :mod:`peerinfer.testing.waiting`) bounds every wait on them.
 
-These nodes run in real time. A test that needs only the core's decisions drives
+These nodes run in real time. ``open_nodes`` also starts nodes of an in-memory network
+(``make`` returns ``MemNetwork.node(...)``, :mod:`peerinfer.testing.memnet`), which run under
+trio's virtual clock. A test that needs only the core's decisions drives
 ``peerinfer.core.node.NodeCore`` by hand instead (tests/core/).
 """
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerinfer.core import antientropy
+from peerinfer.core import antientropy, pullstate
 from peerinfer.core.antientropy import (
     DEFAULT_MAX_ROUNDS,
     Reconciliation,
@@ -41,6 +41,7 @@ from peerinfer.core.messages import (
     decode,
     encode,
 )
+from peerinfer.core.pullstate import PullPhase
 from peerinfer.errors import ClosedError, ProtocolError
 from peerinfer.types import BlockHash
 
@@ -608,6 +609,35 @@ def test_a_finished_or_unstarted_pull_refuses_events() -> None:
     assert pull.state == "converged"
     with pytest.raises(ClosedError):
         pull.handle_response(local.answer(request))
+
+
+def test_the_state_table_in_code_is_the_one_in_the_docstring() -> None:
+    """Each row of the docstring's table (phase, event, next phase) is allowed by
+    ``pullstate.TRANSITIONS``, and each transition the code allows has a row."""
+    lines = (antientropy.__doc__ or "").splitlines()
+    column = next(line.index("next phase") for line in lines if "next phase" in line)
+    rows = set()
+    for line in lines:
+        words = line.split()
+        if len(words) >= 3 and words[0] in {p.value for p in PullPhase}:
+            event = "first_request()" if words[1] == "first_request()" else "handle_response()"
+            rows.add((words[0], event, line[column:].split()[0]))
+    in_code = {
+        (phase.value, event.value, to.value)
+        for (phase, event), targets in pullstate.TRANSITIONS.items()
+        for to in targets
+    }
+    assert rows == in_code
+
+
+def test_a_pull_walks_its_phases() -> None:
+    local = local_with(FOUR)
+    pull = Replica().start_pull(1, local.epoch, local.root)
+    assert (pull.phase, pull.state) == (PullPhase.READY, "pulling")
+    request = pull.first_request()
+    assert (pull.phase, pull.state) == (PullPhase.AWAITING, "pulling")
+    assert pull.handle_response(local.answer(request)) is None
+    assert (pull.phase, pull.state) == (PullPhase.CONVERGED, "converged")
 
 
 def test_rounds_are_capped() -> None:

@@ -65,9 +65,10 @@ def to_wire(value: Any) -> Any:
     if is_dataclass(value) and isinstance(value, Record):
         names = [name for name, _ in record_fields(type(value))]
         defaults = {f.name: f.default for f in dataclasses.fields(value)}  # tails: no factories
-        # Load leaves off only its last field (the scaffold_hash hint); every other record its
-        # optional tail from the end while at its defaults (older peers never send them).
-        tail = 1 if type(value) is wire.Load else type(value).OPTIONAL_TAIL
+        # Load leaves off only its last two fields (the scaffold_hash hint, the disk figure);
+        # every other record its optional tail from the end while at its defaults (older
+        # peers never send them).
+        tail = 2 if type(value) is wire.Load else type(value).OPTIONAL_TAIL
         while tail and getattr(value, names[-1]) == defaults[names[-1]]:
             names.pop()
             tail -= 1

@@ -1,4 +1,8 @@
-"""Real nodes (libp2p on 127.0.0.1, the simulated engine) in one process, under trio."""
+"""Real nodes (libp2p on 127.0.0.1, the simulated engine) in one process, under trio: what the
+node's use of libp2p streams and connections does (stream reuse, replaced connections, redial).
+
+Routing, forwarding, refusals, streaming and failover run on the in-memory network under the
+virtual clock: tests/node/test_node_memnet.py."""
 
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ import trio
 from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
 from peerinfer.engine.simulated import SimulatedEngine
-from peerinfer.errors import InvalidRequestError
 from peerinfer.node import Node, NodeOptions
 from peerinfer.testing import inprocess
 from peerinfer.testing.inprocess import node_options, open_nodes
@@ -45,122 +48,6 @@ wait_until = partial(inprocess.wait_until, timeout=60.0)
 
 def addr(node: Node) -> str:
     return node.addresses()[0]
-
-
-@pytest.mark.slow
-async def test_chain_bootstrap_converges_to_full_membership_and_digests() -> None:
-    async with cluster(4) as nodes:
-        ids = {n.peer_id for n in nodes}
-
-        def everyone_known() -> bool:
-            return all(
-                {p.peer_id for p in n.core.peers(trio.current_time())} == ids - {n.peer_id}  # type: ignore[union-attr]
-                for n in nodes
-            )
-
-        await wait_until(everyone_known)
-        async with Client.connect(addr(nodes[0])) as client:
-            first = await client.generate(SHARED + " first question", max_tokens=3)
-        (holder,) = [n for n in nodes if n.peer_id == first.served_by]
-        # Every other node's replica of the holder converges to the holder's own digest.
-        await wait_until(
-            lambda: all(
-                n.core.index.replica(holder.core.peer_id) is not None  # type: ignore[union-attr]
-                and set(n.core.index.replica(holder.core.peer_id).digest)  # type: ignore[union-attr]
-                == set(holder.core.local.digest)  # type: ignore[union-attr]
-                for n in nodes
-                if n is not holder
-            )
-        )
-        assert len(holder.core.local.digest) > 0  # type: ignore[union-attr]
-
-
-@pytest.mark.slow
-async def test_repeated_prefix_is_forwarded_to_the_holder_and_served_from_cache() -> None:
-    async with cluster(3) as nodes:
-        async with Client.connect(addr(nodes[1])) as client:
-            warm = await client.generate(SHARED + " warm up", max_tokens=3)
-        (holder,) = [n for n in nodes if n.peer_id == warm.served_by]
-        asker = next(n for n in nodes if n is not holder)
-        # Wait until the asker knows the holder holds the prefix.
-        await wait_until(
-            lambda: asker.core.index.replica(holder.core.peer_id) is not None  # type: ignore[union-attr]
-            and len(asker.core.index.replica(holder.core.peer_id).digest) > 0  # type: ignore[union-attr]
-        )
-        async with Client.connect(addr(asker)) as client:
-            result = await client.generate(SHARED + " another question", max_tokens=3)
-        assert result.served_by == holder.peer_id
-        assert result.cached_tokens >= 256
-        assert result.completion_tokens == 3
-        assert result.text
-
-
-@pytest.mark.slow
-async def test_bad_requests_are_refused_and_the_node_keeps_serving() -> None:
-    async with cluster(1) as (node,):
-        async with Client.connect(addr(node)) as client:
-            with pytest.raises(InvalidRequestError):
-                await client.generate("", max_tokens=3)
-            with pytest.raises(InvalidRequestError):
-                await client.generate("x " * 9000, max_tokens=3)  # longer than the context
-            with pytest.raises(InvalidRequestError):
-                await client.generate("hello", max_tokens=0)
-            ok = await client.generate("hello there", max_tokens=2)
-            assert ok.completion_tokens == 2
-            status = await client.status()
-            assert status["peer_id"] == node.peer_id
-            assert status["cache"]["tokens"] >= 0
-            load = status["load"]
-            assert load["running"] == load["queued"] == 0 and load["capacity"] == load["slots"] >= 1
-            # The three bad requests were refused at the door, before the core counted them.
-            assert status["requests"] == {
-                "received": 1, "served_locally": 1, "forwarded": 0, "failovers": 0,
-                "rejected": 0, "rejected_over_limit": 0,
-            }
-
-
-@pytest.mark.slow
-async def test_streaming_and_chat() -> None:
-    async with cluster(1) as (node,):
-        async with Client.connect(addr(node)) as client:
-            chunks = [t async for t in client.stream([{"role": "user", "content": "hi"}], max_tokens=5)]
-            assert chunks and all(isinstance(t, str) for t in chunks)
-            whole = await client.generate([{"role": "user", "content": "hi"}], max_tokens=5)
-            assert "".join(chunks) == whole.text
-
-
-@pytest.mark.slow
-async def test_a_dead_peer_costs_no_request() -> None:
-    """The holder of the prefix vanishes; requests routed to it fail over and complete."""
-    async with trio.open_nursery() as outer:
-        survivor = Node(options(first_token_timeout_s=5.0), engine=SimulatedEngine(costs=COSTS))
-        await outer.start(survivor.serve)
-        victim_scope = trio.CancelScope()
-        victim = Node(
-            # 'local': the warm-up request entering at the victim is served (and cached) there.
-            options(bootstrap=(addr(survivor),), first_token_timeout_s=5.0, policy="local"),
-            engine=SimulatedEngine(costs=COSTS),
-        )
-
-        async def run_victim(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            with victim_scope:
-                await victim.serve(task_status=task_status)
-
-        await outer.start(run_victim)
-        async with Client.connect(addr(victim)) as cv:
-            await cv.generate(SHARED + " warm", max_tokens=2)
-        await wait_until(
-            lambda: survivor.core.index.replica(victim.core.peer_id) is not None  # type: ignore[union-attr]
-            and len(survivor.core.index.replica(victim.core.peer_id).digest) > 0  # type: ignore[union-attr]
-        )
-        victim_scope.cancel()
-        async with Client.connect(addr(survivor)) as cs:
-            results = []
-            for i in range(4):
-                results.append(await cs.generate(SHARED + f" question {i}", max_tokens=2))
-        assert all(r.completion_tokens == 2 for r in results)
-        assert all(r.served_by == survivor.peer_id for r in results)
-        outer.cancel_scope.cancel()
 
 
 async def _holder_and_asker() -> AsyncIterator[tuple[Node, Node]]:

@@ -83,6 +83,7 @@ def test_the_options_read_elsewhere_are_read_where_listed() -> None:
         "Node._epoch_base": Node._epoch_base,
         "peerinfer.serve": serve_node,
         "NodeOptions.__post_init__": NodeOptions.__post_init__,
+        "disk_cache_path": node_options.disk_cache_path,
     }
     for name, where in READ_ELSEWHERE.items():
         place = where.split(":")[0].split(" ")[0]

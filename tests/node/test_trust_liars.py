@@ -1,4 +1,5 @@
-"""Lying peers against a real origin node (libp2p on 127.0.0.1, simulated engine, one process).
+"""Lying peers against a real origin node (on the in-memory network, simulated engine called
+inline, under trio's virtual clock; ``peerinfer.testing.memnet``).
 
 Each test starts an origin and a *liar*: a real node (so its digest, load and liveness reach the
 origin the normal way), first warmed honestly with the test's prompts so that its digest claims
@@ -19,8 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-import pytest
 import trio
+import trio.testing
 
 from peerinfer.client import Client
 from peerinfer.core.costmodel import CostModel
@@ -35,12 +36,11 @@ from peerinfer.core.messages import (
     encode,
 )
 from peerinfer.engine.simulated import SimulatedEngine
-from peerinfer.net import FramedStream, Host, HostConfig, open_host
+from peerinfer.net import HostConfig, Stream
 from peerinfer.node import GENERATE_PROTOCOL, Node, NodeOptions
 from peerinfer.testing.inprocess import node_options
+from peerinfer.testing.memnet import MemHost, MemNetwork
 from peerinfer.types import PeerId
-
-pytestmark = pytest.mark.slow
 
 COSTS = CostModel(
     prefill_s_per_token=0.0002, cached_s_per_token=0.00001, decode_s_per_token=0.001,
@@ -60,7 +60,7 @@ def options(**overrides: object) -> NodeOptions:
     })
 
 
-Behaviour = Callable[[FramedStream, GenerateRequest, SimulatedEngine], Awaitable[None]]
+Behaviour = Callable[[Stream, GenerateRequest, SimulatedEngine], Awaitable[None]]
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Liar:
         return PeerId(self.node.peer_id)
 
     def lie(self, behaviour: Behaviour) -> None:
-        async def handler(stream: FramedStream) -> None:
+        async def handler(stream: Stream) -> None:
             req = decode(await stream.receive(timeout=10), expected=GenerateRequest)
             assert isinstance(req, GenerateRequest)
             self.requests.append(req)
@@ -109,17 +109,18 @@ async def until_routed_for_its_cache(origin: Node, text: str, holder: str) -> No
 async def origin_and_liar(prompts: range, **origin_overrides: object) -> AsyncIterator[tuple[Node, Liar]]:
     """An origin and a liar that holds (and announces) ``prompts``, each seen by the other."""
     async with trio.open_nursery() as nursery:
+        net = MemNetwork()
         liar_engine = SimulatedEngine(costs=COSTS, time_scale=0.2)
-        liar_node = Node(options(policy="local"), engine=liar_engine)  # it serves all it gets
+        liar_node = net.node(options(policy="local"), liar_engine)  # it serves all it gets
         await nursery.start(liar_node.serve)
-        origin = Node(
+        origin = net.node(
             options(bootstrap=(liar_node.addresses()[0],), **origin_overrides),
-            engine=SimulatedEngine(costs=COSTS, time_scale=0.2),
+            SimulatedEngine(costs=COSTS, time_scale=0.2),
         )
         await nursery.start(origin.serve)
         liar = Liar(liar_node, liar_engine)
         with trio.fail_after(60):
-            async with Client.connect(liar_node.addresses()[0], timeout_s=20) as client:
+            async with Client.connect(liar_node.addresses()[0], timeout_s=20, transport=net.open_host) as client:
                 for k in prompts:
                     await client.generate(prompt(k), max_tokens=2)
             # The origin routes every prompt to the liar (it is the only holder).
@@ -139,12 +140,11 @@ class Answer:
 
 
 @asynccontextmanager
-async def client_host(origin: Node) -> AsyncIterator[Host]:
-    config = HostConfig(
-        listen=("/ip4/127.0.0.1/tcp/0",), persist_identity=False, mdns=False,
-        liveness_interval_s=0, gossip_topics=(), stream_timeout_s=10.0,
-    )
-    async with open_host(config) as host:
+async def client_host(origin: Node) -> AsyncIterator[MemHost]:
+    """A host on the origin's network, connected to it."""
+    assert isinstance(origin.host, MemHost)
+    config = HostConfig(persist_identity=False, mdns=False, gossip_topics=(), stream_timeout_s=10.0)
+    async with origin.host.network.open_host(config) as host:
         with trio.fail_after(10):
             await host.connect(origin.addresses()[0])
         yield host
@@ -154,7 +154,7 @@ _ids = iter(range(10**9))
 
 
 async def ask(
-    host: Host, origin: Node, k: int, *, max_tokens: int = MAX_TOKENS, stop: tuple[str, ...] = (),
+    host: MemHost, origin: Node, k: int, *, max_tokens: int = MAX_TOKENS, stop: tuple[str, ...] = (),
     params: SamplingParams | None = None,
 ) -> Answer:
     """One request to the origin over a raw stream: every token id and the final frame."""
@@ -183,12 +183,12 @@ def honest_answer(origin: Node, k: int, max_tokens: int = MAX_TOKENS) -> list[in
     return engine.completion_ids(tuple(engine.tokenize(prompt(k))), SamplingParams(), max_tokens)
 
 
-async def send_tokens(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine, ids: list[int]) -> None:
+async def send_tokens(stream: Stream, req: GenerateRequest, engine: SimulatedEngine, ids: list[int]) -> None:
     for t in ids:
         await stream.send(encode(TokenChunk(req.request_id, (t,), engine.detokenize([t]))))
 
 
-async def send_done(stream: FramedStream, req: GenerateRequest, n: int, *, cached: int = 0, served_by: str = "") -> None:
+async def send_done(stream: Stream, req: GenerateRequest, n: int, *, cached: int = 0, served_by: str = "") -> None:
     await stream.send(encode(GenerateDone(
         request_id=req.request_id, prompt_tokens=len(req.tokens), completion_tokens=n,
         cached_tokens=cached, served_by=served_by or "someone", ttft_s=0.01, latency_s=0.02,
@@ -228,8 +228,8 @@ def assert_complete_and_honest(
 # Contract checks (issue 12, item 1)
 
 
-async def test_an_over_long_answer_reaches_the_client_cut_at_max_tokens() -> None:
-    async def overlong(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_an_over_long_answer_reaches_the_client_cut_at_max_tokens(autojump_clock: trio.testing.MockClock) -> None:
+    async def overlong(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         ids = correct(req, engine, 3 * req.params.max_tokens)
         await send_tokens(stream, req, engine, ids)
         await send_done(stream, req, len(ids), served_by=str(req.origin))
@@ -247,8 +247,8 @@ async def test_an_over_long_answer_reaches_the_client_cut_at_max_tokens() -> Non
         assert "contract" in origin.core.reputation.explain(liar.peer_id, trio.current_time())
 
 
-async def test_a_forged_served_by_is_replaced_by_the_authenticated_peer() -> None:
-    async def forger(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_forged_served_by_is_replaced_by_the_authenticated_peer(autojump_clock: trio.testing.MockClock) -> None:
+    async def forger(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         ids = correct(req, engine)
         await send_tokens(stream, req, engine, ids)
         await send_done(stream, req, len(ids), cached=len(req.tokens) - 1, served_by=str(req.origin))
@@ -262,8 +262,8 @@ async def test_a_forged_served_by_is_replaced_by_the_authenticated_peer() -> Non
         assert len(liar.requests) == 3  # forging the name is no failure: the answers were right
 
 
-async def test_out_of_vocabulary_ids_and_a_stop_sequence_ignored_fail_over_keeping_the_prefix() -> None:
-    async def bad_ids(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_out_of_vocabulary_ids_and_a_stop_sequence_ignored_fail_over_keeping_the_prefix(autojump_clock: trio.testing.MockClock) -> None:
+    async def bad_ids(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         await send_tokens(stream, req, engine, correct(req, engine, 3))
         await stream.send(encode(TokenChunk(req.request_id, (10**6,), " zzz")))
         await trio.sleep(5)
@@ -277,7 +277,7 @@ async def test_out_of_vocabulary_ids_and_a_stop_sequence_ignored_fail_over_keepi
 
             stop_text = origin.engine.detokenize(honest_answer(origin, 1)[2:3])  # type: ignore[union-attr]
 
-            async def ignores_stop(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+            async def ignores_stop(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
                 ids = correct(req, engine)
                 await send_tokens(stream, req, engine, ids)  # the honest engine stops at token 2
                 await send_done(stream, req, len(ids))
@@ -295,8 +295,8 @@ async def test_out_of_vocabulary_ids_and_a_stop_sequence_ignored_fail_over_keepi
         assert standing(origin, liar) in ("demoted", "excluded")
 
 
-async def test_a_peer_calling_a_valid_request_invalid_is_failed_over_not_believed() -> None:
-    async def says_invalid(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_peer_calling_a_valid_request_invalid_is_failed_over_not_believed(autojump_clock: trio.testing.MockClock) -> None:
+    async def says_invalid(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         await stream.send(encode(ErrorMessage(req.request_id, "invalid", "I say so")))
 
     async with origin_and_liar(range(4)) as (origin, liar):
@@ -310,8 +310,8 @@ async def test_a_peer_calling_a_valid_request_invalid_is_failed_over_not_believe
         assert standing(origin, liar) == ("excluded" if len(liar.requests) == 2 else "demoted")
 
 
-async def test_completion_counts_that_do_not_match_the_stream_are_a_breach() -> None:
-    async def miscounts(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_completion_counts_that_do_not_match_the_stream_are_a_breach(autojump_clock: trio.testing.MockClock) -> None:
+    async def miscounts(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         ids = correct(req, engine, 5)
         await send_tokens(stream, req, engine, ids)
         await send_done(stream, req, 99)
@@ -329,8 +329,8 @@ async def test_completion_counts_that_do_not_match_the_stream_are_a_breach() -> 
 # Liars about caches and load, tarpits (items 2-3)
 
 
-async def test_a_digest_liar_with_zero_load_stops_being_preferred_within_its_first_failures() -> None:
-    async def no_cache(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_digest_liar_with_zero_load_stops_being_preferred_within_its_first_failures(autojump_clock: trio.testing.MockClock) -> None:
+    async def no_cache(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         ids = correct(req, engine)
         await send_tokens(stream, req, engine, ids)
         await send_done(stream, req, len(ids), cached=0, served_by=str(req.origin))
@@ -355,8 +355,8 @@ async def test_a_digest_liar_with_zero_load_stops_being_preferred_within_its_fir
         assert "cache_short" in line
 
 
-async def test_a_tarpit_gets_at_most_three_forwards() -> None:
-    async def tarpit(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_tarpit_gets_at_most_three_forwards(autojump_clock: trio.testing.MockClock) -> None:
+    async def tarpit(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(30):
             await stream.receive(timeout=30)  # never answers; ends when the origin gives up
 
@@ -371,8 +371,8 @@ async def test_a_tarpit_gets_at_most_three_forwards() -> None:
         assert standing(origin, liar) in ("demoted", "excluded")
 
 
-async def test_a_peer_refusing_as_busy_while_announcing_idle_stops_being_a_candidate() -> None:
-    async def always_busy(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_peer_refusing_as_busy_while_announcing_idle_stops_being_a_candidate(autojump_clock: trio.testing.MockClock) -> None:
+    async def always_busy(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         await stream.send(encode(ErrorMessage(req.request_id, "busy", "full, honestly")))
 
     n = 20
@@ -390,8 +390,8 @@ async def test_a_peer_refusing_as_busy_while_announcing_idle_stops_being_a_candi
 # Audits (item 5)
 
 
-async def test_a_wrong_answer_liar_is_banned_at_its_first_audit() -> None:
-    async def wrong(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_a_wrong_answer_liar_is_banned_at_its_first_audit(autojump_clock: trio.testing.MockClock) -> None:
+    async def wrong(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         rng = random.Random(len(req.tokens))
         ids = [rng.randrange(4, engine.vocab_size) for _ in range(req.params.max_tokens)]
         await send_tokens(stream, req, engine, ids)
@@ -417,7 +417,7 @@ async def test_a_wrong_answer_liar_is_banned_at_its_first_audit() -> None:
         assert origin.trust.audits_failed == 1
 
 
-async def test_an_honest_peer_passes_its_audits() -> None:
+async def test_an_honest_peer_passes_its_audits(autojump_clock: trio.testing.MockClock) -> None:
     async with origin_and_liar(range(3), audit_rate=1.0) as (origin, liar):
         assert origin.core is not None
         async with client_host(origin) as host:
@@ -431,8 +431,8 @@ async def test_an_honest_peer_passes_its_audits() -> None:
         assert origin.core.reputation.score(liar.peer_id, trio.current_time()) > 0
 
 
-async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans() -> None:
-    async def wrong(stream: FramedStream, req: GenerateRequest, engine: SimulatedEngine) -> None:
+async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans(autojump_clock: trio.testing.MockClock) -> None:
+    async def wrong(stream: Stream, req: GenerateRequest, engine: SimulatedEngine) -> None:
         ids = correct(req, engine)
         ids[1] = (ids[1] + 1) % engine.vocab_size  # not what this seed draws
         await send_tokens(stream, req, engine, ids)
@@ -450,9 +450,8 @@ async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans
                     await trio.sleep(0.05)
             assert origin.trust.audits_failed == 0 and standing(origin, liar) == "good"
             liar.lie(wrong)
-            # The lie takes new streams; the origin keeps the honest one it used for reuse
-            # (net/host.py, kept streams), and would be served honestly on it: let it go.
-            origin.host._drop_idle_streams(liar.peer_id)
+            # The lie takes new streams; the in-memory host opens one per forward (on libp2p
+            # the origin would keep the honest one for reuse, and had to let it go first).
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7)
             await ask(host, origin, 2, params=params)
             with trio.fail_after(20):
@@ -467,7 +466,7 @@ async def test_sampled_answers_are_audited_an_honest_one_passes_a_wrong_one_bans
 # Privacy (item 4)
 
 
-async def test_trust_list_keeps_prompts_on_listed_peers() -> None:
+async def test_trust_list_keeps_prompts_on_listed_peers(autojump_clock: trio.testing.MockClock) -> None:
     async with origin_and_liar(range(2)) as (origin, liar):
         assert origin.core is not None
         config = origin.core.config

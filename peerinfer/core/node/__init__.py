@@ -72,6 +72,13 @@ What it decides
   every live peer; the decision (target, expected cached tokens, reason) is returned in the
   effect so it can be logged. A forwarded request is always served where it lands (no loops).
   After routing, the target is recorded as speculatively holding the prompt's blocks.
+* **Pull KV** (issue 24; only with ``NodeConfig.kv_pull``). After the policy, ``Choice`` asks
+  ``peerinfer.core.routing.pull.consider_pull`` whether serving here after pulling a trusted
+  holder's KV would be faster still; if so the local decision carries ``pull_from`` (the shell
+  pulls when the request's turn comes). A link with no recent bandwidth figure is not pulled
+  over and gets a ``ProbeLink``; the shell reports every transfer as ``TransferMeasured``.
+  Before a pull is used the shell recomputes the blocks ``pull_sample`` names and reports
+  ``PullChecked``: a mismatch is a failed audit (a ``BanPeer``).
 * **Fail over.** A forward that fails, is refused as busy, or gives no first token before its
   deadline goes to the next candidate in the policy's ranking, and finally to the local engine.
   A failure after tokens were streamed resumes locally from the prompt plus the tokens already
@@ -153,7 +160,9 @@ from peerinfer.core.node.events import (
     PeerSnapshot,
     PingPeer,
     PreemptLocal,
+    ProbeLink,
     Publish,
+    PullChecked,
     Reject,
     ResumeLocal,
     RunLocal,
@@ -161,6 +170,7 @@ from peerinfer.core.node.events import (
     Silence,
     SyncFailed,
     SyncResponseReceived,
+    TransferMeasured,
 )
 
 # The lifecycle table, for the tests that walk it.
@@ -199,6 +209,8 @@ __all__ = [
     "Phase",
     "PingPeer",
     "PreemptLocal",
+    "ProbeLink",
+    "PullChecked",
     "Publish",
     "Reject",
     "ResumeLocal",
@@ -207,4 +219,5 @@ __all__ = [
     "Silence",
     "SyncFailed",
     "SyncResponseReceived",
+    "TransferMeasured",
 ]

@@ -11,16 +11,19 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from peerinfer.core.kvpull import LinkEstimator
 from peerinfer.core.messages import Load, SamplingParams
 from peerinfer.core.node.config import NodeConfig
 from peerinfer.core.peerview import PeerView
 from peerinfer.core.reputation import Reputation
 from peerinfer.core.routing import (
     Candidate,
+    CostPolicy,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
     ScaffoldHints,
+    consider_pull,
     make_policy,
 )
 from peerinfer.types import BlockHash, PeerId
@@ -54,15 +57,26 @@ class Choice:
         self._scaffolds: tuple[int, ...] = ()
         #: announced in every load, so that peers estimate this node at its own speed
         self._speed: tuple[int, ...] = config.costs.speed()
+        #: announced in every load: the disk tier's share and load time (``Load.disk``)
+        self.disk: tuple[int, ...] = ()
         #: no peer has announced another speed than this node's or more than one slot (then
         #: routing finds the best non-holders among the nearest: ``PeerIndex.holder_candidates``)
         self._plain_loads = True
+        #: pulls (``config.kv_pull``): each peer link's bandwidth, measured from transfers, and
+        #: the probes asked for since the node last took them (``take_probes``)
+        pull = config.kv_pull
+        self.links: LinkEstimator | None = (
+            LinkEstimator.for_settings(pull) if pull is not None else None
+        )
+        self._probes: list[tuple[PeerId, int]] = []
+        #: may this node pull at all: a private swarm's members, or an open swarm by option
+        self._pull_allowed = pull is not None and (config.private_swarm or pull.open_swarm)
 
     def load(self, queued: int, running: int) -> Load:
         """This node's load as announced, with ``queued`` and ``running`` requests."""
         return Load(
             queued=queued, running=running, slots=self.config.costs.slots,
-            speed=self._speed, scaffolds=self._scaffolds,
+            speed=self._speed, scaffolds=self._scaffolds, disk=self.disk,
         )
 
     def refresh_hints(self, now: float) -> None:
@@ -127,20 +141,75 @@ class Choice:
         )
         among_holders = getattr(self.policy, "choose_among_holders", None)
         if among_holders is None or not cfg.route_among_holders:
-            candidates = index.candidates(chain, **options)  # type: ignore[arg-type]
-            return self.policy.choose(request, self._believed(candidates, now), self.rng)
-        # Only the peers holding part of the prompt, and the plain non-holders' stand-ins
-        # (PeerIndex.holder_candidates); every candidate only when a stand-in could win.
-        pruned = index.holder_candidates(
-            chain, own_speed=self._speed, plain_loads=self._plain_loads,
-            rtt_version=rtt_version, **options,  # type: ignore[arg-type]
-        )
-        decision: RouteDecision | None = among_holders(
-            request, self._believed(pruned.candidates, now), self.rng, pruned.stand_ins
-        )
-        if decision is None:
-            decision = self.policy.choose(request, self._believed(pruned.every(), now), self.rng)
+            candidates = self._believed(
+                index.candidates(chain, **options), now  # type: ignore[arg-type]
+            )
+            decision: RouteDecision | None = self.policy.choose(request, candidates, self.rng)
+        else:
+            # Only the peers holding part of the prompt, and the plain non-holders' stand-ins
+            # (PeerIndex.holder_candidates); every candidate only when a stand-in could win.
+            pruned = index.holder_candidates(
+                chain, own_speed=self._speed, plain_loads=self._plain_loads,
+                rtt_version=rtt_version, **options,  # type: ignore[arg-type]
+            )
+            candidates = self._believed(pruned.candidates, now)
+            decision = among_holders(request, candidates, self.rng, pruned.stand_ins)
+            if decision is None:
+                candidates = self._believed(pruned.every(), now)
+                decision = self.policy.choose(request, candidates, self.rng)
+        assert decision is not None
+        if self._pull_allowed:
+            # Every holder is among the candidates either way (the pruned list keeps them).
+            decision = self._consider_pull(request, candidates, decision, now)
         return decision
+
+    def _consider_pull(
+        self, request: RouteRequest, candidates: list[Candidate], decision: RouteDecision,
+        now: float,
+    ) -> RouteDecision:
+        """``decision``, or serving here after a pull when that is faster (issue 24,
+        ``peerinfer.core.routing.pull``). The candidates are already the peers routing may
+        use (tried, banned, excluded and untrusted peers left out; demoted peers' matches
+        zeroed), and this node may pull in its swarm (``_pull_allowed``)."""
+        settings = self.config.kv_pull
+        links = self.links
+        assert settings is not None and links is not None
+        policy = self.policy if isinstance(self.policy, CostPolicy) else None
+
+        def probe(peer: PeerId) -> None:
+            nbytes = links.probe(peer, now)
+            if nbytes is not None:
+                self._probes.append((peer, nbytes))
+
+        return consider_pull(
+            policy, request, candidates, decision, settings,
+            trusted=lambda peer: self.may_pull_from(peer, now),
+            bandwidth=lambda peer: links.bandwidth(peer, now),
+            probe=probe,
+        )
+
+    def may_pull_from(self, peer: PeerId, now: float) -> bool:
+        """Whether this node may pull KV from ``peer`` now: pulls are on and allowed in this
+        swarm, ``peer`` is trusted (``trusted_peers``) and reputation does not block it."""
+        if not self._pull_allowed:
+            return False
+        trusted = self.config.trusted_peers
+        if trusted is not None and peer not in trusted:
+            return False
+        until = self.reputation.blocked().get(peer)
+        return until is None or not until > now
+
+    def note_transfer(
+        self, peer: PeerId, nbytes: int, seconds: float, now: float, rtt_s: float = 0.0
+    ) -> None:
+        """A transfer of ``nbytes`` from ``peer`` took ``seconds``: a bandwidth sample."""
+        if self.links is not None:
+            self.links.observe(peer, nbytes, seconds, now, rtt_s)
+
+    def take_probes(self) -> list[tuple[PeerId, int]]:
+        """The bounded probes (peer, bytes) asked for since the last call."""
+        probes, self._probes = self._probes, []
+        return probes
 
     def _believed(self, candidates: list[Candidate], now: float) -> list[Candidate]:
         """``candidates`` as routing believes them: a demoted peer's cache promises count for

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
+from peerinfer.core.kvpull import PullSettings
 from peerinfer.core.messages import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 from peerinfer.core.reputation import ReputationConfig
 from peerinfer.errors import ConfigError
@@ -72,6 +73,14 @@ class NodeConfig:
     #: route over the peers holding part of the prompt and stand-ins for the rest, where the
     #: policy can (``CostPolicy.choose_among_holders``: the same decisions as over every peer)
     route_among_holders: bool = True
+    #: pulling KV from peers (issue 24, ``peerinfer.core.kvpull``): None, never (the default:
+    #: every decision is the routing policy's); else how. Pulls are only from peers trusted
+    #: for them: members of a private swarm (``private_swarm``), or, in an open swarm, any
+    #: peer when ``kv_pull.open_swarm`` says so explicitly.
+    kv_pull: PullSettings | None = None
+    #: this node runs in a private swarm (a swarm key: every member proved it); the shell sets
+    #: it. It only widens what ``kv_pull`` may pull from.
+    private_swarm: bool = False
 
     def __post_init__(self) -> None:
         if self.announce_interval_s <= 0 or self.min_announce_gap_s < 0:
@@ -86,6 +95,10 @@ class NodeConfig:
             raise ConfigError("max_queued_per_peer, max_prompt_tokens and max_new_tokens must be >= 1")
         if not self.token_gap_timeout_s > 0:
             raise ConfigError(f"token_gap_timeout_s must be > 0, got {self.token_gap_timeout_s}")
+        if self.kv_pull is not None and self.kv_pull.mode == "auto" and self.policy != "cost":
+            raise ConfigError(
+                f"kv_pull mode 'auto' compares the cost policy's estimates; policy is {self.policy!r}"
+            )
         if self.preempt_after_tokens is not None and self.preempt_after_tokens < 1:
             raise ConfigError(f"preempt_after_tokens must be >= 1, got {self.preempt_after_tokens}")
 

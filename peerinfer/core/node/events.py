@@ -36,6 +36,8 @@ __all__ = [
     "PeerSnapshot",
     "PingPeer",
     "PreemptLocal",
+    "ProbeLink",
+    "PullChecked",
     "Publish",
     "Reject",
     "ResumeLocal",
@@ -44,6 +46,7 @@ __all__ = [
     "Silence",
     "SyncFailed",
     "SyncResponseReceived",
+    "TransferMeasured",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -129,10 +132,14 @@ class LocalPreempted:
 
 @dataclass(frozen=True, slots=True)
 class CacheChanged:
-    """Cache changes reported outside a request (start-up snapshot, a cleared cache)."""
+    """Cache changes reported outside a request (start-up snapshot, a cleared cache).
+
+    ``disk``, when given, is the disk tier's figure announced in this node's load from now on
+    (``Load.disk``: per mille of held blocks on disk only, ns to load a token from disk)."""
 
     added: tuple[BlockHash, ...] = ()
     removed: tuple[BlockHash, ...] = ()
+    disk: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +207,30 @@ class AuditFinished:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class TransferMeasured:
+    """``nbytes`` came from ``peer`` in ``seconds`` (a KV pull or a ``ProbeLink``, request to
+    last byte; ``rtt_s`` of them were the round trip): a sample of the link's bandwidth
+    (``peerinfer.core.kvpull.LinkEstimator``). Ignored when pulls are off."""
+
+    peer: PeerId
+    nbytes: int
+    seconds: float
+    rtt_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PullChecked:
+    """The blocks of a pull from ``peer`` that the verifier sampled
+    (``NodeCore.pull_sample``) were recomputed: ``ok`` when all matched within the tolerance
+    (``PullVerifier.judge``). A mismatch discards the pull (the shell's part) and bans
+    ``peer`` as a failed audit does."""
+
+    peer: PeerId
+    ok: bool
+    detail: str = ""
+
+
 Event = (
     ClientRequest
     | AnnounceReceived
@@ -216,6 +247,8 @@ Event = (
     | PeerLost
     | Cancel
     | AuditFinished
+    | TransferMeasured
+    | PullChecked
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +372,16 @@ class BanPeer:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeLink:
+    """Measure the link from ``peer``: fetch ``nbytes`` of filler from it and report the
+    transfer as ``TransferMeasured`` (asked only with pulls on, when the link has no recent
+    bandwidth figure; bounded by ``PullSettings.probe_bytes`` and ``probe_gap_s``)."""
+
+    peer: PeerId
+    nbytes: int
+
+
 Effect = (
     Publish
     | SendSyncRequest
@@ -353,6 +396,7 @@ Effect = (
     | DropPeer
     | AuditForward
     | BanPeer
+    | ProbeLink
 )
 
 @dataclass(frozen=True, slots=True)

@@ -51,9 +51,12 @@ from peerinfer.core.node.events import (
     PeerLost,
     PeerSeen,
     PeerSnapshot,
+    ProbeLink,
+    PullChecked,
     Silence,
     SyncFailed,
     SyncResponseReceived,
+    TransferMeasured,
 )
 from peerinfer.core.node.members import Members
 from peerinfer.core.node.requests import FORWARD_PHASES, HeldRequest, Phase, Requests
@@ -343,6 +346,10 @@ class NodeCore:
         else:
             decision = self._local_decision(req, "failover: forward attempts exhausted")
         req.decision = decision
+        if self.choice.links is not None:
+            # Pulls on: the links the decision had no bandwidth figure for are measured.
+            for probe_peer, nbytes in self.choice.take_probes():
+                effects.append(ProbeLink(probe_peer, nbytes))
         if decision.is_local:
             self._admit_local(req, decision, effects, now)
             return
@@ -389,6 +396,8 @@ class NodeCore:
 
     def _on_cache_changed(self, ev: CacheChanged, now: float) -> list[Effect]:
         self._apply_local_changes(ev.added, ev.removed)
+        if ev.disk is not None:
+            self.choice.disk = ev.disk
         effects: list[Effect] = []
         self._maybe_announce(now, effects)
         return effects
@@ -421,6 +430,27 @@ class NodeCore:
             audit = self.trust.audit(ev, req.tokens, req.params, req.resume_after)
             if audit is not None:
                 effects.append(audit)
+        return effects
+
+    def _on_transfer_measured(self, ev: TransferMeasured, now: float) -> list[Effect]:
+        self.choice.note_transfer(ev.peer, ev.nbytes, ev.seconds, now, ev.rtt_s)
+        return []
+
+    def pull_sample(self, blocks: int) -> tuple[int, ...]:
+        """Which of a pull's ``blocks`` pulled blocks to recompute and compare (positions,
+        ascending; ``PullVerifier.sample``), before the pull is used. Report the verdict as
+        ``PullChecked``. Empty when pulls are off."""
+        verifier = self.trust.pull_verifier
+        return () if verifier is None else verifier.sample(blocks)
+
+    def _on_pull_checked(self, ev: PullChecked, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        ban = self.trust.on_pull_checked(ev, now)
+        if ban is None:
+            return effects
+        effects.append(ban)
+        if ev.peer in self.members:
+            self._forget_peer(ev.peer, now, effects)
         return effects
 
     def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
@@ -606,4 +636,6 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     PeerLost: NodeCore._on_peer_lost,  # type: ignore[dict-item]
     Cancel: NodeCore._on_cancel,  # type: ignore[dict-item]
     AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
+    TransferMeasured: NodeCore._on_transfer_measured,  # type: ignore[dict-item]
+    PullChecked: NodeCore._on_pull_checked,  # type: ignore[dict-item]
 }

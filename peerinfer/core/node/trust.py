@@ -7,9 +7,16 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+from peerinfer.core.kvpull import PullVerifier
 from peerinfer.core.messages import Load, SamplingParams
 from peerinfer.core.node.config import NodeConfig
-from peerinfer.core.node.events import AuditFinished, AuditForward, BanPeer, ForwardFinished
+from peerinfer.core.node.events import (
+    AuditFinished,
+    AuditForward,
+    BanPeer,
+    ForwardFinished,
+    PullChecked,
+)
 from peerinfer.core.reputation import FAILURE_OUTCOMES, Outcome, Reputation, judge_finished
 from peerinfer.core.routing import RouteDecision
 from peerinfer.types import PeerId
@@ -25,6 +32,11 @@ class Trust:
         self.reputation = Reputation(config.reputation)
         # Audit sampling has its own dice, so enabling audits leaves routing's draws unchanged.
         self.audit_rng = random.Random(f"audit/{config.peer_id}")
+        #: pulls on: which pulled blocks to recompute (its own dice, seeded by the peer id)
+        self.pull_verifier: PullVerifier | None = (
+            PullVerifier.for_settings(config.kv_pull, config.peer_id)
+            if config.kv_pull is not None else None
+        )
 
     def judge_finished(
         self,
@@ -105,3 +117,13 @@ class Trust:
         self.reputation.record(ev.peer, "audit_failed", now)
         until = self.reputation.view(ev.peer, now).banned_until
         return BanPeer(ev.peer, until, f"failed an audit: {ev.detail}"[:200])
+
+    def on_pull_checked(self, ev: PullChecked, now: float) -> BanPeer | None:
+        """Record a pull's check: altered KV is a lie about the model's output, judged as a
+        failed audit (a ban, doubling with each); a pull that matched, as a passed one."""
+        if ev.ok:
+            self.reputation.record(ev.peer, "audit_passed", now)
+            return None
+        self.reputation.record(ev.peer, "audit_failed", now)
+        until = self.reputation.view(ev.peer, now).banned_until
+        return BanPeer(ev.peer, until, f"served altered KV: {ev.detail}"[:200])

@@ -121,6 +121,7 @@ from peerinfer.core.routing.candidates import (
     make_candidate,
 )
 from peerinfer.core.routing.cost import CostPolicy
+from peerinfer.core.routing.pull import PullOption, consider_pull
 from peerinfer.core.routing.scaffold import (
     MAX_SCAFFOLD_HINTS,
     SCAFFOLD_HINT_LIFETIME_S,
@@ -183,6 +184,7 @@ __all__ = [
     "LeastLoadedPolicy",
     "LocalPolicy",
     "LongestPrefixPolicy",
+    "PullOption",
     "RandomPolicy",
     "RoundRobinPolicy",
     "RouteDecision",
@@ -192,6 +194,7 @@ __all__ = [
     "SCAFFOLD_HINT_LIFETIME_S",
     "ScaffoldHashPolicy",
     "ScaffoldHints",
+    "consider_pull",
     "describe_peer",
     "make_candidate",
     "make_policy",

@@ -96,6 +96,12 @@ class RouteDecision:
     #: arrives for the decision to still hold (None: no limit). The target refuses it as busy
     #: beyond that, and the origin routes again without it (see ``CostPolicy``, "Herding").
     max_outstanding: int | None = None
+    #: Pull first (issue 24; only with ``NodeConfig.kv_pull``): serve here after pulling the KV
+    #: of ``pull_tokens`` prompt tokens (``pull_bytes``) beyond this node's own match from
+    #: ``pull_from`` (``peerinfer.core.routing.pull``). None: no pull, every decision before.
+    pull_from: PeerId | None = None
+    pull_tokens: int = 0
+    pull_bytes: int = 0
 
 
 class RoutingPolicy(Protocol):

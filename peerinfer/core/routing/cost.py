@@ -160,6 +160,8 @@ class CostPolicy:
         prefill = p * costs.prefill_s(prompt, matched, decoders) + (1.0 - p) * costs.prefill_s(
             prompt, 0, decoders
         )
+        # A hit partly on disk loads those blocks first (Load.disk: the expected share).
+        prefill += p * matched * load.disk_s_per_token
         rtt = 0.0 if c.is_local else c.rtt_s
         return rtt + wait + prefill, cached, wait
 
@@ -277,6 +279,8 @@ class CostPolicy:
                     - p * m * saving_busy
                     + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
                 )
+            if load.disk:  # a hit partly on disk loads those blocks first (Load.disk)
+                prefill += p * m * load.disk_s_per_token
             append(rtt + wait + prefill)
         return ttfts
 

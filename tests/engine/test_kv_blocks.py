@@ -1,0 +1,212 @@
+"""KV blocks as bytes: ``kv_format``, ``encode_block``/``decode_block``, ``encode_blocks`` and
+``adopt_blocks``, on the three engines.
+
+The round trip that matters: blocks exported as bytes from one cache, decoded and adopted into
+an empty cache, make the next request hit them, and greedy generation from them gives the very
+tokens a recompute gives. The decoders must refuse bytes that are not such a block (they may come
+from a hostile peer or a damaged file) with ProtocolError, never with a wrong cache.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from peerinfer.core.messages import SamplingParams
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.engine import Started, Tokens
+from peerinfer.engine.base import Engine
+from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.errors import ProtocolError
+
+
+def _greedy(engine: Engine, prompt: Sequence[int], n: int = 8) -> tuple[int, list[int]]:
+    """(cached tokens reported at the start, the greedy tokens)."""
+    cached, ids = -1, []
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0)):
+        if isinstance(ev, Started):
+            cached = ev.cached_tokens
+        elif isinstance(ev, Tokens):
+            ids.extend(ev.token_ids)
+    return cached, ids
+
+
+def _round_trip(engine: Engine, prompt: Sequence[int], block_size: int) -> tuple[list[int], list[bytes], int, list[int]]:
+    """Recompute ``prompt`` on an empty cache, export its blocks as bytes, empty the cache,
+    adopt the bytes and run the prompt again: (recomputed tokens, the encoded blocks, cached
+    tokens of the second run, its tokens)."""
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=block_size))
+    cached, first = _greedy(engine, prompt)
+    assert cached == 0
+    cache = engine.radix_cache
+    assert cache is not None
+    nodes = cache.match(prompt, touch=False).nodes
+    assert len(nodes) >= 2
+    blocks = engine.encode_blocks([n.hash for n in nodes])
+    assert len(blocks) == len(nodes)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=block_size))  # empty
+    assert len(engine.radix_cache or ()) == 0
+    adopted = engine.adopt_blocks(prompt, blocks)
+    assert adopted == len(blocks) * block_size
+    cached2, second = _greedy(engine, prompt)
+    return first, blocks, cached2, second
+
+
+# --------------------------------------------------------------------------------------------
+# The simulated engine: synthetic blocks of the right size.
+
+
+def test_simulated_blocks_round_trip_with_the_size_of_real_ones() -> None:
+    engine = SimulatedEngine(kv_bytes_per_token=64, time_scale=0.0)
+    prompt = engine.tokenize("one two three four five six seven eight nine ten " * 4)
+    first, blocks, cached, second = _round_trip(engine, prompt, 4)
+    assert all(len(b) == 64 * 4 for b in blocks)
+    assert cached == min(len(blocks) * 4, (len(prompt) - 1) // 4 * 4) and cached > 0
+    assert second == first
+    fmt = engine.kv_format()
+    assert fmt is not None and fmt.startswith("sim-kv1/64/") and fmt.endswith("/b4")
+    with pytest.raises(ProtocolError):
+        engine.decode_block(blocks[0][:-1], 0)
+    with pytest.raises(ProtocolError):
+        engine.decode_block(b"x" * len(blocks[0]), 0)
+
+
+def test_adopt_stops_at_a_bad_block_keeping_the_good_ones() -> None:
+    engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
+    prompt = list(range(100, 120))
+    good = engine.encode_block(None)
+    with pytest.raises(ProtocolError):
+        engine.adopt_blocks(prompt, [good, good, b"junk", good])
+    cache = engine.radix_cache
+    assert cache is not None and cache.match(prompt, touch=False).tokens == 8
+    with pytest.raises(ValueError):
+        engine.adopt_blocks(prompt[:7], [good, good])
+
+
+def test_encode_blocks_stops_at_the_first_hash_not_held() -> None:
+    engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
+    prompt = list(range(200, 217))
+    _greedy(engine, prompt, 2)
+    cache = engine.radix_cache
+    assert cache is not None
+    hashes = [n.hash for n in cache.match(prompt, touch=False).nodes]
+    assert len(engine.encode_blocks(hashes)) == len(hashes) == 4
+    assert len(engine.encode_blocks([hashes[0], 12345, hashes[2]])) == 1
+    assert engine.encode_blocks([12345]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Transformers: raw tensor bytes behind a header.
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    pytest.importorskip("transformers")
+    from peerinfer.engine.hf import TransformersEngine
+    from tests.engine.test_engine_hf import _make_tiny_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    directory: Path = tmp_path_factory.mktemp("tiny-llama-kv")
+    _make_tiny_model(directory)
+    engine = TransformersEngine(directory, device="cpu")
+    yield engine
+    engine.close()
+    torch.set_num_threads(before)
+
+
+def test_hf_blocks_round_trip_to_the_tokens_of_a_recompute(tiny_hf: Engine) -> None:
+    prompt = [(i * 37 + 11) % 250 for i in range(42)]
+    first, blocks, cached, second = _round_trip(tiny_hf, prompt, 4)
+    assert cached == 40  # every full block of prompt[:-1]
+    assert second == first
+    fmt = tiny_hf.kv_format()
+    assert fmt == f"hf-kv1/float32-cpu/{tiny_hf.fingerprint.hex()}/b4"
+    # 2 layers x K,V x 2 heads x 4 tokens x 16 dims x 4 bytes, behind the header
+    assert all(len(b) == len(blocks[0]) for b in blocks)
+    assert len(blocks[0]) - 2 * 2 * 2 * 4 * 16 * 4 == 16 + 16 + 20
+
+
+def test_hf_decoder_refuses_what_is_not_a_block_of_its_format(tiny_hf: Engine) -> None:
+    prompt = [(i * 13 + 5) % 250 for i in range(20)]
+    tiny_hf.configure_cache(PrefixHasher(tiny_hf.fingerprint, block_size=4))
+    _greedy(tiny_hf, prompt, 2)
+    cache = tiny_hf.radix_cache
+    assert cache is not None
+    block = tiny_hf.encode_blocks([cache.match(prompt, touch=False).nodes[0].hash])[0]
+    seg = tiny_hf.decode_block(block, 0)
+    assert seg.nbytes == 2 * 2 * 2 * 4 * 16 * 4
+    assert torch.equal(seg.payload, cache.match(prompt, touch=False).nodes[0].payload)
+    with pytest.raises(ProtocolError):
+        tiny_hf.decode_block(block[:-4], 0)  # short
+    with pytest.raises(ProtocolError):
+        tiny_hf.decode_block(block + b"\0\0\0\0", 0)  # long
+    bad_shape = bytearray(block)
+    struct.pack_into("<I", bad_shape, 32, 3)  # claims 3 layers (same total: still refused)
+    with pytest.raises(ProtocolError):
+        tiny_hf.decode_block(bytes(bad_shape), 0)
+    bad_dtype = bytearray(block)
+    bad_dtype[16:32] = b"bfloat16".ljust(16, b"\0")
+    with pytest.raises(ProtocolError):
+        tiny_hf.decode_block(bytes(bad_dtype), 0)
+    nan = bytearray(block)
+    struct.pack_into("<f", nan, 52, float("nan"))
+    with pytest.raises(ProtocolError):
+        tiny_hf.decode_block(bytes(nan), 0)
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp: saved sequence state, checked before llama.cpp reads it.
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[Engine]:
+    pytest.importorskip("llama_cpp")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False)
+    yield engine
+    engine.close()
+
+
+def test_llamacpp_blocks_round_trip_to_the_tokens_of_a_recompute(smol: Engine) -> None:
+    prompt = smol.tokenize(
+        "The planets of the solar system, in order from the sun, are Mercury, Venus, Earth, "
+        "Mars, Jupiter, Saturn, Uranus and Neptune. The largest of them is"
+    )
+    first, blocks, cached, second = _round_trip(smol, prompt, 16)
+    assert cached == (len(prompt) - 1) // 16 * 16 > 0
+    assert second == first
+    fmt = smol.kv_format()
+    assert fmt is not None and fmt.startswith("llamacpp-kv1/") and fmt.endswith(f"/{smol.fingerprint.hex()}/b16")
+
+
+def test_llamacpp_decoder_checks_size_header_and_positions(smol: Engine) -> None:
+    prompt = smol.tokenize("Once upon a time there was a small robot who liked to count the stars at night. " * 3)
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    _greedy(smol, prompt, 2)
+    cache = smol.radix_cache
+    assert cache is not None
+    nodes = cache.match(prompt, touch=False).nodes
+    blocks = smol.encode_blocks([n.hash for n in nodes])
+    assert len(blocks) >= 2
+    assert smol.decode_block(blocks[1], 16).payload == blocks[1]
+    with pytest.raises(ProtocolError):
+        smol.decode_block(blocks[1], 0)  # saved for positions 16..31, not 0..15
+    with pytest.raises(ProtocolError):
+        smol.decode_block(blocks[0][:-1], 0)
+    bad = bytearray(blocks[0])
+    struct.pack_into("<I", bad, 0, 0)
+    with pytest.raises(ProtocolError):
+        smol.decode_block(bytes(bad), 0)
+    two_seqs = bytearray(blocks[0])
+    struct.pack_into("<I", two_seqs, 16 + 4, 2)  # first cell claims two sequences
+    with pytest.raises(ProtocolError):
+        smol.decode_block(bytes(two_seqs), 0)

@@ -1,0 +1,95 @@
+"""``Engine.block_errors``: the recompute a node runs on a sample of pulled KV blocks (issue 24).
+
+Honest blocks (exported from another run of the same engine) come out within the verifier's
+tolerance; a block whose values were altered comes out far beyond it; bytes that are not a
+block are refused as a protocol error, never judged.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from peerinfer.core.kvpull import DEFAULT_VERIFY_TOLERANCE
+from peerinfer.core.messages import SamplingParams
+from peerinfer.core.prefix import PrefixHasher
+from peerinfer.engine.base import Engine
+from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.errors import EngineError, ProtocolError
+
+
+def _blocks_of(engine: Engine, prompt: list[int], block_size: int) -> list[bytes]:
+    """Run ``prompt`` on an empty cache and export its blocks; then empty the cache again."""
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=block_size))
+    for _ in engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    cache = engine.radix_cache
+    assert cache is not None
+    blocks = engine.encode_blocks([n.hash for n in cache.match(prompt, touch=False).nodes])
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=block_size))
+    return blocks
+
+
+def test_simulated_block_errors_tell_a_synthetic_block_from_an_altered_one() -> None:
+    engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
+    prompt = list(range(100, 121))
+    blocks = _blocks_of(engine, prompt, 4)
+    assert len(blocks) == 5
+    altered = list(blocks)
+    altered[3] = altered[3][:-1] + b"\x01"
+    assert engine.block_errors(prompt, 0, blocks, [0, 3]) == [(0, 0.0), (3, 0.0)]
+    errors = dict(engine.block_errors(prompt, 0, altered, [0, 3]))
+    assert errors[0] == 0.0 and errors[3] > DEFAULT_VERIFY_TOLERANCE
+    with pytest.raises(ProtocolError):
+        engine.block_errors(prompt, 0, [b"junk"], [0])
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    pytest.importorskip("transformers")
+    from peerinfer.engine.hf import TransformersEngine
+    from tests.engine.test_engine_hf import _make_tiny_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    directory: Path = tmp_path_factory.mktemp("tiny-llama-verify")
+    _make_tiny_model(directory)
+    engine = TransformersEngine(directory, device="cpu")
+    yield engine
+    engine.close()
+    torch.set_num_threads(before)
+
+
+def test_hf_block_errors_pass_honest_blocks_and_catch_altered_ones(tiny_hf: Engine) -> None:
+    prompt = [5 + (i * 7) % 50 for i in range(26)]
+    blocks = _blocks_of(tiny_hf, prompt, 4)
+    assert len(blocks) == 6
+    honest = dict(tiny_hf.block_errors(prompt, 0, blocks, [0, 2, 5]))
+    assert set(honest) == {0, 2, 5}
+    assert max(honest.values()) < DEFAULT_VERIFY_TOLERANCE / 100
+    # Alter one value of block 2's payload (a float32 after the header) by a visible amount.
+    raw = bytearray(blocks[2])
+    offset = len(raw) - 4 * 10
+    (value,) = struct.unpack_from("<f", raw, offset)
+    struct.pack_into("<f", raw, offset, value + 5.0)
+    altered = [*blocks[:2], bytes(raw), *blocks[3:]]
+    errors = dict(tiny_hf.block_errors(prompt, 0, altered, [2]))
+    assert errors[2] > DEFAULT_VERIFY_TOLERANCE, errors
+
+
+def test_hf_block_errors_start_after_cached_blocks(tiny_hf: Engine) -> None:
+    """Blocks 0..1 local, 2..5 pulled: block 3 is recomputed over two cached and one pulled."""
+    prompt = [7 + (i * 11) % 50 for i in range(26)]
+    blocks = _blocks_of(tiny_hf, prompt, 4)
+    assert tiny_hf.adopt_blocks(prompt, blocks[:2]) == 8
+    errors = dict(tiny_hf.block_errors(prompt, 2, blocks[2:], [1]))
+    assert errors[1] < DEFAULT_VERIFY_TOLERANCE / 100
+    tiny_hf.configure_cache(PrefixHasher(tiny_hf.fingerprint, block_size=4))  # empty
+    with pytest.raises(EngineError):
+        tiny_hf.block_errors(prompt, 2, blocks[2:], [1])
