@@ -104,10 +104,32 @@ class _PeerObserver:
             self._index._unindex_block(self._state, h)
 
     def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
-        if self.armed:
-            index, state = self._index, self._state
+        if not self.armed:
+            return
+        index, state = self._index, self._state
+        if removed:
+            # ``_unindex_block`` for each, inlined: every recipient of an announcement with
+            # changes runs this for every removed hash (2.2 million calls in a 64-node,
+            # 10,000-request simulation). The rescan check after each removal only sees
+            # ``indexed`` fall, so checking once after the last is the same.
+            masks = index._masks
+            get = masks.get
+            bit = state.bit
+            keep = ~bit
+            indexed = state.indexed
             for h in removed:
-                index._unindex_block(state, h)
+                m = get(h, 0)
+                if m & bit:
+                    m &= keep
+                    if m:
+                        masks[h] = m
+                    else:
+                        del masks[h]
+                    indexed -= 1
+            state.indexed = indexed
+            if state.skipped and indexed <= (index.max_replica_blocks * 3) // 4:
+                index._pending_rescan[state.peer] = state
+        if added:
             index._index_blocks(state, added)
 
 
