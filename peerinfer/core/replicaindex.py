@@ -175,6 +175,10 @@ class ReplicaIndex:
         #: grows whenever an allowance or a peer's replica object may have changed (a peer
         #: added or removed, a rebalance): a node that relies on either rechecks it then
         self.allowance_changes = 0
+        #: the peers whose allowance or replica object changed since ``take_touched`` (each
+        #: change above names its peers here): a node rechecks only those (a shared run it
+        #: follows), not every peer it follows, whenever anything changed
+        self._touched: dict[PeerId, None] = {}
         #: how many rebalances ran (periodic ones and those a newcomer needed)
         self.rebalances = 0
         self.max_peers = max_peers
@@ -224,6 +228,7 @@ class ReplicaIndex:
             self._next_slot += 1
         self._added_seq += 1
         self.allowance_changes += 1
+        self._touched[peer] = None
         self._membership_changes += 1
         state = _PeerState(peer, slot, self._added_seq)
         observer = _PeerObserver(self, state)
@@ -248,6 +253,16 @@ class ReplicaIndex:
         else:
             self.rebalance(decay=False, reserve=len(self._states) // NEWCOMER_RESERVE)
         return replica
+
+    def add_reads_others(self) -> bool:
+        """Whether ``add_peer`` of a new peer would read or change the other peers' state: the
+        index is full (the least recently fresh peer is removed) or less than an equal share
+        is unallocated (a rebalance sizes every allowance). Otherwise it touches only the new
+        peer's state and the unallocated budget."""
+        states = len(self._states)
+        if states >= self.max_peers:
+            return True
+        return self.replica_budget_blocks - self._allocated < self.replica_budget_blocks // (states + 1)
 
     # ------------------------------------------------------------------ replica budget
 
@@ -275,6 +290,7 @@ class ReplicaIndex:
 
     def _set_allowance(self, state: _PeerState, allowance: int) -> None:
         self.allowance_changes += 1
+        self._touched[state.peer] = None
         self._allocated += allowance - state.allowance
         state.allowance = allowance
         assert state.replica is not None
@@ -372,6 +388,7 @@ class ReplicaIndex:
             assert replica is not None
             if allowance != st.allowance or allowance != replica.max_elements:
                 changed = True
+                self._touched[st.peer] = None
                 st.allowance = allowance
                 replica.max_elements = allowance
         if changed:
@@ -387,6 +404,14 @@ class ReplicaIndex:
                     emptied.append(st.peer)
         return emptied
 
+    def take_touched(self) -> dict[PeerId, None]:
+        """The peers whose allowance or replica object changed since the last call (each time
+        ``allowance_changes`` grew), in the order they first changed; the record starts over."""
+        touched = self._touched
+        if touched:
+            self._touched = {}
+        return touched
+
     @property
     def max_replica_elements(self) -> int:
         """The most one replica may ever hold, whatever the budget (antientropy's cap)."""
@@ -398,6 +423,7 @@ class ReplicaIndex:
         if state is None:
             return
         self.allowance_changes += 1
+        self._touched[peer] = None
         self._membership_changes += 1
         self._observers.pop(peer).armed = False
         bit = state.bit

@@ -525,6 +525,8 @@ class NodeCore:
             return []  # it waits (``PeerView.offer``)
         effects: list[Effect] = []
         self.announcing.apply(sender, a, index, now, effects)
+        if ev.run is not None and not effects:
+            self.view.follow_from(sender, a, ev.run, now, self.announcing.pull_idle(sender))
         return effects
 
     def _on_sync_response(self, ev: SyncResponseReceived, now: float) -> list[Effect]:
