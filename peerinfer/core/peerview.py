@@ -466,7 +466,7 @@ class PeerView:
         following = self._following
         if not following:
             return
-        for peer in touched:
+        for peer in list(following) if touched is None else touched:
             kept = following.get(peer)
             if kept is None:
                 continue

@@ -179,6 +179,9 @@ class ReplicaIndex:
         #: change above names its peers here): a node rechecks only those (a shared run it
         #: follows), not every peer it follows, whenever anything changed
         self._touched: dict[PeerId, None] = {}
+        #: the record overflowed (nobody took it for long: an index used without a node):
+        #: ``take_touched`` then names every peer (None)
+        self._touched_all = False
         #: how many rebalances ran (periodic ones and those a newcomer needed)
         self.rebalances = 0
         self.max_peers = max_peers
@@ -228,7 +231,7 @@ class ReplicaIndex:
             self._next_slot += 1
         self._added_seq += 1
         self.allowance_changes += 1
-        self._touched[peer] = None
+        self._touch(peer)
         self._membership_changes += 1
         state = _PeerState(peer, slot, self._added_seq)
         observer = _PeerObserver(self, state)
@@ -290,7 +293,7 @@ class ReplicaIndex:
 
     def _set_allowance(self, state: _PeerState, allowance: int) -> None:
         self.allowance_changes += 1
-        self._touched[state.peer] = None
+        self._touch(state.peer)
         self._allocated += allowance - state.allowance
         state.allowance = allowance
         assert state.replica is not None
@@ -388,7 +391,7 @@ class ReplicaIndex:
             assert replica is not None
             if allowance != st.allowance or allowance != replica.max_elements:
                 changed = True
-                self._touched[st.peer] = None
+                self._touch(st.peer)
                 st.allowance = allowance
                 replica.max_elements = allowance
         if changed:
@@ -404,9 +407,20 @@ class ReplicaIndex:
                     emptied.append(st.peer)
         return emptied
 
-    def take_touched(self) -> dict[PeerId, None]:
+    def _touch(self, peer: PeerId) -> None:
+        touched = self._touched
+        touched[peer] = None
+        if len(touched) > 4 * self.max_peers:  # bounded: past it, every peer counts as touched
+            self._touched = {}
+            self._touched_all = True
+
+    def take_touched(self) -> dict[PeerId, None] | None:
         """The peers whose allowance or replica object changed since the last call (each time
-        ``allowance_changes`` grew), in the order they first changed; the record starts over."""
+        ``allowance_changes`` grew), in the order they first changed, or None for every peer
+        (the record overflowed); the record starts over."""
+        if self._touched_all:
+            self._touched, self._touched_all = {}, False
+            return None
         touched = self._touched
         if touched:
             self._touched = {}
@@ -423,7 +437,7 @@ class ReplicaIndex:
         if state is None:
             return
         self.allowance_changes += 1
-        self._touched[peer] = None
+        self._touch(peer)
         self._membership_changes += 1
         self._observers.pop(peer).armed = False
         bit = state.bit
