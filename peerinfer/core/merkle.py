@@ -303,7 +303,11 @@ class MerkleDigest:
     @property
     def root(self) -> int:
         """The 64-bit root hash (0 for the empty set); see ``root_of``."""
-        pair, count = self.node_summary(0, 0)
+        flat = self._flat
+        if flat is not None:  # ``node_summary(0, 0)`` of a flat digest, without the call
+            pair, count = self._flat_pair, len(flat)
+        else:
+            pair, count = self.node_summary(0, 0)
         memo = self._root_memo
         if memo[0] == pair and memo[1] == count:
             return memo[2]

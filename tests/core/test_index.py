@@ -544,3 +544,18 @@ def test_prompt_chain_is_the_chain_memoized_and_refuses_what_chain_refuses() -> 
     for p in many:
         assert hasher.prompt_chain(p) == tuple(other.chain(p))
     assert len(hasher._prompt_memo) <= prefix.PROMPT_MEMO_SIZE
+
+
+def test_the_touched_record_names_changed_peers_and_stays_bounded() -> None:
+    """``take_touched`` names the peers whose allowance or replica changed (a node rechecks
+    only the runs of those it follows), and an index nobody takes it from keeps it bounded by
+    answering "every peer" (None) instead."""
+    index = make_index(max_peers=2)
+    index.add_peer(PeerId("a"))
+    index.add_peer(PeerId("b"))
+    assert list(index.take_touched() or {}) == [PeerId("a"), PeerId("b")]
+    assert index.take_touched() == {}
+    for k in range(20):  # a full index: each newcomer evicts one, nobody takes the record
+        index.add_peer(PeerId(f"c{k}"))
+    assert index.take_touched() is None
+    assert index.take_touched() == {}

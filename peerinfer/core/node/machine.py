@@ -95,6 +95,9 @@ class NodeCore:
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks,
             replica_factory=None if delta_memo is None else functools.partial(Replica, memo=delta_memo),
         )
+        # The view's index (it never replaces it): ``handle`` reads its allowance counter on
+        # every event, without the view's property in between.
+        self._peer_index = index
         self.members = Members(config)
         self.view = PeerView(
             index, config.peer_id, lazy=config.lazy_announcements,
@@ -190,7 +193,7 @@ class NodeCore:
         handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
-        changes = self.view.as_is.allowance_changes
+        changes = self._peer_index.allowance_changes
         self.requests.clock = now
         effects: list[Effect] = handler(self, event, now)
         self.view.recheck_following(changes)
@@ -199,7 +202,7 @@ class NodeCore:
     def tick(self, now: float) -> list[Effect]:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
-        changes = self.view.as_is.allowance_changes
+        changes = self._peer_index.allowance_changes
         self.requests.clock = now
         self._check_forward_deadlines(now, effects)
         self.announcing.check_deadlines(now, effects)
@@ -531,7 +534,7 @@ class NodeCore:
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
         sender = ev.sender
-        if sender == self.peer_id or a.sender != sender:
+        if sender == self._config.peer_id or a.sender != sender:
             # Our own echo, or a forwarded claim to speak for someone else.
             if a.sender != sender:
                 self.announcing.refuse(sender, "speaks for another peer", f"claims to be {a.sender}")
@@ -552,6 +555,8 @@ class NodeCore:
             return []  # it waits (``PeerView.offer``)
         effects: list[Effect] = []
         self.announcing.apply(sender, a, index, now, effects)
+        if ev.run is not None and not effects:
+            self.view.follow_from(sender, a, ev.run, now, self.announcing.pull_idle(sender))
         return effects
 
     def _on_sync_response(self, ev: SyncResponseReceived, now: float) -> list[Effect]:
