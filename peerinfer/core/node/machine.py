@@ -32,6 +32,7 @@ from peerinfer.core.node.config import NodeConfig
 from peerinfer.core.node.events import (
     AnnounceReceived,
     AuditFinished,
+    BanPeer,
     CacheChanged,
     Cancel,
     CancelForward,
@@ -447,23 +448,19 @@ class NodeCore:
         return () if verifier is None else verifier.sample(blocks)
 
     def _on_pull_checked(self, ev: PullChecked, now: float) -> list[Effect]:
-        effects: list[Effect] = []
-        ban = self.trust.on_pull_checked(ev, now)
-        if ban is None:
-            return effects
-        effects.append(ban)
-        if ev.peer in self.members:
-            self._forget_peer(ev.peer, now, effects)
-        return effects
+        return self._banned(ev.peer, self.trust.on_pull_checked(ev, now), now)
 
     def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
+        return self._banned(ev.peer, self.trust.on_audit_finished(ev, now), now)
+
+    def _banned(self, peer: PeerId, ban: BanPeer | None, now: float) -> list[Effect]:
+        """A failed check's outcome: nothing, or the ban, and a member banned is forgotten."""
         effects: list[Effect] = []
-        ban = self.trust.on_audit_finished(ev, now)
         if ban is None:
             return effects
         effects.append(ban)
-        if ev.peer in self.members:
-            self._forget_peer(ev.peer, now, effects)
+        if peer in self.members:
+            self._forget_peer(peer, now, effects)
         return effects
 
     def _on_forward_failed(self, ev: ForwardFailed, now: float) -> list[Effect]:
