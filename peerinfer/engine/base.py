@@ -364,8 +364,9 @@ class Engine(ABC):
         self._cache = cache
         self._changes = changes
         disk = self._disk
-        if disk is not None and disk.kv_format != self.kv_format():
-            self.configure_disk(None)  # blocks of another block size: of no use to this cache
+        if disk is not None and (disk.kv_format != self.kv_format() or disk.hash_key != hasher.key):
+            # Blocks of another block size, or hashed under another swarm key: of no use here.
+            self.configure_disk(None)
 
     @property
     def radix_cache(self) -> RadixCache | None:
@@ -527,7 +528,7 @@ class Engine(ABC):
 
     def configure_disk(self, directory: str | os.PathLike[str] | None, capacity_bytes: int = 0) -> None:
         """Spill blocks the cache evicts to files under ``directory`` (a subdirectory per
-        ``kv_format()``), at most ``capacity_bytes`` of them, and load them back on a hit
+        ``kv_format()`` and swarm hash key), at most ``capacity_bytes`` of them, and load them back on a hit
         (:mod:`peerinfer.engine.disktier`). The blocks already there (a restart) count as
         cached at once. None or 0 bytes: no disk tier. Call it after ``configure_cache``
         (the format names the block size); a later ``configure_cache`` keeps the tier only if
@@ -535,7 +536,7 @@ class Engine(ABC):
         self._check_open()
         from peerinfer.engine.disktier import DiskTier
 
-        self._ensure_cache()
+        cache = self._ensure_cache()
         old = self._disk
         changes = self._changes
         if directory is None or not capacity_bytes:
@@ -544,9 +545,9 @@ class Engine(ABC):
             fmt = self.kv_format()
             if fmt is None:
                 raise ConfigError(f"{type(self).__name__} cannot keep KV blocks on disk")
-            new = DiskTier(directory, fmt, capacity_bytes)
+            hash_key = cache.hasher.key if cache is not None else b""
+            new = DiskTier(directory, fmt, capacity_bytes, hash_key=hash_key)
         self._disk = new
-        cache = self._cache
         if changes is not None:
             changes.elsewhere = new if new is not None else ()
             in_memory: Container[BlockHash] = cache if cache is not None else ()

@@ -10,8 +10,9 @@ recompute. A block that is in memory and on disk keeps its file (a later evictio
 nothing); the tier is a cache of its own, bounded by ``capacity_bytes`` of files, evicting its
 least recently used file first.
 
-**Layout.** ``<directory>/<format id>/`` holds one tier: ``FORMAT`` (the engine's ``kv_format()``
-string; a directory whose FORMAT differs is never read) and one file per block, named by its
+**Layout.** ``<directory>/<format id>/`` holds one tier (the id is a digest of the format keyed
+by the swarm's hash key, ``format_id``): ``FORMAT`` (the engine's ``kv_format()`` string; a
+directory whose FORMAT differs is never read) and one file per block, named by its
 block hash (16 hex digits) with suffix ``.kv``. So blocks are keyed by the model fingerprint and
 the engine's format (the directory) and by block hash (the file). A file is::
 
@@ -57,9 +58,12 @@ DEFAULT_READ_BYTES_PER_S = 200e6
 _MAX_BLOCK_TOKENS = 1 << 16
 
 
-def format_id(kv_format: str) -> str:
-    """The directory name of a format's tier: a short digest of the format string."""
-    return hashlib.blake2b(kv_format.encode(), digest_size=12).hexdigest()
+def format_id(kv_format: str, hash_key: bytes = b"") -> str:
+    """The directory name of a format's tier: a short digest of the format string, keyed by
+    the key the block hashes were made with (``PrefixHasher.key``: the swarm's). Blocks hashed
+    under another swarm key are other names for other contents, so a node restarted into
+    another swarm must not find, and announce, them."""
+    return hashlib.blake2b(kv_format.encode(), digest_size=12, key=hash_key).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +96,19 @@ class DiskTierStatistics:
 class DiskTier:
     """One format's blocks on disk (see the module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike[str], kv_format: str, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        kv_format: str,
+        capacity_bytes: int,
+        hash_key: bytes = b"",
+    ) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 0:
             raise ConfigError(f"disk cache bytes must be an integer >= 0, got {capacity_bytes!r}")
         self.kv_format = kv_format
+        self.hash_key = bytes(hash_key)
         self.capacity_bytes = capacity_bytes
-        self.directory = Path(directory) / format_id(kv_format)
+        self.directory = Path(directory) / format_id(kv_format, hash_key)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tag = self.directory / "FORMAT"

@@ -26,8 +26,8 @@ from peerinfer.types import BlockHash
 FMT = "test-kv/1/b4"
 
 
-def _block_files(directory: Path, fmt: str) -> list[Path]:
-    return sorted((directory / format_id(fmt)).glob("*.kv"))
+def _block_files(directory: Path, fmt: str, hash_key: bytes = b"") -> list[Path]:
+    return sorted((directory / format_id(fmt, hash_key)).glob("*.kv"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,9 +168,9 @@ def test_a_damaged_block_file_is_recomputed(tmp_path: Path) -> None:
     a = list(range(100, 121))
     _run(engine, a)
     _run(engine, list(range(300, 321)))
-    fmt = engine.kv_format()
-    assert fmt is not None
-    files = _block_files(tmp_path, fmt)
+    fmt, cache = engine.kv_format(), engine.radix_cache
+    assert fmt is not None and cache is not None
+    files = _block_files(tmp_path, fmt, cache.hasher.key)
     assert files
     for f in files:  # damage every spilled block
         data = bytearray(f.read_bytes())
@@ -182,6 +182,29 @@ def test_a_damaged_block_file_is_recomputed(tmp_path: Path) -> None:
     cached, _, done = _run(engine, a)
     assert cached == in_memory < 20  # the damaged blocks were a miss, not a hit
     assert engine.disk_statistics().damaged >= 1  # type: ignore[union-attr]
+
+
+def test_blocks_hashed_under_another_swarm_key_are_not_found(tmp_path: Path) -> None:
+    a = list(range(100, 121))
+    first = _sim(capacity_blocks=2)
+    first.configure_disk(tmp_path, 1 << 20)
+    _run(first, a)
+    _run(first, list(range(300, 321)))
+    assert first.disk_statistics().blocks > 0  # type: ignore[union-attr]
+    first.close()
+    # The same model and directory, another swarm key: none of those blocks is reported held.
+    other = SimulatedEngine(kv_bytes_per_token=32, time_scale=0.0)
+    other.configure_cache(
+        PrefixHasher(other.fingerprint, key=b"another swarm", block_size=4), capacity_bytes=2 * 4 * 32
+    )
+    other.configure_disk(tmp_path, 1 << 20)
+    assert other.disk_statistics().blocks == 0  # type: ignore[union-attr]
+    assert other.cached_block_hashes() == ()
+    other.close()
+    # Back under the first key, they are found again.
+    again = _sim(capacity_blocks=2)
+    again.configure_disk(tmp_path, 1 << 20)
+    assert again.disk_statistics().blocks > 0  # type: ignore[union-attr]
 
 
 def test_disk_eviction_is_reported_and_bounded(tmp_path: Path) -> None:
