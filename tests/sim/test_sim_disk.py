@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 
 from peerinfer.core.messages import SamplingParams
+from peerinfer.core.node import NodeCore
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.engine.disktier import DEFAULT_READ_BYTES_PER_S
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
 from peerinfer.sim.run import simulate
+from peerinfer.sim.simulator import Simulation
 
 KV = 1_000  # bytes per token
 RATE = 2e6  # bytes per second: 2,000 tokens' KV a second
@@ -103,13 +105,14 @@ def test_a_small_cache_with_a_disk_tier_hits_more_and_answers_sooner() -> None:
     # Every node announces its tier's figures in its load: a share on disk, and a token's
     # load time at the 500 MB/s it read at (to a nanosecond: the rate is a sum of reads).
     for core in on_sim.cores:
+        assert isinstance(core, NodeCore)
         figure = core.load().disk
         assert len(figure) == 2 and 0 < figure[0] <= 1000
         assert abs(figure[1] - 46_000 / 500e6 * 1e9) <= 1
-    assert all(core.load().disk == () for core in off_sim.cores)
+    assert all(isinstance(c, NodeCore) and c.load().disk == () for c in off_sim.cores)
 
 
-def _record(sim):  # type: ignore[no-untyped-def]
+def _record(sim: Simulation) -> tuple[object, ...]:
     return (sim.server, sim.forwards, sim.decided, sim.estimate, sim.expected_cached,
             sim.cached, sim.status, sim.first, sim.finish)
 
