@@ -19,10 +19,19 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
 * **Time.** :meth:`SimulatedEngine.plan` is the pure part: it validates a request, updates the
   cache and returns the timings the cost model gives (TTFT, service time) without sleeping; the
   discrete-event simulator schedules virtual events from it (its batch model adds what
-  running next to other requests costs: ``peerinfer.sim.batch``). :meth:`Engine.generate`
+  running next to other requests costs: ``peerinfer.sim.batch``). With a disk tier
+  (:meth:`SimulatedEngine.configure_sim_disk`) a plan first loads the blocks continuing the
+  cached prefix from it (the base engine's ``_load_from_disk``, as the real engines' jobs do)
+  and adds their read time, ``disk_s``, to the TTFT. :meth:`Engine.generate`
   serves the same request in real time: it sleeps the TTFT, then ``decode_step_s(1)`` per
   further token (times ``time_scale``; 0 never sleeps), checking the cancel token while it
   sleeps. A plan ignores stop sequences (the simulator has no text); ``generate`` honours them.
+* **Disk tier.** :class:`SimDiskTier` is :class:`~peerinfer.engine.disktier.DiskTier`'s
+  index (LRU order, a byte budget) without files: the base engine spills every evicted block
+  to it, reports a block that moves between memory and disk as no change (so blocks on disk
+  stay announced), and loads from it before a request matches, exactly as with a real tier.
+  A load takes its bytes over the configured read rate (the tier's measured rate is that
+  rate, so the node's ``Load.disk`` figure is what a real node with that disk announces).
 * **Batches.** Under the batch scheduler (``peerinfer.engine.batch``) the engine serves up to
   ``max_batch_size`` requests (default: the cost model's ``slots``) with the cost model's
   batched times: ``Decoder.prefill(k)`` sleeps ``k`` uncached tokens at the idle or the busy
@@ -38,6 +47,7 @@ import hashlib
 import math
 import re
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +63,7 @@ from peerinfer.engine.base import (
     KVSegment,
     wait_cancelled,
 )
+from peerinfer.engine.disktier import DiskTier
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash
 
@@ -77,6 +88,8 @@ class Plan:
     ``ttft_s``: time to first token once the request runs (overhead + prefill);
     ``service_s``: the whole generation. ``cache_added``/``cache_removed``: the cache changes
     since the previous report, this request's included (as ``Finished`` would carry them).
+    ``disk_tokens``: of ``cached_tokens``, those loaded from the disk tier; ``disk_s``: of
+    ``ttft_s``, the time their load took (0 without a tier).
     """
 
     prompt_tokens: int
@@ -88,6 +101,70 @@ class Plan:
     service_s: float
     cache_added: tuple[BlockHash, ...]
     cache_removed: tuple[BlockHash, ...]
+    disk_tokens: int = 0
+    disk_s: float = 0.0
+
+
+class SimDiskTier(DiskTier):
+    """A disk tier without a disk: :class:`DiskTier`'s index, LRU order and byte budget, the
+    blocks kept as references (a simulated engine's blocks are all one synthetic bytes object,
+    so this costs no memory), and reads timed at ``read_bytes_per_s`` instead of measured.
+
+    Nothing is ever damaged, and nothing survives the engine (no restart comes up warm).
+    """
+
+    def __init__(self, kv_format: str, capacity_bytes: int, read_bytes_per_s: float) -> None:
+        # DiskTier.__init__ would make a directory; the same fields, without one.
+        if type(capacity_bytes) is not int or capacity_bytes < 0:
+            raise ConfigError(f"disk cache bytes must be an integer >= 0, got {capacity_bytes!r}")
+        if not (read_bytes_per_s > 0 and math.isfinite(read_bytes_per_s)):
+            raise ConfigError(f"the disk read rate must be a positive number, got {read_bytes_per_s!r}")
+        self.kv_format = kv_format
+        self.capacity_bytes = capacity_bytes
+        self.read_bytes_per_s = read_bytes_per_s
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()
+        self._blocks: dict[BlockHash, bytes] = {}
+        self._bytes = 0
+        self._writes = self._hits = self._damaged = self._evicted = 0
+        self._read_bytes = 0
+        self._read_s = 0.0
+
+    def put(self, h: BlockHash, tokens: Sequence[int], payload: bytes) -> list[BlockHash]:
+        if h in self._index:
+            self.touch(h)
+            return []
+        size = len(payload)
+        if size > self.capacity_bytes:
+            return [h]
+        evicted = self._shrink(size)
+        self._index[h] = size
+        self._blocks[h] = payload
+        self._bytes += size
+        self._writes += 1
+        return evicted
+
+    def get(self, h: BlockHash, tokens: Sequence[int] | None) -> bytes | None:
+        data = self._blocks.get(h)
+        if data is None:
+            return None
+        self._hits += 1
+        self._index.move_to_end(h)
+        return data
+
+    def touch(self, h: BlockHash) -> None:
+        if h in self._index:
+            self._index.move_to_end(h)
+
+    def _drop(self, h: BlockHash, *, damaged: bool) -> None:
+        self._bytes -= self._index.pop(h)
+        del self._blocks[h]
+        if damaged:
+            self._damaged += 1
+
+    def note_read(self, nbytes: int, seconds: float) -> None:
+        # The wall time of a simulated load says nothing: a load takes the configured rate.
+        self._read_bytes += nbytes
+        self._read_s += nbytes / self.read_bytes_per_s
 
 
 def _syllable_word(token: int) -> str:
@@ -151,6 +228,8 @@ class SimulatedEngine(Engine):
             f"peerinfer-simulated/1\0{model}\0{vocab_size}".encode(), digest_size=32
         ).digest()
         self._piece_ids: dict[str, int] = {}
+        #: the one synthetic encoded block (``encode_block``), made once per size
+        self._block_bytes = b""
 
     # ------------------------------------------------------------ identity and tokenizer
 
@@ -230,9 +309,25 @@ class SimulatedEngine(Engine):
         n = min(params.max_tokens, self._max_context - len(prompt))
         completion = self.completion_ids(prompt, params, n)
         cache = self._ensure_cache()
-        cached = 0
+        cached = in_memory = disk_tokens = 0
+        disk_s = 0.0
         if cache is not None:
-            cached = cache.match(prompt[: len(prompt) - 1]).tokens
+            head = prompt[: len(prompt) - 1]
+            disk = self._disk
+            if disk is not None:
+                # As a real engine's job: the blocks continuing the cached prefix come back
+                # from the disk tier first, and what they add to the match is read from disk.
+                in_memory = cache.match(head, touch=False).tokens
+                self._load_from_disk(cache, head)
+            cached = cache.match(head).tokens
+            if disk is not None and cached > in_memory:
+                rate = (
+                    disk.read_bytes_per_s
+                    if isinstance(disk, SimDiskTier)
+                    else disk.statistics().load_bytes_per_s  # a tier of files (configure_disk)
+                )
+                disk_tokens = cached - in_memory
+                disk_s = disk_tokens * self.kv_bytes_per_token / rate
             seq = prompt + tuple(completion[:-1])
             cache.insert(seq, nbytes=self.kv_bytes_per_token * cache.block_size)
         changes = self.take_cache_changes()
@@ -242,11 +337,47 @@ class SimulatedEngine(Engine):
             completion_tokens=n,
             completion_ids=tuple(completion),
             finish_reason="length",
-            ttft_s=self.costs.prefill_s(len(prompt), cached),
-            service_s=self.costs.service_s(len(prompt), cached, n),
+            ttft_s=self.costs.prefill_s(len(prompt), cached) + disk_s,
+            service_s=self.costs.service_s(len(prompt), cached, n) + disk_s,
             cache_added=changes.added,
             cache_removed=changes.removed,
+            disk_tokens=disk_tokens,
+            disk_s=disk_s,
         )
+
+    def configure_sim_disk(self, capacity_bytes: int, read_bytes_per_s: float) -> None:
+        """Give the cache a :class:`SimDiskTier` of ``capacity_bytes`` read at
+        ``read_bytes_per_s`` (0 bytes: none), in place of ``configure_disk``'s files. Call it
+        after ``configure_cache`` and before any request: the new tier starts empty."""
+        self._check_open()
+        cache = self._ensure_cache()
+        fmt = self.kv_format()
+        if cache is None or fmt is None:
+            raise ConfigError("a simulated disk tier needs the prefix cache")
+        if self._disk is not None and len(self._disk):
+            raise ConfigError("the engine already keeps blocks on disk")
+        tier = SimDiskTier(fmt, capacity_bytes, read_bytes_per_s) if capacity_bytes else None
+        self._disk = tier
+        if self._changes is not None:
+            self._changes.elsewhere = tier if tier is not None else ()
+
+    @property
+    def disk_tier(self) -> DiskTier | None:
+        """The disk tier (None without one)."""
+        return self._disk
+
+    def disk_figure(self, held: int) -> tuple[int, int] | None:
+        """What the node's load says of the disk tier (``Load.disk``), as a real node's
+        runtime computes it (``peerinfer.node.runtime``): per mille of the ``held`` blocks it
+        announces that are on disk only, and ns to load one token's KV at the tier's rate.
+        None without a tier."""
+        disk = self.disk_statistics()
+        cache = self._cache
+        if disk is None:
+            return None
+        in_memory = cache.stats().blocks if cache is not None else 0
+        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
+        return share, int(self.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
 
     _unseeded = 0
 
@@ -294,7 +425,10 @@ class SimulatedEngine(Engine):
         """A synthetic block of the size a real one would have (the magic, then zeros): this
         engine's output is a function of the prompt alone, so a block carries no state, but
         the disk tier and a pull should move (and time) as many bytes as a real engine's."""
-        return _SIM_KV_MAGIC.ljust(self._encoded_size(), b"\0")
+        size = self._encoded_size()
+        if len(self._block_bytes) != size:  # one object for every block (bytes never change)
+            self._block_bytes = _SIM_KV_MAGIC.ljust(size, b"\0")
+        return self._block_bytes
 
     def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
         view = memoryview(data)

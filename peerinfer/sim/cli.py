@@ -68,6 +68,21 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     g.add_argument(
+        "--disk-cache-tokens",
+        type=int,
+        default=_D.disk_cache_tokens,
+        metavar="N",
+        help="a disk tier per node of N tokens' KV: evicted blocks spill to it (LRU) and a hit "
+        "on them is read back instead of recomputed (0: none; default %(default)s)",
+    )
+    g.add_argument(
+        "--disk-read-mb-s",
+        type=float,
+        default=_D.disk_read_mb_s,
+        metavar="MB_S",
+        help="the disk tier's read rate in MB/s (also a pull's disk read; default %(default)s)",
+    )
+    g.add_argument(
         "--costs",
         metavar="FILE|PRESET",
         help="cost model: a JSON file (the output of 'peerinfer calibrate') or a preset, "
@@ -294,6 +309,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         min_announce_gap_s=args.min_announce_gap,
         sync_timeout_s=args.sync_timeout,
         cache_tokens=args.cache_tokens,
+        disk_cache_tokens=args.disk_cache_tokens,
+        disk_read_mb_s=args.disk_read_mb_s,
         costs=costs,
         costs_source=source,
         rate=args.rate,

@@ -105,6 +105,11 @@ class SimConfig:
     kv_bytes_per_token: int = 46_000
     kv_disk: bool = False
     disk_read_mb_s: float = 500.0
+    #: each node's disk tier in tokens (0: none): blocks its cache evicts spill to it (LRU,
+    #: ``disk_cache_tokens * kv_bytes_per_token`` bytes) and a hit on them loads their KV at
+    #: ``disk_read_mb_s`` instead of a prefill (``peerinfer.engine.simulated.SimDiskTier``);
+    #: blocks on disk stay announced, and each node's load carries the tier's figures
+    disk_cache_tokens: int = 0
     seed: int = 0
     #: moving window (requests) and stride for the per-node subject share series
     share_window: int = 300
@@ -166,6 +171,8 @@ class SimConfig:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name} must be a positive number, got {v!r}")
+        if self.disk_cache_tokens < 0:
+            raise ConfigError(f"disk_cache_tokens must be >= 0, got {self.disk_cache_tokens}")
         if self.kv_bytes_per_token < 1:
             raise ConfigError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
         if self.gossip not in ("broadcast", "mesh"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +50,12 @@ class PlanLike(Protocol):
     @property
     def cache_removed(self) -> Sequence[BlockHash]: ...
 
+    @property
+    def disk_tokens(self) -> int: ...
+
+    @property
+    def disk_s(self) -> float: ...
+
 
 class EngineLike(Protocol):
     """What the simulator needs of a node's engine (``SimulatedEngine`` provides it)."""
@@ -57,6 +63,9 @@ class EngineLike(Protocol):
     def plan(self, tokens: Sequence[int], params: SamplingParams) -> PlanLike: ...
 
     def cached(self, h: BlockHash) -> bool: ...
+
+    #: ``Load.disk``'s figure given the blocks the node announces (None: no disk tier)
+    disk_figure: Callable[[int], tuple[int, int] | None] | None
 
 
 __all__ = ["EngineLike", "PlanLike", "SimRequest"]

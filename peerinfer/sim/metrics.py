@@ -196,6 +196,14 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
         },
         "nodes": nodes,
     }
+    if cfg.disk_cache_tokens:
+        disk_tokens = sum(sim.disk_tokens[i] for i in done)
+        out["disk"] = {
+            "tokens_read": disk_tokens,
+            # of the prompt tokens, those read from a disk tier (counted in hit_ratio too)
+            "hit_ratio": _r(disk_tokens / prompt_tokens if prompt_tokens else 0.0, 4),
+            "requests": sum(1 for i in done if sim.disk_tokens[i]),
+        }
     if sim.churn is not None:
         out["churn"] = sim.churn.summary()
     if sim.mesh is not None:

@@ -140,14 +140,21 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
 class _EngineAdapter:
     """A node's ``SimulatedEngine`` as the simulator uses it."""
 
-    __slots__ = ("engine", "plan", "cached")
+    __slots__ = ("engine", "plan", "cached", "disk_figure")
 
     def __init__(self, engine: SimulatedEngine) -> None:
         self.engine = engine
         self.plan: Callable[[Sequence[int], SamplingParams], PlanLike] = engine.plan
         cache = engine.radix_cache
         assert cache is not None
-        self.cached: Callable[[BlockHash], bool] = cache.__contains__
+        disk = engine.disk_tier
+        # Held means in memory or on disk, as the engine reports and a peer's pull is served.
+        self.cached: Callable[[BlockHash], bool] = (
+            cache.__contains__ if disk is None else lambda h: h in cache or h in disk
+        )
+        self.disk_figure: Callable[[int], tuple[int, int] | None] | None = (
+            None if disk is None else engine.disk_figure
+        )
 
 
 def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], EngineLike]]:
@@ -157,8 +164,16 @@ def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], Eng
 
     def make(index: int) -> EngineLike:
         # A mix (peerinfer.sim.mix) gives each node its machine's costs and cache size.
-        engine = SimulatedEngine(costs=node_costs(config, index), max_context_tokens=1 << 20)
+        engine = SimulatedEngine(
+            costs=node_costs(config, index),
+            max_context_tokens=1 << 20,
+            kv_bytes_per_token=config.kv_bytes_per_token,
+        )
         engine.configure_cache(hasher, capacity_tokens=node_cache_tokens(config, index))
+        if config.disk_cache_tokens:
+            engine.configure_sim_disk(
+                config.disk_cache_tokens * config.kv_bytes_per_token, config.disk_read_mb_s * 1e6
+            )
         return _EngineAdapter(engine)
 
     return hasher, make

@@ -182,6 +182,8 @@ class Simulation(SimKernel):
             self.make_core(i, 0.0) if i < config.nodes else GoneCore() for i in range(n)
         ]
         self.engines = [make_engine(i) for i in range(n)]
+        #: each node's ``Load.disk`` figure as last told to its core (``_disk_load``)
+        self._disk_announced: list[tuple[int, int] | None] = [None] * n
         self.delay = config.delay.matrix_s(config.nodes, random.Random(f"{seed}:network"))
         if n > config.nodes:  # newcomers' links: drawn apart, so the others' stay the same
             extra = config.delay.matrix_s(n, random.Random(f"{seed}:network:newcomers"))
@@ -221,6 +223,7 @@ class Simulation(SimKernel):
         self.estimate = [math.nan] * total  # the policy's TTFT estimate for it, if any
         self.expected_cached = [0] * total  # the cached tokens the decision expected
         self.queue_wait = [0.0] * total  # time the serving run waited in its node's queue
+        self.disk_tokens = [0] * total  # of its cached tokens, those its run read from disk
         self.rid_index: dict[RequestId, int] = {}
         self._client_of = [-1] * total
         self.completed = 0
@@ -601,9 +604,13 @@ class Simulation(SimKernel):
         self.queue_wait[i] = wait
         cached = plan.cached_tokens
         decision = eff.decision
-        move = 0.0
+        # Blocks read back from the disk tier are read before the run starts, like a pull.
+        move = plan.disk_s
+        if move:
+            self.disk_tokens[i] = plan.disk_tokens
         if self.kv is not None and decision is not None and decision.pull_from is not None:
-            cached, move = self.kv.pull(n, i, eff.tokens, decision.pull_from, cached, now)
+            cached, pull_s = self.kv.pull(n, i, eff.tokens, decision.pull_from, cached, now)
+            move += pull_s
         job = BatchJob(rid, plan.prompt_tokens, cached, plan.completion_tokens, payload=run)
         if move > 0.0:
             # The run holds its slot while the KV comes (the core counts it running), and
@@ -716,6 +723,7 @@ class Simulation(SimKernel):
             )
         added, removed = self._flush_changes(n)
         self._deliver(n, LocalFinished(rid, True, added, removed), now)
+        self._disk_load(n, now)
 
     def _relay(self, item: tuple[Any, ...], now: float) -> None:
         _, _, _, origin, event, server, cached, prompt = item
@@ -744,6 +752,20 @@ class Simulation(SimKernel):
         self._batch_moved(n, self.batches[n].leave(rid, now))
         added, removed = self._flush_changes(n)
         self._deliver(n, LocalFinished(rid, False, added, removed, "cancelled"), now)
+        self._disk_load(n, now)
+
+    def _disk_load(self, n: int, now: float) -> None:
+        """Tell node ``n``'s core its disk tier's figure (``Load.disk``) when it changed, as a
+        real node's runtime does (``CacheChanged(disk=...)``): here after each report of cache
+        changes, which is when the share of blocks on disk moves."""
+        figure_of = self.engines[n].disk_figure
+        if figure_of is None:
+            return
+        # The blocks reported to the core so far: its digest, which the real runtime counts.
+        figure = figure_of(len(self._reported[n]))
+        if figure is not None and figure != self._disk_announced[n]:
+            self._disk_announced[n] = figure
+            self._deliver(n, CacheChanged(disk=figure), now)
 
     # ------------------------------------------------------------------ churn's calls
 
