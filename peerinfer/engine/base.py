@@ -585,6 +585,19 @@ class Engine(ABC):
                 self._disk_removed(h)
         return written
 
+    def disk_figure(self, held: int) -> tuple[int, int] | None:
+        """What a node's load says of this disk tier (``Load.disk``), None without one: per
+        mille of the ``held`` blocks it announces that are on disk only, and ns to load one
+        token's KV from disk at the rate measured on hits so far (read and decode), else the
+        default. Safe from any thread (statistics only); the node and the simulator both use it."""
+        disk = self.disk_statistics()
+        if disk is None:
+            return None
+        cache = self.statistics().cache
+        in_memory = cache.blocks if cache is not None else 0
+        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
+        return share, int(self.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
+
     def disk_statistics(self) -> DiskTierStatistics | None:
         """The disk tier's counters (None without one); safe from any thread."""
         disk = self._disk

@@ -366,19 +366,6 @@ class SimulatedEngine(Engine):
         """The disk tier (None without one)."""
         return self._disk
 
-    def disk_figure(self, held: int) -> tuple[int, int] | None:
-        """What the node's load says of the disk tier (``Load.disk``), as a real node's
-        runtime computes it (``peerinfer.node.runtime``): per mille of the ``held`` blocks it
-        announces that are on disk only, and ns to load one token's KV at the tier's rate.
-        None without a tier."""
-        disk = self.disk_statistics()
-        cache = self._cache
-        if disk is None:
-            return None
-        in_memory = cache.stats().blocks if cache is not None else 0
-        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
-        return share, int(self.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
-
     _unseeded = 0
 
     def _next_unseeded(self) -> int:

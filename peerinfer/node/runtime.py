@@ -424,14 +424,7 @@ class Node:
         engine, core = self.ctx.engine, self.ctx.core
         if engine is None or core is None:
             return None
-        disk = engine.disk_statistics()
-        if disk is None:
-            return None
-        held = len(core.local.digest)
-        cache = engine.statistics().cache
-        in_memory = cache.blocks if cache is not None else 0
-        share = 0 if held <= 0 else min(1000, max(0, (held - in_memory) * 1000 // held))
-        return share, int(engine.kv_bytes_per_token / disk.load_bytes_per_s * 1e9)
+        return engine.disk_figure(len(core.local.digest))
 
     async def _timer_loop(self) -> None:
         while True:
