@@ -70,7 +70,10 @@ the request's sequence and restored in one ``llama_state_seq_set_data`` (``resto
 ``restore_block`` adds one block after what the sequence holds). So the radix cache keeps its
 blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
 self-contained byte string that restores into any sequence at its positions (the KV-tier issue's
-disk format).
+disk format, and what a KV pull moves). A pulled block is checked (``block_errors``) by
+recomputing it in a free sequence over the blocks before it and comparing the K/V values of
+the two saved states (:func:`~peerinfer.engine.llamacpp_state.relative_error`): the row kernel
+makes an honest block of the same build bit-identical to the recompute.
 
 The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
 and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected
