@@ -70,7 +70,10 @@ the request's sequence and restored in one ``llama_state_seq_set_data`` (``resto
 ``restore_block`` adds one block after what the sequence holds). So the radix cache keeps its
 blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
 self-contained byte string that restores into any sequence at its positions (the KV-tier issue's
-disk format).
+disk format, and what a KV pull moves). A pulled block is checked (``block_errors``) by
+recomputing it in a free sequence over the blocks before it and comparing the K/V values of
+the two saved states (:func:`~peerinfer.engine.llamacpp_state.relative_error`): the row kernel
+makes an honest block of the same build bit-identical to the recompute.
 
 The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
 and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected
@@ -374,7 +377,61 @@ class LlamaCppEngine(Engine):
                     f"a llama.cpp KV block for positions other than {first_token}.."
                     f"{first_token + block_size - 1}"
                 )
+        # The layers' types and row sizes too: a block llama.cpp refuses to restore would fail
+        # the request that hits it, long after the peer that sent it was trusted.
+        try:
+            state = llstate.parse(view)
+        except EngineError as exc:
+            raise ProtocolError(f"a llama.cpp KV block that does not parse: {exc}") from exc
+        if llstate.layout(state) != self._block_layout:
+            raise ProtocolError("a llama.cpp KV block with another layer layout than this model's")
         return KVSegment(bytes(view), size)
+
+    verifies_kv_blocks = True
+
+    def block_errors(
+        self,
+        tokens: Sequence[int],
+        first_block: int,
+        blocks: Sequence[bytes | memoryview],
+        positions: Sequence[int],
+    ) -> list[tuple[int, float]]:
+        """Each sampled block recomputed in a free sequence: the blocks before it (the cached
+        ones, then the pulled ones, decoded) restored there in one saved state, its tokens run
+        through ``llama_decode``, its cells exported, and their K/V values compared with the
+        pulled block's (``llamacpp_state.relative_error``), see ``Engine``."""
+        self._check_open()
+        if not positions:
+            return []
+        cache = self._ensure_cache()
+        assert cache is not None
+        bs = cache.block_size
+        head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
+        if len(head) < first_block:
+            raise EngineError(f"blocks before {first_block} are no longer cached here")
+        payloads: list[bytes] = [n.payload for n in head[:first_block]]
+        last = max(positions)
+        if not 0 <= min(positions) or last >= len(blocks):
+            raise ValueError(f"positions {list(positions)} outside the {len(blocks)} pulled blocks")
+        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
+            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
+        for k in range(last + 1):
+            payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
+        out: list[tuple[int, float]] = []
+        for p in sorted(positions):
+            i = first_block + p
+            seq = self._take_seq()
+            try:
+                self.restore_blocks(seq, payloads[:i])
+                for start in range(i * bs, (i + 1) * bs, self._n_batch):
+                    stop = min((i + 1) * bs, start + self._n_batch)
+                    self._decode([(int(tokens[q]), q, seq, False) for q in range(start, stop)])
+                fresh = self.export_block(seq, i * bs, bs)
+            finally:
+                self._give_seq(seq)
+            error = llstate.relative_error(llstate.parse(payloads[i]), llstate.parse(fresh))
+            out.append((p, error))
+        return out
 
     def _measure_block_state(self, block_size: int) -> int:
         """A block's exact payload size (one block run in a free sequence and exported), kept
@@ -391,6 +448,7 @@ class LlamaCppEngine(Engine):
             raise EngineError("llama.cpp saved no state for a measured block")
         self._block_state = (block_size, len(payload))
         self._state_magic = struct.unpack_from("<I", payload)[0]
+        self._block_layout = llstate.layout(llstate.parse(payload))
         return len(payload)
 
     def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,

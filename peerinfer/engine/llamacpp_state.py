@@ -31,6 +31,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -229,3 +230,57 @@ def join(states: Sequence[SavedState], seq: int, n_stream: int) -> bytes:
              for j, layer in enumerate(first.v)],
         ))
     return write(SavedState(states[0].magic, sections), seq, n_stream)
+
+
+#: ggml's type ids of the K/V cell types whose values can be read here (``ggml.h``).
+_VALUE_TYPES: dict[int, np.dtype[Any] | None] = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 30: None}  # 30: bf16
+
+
+def layout(state: SavedState) -> tuple[object, ...]:
+    """What two saved states of one model and context type share whatever cells they hold: per
+    section whether it is present, ``v_trans`` and every layer's K/V header (type and row or
+    element sizes). A block whose layout differs from the engine's own is not one of its blocks."""
+    return tuple(
+        None if s is None else (s.v_trans, tuple(x.header for x in s.k), tuple(x.header for x in s.v))
+        for s in state.sections
+    )
+
+
+def _values(layer: _Layer) -> np.ndarray:
+    """A layer's K or V values as float32, flat (float16, float32 and bfloat16 cells)."""
+    (type_id,) = struct.unpack_from("<i", layer.header, 0)
+    if type_id not in _VALUE_TYPES:
+        raise EngineError(f"K/V cells of ggml type {type_id} cannot be compared as values")
+    raw = np.ascontiguousarray(layer.data).reshape(-1)
+    dtype = _VALUE_TYPES[type_id]
+    if dtype is None:  # bfloat16: the high half of a float32
+        return (raw.view("<u2").astype(np.uint32) << 16).view("<f4")
+    return raw.view(dtype).astype(np.float32)
+
+
+def relative_error(pulled: SavedState, recomputed: SavedState) -> float:
+    """The largest difference between two saved states' K/V values over the pulled one's largest
+    magnitude (``peerinfer.core.kvpull.relative_error`` over every layer of every section): 0
+    for identical values, inf for a non-finite pulled value or states of different layouts or
+    cells."""
+    if layout(pulled) != layout(recomputed):
+        return float("inf")
+    diff = 0.0
+    scale = 0.0
+    for a, b in zip(pulled.sections, recomputed.sections, strict=True):
+        if a is None or b is None:
+            continue
+        if not np.array_equal(a.positions, b.positions):
+            return float("inf")
+        for la, lb in zip([*a.k, *a.v], [*b.k, *b.v], strict=True):
+            va, vb = _values(la), _values(lb)
+            if not np.isfinite(va).all():
+                return float("inf")
+            if va.size:
+                scale = max(scale, float(np.abs(va).max()))
+                diff = max(diff, float(np.abs(va - vb).max()))
+    if diff != diff:
+        return float("inf")
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0.0 else float("inf")

@@ -210,3 +210,9 @@ def test_llamacpp_decoder_checks_size_header_and_positions(smol: Engine) -> None
     struct.pack_into("<I", two_seqs, 16 + 4, 2)  # first cell claims two sequences
     with pytest.raises(ProtocolError):
         smol.decode_block(bytes(two_seqs), 0)
+    # The same size and cells, but the first layer's K claims another ggml type (q8_0): the
+    # layers' layout is checked too, so llama.cpp never gets to refuse it in a request.
+    other_type = bytearray(blocks[0])
+    struct.pack_into("<i", other_type, 16 + 12 * 16 + 8, 8)
+    with pytest.raises(ProtocolError):
+        smol.decode_block(bytes(other_type), 0)

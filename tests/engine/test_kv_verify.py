@@ -93,3 +93,66 @@ def test_hf_block_errors_start_after_cached_blocks(tiny_hf: Engine) -> None:
     tiny_hf.configure_cache(PrefixHasher(tiny_hf.fingerprint, block_size=4))  # empty
     with pytest.raises(EngineError):
         tiny_hf.block_errors(prompt, 2, blocks[2:], [1])
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp: the real SmolLM2 GGUF; a block is saved sequence state with float16 K/V cells.
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[Engine]:
+    pytest.importorskip("llama_cpp")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False)
+    yield engine
+    engine.close()
+
+
+def _smol_prompt(engine: Engine, topic: str) -> list[int]:
+    text = f"A short note on {topic}: " + " ".join(f"{topic} fact {i} is worth knowing." for i in range(12))
+    return engine.tokenize(text)
+
+
+def _shift_last_value(block: bytes, by: float) -> bytes:
+    """The block with its last float16 K/V value (the last layer's V) moved by ``by``."""
+    np = pytest.importorskip("numpy")
+    raw = bytearray(block)
+    value = np.frombuffer(bytes(raw[-2:]), dtype="<f2")[0]
+    raw[-2:] = np.array([float(value) + by], dtype="<f2").tobytes()
+    return bytes(raw)
+
+
+def test_llamacpp_block_errors_pass_honest_blocks_and_catch_altered_ones(smol: Engine) -> None:
+    assert smol.verifies_kv_blocks
+    prompt = _smol_prompt(smol, "rivers")
+    blocks = _blocks_of(smol, prompt, 16)
+    assert len(blocks) >= 5
+    last = len(blocks) - 1
+    honest = dict(smol.block_errors(prompt, 0, blocks, [0, 2, last]))
+    assert set(honest) == {0, 2, last}
+    assert max(honest.values()) < DEFAULT_VERIFY_TOLERANCE / 100, honest
+    altered = list(blocks)
+    altered[2] = _shift_last_value(blocks[2], 100.0)
+    errors = dict(smol.block_errors(prompt, 0, altered, [1, 2]))
+    assert errors[1] < DEFAULT_VERIFY_TOLERANCE / 100  # block 1 comes before the altered one
+    assert errors[2] > DEFAULT_VERIFY_TOLERANCE, errors
+    # Bytes that are not a block of this model's format are refused, never judged.
+    with pytest.raises(ProtocolError):
+        smol.block_errors(prompt, 0, [b"junk", *blocks[1:]], [0])
+    with pytest.raises(ProtocolError):
+        smol.block_errors(prompt, 0, [blocks[1], *blocks[1:]], [0])  # positions 16..31 at 0
+    # Every sequence the checks took was given back.
+    assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
+
+
+def test_llamacpp_block_errors_start_after_cached_blocks(smol: Engine) -> None:
+    """Blocks 0..1 local, 2.. pulled: block 3 is recomputed over two cached and one pulled."""
+    prompt = _smol_prompt(smol, "mountains")
+    blocks = _blocks_of(smol, prompt, 16)
+    assert smol.adopt_blocks(prompt, blocks[:2]) == 32
+    errors = dict(smol.block_errors(prompt, 2, blocks[2:], [0, 1]))
+    assert max(errors.values()) < DEFAULT_VERIFY_TOLERANCE / 100, errors
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # empty
+    with pytest.raises(EngineError):
+        smol.block_errors(prompt, 2, blocks[2:], [1])

@@ -323,3 +323,83 @@ async def test_a_pull_between_transformers_nodes_gives_the_greedy_tokens_of_a_re
     finally:
         for e in engines:
             e.close()
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp: the real SmolLM2 GGUF on both nodes; the puller checks a sample by recomputing it.
+
+
+def short_prompt(k: int) -> str:
+    """A prompt of some 150 tokens: it fits the 256-cell streams of a 96 MiB llama.cpp budget."""
+    return f"question {k}: " + " ".join(f"w{k}x{i}" for i in range(30))
+
+
+async def test_a_pull_between_llamacpp_nodes_gives_the_greedy_tokens_of_a_recompute() -> None:
+    pytest.importorskip("llama_cpp")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    engines = [
+        LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
+    ]
+    try:
+        async with pair(
+            options(engine="llamacpp"),
+            options(engine="llamacpp", seed=2),
+            engines=lambda i: engines[i],
+        ) as (holder, puller):
+            text = short_prompt(3)
+            recomputed, _ = await warm(holder, puller, text)
+            ids, done = await ask(puller, text)
+            outcome = last_outcome(puller)
+            assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+            assert outcome.checked >= 1
+            assert done.served_by == puller.peer_id
+            assert done.cached_tokens >= outcome.adopted_tokens
+            assert ids == recomputed and len(ids) == 8
+            assert puller.core is not None
+            assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
+    finally:
+        for e in engines:
+            e.close()
+
+
+async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_answered() -> None:
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    engines = [
+        LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
+    ]
+    honest = engines[0].encode_block
+
+    def altered(payload: object) -> bytes:
+        # Every block's last float16 value (the last layer's V) moved by 100: whichever block
+        # the puller samples, its recompute differs far beyond the tolerance.
+        data = bytearray(honest(payload))
+        value = float(np.frombuffer(bytes(data[-2:]), dtype="<f2")[0])
+        data[-2:] = np.array([value + 100.0], dtype="<f2").tobytes()
+        return bytes(data)
+
+    engines[0].encode_block = altered  # type: ignore[method-assign]
+    try:
+        async with pair(
+            options(engine="llamacpp"), options(engine="llamacpp", seed=2),
+            engines=lambda i: engines[i],
+        ) as (holder, puller):
+            text = short_prompt(5)
+            recomputed, _ = await warm(holder, puller, text)
+            ids, done = await ask(puller, text)
+            outcome = last_outcome(puller)
+            assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
+            assert outcome.adopted_tokens == 0 and outcome.checked >= 1
+            assert done.cached_tokens == 0 and ids == recomputed
+            assert puller.core is not None
+            await wait_until(
+                lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
+                , timeout=5,
+            )
+    finally:
+        for e in engines:
+            e.close()
