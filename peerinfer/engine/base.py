@@ -560,11 +560,14 @@ class Engine(ABC):
                     if h not in in_memory and (old is None or h not in old):
                         changes._added(h)
 
-    def save_to_disk(self) -> int:
+    def save_to_disk(self, budget_s: float | None = None) -> int:
         """Write every block in memory that the disk tier lacks to it, least recently used
         first, keeping them in memory too (a node does this as it stops, so that it restarts
-        warm). Returns how many blocks were written."""
+        warm), for at most ``budget_s`` seconds (None: no limit; a stop must not hang on a slow
+        disk, and a thread cannot be interrupted from outside). Returns how many blocks were
+        written."""
         self._check_open()
+        give_up = None if budget_s is None else time.monotonic() + budget_s
         disk, cache = self._disk, self._cache
         if disk is None or cache is None:
             return 0
@@ -572,6 +575,8 @@ class Engine(ABC):
         nodes.sort(key=lambda n: n.last_access)
         written = 0
         for node in nodes:
+            if give_up is not None and time.monotonic() > give_up:
+                break
             if node.hash in disk:
                 disk.touch(node.hash)
                 continue

@@ -224,12 +224,14 @@ class DiskTier:
         the file's); None skips that check (a peer asked by hash alone)."""
         if h not in self._index:
             return None
+        size = self._index[h]
         try:
-            data = self._path(h).read_bytes()
+            with open(self._path(h), "rb") as f:
+                data = f.read(size + 1)  # a file grown since it was indexed is damaged, unread
         except OSError:
             self._drop(h, damaged=True)
             return None
-        payload = _parse(data, h, tokens)
+        payload = None if len(data) != size else _parse(data, h, tokens)
         if payload is None:
             self._drop(h, damaged=True)
             return None

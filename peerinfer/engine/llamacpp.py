@@ -664,22 +664,31 @@ class LlamaCppEngine(Engine):
         sequence ids of its rows: one more forward pass per gap, see ``decode_batch``)."""
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._owners.pop(seq, None)
-        if self._owners:
-            top = max(self._owners)
-            if top > seq:
-                self._move_seq(top, seq)
-                seq = top
-        heapq.heappush(self._free_seqs, seq)
+        free = seq
+        try:
+            if self._owners:
+                top = max(self._owners)
+                if top > seq:
+                    self._move_seq(top, seq)
+                    free = top
+        finally:
+            # A failed move leaves ``top`` with its owner and ``seq`` empty: ``seq`` is free.
+            heapq.heappush(self._free_seqs, free)
 
     def _move_seq(self, src: int, dst: int) -> None:
         """Move sequence ``src``'s cells (empty ``dst``) and its owner to ``dst``. Through saved
         state, not ``llama_memory_seq_cp``: the whole-stream copy is deferred to the next
         ``llama_decode``, and an export before it would read ``dst``'s stale cells."""
-        owner = self._owners.pop(src)
-        data = self._state_bytes(src)
-        state = llstate.parse(data)
-        if any(section is not None for section in state.sections):
-            self._set_state(dst, llstate.write(state, dst, self._max_sequences))
+        owner = self._owners[src]
+        try:
+            data = self._state_bytes(src)
+            state = llstate.parse(data)
+            if any(section is not None for section in state.sections):
+                self._set_state(dst, llstate.write(state, dst, self._max_sequences))
+        except BaseException:
+            L.llama_memory_seq_rm(self._mem, dst, -1, -1)  # nothing half-moved stays in dst
+            raise
+        del self._owners[src]
         L.llama_memory_seq_rm(self._mem, src, -1, -1)
         owner._seq = dst
         self._owners[dst] = owner

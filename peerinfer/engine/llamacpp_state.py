@@ -110,6 +110,10 @@ def parse(data: bytes | bytearray | memoryview) -> SavedState:
 
 
 def _read_stream(buf: memoryview, off: int, count: int) -> tuple[_Section, int]:
+    # ``count`` comes from the bytes (a peer's or a file's): bound it by what the bytes can hold
+    # before allocating for it.
+    if count * _CELL.size > len(buf) - off:
+        raise EngineError(f"a llama.cpp saved state claims {count} cells it does not hold")
     positions = np.empty(count, dtype=np.int64)
     for i in range(count):
         pos, n_seq = _CELL.unpack_from(buf, off)

@@ -304,7 +304,7 @@ class Node:
                         # Save what memory holds, so that the node restarts warm (bounded:
                         # a stop must not hang on a slow disk).
                         with trio.CancelScope(shield=True), trio.move_on_after(DISK_SAVE_S):
-                            await ctx.in_engine(engine.save_to_disk)
+                            await ctx.in_engine(engine.save_to_disk, DISK_SAVE_S)
 
     async def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests and wait up to ``grace_s`` for in-flight ones to finish; the

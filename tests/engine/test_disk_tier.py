@@ -333,3 +333,13 @@ def test_the_disk_tier_shows_in_the_metrics(tmp_path: Path) -> None:
     assert got["peerinfer_disk_cache_hits_total"] == disk.hits
     assert got["peerinfer_disk_cache_writes_total"] == disk.writes
     assert got["peerinfer_disk_cache_damaged_total"] == 0
+
+
+def test_saving_on_stop_keeps_to_its_time_budget(tmp_path: Path) -> None:
+    engine = _sim(capacity_blocks=8)
+    engine.configure_disk(tmp_path, 1 << 20)
+    _run(engine, list(range(100, 121)))
+    assert engine.save_to_disk(budget_s=-1.0) == 0  # out of time before the first block
+    held = engine.radix_cache.stats().blocks  # type: ignore[union-attr]
+    assert held >= 5 and engine.save_to_disk(budget_s=60.0) == held  # every block in memory
+    assert engine.save_to_disk() == 0  # all there already
