@@ -457,8 +457,10 @@ class Engine(ABC):
 
         Blocks already cached are not decoded. Returns how many leading tokens of ``tokens``
         are cached afterwards (fewer than ``len(blocks) * block_size`` when the cache could not
-        make room). Raises ProtocolError, inserting nothing past the last good block, when a
-        block does not decode.
+        make room). All or nothing: every block is decoded before any is inserted, and when one
+        does not decode it raises ProtocolError having inserted none. The bytes may come from a
+        peer that is banned for the bad block; the well-formed blocks before it from the same
+        peer (altered, perhaps, past the sampled check) must not stay in the cache.
         """
         self._check_open()
         cache = self._ensure_cache()
@@ -474,15 +476,18 @@ class Engine(ABC):
         try:
             for i in range(have, n):
                 segments.append(self.decode_block(blocks[i], i * bs))
-        finally:
-            good = have + len(segments)
-            if good > have:
-                payloads: list[Any] = [None] * have + [s.payload for s in segments]
-                sizes = [0] * have + [s.nbytes for s in segments]
-                result = cache.insert(seq[: good * bs], payloads, sizes)
-                for payload in result.unused_payloads:
-                    if payload is not None:
-                        self.free_segment(payload)
+        except BaseException:
+            for segment in segments:
+                if segment.payload is not None:
+                    self.free_segment(segment.payload)
+            raise
+        if segments:
+            payloads: list[Any] = [None] * have + [s.payload for s in segments]
+            sizes = [0] * have + [s.nbytes for s in segments]
+            result = cache.insert(seq, payloads, sizes)
+            for payload in result.unused_payloads:
+                if payload is not None:
+                    self.free_segment(payload)
         return cache.match(seq, touch=False).tokens
 
     #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine

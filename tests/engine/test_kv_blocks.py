@@ -74,7 +74,9 @@ def test_simulated_blocks_round_trip_with_the_size_of_real_ones() -> None:
         engine.decode_block(b"x" * len(blocks[0]), 0)
 
 
-def test_adopt_stops_at_a_bad_block_keeping_the_good_ones() -> None:
+def test_adopt_of_a_run_with_a_bad_block_inserts_none_of_it() -> None:
+    """All or nothing: the blocks before a bad one come from the peer that is banned for it
+    (altered, perhaps, where the sampled check did not look) and must not stay cached."""
     engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
     engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
     prompt = list(range(100, 120))
@@ -82,7 +84,14 @@ def test_adopt_stops_at_a_bad_block_keeping_the_good_ones() -> None:
     with pytest.raises(ProtocolError):
         engine.adopt_blocks(prompt, [good, good, b"junk", good])
     cache = engine.radix_cache
-    assert cache is not None and cache.match(prompt, touch=False).tokens == 8
+    assert cache is not None and cache.match(prompt, touch=False).tokens == 0
+    assert len(cache) == 0
+    # Blocks cached before stay (they are not the peer's); a good run is adopted whole.
+    assert engine.adopt_blocks(prompt, [good]) == 4
+    with pytest.raises(ProtocolError):
+        engine.adopt_blocks(prompt, [good, good, good, b"junk"])
+    assert cache.match(prompt, touch=False).tokens == 4
+    assert engine.adopt_blocks(prompt, [good, good, good]) == 12
     with pytest.raises(ValueError):
         engine.adopt_blocks(prompt[:7], [good, good])
 
