@@ -327,6 +327,9 @@ class KvExchange:
                 trio.ClosedResourceError, trio.EndOfChannel) as exc:
             logger.info("link probe of %s failed: %s", eff.peer, exc)
             return
+        except Exception:  # a probe runs in the node's nursery: a bug here must not end the node
+            logger.exception("link probe of %s failed", eff.peer)
+            return
         seconds = trio.current_time() - started
         ctx.traffic["kv-probe", "received"] += received[0]
         if done.refused or received[0] < nbytes:

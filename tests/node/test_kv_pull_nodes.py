@@ -146,6 +146,32 @@ async def test_a_probe_measures_the_link() -> None:
         assert bw is not None and bw > 0
 
 
+async def test_a_stream_reset_while_widening_the_window_fails_the_probe_not_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window update is a write on the stream: a reset there is a peerinfer error (the
+    probe reports nothing), never the muxer's ``StreamReset`` escaping into the node's nursery."""
+    from libp2p.network.stream.exceptions import StreamReset
+
+    from peerinfer.errors import PeerUnavailableError
+    from peerinfer.net import muxer
+
+    async def reset(net_stream: object, nbytes: int) -> bool:
+        raise StreamReset("reset while widening")
+
+    monkeypatch.setattr(muxer, "widen_receive_window", reset)
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        assert puller.host is not None and puller.core is not None
+        with pytest.raises(PeerUnavailableError):
+            async with puller.host.streams.use(holder.peer_id, KV_PROTOCOL, timeout=5) as use:
+                await use.stream.widen_receive_window(1 << 20)
+        await puller.kv.probe(ProbeLink(PeerId(holder.peer_id), 1 << 20))
+        links = puller.core.choice.links
+        assert links is not None and links.bandwidth(PeerId(holder.peer_id), puller.ctx.now()) is None
+        assert not puller.ctx.closing
+
+
 async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
     """The core asks for a probe (``ProbeLink``) of a holder's link it has no figure for; the
     node fetches the filler and reports the transfer, so the link has a figure after."""
