@@ -430,23 +430,29 @@ class Engine(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
-    def encode_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+    def encode_blocks(self, hashes: Sequence[BlockHash], max_bytes: int | None = None) -> list[bytes]:
         """The encoded blocks (``encode_block``) of the leading run of ``hashes`` this engine
-        holds, in order: it stops at the first hash it does not hold. What a peer serves a
-        pull from; the puller hands the bytes to ``adopt_blocks`` with its prompt."""
+        holds, in order: it stops at the first hash it does not hold, and before the block that
+        would take the total past ``max_bytes`` (so a pull's byte cap bounds the memory its
+        answer takes here, not only what is sent). What a peer serves a pull from; the puller
+        hands the bytes to ``adopt_blocks`` with its prompt."""
         self._check_open()
         cache = self._ensure_cache()
         if cache is None or self.kv_format() is None:
             return []
         out: list[bytes] = []
+        total = 0
         disk = self._disk
         for h in hashes:
             node = cache.node_by_hash(h)
             if node is not None:
-                out.append(self.encode_block(node.payload))
-                continue
-            data = None if disk is None else disk.get(h, None)
-            if data is None:
+                data = self.encode_block(node.payload)
+            else:
+                data = None if disk is None else disk.get(h, None)
+                if data is None:
+                    break
+            total += len(data)
+            if max_bytes is not None and total > max_bytes:
                 break
             out.append(data)
         return out

@@ -12,7 +12,9 @@ pull (``host.streams``). It is admitted like every other protocol: in a private 
 is served to a peer before it proved the swarm key (``peerinfer.net.streams``).
 
 Bounds (the holder's): at most ``MAX_KV_PULL_BLOCKS`` blocks and ``MAX_PULL_BYTES`` bytes per
-pull, ``MAX_KV_FILLER_BYTES`` of filler per probe, ``PULLS_SERVED_AT_ONCE`` pulls served at once
+pull (encoded no further than that: ``Engine.encode_blocks``'s budget), blocks of at most
+``MAX_KV_BLOCK_BYTES`` (one frame; a larger one is refused as "too_large"),
+``MAX_KV_FILLER_BYTES`` of filler per probe, ``PULLS_SERVED_AT_ONCE`` pulls served at once
 (the engine encodes them under its one lock), and per peer ``PULL_RATE_PER_PEER`` pulls a
 second (bursts of ``PULL_BURST_PER_PEER``; ``peerinfer.net.pacing.TokenBucket``); beyond them
 it answers "busy". The holder serves only when it runs with pulls on, to a peer it would pull
@@ -36,6 +38,7 @@ import trio
 
 from peerinfer.core.messages import (
     KV_FRAME_TARGET_BYTES,
+    MAX_FRAME_BYTES,
     MAX_KV_FILLER_BYTES,
     MAX_KV_PULL_BLOCKS,
     KvBlocks,
@@ -57,6 +60,9 @@ from peerinfer.types import PeerId
 #: The most bytes of blocks one pull is answered with (a 4,096-token prompt of the default model
 #: in float32 is 189 MB): the rest of the run is not sent, and the puller recomputes it.
 MAX_PULL_BYTES = 256 * 1024 * 1024
+#: The largest block a holder sends (alone in a frame, with room for the frame's own few bytes):
+#: beyond it the pull is refused as "too_large" (the puller's frame limit would refuse it).
+MAX_KV_BLOCK_BYTES = MAX_FRAME_BYTES - 64
 #: Pulls (and probes) a holder serves at once, all peers together; beyond: "busy".
 PULLS_SERVED_AT_ONCE = 2
 #: Pulls (and probes) one peer may start per second, and in a burst; beyond: "busy".
@@ -151,14 +157,17 @@ class KvExchange:
                     continue
                 engine = ctx.engine
                 assert engine is not None
-                blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes))
+                blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes), MAX_PULL_BYTES)
+                big = max((len(b) for b in blocks), default=0)
+                if big > MAX_KV_BLOCK_BYTES:
+                    await stream.send(encode(KvPullDone(0, "too_large", (
+                        f"a KV block of {big} bytes does not fit one frame")[:512])))
+                    continue
                 sent = 0
                 total = 0
                 batch: list[bytes] = []
                 batch_bytes = 0
                 for block in blocks:
-                    if total + len(block) > MAX_PULL_BYTES:
-                        break
                     if batch and batch_bytes + len(block) > KV_FRAME_TARGET_BYTES:
                         await stream.send(encode(KvBlocks(tuple(batch))))
                         batch, batch_bytes = [], 0
@@ -376,6 +385,7 @@ def _adopt(engine: Engine, tokens: Sequence[int], first_block: int, blocks: Sequ
 
 
 __all__ = [
+    "MAX_KV_BLOCK_BYTES",
     "MAX_PULL_BYTES",
     "PULLS_SERVED_AT_ONCE",
     "PULL_BURST_PER_PEER",

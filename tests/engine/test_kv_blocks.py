@@ -107,6 +107,11 @@ def test_encode_blocks_stops_at_the_first_hash_not_held() -> None:
     assert len(engine.encode_blocks(hashes)) == len(hashes) == 4
     assert len(engine.encode_blocks([hashes[0], 12345, hashes[2]])) == 1
     assert engine.encode_blocks([12345]) == []
+    # A byte budget: the leading blocks that fit in it, never more.
+    size = len(engine.encode_block(None))
+    assert len(engine.encode_blocks(hashes, max_bytes=2 * size + size // 2)) == 2
+    assert len(engine.encode_blocks(hashes, max_bytes=3 * size)) == 3
+    assert engine.encode_blocks(hashes, max_bytes=size - 1) == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -216,6 +216,34 @@ async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
         assert isinstance(done, KvPullDone) and done.refused == "format"
 
 
+async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame() -> None:
+    """A block that would not fit one frame is refused as "too_large" (before: sent anyway,
+    and the puller's frame limit failed the stream)."""
+    from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
+    from peerinfer.node.kvpull import MAX_KV_BLOCK_BYTES
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(7)
+        await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None and puller.host is not None
+        fmt = engine.kv_format()
+        assert fmt is not None
+        budgets: list[int | None] = []
+
+        def huge(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            budgets.append(max_bytes)
+            return [bytes(MAX_KV_BLOCK_BYTES + 1)]
+
+        engine.encode_blocks = huge  # type: ignore[method-assign]
+        reply = await puller.host.request(
+            holder.peer_id, KV_PROTOCOL, encode(KvPullRequest(fmt, (1, 2))), timeout=10
+        )
+        done = decode(reply, expected=(KvBlocks, KvPullDone))
+        assert isinstance(done, KvPullDone) and done.refused == "too_large", done
+        assert budgets and budgets[0] is not None  # the byte cap bounds the encoding too
+
+
 async def test_the_kv_protocol_is_admitted_like_every_other() -> None:
     """In a private swarm a host without the key gets no KV (nor filler) from a member."""
     from peerinfer.core.messages import KvPullRequest
