@@ -445,12 +445,13 @@ class Engine(ABC):
         disk = self._disk
         for h in hashes:
             node = cache.node_by_hash(h)
+            data: bytes | None
             if node is not None:
                 data = self.encode_block(node.payload)
             else:
                 data = None if disk is None else disk.get(h, None)
-                if data is None:
-                    break
+            if data is None:
+                break
             total += len(data)
             if max_bytes is not None and total > max_bytes:
                 break
