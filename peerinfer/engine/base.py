@@ -430,6 +430,12 @@ class Engine(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
+    def encoded_block_bytes(self) -> int | None:
+        """The length of every block ``encode_block`` makes in ``kv_format()``, where the format
+        fixes it (a puller refuses a block of any other length as it arrives, before buffering
+        it); None when unknown (the default)."""
+        return None
+
     def encode_blocks(self, hashes: Sequence[BlockHash], max_bytes: int | None = None) -> list[bytes]:
         """The encoded blocks (``encode_block``) of the leading run of ``hashes`` this engine
         holds, in order: it stops at the first hash it does not hold, and before the block that

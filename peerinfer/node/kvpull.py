@@ -232,10 +232,14 @@ class KvExchange:
         plan = await ctx.in_engine(_plan, engine, tokens, target_tokens)
         if plan is None:
             return PullOutcome(peer, failure="nothing to pull (the prefix is cached here now)")
-        fmt, first_block, hashes = plan
+        fmt, first_block, hashes, block_bytes = plan
         blocks: list[bytes] = []
         received = [0]
         started = trio.current_time()
+        # Every block of the format has one length: a block of another is refused as it comes,
+        # and what may be buffered is bounded by the blocks asked for (where the engine does not
+        # say the length, the first block's fixes it for the rest, within the byte cap).
+        size = [block_bytes]
 
         async def exchange(use: StreamUse) -> KvPullDone:
             stream = use.stream
@@ -254,9 +258,16 @@ class KvExchange:
                 assert isinstance(msg, KvBlocks)
                 if msg.filler:
                     raise ProtocolError(f"{peer} answered a pull with filler")
+                for block in msg.blocks:
+                    if size[0] is None:
+                        size[0] = len(block)
+                    if len(block) != size[0]:
+                        raise ProtocolError(
+                            f"{peer} sent a KV block of {len(block)} bytes, the format's are {size[0]}"
+                        )
                 blocks.extend(msg.blocks)
                 received[0] += sum(len(b) for b in msg.blocks)
-                if len(blocks) > len(hashes) or received[0] > MAX_PULL_BYTES:
+                if len(blocks) > len(hashes) or received[0] > min(MAX_PULL_BYTES, len(hashes) * (size[0] or 0)):
                     raise ProtocolError(f"{peer} sent more than the pull asked for")
 
         done = await host.streams.exchange(peer, KV_PROTOCOL, exchange, timeout=PULL_FRAME_TIMEOUT_S)
@@ -355,10 +366,13 @@ async def _widen(stream: object) -> None:
         await widen(PULL_WINDOW_BYTES)
 
 
-def _plan(engine: Engine, tokens: Sequence[int], target_tokens: int) -> tuple[str, int, tuple[int, ...]] | None:
-    """Engine thread: (format, first block, hashes) of the run to pull so that ``target_tokens``
-    of ``tokens`` are cached (never the block holding the prompt's last token: the engine
-    prefills at least one), starting after what is cached here now; None: nothing to pull."""
+def _plan(
+    engine: Engine, tokens: Sequence[int], target_tokens: int
+) -> tuple[str, int, tuple[int, ...], int | None] | None:
+    """Engine thread: (format, first block, hashes, the encoded length of a block if the engine
+    says it) of the run to pull so that ``target_tokens`` of ``tokens`` are cached (never the
+    block holding the prompt's last token: the engine prefills at least one), starting after
+    what is cached here now; None: nothing to pull."""
     cache = engine.radix_cache
     fmt = engine.kv_format()
     if cache is None or fmt is None:
@@ -369,7 +383,7 @@ def _plan(engine: Engine, tokens: Sequence[int], target_tokens: int) -> tuple[st
     if end <= have:
         return None
     chain = cache.hasher.chain(tokens[: end * bs])
-    return fmt, have, tuple(int(h) for h in chain[have:end])
+    return fmt, have, tuple(int(h) for h in chain[have:end]), engine.encoded_block_bytes()
 
 
 def _adopt(engine: Engine, tokens: Sequence[int], first_block: int, blocks: Sequence[bytes]) -> int:

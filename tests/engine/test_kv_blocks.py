@@ -63,7 +63,7 @@ def test_simulated_blocks_round_trip_with_the_size_of_real_ones() -> None:
     engine = SimulatedEngine(kv_bytes_per_token=64, time_scale=0.0)
     prompt = engine.tokenize("one two three four five six seven eight nine ten " * 4)
     first, blocks, cached, second = _round_trip(engine, prompt, 4)
-    assert all(len(b) == 64 * 4 for b in blocks)
+    assert all(len(b) == 64 * 4 == engine.encoded_block_bytes() for b in blocks)
     assert cached == min(len(blocks) * 4, (len(prompt) - 1) // 4 * 4) and cached > 0
     assert second == first
     fmt = engine.kv_format()
@@ -157,6 +157,7 @@ def test_hf_decoder_refuses_what_is_not_a_block_of_its_format(tiny_hf: Engine) -
     block = tiny_hf.encode_blocks([cache.match(prompt, touch=False).nodes[0].hash])[0]
     seg = tiny_hf.decode_block(block, 0)
     assert seg.nbytes == 2 * 2 * 2 * 4 * 16 * 4
+    assert tiny_hf.encoded_block_bytes() == len(block)
     assert torch.equal(seg.payload, cache.match(prompt, touch=False).nodes[0].payload)
     with pytest.raises(ProtocolError):
         tiny_hf.decode_block(block[:-4], 0)  # short

@@ -341,6 +341,31 @@ async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute
         assert trio.current_time() - started < 15  # a stalled holder costs one frame timeout
 
 
+async def test_a_block_of_the_wrong_length_is_refused_as_it_arrives() -> None:
+    """The puller does not buffer a block whose length is not the format's: the pull fails on
+    that frame (not a frame timeout later), and the request is recomputed."""
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(8)
+        recomputed, _ = await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None
+        block = engine.encode_block(None) + b"extra"
+
+        async def padded(stream: FramedStream) -> None:
+            await stream.receive()
+            await stream.send(encode(KvBlocks((block,))))
+            await trio.sleep_forever()
+
+        assert holder.host is not None
+        holder.host.set_handler(KV_PROTOCOL, padded)
+        started = trio.current_time()
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert "the format's are" in outcome.failure, outcome
+        assert outcome.adopted_tokens == 0 and done.cached_tokens == 0 and ids == recomputed
+        assert trio.current_time() - started < 4  # not the 5 s frame timeout
+
+
 # --------------------------------------------------------------------------------------------
 # A real model: a tiny Transformers model, the same weights on both nodes.
 
