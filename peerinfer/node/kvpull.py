@@ -15,7 +15,8 @@ Bounds (the holder's): at most ``MAX_KV_PULL_BLOCKS`` blocks and ``MAX_PULL_BYTE
 pull (encoded no further than that: ``Engine.encode_blocks``'s budget), blocks of at most
 ``MAX_KV_BLOCK_BYTES`` (one frame; a larger one is refused as "too_large"),
 ``MAX_KV_FILLER_BYTES`` of filler per probe, ``PULLS_SERVED_AT_ONCE`` pulls served at once
-(the engine encodes them under its one lock), and per peer ``PULL_RATE_PER_PEER`` pulls a
+(the engine encodes them under its one lock), one pull and one probe per peer at a time,
+each within ``PULL_TIMEOUT_S`` (then its stream is reset), and per peer ``PULL_RATE_PER_PEER`` pulls a
 second (bursts of ``PULL_BURST_PER_PEER``; ``peerinfer.net.pacing.TokenBucket``); beyond them
 it answers "busy". The holder serves only when it runs with pulls on, to a peer it would pull
 from itself (``Choice.may_pull_from``: a member of its private swarm, or any peer of an open
@@ -106,6 +107,9 @@ class KvExchange:
         self._ctx = ctx
         self._run_after = run_after
         self._serving = trio.Semaphore(PULLS_SERVED_AT_ONCE)
+        #: (peer, "pull" or "probe") being served now: one of each per peer at a time, whatever
+        #: its streams
+        self._serving_peers: set[tuple[str, str]] = set()
         self._rates: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
         #: the last pulls' outcomes, newest last (tests, the benchmark)
         self.outcomes: collections.deque[PullOutcome] = collections.deque(maxlen=64)
@@ -136,7 +140,6 @@ class KvExchange:
 
     async def serve_kv(self, stream: Stream) -> None:
         """Answer pulls on ``stream``, one after another (the puller keeps the stream)."""
-        ctx = self._ctx
         peer = stream.remote_peer
         async for frame in stream:
             request = decode(frame, expected=KvPullRequest)
@@ -146,41 +149,60 @@ class KvExchange:
                 logger.info("refused a KV pull from %s: %s", peer, detail)
                 await stream.send(encode(KvPullDone(0, code, detail[:512])))
                 continue
+            # A probe is not a pull: the core probes a link while it may pull over it.
+            kind = (peer, "probe" if request.filler_bytes else "pull")
+            if kind in self._serving_peers:
+                await stream.send(encode(KvPullDone(0, "busy", f"serving this peer another {kind[1]}")))
+                continue
             try:
                 self._serving.acquire_nowait()
             except trio.WouldBlock:
                 await stream.send(encode(KvPullDone(0, "busy", "serving other pulls")))
                 continue
+            self._serving_peers.add(kind)
             try:
-                if request.filler_bytes:
-                    await self._send_filler(stream, request.filler_bytes)
-                    continue
-                engine = ctx.engine
-                assert engine is not None
-                blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes), MAX_PULL_BYTES)
-                big = max((len(b) for b in blocks), default=0)
-                if big > MAX_KV_BLOCK_BYTES:
-                    await stream.send(encode(KvPullDone(0, "too_large", (
-                        f"a KV block of {big} bytes does not fit one frame")[:512])))
-                    continue
-                sent = 0
-                total = 0
-                batch: list[bytes] = []
-                batch_bytes = 0
-                for block in blocks:
-                    if batch and batch_bytes + len(block) > KV_FRAME_TARGET_BYTES:
-                        await stream.send(encode(KvBlocks(tuple(batch))))
-                        batch, batch_bytes = [], 0
-                    batch.append(block)
-                    batch_bytes += len(block)
-                    total += len(block)
-                    sent += 1
-                if batch:
-                    await stream.send(encode(KvBlocks(tuple(batch))))
-                await stream.send(encode(KvPullDone(sent)))
-                ctx.traffic["kv", "sent"] += total
+                # A serve holds a slot: a puller that stops reading (or a stalled link) must not
+                # hold it for longer than a puller waits for the whole answer.
+                with trio.move_on_after(PULL_TIMEOUT_S) as scope:
+                    await self._serve_one(stream, request)
             finally:
+                self._serving_peers.discard(kind)
                 self._serving.release()
+            if scope.cancelled_caught:
+                logger.info("a KV pull by %s took over %g s; its stream is reset", peer, PULL_TIMEOUT_S)
+                await stream.reset()
+                return
+
+    async def _serve_one(self, stream: Stream, request: KvPullRequest) -> None:
+        """One pull (or probe) answered on ``stream``."""
+        ctx = self._ctx
+        if request.filler_bytes:
+            await self._send_filler(stream, request.filler_bytes)
+            return
+        engine = ctx.engine
+        assert engine is not None
+        blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes), MAX_PULL_BYTES)
+        big = max((len(b) for b in blocks), default=0)
+        if big > MAX_KV_BLOCK_BYTES:
+            await stream.send(encode(KvPullDone(0, "too_large", (
+                f"a KV block of {big} bytes does not fit one frame")[:512])))
+            return
+        sent = 0
+        total = 0
+        batch: list[bytes] = []
+        batch_bytes = 0
+        for block in blocks:
+            if batch and batch_bytes + len(block) > KV_FRAME_TARGET_BYTES:
+                await stream.send(encode(KvBlocks(tuple(batch))))
+                batch, batch_bytes = [], 0
+            batch.append(block)
+            batch_bytes += len(block)
+            total += len(block)
+            sent += 1
+        if batch:
+            await stream.send(encode(KvBlocks(tuple(batch))))
+        await stream.send(encode(KvPullDone(sent)))
+        ctx.traffic["kv", "sent"] += total
 
     async def _send_filler(self, stream: Stream, nbytes: int) -> None:
         left = min(nbytes, MAX_KV_FILLER_BYTES)

@@ -244,6 +244,52 @@ async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame() -> None:
         assert budgets and budgets[0] is not None  # the byte cap bounds the encoding too
 
 
+async def test_a_holder_serves_one_pull_per_peer_at_a_time_each_within_the_pull_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two pulls of one peer at once (two streams): one is served, the other refused as busy,
+    so one peer cannot take every serving slot. A serve that outlasts ``PULL_TIMEOUT_S`` is
+    ended (its stream reset) and frees its slot."""
+    import time
+
+    from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
+    from peerinfer.errors import PeerUnavailableError
+    from peerinfer.node import kvpull
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        engine = holder.engine
+        assert engine is not None and puller.host is not None
+        fmt = engine.kv_format()
+        assert fmt is not None
+        host = puller.host
+
+        def slow(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            time.sleep(1.0)  # the engine thread
+            return []
+
+        engine.encode_blocks = slow  # type: ignore[method-assign]
+        answers: list[object] = []
+
+        async def pull() -> None:
+            reply = await host.request(holder.peer_id, KV_PROTOCOL,
+                                       encode(KvPullRequest(fmt, (1, 2))), timeout=10)
+            answers.append(decode(reply, expected=(KvBlocks, KvPullDone)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pull)
+            nursery.start_soon(pull)
+        refused = sorted(a.refused for a in answers if isinstance(a, KvPullDone))
+        assert refused == ["", "busy"], answers
+
+        monkeypatch.setattr(kvpull, "PULL_TIMEOUT_S", 0.3)
+        await trio.sleep(1.0)  # the rate bucket refills
+        with pytest.raises(PeerUnavailableError):
+            await host.request(holder.peer_id, KV_PROTOCOL, encode(KvPullRequest(fmt, (1, 2))),
+                               timeout=10)
+        assert not holder.kv._serving_peers
+
+
 async def test_the_kv_protocol_is_admitted_like_every_other() -> None:
     """In a private swarm a host without the key gets no KV (nor filler) from a member."""
     from peerinfer.core.messages import KvPullRequest
