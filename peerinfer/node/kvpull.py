@@ -314,12 +314,14 @@ class KvExchange:
                                failure=f"undecodable: {exc}", checked=len(positions), ok=False)
         except EngineError as exc:  # our own blocks went meanwhile: nobody's lie
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds, failure=str(exc))
-        if verifier is not None:
-            verdict = verifier.judge(errors)
-            ok, detail = verdict.ok, verdict.detail
-        else:  # pulls were turned off meanwhile: nothing judges, nothing is used
-            ok, detail = False, "pulls are off"
-        if positions or verifier is None:
+        if verifier is None:
+            # Pulls were turned off meanwhile: nothing judges (the holder is not blamed: no
+            # PullChecked), and nothing is used.
+            return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
+                               failure="pulls were turned off", checked=len(positions))
+        verdict = verifier.judge(errors)
+        ok, detail = verdict.ok, verdict.detail
+        if positions:
             ctx.feed(PullChecked(PeerId(peer), ok, detail[:200]))
         if not ok:
             logger.warning("KV pulled from %s failed its check: %s", peer, detail)

@@ -360,6 +360,22 @@ async def test_a_holder_serving_altered_kv_is_caught_banned_and_the_request_answ
         )
 
 
+async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody() -> None:
+    """With no verifier left (pulls turned off while the pull ran) nothing judges the holder:
+    nothing is adopted, the request is recomputed, and the honest holder is not banned."""
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(9)
+        recomputed, _ = await warm(holder, puller, text)
+        assert puller.core is not None
+        puller.core.trust.pull_verifier = None
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.failure == "pulls were turned off" and outcome.ok is None, outcome
+        assert outcome.adopted_tokens == 0 and done.cached_tokens == 0 and ids == recomputed
+        await trio.sleep(0.2)
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
+
+
 @pytest.mark.parametrize("how", ["reset", "stall"])
 async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute(how: str) -> None:
     async with pair(options(), options(seed=2)) as (holder, puller):
