@@ -21,7 +21,9 @@ second (bursts of ``PULL_BURST_PER_PEER``; ``peerinfer.net.pacing.TokenBucket``)
 it answers "busy". The holder serves only when it runs with pulls on, to a peer it would pull
 from itself (``Choice.may_pull_from``: a member of its private swarm, or any peer of an open
 swarm with the explicit opt-in; never a banned or untrusted one), and only in its own KV
-format. The puller's: ``PULL_FRAME_TIMEOUT_S`` between frames, ``PULL_TIMEOUT_S`` in all.
+format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pull's answer
+(the holder encodes under its engine's lock, which a batch may hold a while),
+``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 block that does not match its recompute) leaves the request to be served here by recomputing:
@@ -75,6 +77,10 @@ MAX_RATE_PEERS = 4096
 #: for the whole pull: generous, since the core chose the pull knowing the link's bandwidth, and
 #: py-libp2p moved only about 10 MB/s on a loaded 2-core machine's loopback (docs/performance.md).
 PULL_FRAME_TIMEOUT_S = 5.0
+#: The puller's wait for the first frame of a pull's answer: the holder sends nothing before
+#: its engine thread encoded the blocks, and that waits for the engine's lock (a running batch
+#: step, another pull's encoding). A stalled holder costs this much before the recompute.
+PULL_FIRST_FRAME_TIMEOUT_S = 20.0
 PULL_TIMEOUT_S = 120.0
 #: Extra receive window a puller gives the holder on a KV stream (the muxer's default is 256
 #: KiB): about 1.4x the loopback throughput (``peerinfer.net.muxer.widen_receive_window``).
@@ -269,8 +275,10 @@ class KvExchange:
                 raise ProtocolError(f"a stream to {peer} reached {stream.remote_peer}")
             await stream.send(encode(KvPullRequest(fmt, hashes)), timeout=PULL_FRAME_TIMEOUT_S)
             await _widen(stream)
+            wait = PULL_FIRST_FRAME_TIMEOUT_S
             while True:
-                frame = await stream.receive(timeout=PULL_FRAME_TIMEOUT_S)
+                frame = await stream.receive(timeout=wait)
+                wait = PULL_FRAME_TIMEOUT_S
                 msg = decode(frame, expected=(KvBlocks, KvPullDone))
                 if isinstance(msg, KvPullDone):
                     if not msg.refused and msg.blocks != len(blocks):
@@ -427,6 +435,7 @@ __all__ = [
     "MAX_PULL_BYTES",
     "PULLS_SERVED_AT_ONCE",
     "PULL_BURST_PER_PEER",
+    "PULL_FIRST_FRAME_TIMEOUT_S",
     "PULL_FRAME_TIMEOUT_S",
     "PULL_RATE_PER_PEER",
     "PULL_TIMEOUT_S",

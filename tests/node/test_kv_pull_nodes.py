@@ -376,6 +376,33 @@ async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody() -> N
         assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
 
 
+async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull() -> None:
+    """The holder's first frame waits for its engine thread (the lock): longer than the 5 s
+    between frames, within the first frame's wait, the pull still succeeds."""
+    import time
+
+    from peerinfer.node.kvpull import PULL_FIRST_FRAME_TIMEOUT_S, PULL_FRAME_TIMEOUT_S
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(10)
+        recomputed, _ = await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None
+        honest = engine.encode_blocks
+        delay = PULL_FRAME_TIMEOUT_S + 1.0
+        assert delay < PULL_FIRST_FRAME_TIMEOUT_S
+
+        def busy(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            time.sleep(delay)  # the engine thread, as if the lock were held
+            return honest(hashes, max_bytes)
+
+        engine.encode_blocks = busy  # type: ignore[method-assign]
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+        assert ids == recomputed
+
+
 @pytest.mark.parametrize("how", ["reset", "stall"])
 async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute(how: str) -> None:
     async with pair(options(), options(seed=2)) as (holder, puller):
