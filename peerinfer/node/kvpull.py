@@ -28,7 +28,9 @@ format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pu
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 block that does not match its recompute) leaves the request to be served here by recomputing:
 a pull never loses a request. A mismatch, and bytes that are not blocks of the format, are
-reported as ``PullChecked(ok=False)``: the core bans the holder as a liar.
+reported as ``PullChecked(ok=False)``: the core bans the holder as a liar. Any other pull that
+gave nothing for the holder's part (refused, no answer, the holder gone, the protocol broken)
+is reported as ``PullFailed``: the core pulls nothing from that holder for a while.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from peerinfer.core.messages import (
     decode,
     encode,
 )
-from peerinfer.core.node import ProbeLink, PullChecked, RunLocal, TransferMeasured
+from peerinfer.core.node import ProbeLink, PullChecked, PullFailed, RunLocal, TransferMeasured
 from peerinfer.engine.base import Engine
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
 from peerinfer.net.api import Stream
@@ -90,7 +92,8 @@ PULL_WINDOW_BYTES = 4 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class PullOutcome:
     """What one pull did (tests, the benchmark): blocks received and adopted, bytes, seconds
-    from the request to the last byte, the holder's refusal or the failure, the check."""
+    from the request to the last byte, the holder's refusal or the failure, the check, and
+    whether the holder is to blame for nothing coming (``blame``)."""
 
     peer: str
     asked: int = 0
@@ -102,6 +105,9 @@ class PullOutcome:
     failure: str = ""
     checked: int = 0
     ok: bool | None = None
+    #: the holder's part in a pull that gave nothing, unjudged (reported as ``PullFailed``):
+    #: its refusal code, or "failed" (no answer, the holder gone, the protocol broken)
+    blame: str = ""
 
 
 class KvExchange:
@@ -231,14 +237,20 @@ class KvExchange:
                 with trio.fail_after(PULL_TIMEOUT_S):
                     outcome = await self._pull(eff, decision.pull_from, decision.expected_cached_tokens)
             except trio.TooSlowError:
-                outcome = PullOutcome(decision.pull_from, failure=f"no answer in {PULL_TIMEOUT_S:g} s")
+                outcome = PullOutcome(decision.pull_from, failure=f"no answer in {PULL_TIMEOUT_S:g} s",
+                                      blame="failed")
             except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError,
                     trio.EndOfChannel) as exc:
-                outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}")
+                outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}",
+                                      blame="failed")
             except Exception as exc:  # a bug here must not lose the request
                 logger.exception("KV pull from %s failed", decision.pull_from)
                 outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}")
             self.outcomes.append(outcome)
+            if outcome.blame:
+                # The core holds off pulls from that holder a while (for good: another format).
+                self._ctx.feed(PullFailed(PeerId(outcome.peer), outcome.blame,
+                                          (outcome.refused or outcome.failure)[:200]))
             if outcome.failure or outcome.refused:
                 logger.info("request %s: no KV from %s (%s); recomputing here", eff.request_id,
                             outcome.peer, outcome.failure or outcome.refused)
@@ -305,12 +317,13 @@ class KvExchange:
         nbytes = received[0]
         ctx.traffic["kv", "received"] += nbytes
         if done.refused:
-            return PullOutcome(peer, len(hashes), refused=f"{done.refused}: {done.detail}")
+            return PullOutcome(peer, len(hashes), refused=f"{done.refused}: {done.detail}",
+                               blame=done.refused)
         if nbytes:
             ctx.feed(TransferMeasured(PeerId(peer), nbytes, seconds))
         if not blocks:
             return PullOutcome(peer, len(hashes), nbytes=nbytes, seconds=seconds,
-                               failure="the holder had none of the blocks")
+                               failure="the holder had none of the blocks", blame="failed")
         # Check a sample before anything is used: recompute those blocks from the ones before.
         positions = core.pull_sample(len(blocks))
         verifier = core.trust.pull_verifier

@@ -323,6 +323,11 @@ async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_reco
         assert outcome.received == 0 and outcome.adopted_tokens == 0
         assert done.served_by == puller.peer_id and done.cached_tokens == 0
         assert ids == recomputed
+        # Reported to the core (PullFailed): no pulls from that holder for a while, no ban.
+        assert puller.core is not None
+        await wait_until(lambda: puller.core.choice.pull_held_off(  # type: ignore[union-attr]
+            PeerId(holder.peer_id), puller.ctx.now()), timeout=5)
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
 
 
 async def test_without_the_open_swarm_opt_in_a_node_never_pulls() -> None:
