@@ -431,23 +431,36 @@ class Engine(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
-    def encode_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+    def encoded_block_bytes(self) -> int | None:
+        """The length of every block ``encode_block`` makes in ``kv_format()``, where the format
+        fixes it (a puller refuses a block of any other length as it arrives, before buffering
+        it); None when unknown (the default)."""
+        return None
+
+    def encode_blocks(self, hashes: Sequence[BlockHash], max_bytes: int | None = None) -> list[bytes]:
         """The encoded blocks (``encode_block``) of the leading run of ``hashes`` this engine
-        holds, in order: it stops at the first hash it does not hold. What a peer serves a
-        pull from; the puller hands the bytes to ``adopt_blocks`` with its prompt."""
+        holds, in order: it stops at the first hash it does not hold, and before the block that
+        would take the total past ``max_bytes`` (so a pull's byte cap bounds the memory its
+        answer takes here, not only what is sent). What a peer serves a pull from; the puller
+        hands the bytes to ``adopt_blocks`` with its prompt."""
         self._check_open()
         cache = self._ensure_cache()
         if cache is None or self.kv_format() is None:
             return []
         out: list[bytes] = []
+        total = 0
         disk = self._disk
         for h in hashes:
             node = cache.node_by_hash(h)
+            data: bytes | None
             if node is not None:
-                out.append(self.encode_block(node.payload))
-                continue
-            data = None if disk is None else disk.get(h, None)
+                data = self.encode_block(node.payload)
+            else:
+                data = None if disk is None else disk.get(h, None)
             if data is None:
+                break
+            total += len(data)
+            if max_bytes is not None and total > max_bytes:
                 break
             out.append(data)
         return out
@@ -458,8 +471,10 @@ class Engine(ABC):
 
         Blocks already cached are not decoded. Returns how many leading tokens of ``tokens``
         are cached afterwards (fewer than ``len(blocks) * block_size`` when the cache could not
-        make room). Raises ProtocolError, inserting nothing past the last good block, when a
-        block does not decode.
+        make room). All or nothing: every block is decoded before any is inserted, and when one
+        does not decode it raises ProtocolError having inserted none. The bytes may come from a
+        peer that is banned for the bad block; the well-formed blocks before it from the same
+        peer (altered, perhaps, past the sampled check) must not stay in the cache.
         """
         self._check_open()
         cache = self._ensure_cache()
@@ -475,15 +490,18 @@ class Engine(ABC):
         try:
             for i in range(have, n):
                 segments.append(self.decode_block(blocks[i], i * bs))
-        finally:
-            good = have + len(segments)
-            if good > have:
-                payloads: list[Any] = [None] * have + [s.payload for s in segments]
-                sizes = [0] * have + [s.nbytes for s in segments]
-                result = cache.insert(seq[: good * bs], payloads, sizes)
-                for payload in result.unused_payloads:
-                    if payload is not None:
-                        self.free_segment(payload)
+        except BaseException:
+            for segment in segments:
+                if segment.payload is not None:
+                    self.free_segment(segment.payload)
+            raise
+        if segments:
+            payloads: list[Any] = [None] * have + [s.payload for s in segments]
+            sizes = [0] * have + [s.nbytes for s in segments]
+            result = cache.insert(seq, payloads, sizes)
+            for payload in result.unused_payloads:
+                if payload is not None:
+                    self.free_segment(payload)
         return cache.match(seq, touch=False).tokens
 
     #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine

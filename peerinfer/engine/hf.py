@@ -517,6 +517,15 @@ class TransformersEngine(Engine):
         shape = (self._layers, 2, self._kv_heads, cache.block_size, self._head_dim)
         return _KV_MAGIC + dtype + struct.pack("<5I", *shape)
 
+    def encoded_block_bytes(self) -> int | None:
+        """The header and the tensor's bytes (what ``decode_block`` checks the length against)."""
+        if self._ensure_cache() is None:
+            return None
+        header = self._block_header()
+        shape = struct.unpack_from("<5I", header, len(header) - 20)
+        elem = int(torch.tensor([], dtype=self.dtype).element_size())
+        return len(header) + elem * math.prod(int(d) for d in shape)
+
     def encode_block(self, payload: Any) -> bytes:
         """The header, then the tensor's raw bytes in C order (no pickle: see ``decode_block``)."""
         tensor = payload.detach().to("cpu").contiguous()

@@ -408,6 +408,9 @@ class SimulatedEngine(Engine):
         bs = self.default_block_size if cache is None else cache.block_size
         return max(len(_SIM_KV_MAGIC), self.kv_bytes_per_token * bs)
 
+    def encoded_block_bytes(self) -> int | None:
+        return self._encoded_size()
+
     def encode_block(self, payload: object) -> bytes:
         """A synthetic block of the size a real one would have (the magic, then zeros): this
         engine's output is a function of the prompt alone, so a block carries no state, but

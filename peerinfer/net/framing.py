@@ -244,10 +244,13 @@ class FramedStream:
 
     async def widen_receive_window(self, nbytes: int) -> bool:
         """Let the peer send ``nbytes`` more ahead of our reads on this stream, for good (bulk
-        transfers: ``peerinfer.net.muxer.widen_receive_window``); after the first frame went."""
-        from peerinfer.net.muxer import widen_receive_window
+        transfers: ``peerinfer.net.muxer.widen_receive_window``); after the first frame went.
+        The window update is a write: a reset or broken stream raises a peerinfer error, as
+        ``send`` does, never the muxer's own."""
+        from peerinfer.net import muxer
 
-        return await widen_receive_window(self._stream, nbytes)
+        with translated("window", self.remote_peer):
+            return await muxer.widen_receive_window(self._stream, nbytes)
 
     async def aclose(self) -> None:
         """Close both directions politely (our pending writes are flushed). Idempotent."""

@@ -12,18 +12,25 @@ pull (``host.streams``). It is admitted like every other protocol: in a private 
 is served to a peer before it proved the swarm key (``peerinfer.net.streams``).
 
 Bounds (the holder's): at most ``MAX_KV_PULL_BLOCKS`` blocks and ``MAX_PULL_BYTES`` bytes per
-pull, ``MAX_KV_FILLER_BYTES`` of filler per probe, ``PULLS_SERVED_AT_ONCE`` pulls served at once
-(the engine encodes them under its one lock), and per peer ``PULL_RATE_PER_PEER`` pulls a
+pull (encoded no further than that: ``Engine.encode_blocks``'s budget), blocks of at most
+``MAX_KV_BLOCK_BYTES`` (one frame; a larger one is refused as "too_large"),
+``MAX_KV_FILLER_BYTES`` of filler per probe, ``PULLS_SERVED_AT_ONCE`` pulls served at once
+(the engine encodes them under its one lock), one pull and one probe per peer at a time,
+each within ``PULL_TIMEOUT_S`` (then its stream is reset), and per peer ``PULL_RATE_PER_PEER`` pulls a
 second (bursts of ``PULL_BURST_PER_PEER``; ``peerinfer.net.pacing.TokenBucket``); beyond them
 it answers "busy". The holder serves only when it runs with pulls on, to a peer it would pull
 from itself (``Choice.may_pull_from``: a member of its private swarm, or any peer of an open
 swarm with the explicit opt-in; never a banned or untrusted one), and only in its own KV
-format. The puller's: ``PULL_FRAME_TIMEOUT_S`` between frames, ``PULL_TIMEOUT_S`` in all.
+format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pull's answer
+(the holder encodes under its engine's lock, which a batch may hold a while),
+``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 block that does not match its recompute) leaves the request to be served here by recomputing:
 a pull never loses a request. A mismatch, and bytes that are not blocks of the format, are
-reported as ``PullChecked(ok=False)``: the core bans the holder as a liar.
+reported as ``PullChecked(ok=False)``: the core bans the holder as a liar. Any other pull that
+gave nothing for the holder's part (refused, no answer, the holder gone, the protocol broken)
+is reported as ``PullFailed``: the core pulls nothing from that holder for a while.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import trio
 
 from peerinfer.core.messages import (
     KV_FRAME_TARGET_BYTES,
+    MAX_FRAME_BYTES,
     MAX_KV_FILLER_BYTES,
     MAX_KV_PULL_BLOCKS,
     KvBlocks,
@@ -44,7 +52,7 @@ from peerinfer.core.messages import (
     decode,
     encode,
 )
-from peerinfer.core.node import ProbeLink, PullChecked, RunLocal, TransferMeasured
+from peerinfer.core.node import ProbeLink, PullChecked, PullFailed, RunLocal, TransferMeasured
 from peerinfer.engine.base import Engine
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
 from peerinfer.net.api import Stream
@@ -57,6 +65,9 @@ from peerinfer.types import PeerId
 #: The most bytes of blocks one pull is answered with (a 4,096-token prompt of the default model
 #: in float32 is 189 MB): the rest of the run is not sent, and the puller recomputes it.
 MAX_PULL_BYTES = 256 * 1024 * 1024
+#: The largest block a holder sends (alone in a frame, with room for the frame's own few bytes):
+#: beyond it the pull is refused as "too_large" (the puller's frame limit would refuse it).
+MAX_KV_BLOCK_BYTES = MAX_FRAME_BYTES - 64
 #: Pulls (and probes) a holder serves at once, all peers together; beyond: "busy".
 PULLS_SERVED_AT_ONCE = 2
 #: Pulls (and probes) one peer may start per second, and in a burst; beyond: "busy".
@@ -68,6 +79,10 @@ MAX_RATE_PEERS = 4096
 #: for the whole pull: generous, since the core chose the pull knowing the link's bandwidth, and
 #: py-libp2p moved only about 10 MB/s on a loaded 2-core machine's loopback (docs/performance.md).
 PULL_FRAME_TIMEOUT_S = 5.0
+#: The puller's wait for the first frame of a pull's answer: the holder sends nothing before
+#: its engine thread encoded the blocks, and that waits for the engine's lock (a running batch
+#: step, another pull's encoding). A stalled holder costs this much before the recompute.
+PULL_FIRST_FRAME_TIMEOUT_S = 20.0
 PULL_TIMEOUT_S = 120.0
 #: Extra receive window a puller gives the holder on a KV stream (the muxer's default is 256
 #: KiB): about 1.4x the loopback throughput (``peerinfer.net.muxer.widen_receive_window``).
@@ -77,7 +92,8 @@ PULL_WINDOW_BYTES = 4 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class PullOutcome:
     """What one pull did (tests, the benchmark): blocks received and adopted, bytes, seconds
-    from the request to the last byte, the holder's refusal or the failure, the check."""
+    from the request to the last byte, the holder's refusal or the failure, the check, and
+    whether the holder is to blame for nothing coming (``blame``)."""
 
     peer: str
     asked: int = 0
@@ -89,6 +105,9 @@ class PullOutcome:
     failure: str = ""
     checked: int = 0
     ok: bool | None = None
+    #: the holder's part in a pull that gave nothing, unjudged (reported as ``PullFailed``):
+    #: its refusal code, or "failed" (no answer, the holder gone, the protocol broken)
+    blame: str = ""
 
 
 class KvExchange:
@@ -100,6 +119,9 @@ class KvExchange:
         self._ctx = ctx
         self._run_after = run_after
         self._serving = trio.Semaphore(PULLS_SERVED_AT_ONCE)
+        #: (peer, "pull" or "probe") being served now: one of each per peer at a time, whatever
+        #: its streams
+        self._serving_peers: set[tuple[str, str]] = set()
         self._rates: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
         #: the last pulls' outcomes, newest last (tests, the benchmark)
         self.outcomes: collections.deque[PullOutcome] = collections.deque(maxlen=64)
@@ -130,7 +152,6 @@ class KvExchange:
 
     async def serve_kv(self, stream: Stream) -> None:
         """Answer pulls on ``stream``, one after another (the puller keeps the stream)."""
-        ctx = self._ctx
         peer = stream.remote_peer
         async for frame in stream:
             request = decode(frame, expected=KvPullRequest)
@@ -140,38 +161,60 @@ class KvExchange:
                 logger.info("refused a KV pull from %s: %s", peer, detail)
                 await stream.send(encode(KvPullDone(0, code, detail[:512])))
                 continue
+            # A probe is not a pull: the core probes a link while it may pull over it.
+            kind = (peer, "probe" if request.filler_bytes else "pull")
+            if kind in self._serving_peers:
+                await stream.send(encode(KvPullDone(0, "busy", f"serving this peer another {kind[1]}")))
+                continue
             try:
                 self._serving.acquire_nowait()
             except trio.WouldBlock:
                 await stream.send(encode(KvPullDone(0, "busy", "serving other pulls")))
                 continue
+            self._serving_peers.add(kind)
             try:
-                if request.filler_bytes:
-                    await self._send_filler(stream, request.filler_bytes)
-                    continue
-                engine = ctx.engine
-                assert engine is not None
-                blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes))
-                sent = 0
-                total = 0
-                batch: list[bytes] = []
-                batch_bytes = 0
-                for block in blocks:
-                    if total + len(block) > MAX_PULL_BYTES:
-                        break
-                    if batch and batch_bytes + len(block) > KV_FRAME_TARGET_BYTES:
-                        await stream.send(encode(KvBlocks(tuple(batch))))
-                        batch, batch_bytes = [], 0
-                    batch.append(block)
-                    batch_bytes += len(block)
-                    total += len(block)
-                    sent += 1
-                if batch:
-                    await stream.send(encode(KvBlocks(tuple(batch))))
-                await stream.send(encode(KvPullDone(sent)))
-                ctx.traffic["kv", "sent"] += total
+                # A serve holds a slot: a puller that stops reading (or a stalled link) must not
+                # hold it for longer than a puller waits for the whole answer.
+                with trio.move_on_after(PULL_TIMEOUT_S) as scope:
+                    await self._serve_one(stream, request)
             finally:
+                self._serving_peers.discard(kind)
                 self._serving.release()
+            if scope.cancelled_caught:
+                logger.info("a KV pull by %s took over %g s; its stream is reset", peer, PULL_TIMEOUT_S)
+                await stream.reset()
+                return
+
+    async def _serve_one(self, stream: Stream, request: KvPullRequest) -> None:
+        """One pull (or probe) answered on ``stream``."""
+        ctx = self._ctx
+        if request.filler_bytes:
+            await self._send_filler(stream, request.filler_bytes)
+            return
+        engine = ctx.engine
+        assert engine is not None
+        blocks = await ctx.in_engine(engine.encode_blocks, list(request.hashes), MAX_PULL_BYTES)
+        big = max((len(b) for b in blocks), default=0)
+        if big > MAX_KV_BLOCK_BYTES:
+            await stream.send(encode(KvPullDone(0, "too_large", (
+                f"a KV block of {big} bytes does not fit one frame")[:512])))
+            return
+        sent = 0
+        total = 0
+        batch: list[bytes] = []
+        batch_bytes = 0
+        for block in blocks:
+            if batch and batch_bytes + len(block) > KV_FRAME_TARGET_BYTES:
+                await stream.send(encode(KvBlocks(tuple(batch))))
+                batch, batch_bytes = [], 0
+            batch.append(block)
+            batch_bytes += len(block)
+            total += len(block)
+            sent += 1
+        if batch:
+            await stream.send(encode(KvBlocks(tuple(batch))))
+        await stream.send(encode(KvPullDone(sent)))
+        ctx.traffic["kv", "sent"] += total
 
     async def _send_filler(self, stream: Stream, nbytes: int) -> None:
         left = min(nbytes, MAX_KV_FILLER_BYTES)
@@ -194,14 +237,20 @@ class KvExchange:
                 with trio.fail_after(PULL_TIMEOUT_S):
                     outcome = await self._pull(eff, decision.pull_from, decision.expected_cached_tokens)
             except trio.TooSlowError:
-                outcome = PullOutcome(decision.pull_from, failure=f"no answer in {PULL_TIMEOUT_S:g} s")
+                outcome = PullOutcome(decision.pull_from, failure=f"no answer in {PULL_TIMEOUT_S:g} s",
+                                      blame="failed")
             except (PeerInferError, trio.BrokenResourceError, trio.ClosedResourceError,
                     trio.EndOfChannel) as exc:
-                outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}")
+                outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}",
+                                      blame="failed")
             except Exception as exc:  # a bug here must not lose the request
                 logger.exception("KV pull from %s failed", decision.pull_from)
                 outcome = PullOutcome(decision.pull_from, failure=f"{type(exc).__name__}: {exc}")
             self.outcomes.append(outcome)
+            if outcome.blame:
+                # The core holds off pulls from that holder a while (for good: another format).
+                self._ctx.feed(PullFailed(PeerId(outcome.peer), outcome.blame,
+                                          (outcome.refused or outcome.failure)[:200]))
             if outcome.failure or outcome.refused:
                 logger.info("request %s: no KV from %s (%s); recomputing here", eff.request_id,
                             outcome.peer, outcome.failure or outcome.refused)
@@ -223,10 +272,14 @@ class KvExchange:
         plan = await ctx.in_engine(_plan, engine, tokens, target_tokens)
         if plan is None:
             return PullOutcome(peer, failure="nothing to pull (the prefix is cached here now)")
-        fmt, first_block, hashes = plan
+        fmt, first_block, hashes, block_bytes = plan
         blocks: list[bytes] = []
         received = [0]
         started = trio.current_time()
+        # Every block of the format has one length: a block of another is refused as it comes,
+        # and what may be buffered is bounded by the blocks asked for (where the engine does not
+        # say the length, the first block's fixes it for the rest, within the byte cap).
+        size = [block_bytes]
 
         async def exchange(use: StreamUse) -> KvPullDone:
             stream = use.stream
@@ -234,8 +287,10 @@ class KvExchange:
                 raise ProtocolError(f"a stream to {peer} reached {stream.remote_peer}")
             await stream.send(encode(KvPullRequest(fmt, hashes)), timeout=PULL_FRAME_TIMEOUT_S)
             await _widen(stream)
+            wait = PULL_FIRST_FRAME_TIMEOUT_S
             while True:
-                frame = await stream.receive(timeout=PULL_FRAME_TIMEOUT_S)
+                frame = await stream.receive(timeout=wait)
+                wait = PULL_FRAME_TIMEOUT_S
                 msg = decode(frame, expected=(KvBlocks, KvPullDone))
                 if isinstance(msg, KvPullDone):
                     if not msg.refused and msg.blocks != len(blocks):
@@ -245,9 +300,16 @@ class KvExchange:
                 assert isinstance(msg, KvBlocks)
                 if msg.filler:
                     raise ProtocolError(f"{peer} answered a pull with filler")
+                for block in msg.blocks:
+                    if size[0] is None:
+                        size[0] = len(block)
+                    if len(block) != size[0]:
+                        raise ProtocolError(
+                            f"{peer} sent a KV block of {len(block)} bytes, the format's are {size[0]}"
+                        )
                 blocks.extend(msg.blocks)
                 received[0] += sum(len(b) for b in msg.blocks)
-                if len(blocks) > len(hashes) or received[0] > MAX_PULL_BYTES:
+                if len(blocks) > len(hashes) or received[0] > min(MAX_PULL_BYTES, len(hashes) * (size[0] or 0)):
                     raise ProtocolError(f"{peer} sent more than the pull asked for")
 
         done = await host.streams.exchange(peer, KV_PROTOCOL, exchange, timeout=PULL_FRAME_TIMEOUT_S)
@@ -255,12 +317,13 @@ class KvExchange:
         nbytes = received[0]
         ctx.traffic["kv", "received"] += nbytes
         if done.refused:
-            return PullOutcome(peer, len(hashes), refused=f"{done.refused}: {done.detail}")
+            return PullOutcome(peer, len(hashes), refused=f"{done.refused}: {done.detail}",
+                               blame=done.refused)
         if nbytes:
             ctx.feed(TransferMeasured(PeerId(peer), nbytes, seconds))
         if not blocks:
             return PullOutcome(peer, len(hashes), nbytes=nbytes, seconds=seconds,
-                               failure="the holder had none of the blocks")
+                               failure="the holder had none of the blocks", blame="failed")
         # Check a sample before anything is used: recompute those blocks from the ones before.
         positions = core.pull_sample(len(blocks))
         verifier = core.trust.pull_verifier
@@ -272,12 +335,14 @@ class KvExchange:
                                failure=f"undecodable: {exc}", checked=len(positions), ok=False)
         except EngineError as exc:  # our own blocks went meanwhile: nobody's lie
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds, failure=str(exc))
-        if verifier is not None:
-            verdict = verifier.judge(errors)
-            ok, detail = verdict.ok, verdict.detail
-        else:  # pulls were turned off meanwhile: nothing judges, nothing is used
-            ok, detail = False, "pulls are off"
-        if positions or verifier is None:
+        if verifier is None:
+            # Pulls were turned off meanwhile: nothing judges (the holder is not blamed: no
+            # PullChecked), and nothing is used.
+            return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
+                               failure="pulls were turned off", checked=len(positions))
+        verdict = verifier.judge(errors)
+        ok, detail = verdict.ok, verdict.detail
+        if positions:
             ctx.feed(PullChecked(PeerId(peer), ok, detail[:200]))
         if not ok:
             logger.warning("KV pulled from %s failed its check: %s", peer, detail)
@@ -327,6 +392,9 @@ class KvExchange:
                 trio.ClosedResourceError, trio.EndOfChannel) as exc:
             logger.info("link probe of %s failed: %s", eff.peer, exc)
             return
+        except Exception:  # a probe runs in the node's nursery: a bug here must not end the node
+            logger.exception("link probe of %s failed", eff.peer)
+            return
         seconds = trio.current_time() - started
         ctx.traffic["kv-probe", "received"] += received[0]
         if done.refused or received[0] < nbytes:
@@ -343,10 +411,13 @@ async def _widen(stream: object) -> None:
         await widen(PULL_WINDOW_BYTES)
 
 
-def _plan(engine: Engine, tokens: Sequence[int], target_tokens: int) -> tuple[str, int, tuple[int, ...]] | None:
-    """Engine thread: (format, first block, hashes) of the run to pull so that ``target_tokens``
-    of ``tokens`` are cached (never the block holding the prompt's last token: the engine
-    prefills at least one), starting after what is cached here now; None: nothing to pull."""
+def _plan(
+    engine: Engine, tokens: Sequence[int], target_tokens: int
+) -> tuple[str, int, tuple[int, ...], int | None] | None:
+    """Engine thread: (format, first block, hashes, the encoded length of a block if the engine
+    says it) of the run to pull so that ``target_tokens`` of ``tokens`` are cached (never the
+    block holding the prompt's last token: the engine prefills at least one), starting after
+    what is cached here now; None: nothing to pull."""
     cache = engine.radix_cache
     fmt = engine.kv_format()
     if cache is None or fmt is None:
@@ -357,7 +428,7 @@ def _plan(engine: Engine, tokens: Sequence[int], target_tokens: int) -> tuple[st
     if end <= have:
         return None
     chain = cache.hasher.chain(tokens[: end * bs])
-    return fmt, have, tuple(int(h) for h in chain[have:end])
+    return fmt, have, tuple(int(h) for h in chain[have:end]), engine.encoded_block_bytes()
 
 
 def _adopt(engine: Engine, tokens: Sequence[int], first_block: int, blocks: Sequence[bytes]) -> int:
@@ -373,9 +444,11 @@ def _adopt(engine: Engine, tokens: Sequence[int], first_block: int, blocks: Sequ
 
 
 __all__ = [
+    "MAX_KV_BLOCK_BYTES",
     "MAX_PULL_BYTES",
     "PULLS_SERVED_AT_ONCE",
     "PULL_BURST_PER_PEER",
+    "PULL_FIRST_FRAME_TIMEOUT_S",
     "PULL_FRAME_TIMEOUT_S",
     "PULL_RATE_PER_PEER",
     "PULL_TIMEOUT_S",

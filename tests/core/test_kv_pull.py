@@ -27,6 +27,7 @@ from peerinfer.core.node import (
     NodeConfig,
     ProbeLink,
     PullChecked,
+    PullFailed,
     RunLocal,
     TransferMeasured,
 )
@@ -325,6 +326,27 @@ def test_pulls_off_change_no_decision() -> None:
             assert not of(effects, ProbeLink)
         else:
             assert replace(fwd[0].decision) == off
+
+
+def test_a_failed_pull_holds_off_pulls_from_that_holder_for_a_while_or_for_good() -> None:
+    """``PullFailed``: no pull from that holder for ``PULL_HOLDOFF_S`` (it is no ban: the
+    holder still gets forwards, and this node still serves it); after a format refusal, never."""
+    from peerinfer.core.node.choice import PULL_HOLDOFF_S
+
+    a, b, shared = _busy_holder_and_puller()
+    tokens = shared + prompt(9, 16)
+    a.handle(TransferMeasured(b.peer_id, 1 << 20, 0.0011, 0.001), 1.5)
+    assert a.route(tokens, PARAMS, 2.0).pull_from == b.peer_id
+    assert a.handle(PullFailed(b.peer_id, "busy", "serving other pulls"), 2.0) == []
+    held = a.route(tokens, PARAMS, 2.1)
+    assert held.pull_from is None
+    assert a.is_member(b.peer_id) and b.peer_id not in a.trust.reputation.blocked()
+    assert a.choice.may_pull_from(b.peer_id, 2.1)  # serving b's pulls is not affected
+    a.handle(TransferMeasured(b.peer_id, 1 << 20, 0.0011, 0.001), 2.0 + PULL_HOLDOFF_S)
+    assert a.route(tokens, PARAMS, 2.1 + PULL_HOLDOFF_S).pull_from == b.peer_id
+    a.handle(PullFailed(b.peer_id, "format", "this node's KV format is x"), 2.2 + PULL_HOLDOFF_S)
+    assert a.route(tokens, PARAMS, 2.3 + PULL_HOLDOFF_S).pull_from is None
+    assert a.choice.pull_held_off(b.peer_id, 1e9)
 
 
 def test_a_pull_that_fails_its_check_bans_the_peer() -> None:

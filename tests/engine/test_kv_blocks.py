@@ -63,7 +63,7 @@ def test_simulated_blocks_round_trip_with_the_size_of_real_ones() -> None:
     engine = SimulatedEngine(kv_bytes_per_token=64, time_scale=0.0)
     prompt = engine.tokenize("one two three four five six seven eight nine ten " * 4)
     first, blocks, cached, second = _round_trip(engine, prompt, 4)
-    assert all(len(b) == 64 * 4 for b in blocks)
+    assert all(len(b) == 64 * 4 == engine.encoded_block_bytes() for b in blocks)
     assert cached == min(len(blocks) * 4, (len(prompt) - 1) // 4 * 4) and cached > 0
     assert second == first
     fmt = engine.kv_format()
@@ -74,7 +74,9 @@ def test_simulated_blocks_round_trip_with_the_size_of_real_ones() -> None:
         engine.decode_block(b"x" * len(blocks[0]), 0)
 
 
-def test_adopt_stops_at_a_bad_block_keeping_the_good_ones() -> None:
+def test_adopt_of_a_run_with_a_bad_block_inserts_none_of_it() -> None:
+    """All or nothing: the blocks before a bad one come from the peer that is banned for it
+    (altered, perhaps, where the sampled check did not look) and must not stay cached."""
     engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
     engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
     prompt = list(range(100, 120))
@@ -82,7 +84,14 @@ def test_adopt_stops_at_a_bad_block_keeping_the_good_ones() -> None:
     with pytest.raises(ProtocolError):
         engine.adopt_blocks(prompt, [good, good, b"junk", good])
     cache = engine.radix_cache
-    assert cache is not None and cache.match(prompt, touch=False).tokens == 8
+    assert cache is not None and cache.match(prompt, touch=False).tokens == 0
+    assert len(cache) == 0
+    # Blocks cached before stay (they are not the peer's); a good run is adopted whole.
+    assert engine.adopt_blocks(prompt, [good]) == 4
+    with pytest.raises(ProtocolError):
+        engine.adopt_blocks(prompt, [good, good, good, b"junk"])
+    assert cache.match(prompt, touch=False).tokens == 4
+    assert engine.adopt_blocks(prompt, [good, good, good]) == 12
     with pytest.raises(ValueError):
         engine.adopt_blocks(prompt[:7], [good, good])
 
@@ -98,6 +107,11 @@ def test_encode_blocks_stops_at_the_first_hash_not_held() -> None:
     assert len(engine.encode_blocks(hashes)) == len(hashes) == 4
     assert len(engine.encode_blocks([hashes[0], 12345, hashes[2]])) == 1
     assert engine.encode_blocks([12345]) == []
+    # A byte budget: the leading blocks that fit in it, never more.
+    size = len(engine.encode_block(None))
+    assert len(engine.encode_blocks(hashes, max_bytes=2 * size + size // 2)) == 2
+    assert len(engine.encode_blocks(hashes, max_bytes=3 * size)) == 3
+    assert engine.encode_blocks(hashes, max_bytes=size - 1) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,6 +157,7 @@ def test_hf_decoder_refuses_what_is_not_a_block_of_its_format(tiny_hf: Engine) -
     block = tiny_hf.encode_blocks([cache.match(prompt, touch=False).nodes[0].hash])[0]
     seg = tiny_hf.decode_block(block, 0)
     assert seg.nbytes == 2 * 2 * 2 * 4 * 16 * 4
+    assert tiny_hf.encoded_block_bytes() == len(block)
     assert torch.equal(seg.payload, cache.match(prompt, touch=False).nodes[0].payload)
     with pytest.raises(ProtocolError):
         tiny_hf.decode_block(block[:-4], 0)  # short

@@ -146,6 +146,32 @@ async def test_a_probe_measures_the_link() -> None:
         assert bw is not None and bw > 0
 
 
+async def test_a_stream_reset_while_widening_the_window_fails_the_probe_not_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window update is a write on the stream: a reset there is a peerinfer error (the
+    probe reports nothing), never the muxer's ``StreamReset`` escaping into the node's nursery."""
+    from libp2p.network.stream.exceptions import StreamReset
+
+    from peerinfer.errors import PeerUnavailableError
+    from peerinfer.net import muxer
+
+    async def reset(net_stream: object, nbytes: int) -> bool:
+        raise StreamReset("reset while widening")
+
+    monkeypatch.setattr(muxer, "widen_receive_window", reset)
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        assert puller.host is not None and puller.core is not None
+        with pytest.raises(PeerUnavailableError):
+            async with puller.host.streams.use(holder.peer_id, KV_PROTOCOL, timeout=5) as use:
+                await use.stream.widen_receive_window(1 << 20)
+        await puller.kv.probe(ProbeLink(PeerId(holder.peer_id), 1 << 20))
+        links = puller.core.choice.links
+        assert links is not None and links.bandwidth(PeerId(holder.peer_id), puller.ctx.now()) is None
+        assert not puller.ctx.closing
+
+
 async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
     """The core asks for a probe (``ProbeLink``) of a holder's link it has no figure for; the
     node fetches the filler and reports the transfer, so the link has a figure after."""
@@ -190,6 +216,80 @@ async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
         assert isinstance(done, KvPullDone) and done.refused == "format"
 
 
+async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame() -> None:
+    """A block that would not fit one frame is refused as "too_large" (before: sent anyway,
+    and the puller's frame limit failed the stream)."""
+    from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
+    from peerinfer.node.kvpull import MAX_KV_BLOCK_BYTES
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(7)
+        await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None and puller.host is not None
+        fmt = engine.kv_format()
+        assert fmt is not None
+        budgets: list[int | None] = []
+
+        def huge(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            budgets.append(max_bytes)
+            return [bytes(MAX_KV_BLOCK_BYTES + 1)]
+
+        engine.encode_blocks = huge  # type: ignore[method-assign]
+        reply = await puller.host.request(
+            holder.peer_id, KV_PROTOCOL, encode(KvPullRequest(fmt, (1, 2))), timeout=10
+        )
+        done = decode(reply, expected=(KvBlocks, KvPullDone))
+        assert isinstance(done, KvPullDone) and done.refused == "too_large", done
+        assert budgets and budgets[0] is not None  # the byte cap bounds the encoding too
+
+
+async def test_a_holder_serves_one_pull_per_peer_at_a_time_each_within_the_pull_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two pulls of one peer at once (two streams): one is served, the other refused as busy,
+    so one peer cannot take every serving slot. A serve that outlasts ``PULL_TIMEOUT_S`` is
+    ended (its stream reset) and frees its slot."""
+    import time
+
+    from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
+    from peerinfer.errors import PeerUnavailableError
+    from peerinfer.node import kvpull
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        await holder_seen(puller, holder, 0)
+        engine = holder.engine
+        assert engine is not None and puller.host is not None
+        fmt = engine.kv_format()
+        assert fmt is not None
+        host = puller.host
+
+        def slow(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            time.sleep(1.0)  # the engine thread
+            return []
+
+        engine.encode_blocks = slow  # type: ignore[method-assign]
+        answers: list[object] = []
+
+        async def pull() -> None:
+            reply = await host.request(holder.peer_id, KV_PROTOCOL,
+                                       encode(KvPullRequest(fmt, (1, 2))), timeout=10)
+            answers.append(decode(reply, expected=(KvBlocks, KvPullDone)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pull)
+            nursery.start_soon(pull)
+        refused = sorted(a.refused for a in answers if isinstance(a, KvPullDone))
+        assert refused == ["", "busy"], answers
+
+        monkeypatch.setattr(kvpull, "PULL_TIMEOUT_S", 0.3)
+        await trio.sleep(1.0)  # the rate bucket refills
+        with pytest.raises(PeerUnavailableError):
+            await host.request(holder.peer_id, KV_PROTOCOL, encode(KvPullRequest(fmt, (1, 2))),
+                               timeout=10)
+        assert not holder.kv._serving_peers
+
+
 async def test_the_kv_protocol_is_admitted_like_every_other() -> None:
     """In a private swarm a host without the key gets no KV (nor filler) from a member."""
     from peerinfer.core.messages import KvPullRequest
@@ -223,6 +323,11 @@ async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_reco
         assert outcome.received == 0 and outcome.adopted_tokens == 0
         assert done.served_by == puller.peer_id and done.cached_tokens == 0
         assert ids == recomputed
+        # Reported to the core (PullFailed): no pulls from that holder for a while, no ban.
+        assert puller.core is not None
+        await wait_until(lambda: puller.core.choice.pull_held_off(  # type: ignore[union-attr]
+            PeerId(holder.peer_id), puller.ctx.now()), timeout=5)
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
 
 
 async def test_without_the_open_swarm_opt_in_a_node_never_pulls() -> None:
@@ -260,6 +365,49 @@ async def test_a_holder_serving_altered_kv_is_caught_banned_and_the_request_answ
         )
 
 
+async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody() -> None:
+    """With no verifier left (pulls turned off while the pull ran) nothing judges the holder:
+    nothing is adopted, the request is recomputed, and the honest holder is not banned."""
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(9)
+        recomputed, _ = await warm(holder, puller, text)
+        assert puller.core is not None
+        puller.core.trust.pull_verifier = None
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.failure == "pulls were turned off" and outcome.ok is None, outcome
+        assert outcome.adopted_tokens == 0 and done.cached_tokens == 0 and ids == recomputed
+        await trio.sleep(0.2)
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
+
+
+async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull() -> None:
+    """The holder's first frame waits for its engine thread (the lock): longer than the 5 s
+    between frames, within the first frame's wait, the pull still succeeds."""
+    import time
+
+    from peerinfer.node.kvpull import PULL_FIRST_FRAME_TIMEOUT_S, PULL_FRAME_TIMEOUT_S
+
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(10)
+        recomputed, _ = await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None
+        honest = engine.encode_blocks
+        delay = PULL_FRAME_TIMEOUT_S + 1.0
+        assert delay < PULL_FIRST_FRAME_TIMEOUT_S
+
+        def busy(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
+            time.sleep(delay)  # the engine thread, as if the lock were held
+            return honest(hashes, max_bytes)
+
+        engine.encode_blocks = busy  # type: ignore[method-assign]
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+        assert ids == recomputed
+
+
 @pytest.mark.parametrize("how", ["reset", "stall"])
 async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute(how: str) -> None:
     async with pair(options(), options(seed=2)) as (holder, puller):
@@ -285,6 +433,31 @@ async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute
         assert outcome.failure and outcome.adopted_tokens == 0, outcome
         assert done.cached_tokens == 0 and ids == recomputed
         assert trio.current_time() - started < 15  # a stalled holder costs one frame timeout
+
+
+async def test_a_block_of_the_wrong_length_is_refused_as_it_arrives() -> None:
+    """The puller does not buffer a block whose length is not the format's: the pull fails on
+    that frame (not a frame timeout later), and the request is recomputed."""
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        text = prompt(8)
+        recomputed, _ = await warm(holder, puller, text)
+        engine = holder.engine
+        assert engine is not None
+        block = engine.encode_block(None) + b"extra"
+
+        async def padded(stream: FramedStream) -> None:
+            await stream.receive()
+            await stream.send(encode(KvBlocks((block,))))
+            await trio.sleep_forever()
+
+        assert holder.host is not None
+        holder.host.set_handler(KV_PROTOCOL, padded)
+        started = trio.current_time()
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert "the format's are" in outcome.failure, outcome
+        assert outcome.adopted_tokens == 0 and done.cached_tokens == 0 and ids == recomputed
+        assert trio.current_time() - started < 4  # not the 5 s frame timeout
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,7 +78,9 @@ What it decides
   pulls when the request's turn comes). A link with no recent bandwidth figure is not pulled
   over and gets a ``ProbeLink``; the shell reports every transfer as ``TransferMeasured``.
   Before a pull is used the shell recomputes the blocks ``pull_sample`` names and reports
-  ``PullChecked``: a mismatch is a failed audit (a ``BanPeer``).
+  ``PullChecked``: a mismatch is a failed audit (a ``BanPeer``). A pull that gives nothing
+  otherwise (refused, timed out) is reported as ``PullFailed``: no pulls from that holder for
+  ``PULL_HOLDOFF_S`` (for good when its KV format is not this node's).
 * **Fail over.** A forward that fails, is refused as busy, or gives no first token before its
   deadline goes to the next candidate in the policy's ranking, and finally to the local engine.
   A failure after tokens were streamed resumes locally from the prompt plus the tokens already
@@ -163,6 +165,7 @@ from peerinfer.core.node.events import (
     ProbeLink,
     Publish,
     PullChecked,
+    PullFailed,
     Reject,
     ResumeLocal,
     RunLocal,
@@ -211,6 +214,7 @@ __all__ = [
     "PreemptLocal",
     "ProbeLink",
     "PullChecked",
+    "PullFailed",
     "Publish",
     "Reject",
     "ResumeLocal",

@@ -7,6 +7,7 @@ It decides where a prompt goes; it moves no request (the node does, with the dec
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -28,7 +29,14 @@ from peerinfer.core.routing import (
 )
 from peerinfer.types import BlockHash, PeerId
 
-__all__ = ["Choice"]
+__all__ = ["MAX_PULL_HOLDOFFS", "PULL_HOLDOFF_S", "Choice"]
+
+#: How long this node pulls nothing from a holder after a pull from it gave nothing (refused
+#: as busy or untrusted, timed out, the holder gone): the request that pull was for was
+#: recomputed, and the next ones should not wait on the same holder again at once.
+PULL_HOLDOFF_S = 30.0
+#: Holders remembered as held off (the expired, then the oldest, are forgotten beyond).
+MAX_PULL_HOLDOFFS = 4096
 
 
 class Choice:
@@ -71,6 +79,8 @@ class Choice:
         self._probes: list[tuple[PeerId, int]] = []
         #: may this node pull at all: a private swarm's members, or an open swarm by option
         self._pull_allowed = pull is not None and (config.private_swarm or pull.open_swarm)
+        #: holders not to pull from until then (``note_pull_failed``; inf: never)
+        self._pull_holdoff: dict[PeerId, float] = {}
 
     def load(self, queued: int, running: int) -> Load:
         """This node's load as announced, with ``queued`` and ``running`` requests."""
@@ -183,7 +193,7 @@ class Choice:
 
         return consider_pull(
             policy, request, candidates, decision, settings,
-            trusted=lambda peer: self.may_pull_from(peer, now),
+            trusted=lambda peer: self.may_pull_from(peer, now) and not self.pull_held_off(peer, now),
             bandwidth=lambda peer: links.bandwidth(peer, now),
             probe=probe,
         )
@@ -198,6 +208,23 @@ class Choice:
             return False
         until = self.reputation.blocked().get(peer)
         return until is None or not until > now
+
+    def note_pull_failed(self, peer: PeerId, reason: str, now: float) -> None:
+        """A pull from ``peer`` gave nothing (``PullFailed``): no pulls from it for
+        ``PULL_HOLDOFF_S``, or ever after a "format" refusal. (Not a judgement of the peer:
+        it still serves requests, and this node still serves its pulls.)"""
+        holdoff = self._pull_holdoff
+        holdoff[peer] = math.inf if reason == "format" else now + PULL_HOLDOFF_S
+        if len(holdoff) > MAX_PULL_HOLDOFFS:
+            for p in [p for p, until in holdoff.items() if until <= now]:
+                del holdoff[p]
+            while len(holdoff) > MAX_PULL_HOLDOFFS:
+                del holdoff[next(iter(holdoff))]
+
+    def pull_held_off(self, peer: PeerId, now: float) -> bool:
+        """Whether pulls from ``peer`` are held off after a failed one (``note_pull_failed``)."""
+        until = self._pull_holdoff.get(peer)
+        return until is not None and until > now
 
     def note_transfer(
         self, peer: PeerId, nbytes: int, seconds: float, now: float, rtt_s: float = 0.0

@@ -38,6 +38,7 @@ __all__ = [
     "PreemptLocal",
     "ProbeLink",
     "PullChecked",
+    "PullFailed",
     "Publish",
     "Reject",
     "ResumeLocal",
@@ -231,6 +232,19 @@ class PullChecked:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class PullFailed:
+    """A pull from ``peer`` gave nothing, judged or not (``PullChecked`` covers a judged one):
+    ``reason`` is the holder's refusal (``KvPullDone.refused``: "format", "busy", ...) or
+    "failed" (a timeout, the holder gone, bytes that broke the protocol). The core holds off
+    pulls from ``peer`` for ``PULL_HOLDOFF_S``, and for good after "format" (its KV format
+    is not this node's, and a format does not change while the node runs)."""
+
+    peer: PeerId
+    reason: str
+    detail: str = ""
+
+
 Event = (
     ClientRequest
     | AnnounceReceived
@@ -249,6 +263,7 @@ Event = (
     | AuditFinished
     | TransferMeasured
     | PullChecked
+    | PullFailed
 )
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from peerinfer.core.node.events import (
     PeerSnapshot,
     ProbeLink,
     PullChecked,
+    PullFailed,
     Silence,
     SyncFailed,
     SyncResponseReceived,
@@ -450,6 +451,10 @@ class NodeCore:
     def _on_pull_checked(self, ev: PullChecked, now: float) -> list[Effect]:
         return self._banned(ev.peer, self.trust.on_pull_checked(ev, now), now)
 
+    def _on_pull_failed(self, ev: PullFailed, now: float) -> list[Effect]:
+        self.choice.note_pull_failed(ev.peer, ev.reason, now)
+        return []
+
     def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
         return self._banned(ev.peer, self.trust.on_audit_finished(ev, now), now)
 
@@ -640,4 +645,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     AuditFinished: NodeCore._on_audit_finished,  # type: ignore[dict-item]
     TransferMeasured: NodeCore._on_transfer_measured,  # type: ignore[dict-item]
     PullChecked: NodeCore._on_pull_checked,  # type: ignore[dict-item]
+    PullFailed: NodeCore._on_pull_failed,  # type: ignore[dict-item]
 }
