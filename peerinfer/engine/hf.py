@@ -130,12 +130,14 @@ from peerinfer.engine.hf_loading import (
     _pick_device,
     _pick_dtype,
     _quiet_progress,
-    _read_meta,
     _transpose_linear_weights,
     auto_dtype,
+    collect_eos,
     convert_gguf,
     cpu_flags,
     directory_fingerprint,
+    hub_fingerprint,
+    resolve_model,
 )
 from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tests)
     DEFAULT_MODEL_NAME,
@@ -144,7 +146,6 @@ from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tes
     gguf_fingerprint,
     models_home,
 )
-from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
 from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
 
 #: The KV byte budget when the node sets none.
@@ -208,7 +209,7 @@ class TransformersEngine(Engine):
         self.default_block_size = block_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.last_timings: RequestTimings | None = None
-        directory, self._fingerprint, self._name = self._resolve(
+        directory, self._fingerprint, self._name = resolve_model(
             model, revision, None if home is None else Path(home)
         )
         try:
@@ -223,11 +224,11 @@ class TransformersEngine(Engine):
         if self.device.type == "cpu" and self.dtype == torch.float32:
             _transpose_linear_weights(self.model)
         if self._fingerprint is None:  # a hub id: fingerprint the downloaded snapshot
-            self._fingerprint = self._hub_fingerprint(str(directory), revision)
+            self._fingerprint = hub_fingerprint(str(directory), revision)
         config = self.model.config
         self._vocab = int(self.model.get_input_embeddings().num_embeddings)
         self._max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
-        self._eos = self._collect_eos()
+        self._eos = collect_eos(self.model, self.tokenizer, self._vocab)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._logits_kw = "logits_to_keep" if "logits_to_keep" in params else None
@@ -252,66 +253,6 @@ class TransformersEngine(Engine):
         elem = torch.tensor([], dtype=self.dtype).element_size()
         #: Bytes of KV state one token takes (all layers, K and V).
         self.kv_bytes_per_token = n_layers * 2 * heads * head_dim * elem
-
-    # ------------------------------------------------------------ loading helpers
-
-    @staticmethod
-    def _resolve(
-        model: str | os.PathLike[str] | None, revision: str | None, home: Path | None
-    ) -> tuple[Path | str, bytes | None, str]:
-        """(what to load, fingerprint if known now, display name)."""
-        if model is None:
-            gguf = default_gguf_path()
-            directory, fp = convert_gguf(gguf, None if home is None else home / "models")
-            return directory, fp, DEFAULT_MODEL_NAME
-        path = Path(model).expanduser()
-        if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ConfigError(f"{path} is a file but not a .gguf model")
-            directory, fp = convert_gguf(path, None if home is None else home / "models")
-            return directory, fp, path.stem
-        if path.is_dir():
-            meta = _read_meta(path)
-            if meta is not None:
-                return path, bytes.fromhex(meta["fingerprint"]), path.name
-            ggufs = sorted(path.glob("*.gguf"))
-            if not (path / "config.json").exists() and len(ggufs) == 1:
-                directory, fp = convert_gguf(ggufs[0], None if home is None else home / "models")
-                return directory, fp, ggufs[0].stem
-            return path, directory_fingerprint(path), path.name
-        name = str(model)
-        if name.startswith((".", "~", "/", "\\")) or name.count("/") > 1:
-            raise ConfigError(f"no model at {name!r}: not a file or directory")
-        return name, None, name
-
-    @staticmethod
-    def _hub_fingerprint(name: str, revision: str | None) -> bytes:
-        from transformers.utils import cached_file  # type: ignore[attr-defined]
-
-        try:
-            config = cached_file(name, "config.json", revision=revision)
-        except Exception:  # noqa: BLE001 - fall back to the id when files cannot be located
-            config = None
-        if config is not None:
-            try:
-                return directory_fingerprint(Path(config).parent)
-            except ConfigError:
-                pass
-        return _fingerprint("hub", [(name, (revision or "").encode())])
-
-    def _collect_eos(self) -> frozenset[int]:
-        ids: set[int] = set()
-        sources = [
-            getattr(self.model.config, "eos_token_id", None),
-            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
-            getattr(self.tokenizer, "eos_token_id", None),
-        ]
-        for value in sources:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list | tuple):
-                ids.update(v for v in value if isinstance(v, int))
-        return frozenset(i for i in ids if 0 <= i < self._vocab)
 
     # ------------------------------------------------------------ identity and tokenizer
 
@@ -536,22 +477,18 @@ class TransformersEngine(Engine):
         """Checks the header against this engine's (dtype, every dimension) and the length
         exactly, then reads the values as this engine's dtype; a non-finite value is refused
         (no model computes one into its KV)."""
-        header = self._block_header()
+        header, size = self._block_header(), self.encoded_block_bytes()
         shape = struct.unpack_from("<5I", header, len(header) - 20)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        nbytes = elem * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
         view = memoryview(data)
-        if len(view) != len(header) + nbytes:
-            raise ProtocolError(
-                f"a KV block of {len(view)} bytes, expected {len(header) + nbytes} ({self.kv_format()})"
-            )
+        if len(view) != size:
+            raise ProtocolError(f"a KV block of {len(view)} bytes, expected {size} ({self.kv_format()})")
         if view[: len(header)] != header:
             raise ProtocolError(f"a KV block of another format than {self.kv_format()}")
         raw = bytearray(view[len(header) :])  # a writable copy torch may own
         tensor = torch.frombuffer(raw, dtype=self.dtype).view(shape)
         if not bool(torch.isfinite(tensor).all()):
             raise ProtocolError("a KV block with non-finite values")
-        return KVSegment(tensor.to(self.device), nbytes)
+        return KVSegment(tensor.to(self.device), len(view) - len(header))
 
     verifies_kv_blocks = True
 
@@ -586,13 +523,9 @@ class TransformersEngine(Engine):
                 pulled = segments[i].to(fresh.dtype)
                 scale = float(pulled.abs().max())
                 diff = float((fresh - pulled).abs().max())
-                if diff != diff:
-                    error = math.inf
-                elif diff == 0.0:
-                    error = 0.0
-                else:
-                    error = diff / scale if scale > 0.0 else math.inf
-                out.append((p, error))
+                # NaN (diff != diff) or a zero block that should not be: no match at all.
+                ok = scale > 0.0 and diff == diff
+                out.append((p, 0.0 if diff == 0.0 else diff / scale if ok else math.inf))
         return out
 
     # ------------------------------------------------------------ decoding

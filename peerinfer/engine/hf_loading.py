@@ -17,8 +17,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from peerinfer.engine.modelfiles import (
+    DEFAULT_MODEL_NAME,
+    default_gguf_path,
+    gguf_fingerprint,
+    models_home,
+)
 from peerinfer.engine.modelfiles import file_digest as _file_digest
-from peerinfer.engine.modelfiles import gguf_fingerprint, models_home
 from peerinfer.engine.modelfiles import model_fingerprint as _fingerprint
 from peerinfer.errors import ConfigError
 
@@ -243,11 +248,78 @@ def _transpose_linear_weights(model: Any) -> None:
                 )
 
 
+
+
+def resolve_model(
+    model: str | os.PathLike[str] | None, revision: str | None, home: Path | None
+) -> tuple[Path | str, bytes | None, str]:
+    """For ``TransformersEngine``: (what to load, its fingerprint if known now, display name) of
+    ``model`` (a directory, a GGUF file, a hub id, or None for the default model)."""
+    if model is None:
+        gguf = default_gguf_path()
+        directory, fp = convert_gguf(gguf, None if home is None else home / "models")
+        return directory, fp, DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(f"{path} is a file but not a .gguf model")
+        directory, fp = convert_gguf(path, None if home is None else home / "models")
+        return directory, fp, path.stem
+    if path.is_dir():
+        meta = _read_meta(path)
+        if meta is not None:
+            return path, bytes.fromhex(meta["fingerprint"]), path.name
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            directory, fp = convert_gguf(ggufs[0], None if home is None else home / "models")
+            return directory, fp, ggufs[0].stem
+        return path, directory_fingerprint(path), path.name
+    name = str(model)
+    if name.startswith((".", "~", "/", "\\")) or name.count("/") > 1:
+        raise ConfigError(f"no model at {name!r}: not a file or directory")
+    return name, None, name
+
+
+def hub_fingerprint(name: str, revision: str | None) -> bytes:
+    """A hub model's fingerprint: its files' where they can be located, else its id's."""
+    from transformers.utils import cached_file  # type: ignore[attr-defined]
+
+    try:
+        config = cached_file(name, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - fall back to the id when files cannot be located
+        config = None
+    if config is not None:
+        try:
+            return directory_fingerprint(Path(config).parent)
+        except ConfigError:
+            pass
+    return _fingerprint("hub", [(name, (revision or "").encode())])
+
+
+def collect_eos(model: Any, tokenizer: Any, vocab: int) -> frozenset[int]:
+    """Every end-of-sequence id the model's config, generation config or tokenizer names."""
+    ids: set[int] = set()
+    sources = [
+        getattr(model.config, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ]
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(i for i in ids if 0 <= i < vocab)
+
+
 __all__ = [
     "DTYPE_CHOICES",
     "NATIVE_BF16_CPU_FLAGS",
     "auto_dtype",
+    "collect_eos",
     "convert_gguf",
     "cpu_flags",
     "directory_fingerprint",
+    "hub_fingerprint",
+    "resolve_model",
 ]
