@@ -17,10 +17,9 @@ The kernel
     calls only.
 
 How effects are executed
-    ``Publish``: the announcement is encoded once (its length is the bytes per recipient) and
-    gossiped to every other node. Without gossip loss, each group's announcements that change
-    nothing form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not
-    handed them, and read them from the run instead (``share_runs``; the same decisions). ``SendSyncRequest``: delivered to the responder after the
+    ``Publish``: the announcement is gossiped to every other node (``peerinfer.sim.broadcast``:
+    a direct broadcast, unchanged announcements shared as one run with ``share_runs``; or the
+    mesh, below). ``SendSyncRequest``: delivered to the responder after the
     link delay; the response is ``answer_sync`` there, back after another delay; both are
     encoded to count bytes, one round trip each. ``Forward``: the request arrives at the peer
     as a ``ClientRequest(forwarded=True)``; the peer's own core admits it or rejects it as busy
@@ -68,8 +67,6 @@ from typing import Any, ClassVar
 from peerinfer.core.digest import DeltaMemo
 from peerinfer.core.messages import encode
 from peerinfer.core.node import (
-    AnnounceReceived,
-    AnnounceRun,
     CacheChanged,
     Cancel,
     CancelForward,
@@ -95,13 +92,13 @@ from peerinfer.core.node import (
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import error_kind
 from peerinfer.sim.batch import BatchJob, BatchNode
+from peerinfer.sim.broadcast import Broadcast
 from peerinfer.sim.churn import Churn, GoneCore, join_capacity
 from peerinfer.sim.config import ORACLE, SimConfig, peer_name
 from peerinfer.sim.gossip import Mesh
 from peerinfer.sim.inputs import EngineLike, PlanLike, SimRequest
 from peerinfer.sim.kernel import (
     ARRIVAL,
-    GOSSIP,
     NODE,
     PULL,
     RELAY,
@@ -192,18 +189,8 @@ class Simulation(SimKernel):
             self.delay.extend(extra[config.nodes:])
         self._forward_overhead_s = config.forward_overhead_ms / 1000.0
         self._arrival_rng = random.Random(f"{seed}:arrivals")
-        self._loss_rng = random.Random(f"{seed}:loss")
-        self._loss = config.gossip_loss
-        # Gossip recipients of each sender, grouped by equal delay, nearest first.
-        self._groups: list[list[tuple[float, list[int]]]] = []
-        for s in range(n):
-            by_delay: dict[float, list[int]] = {}
-            for r in range(n):
-                if r != s:
-                    by_delay.setdefault(self.delay[s][r], []).append(r)
-            self._groups.append(sorted(by_delay.items()))
-        # Per sender and group, the run of unchanged announcements the group shares (below).
-        self._runs_of: list[list[AnnounceRun | None]] = [[None] * len(g) for g in self._groups]
+        #: the direct broadcast's gossip (``peerinfer.sim.broadcast``; built with the mesh too)
+        self.broadcast = Broadcast(self, n, share_runs=self.share_runs)
 
         total = config.requests
         self.total = total
@@ -478,55 +465,10 @@ class Simulation(SimKernel):
         if self.mesh is not None:
             self.mesh.publish(n, eff.announce, now)
             return
-        size = len(encode(eff.announce))
-        recipients = self.config.nodes - 1
-        self.announces += 1
-        self.announce_bytes += size * recipients
-        self.announce_deliveries += recipients
-        if recipients:
-            groups = self._groups[n]
-            ev = AnnounceReceived(self.peer_ids[n], eff.announce)
-            self.push(now + groups[0][0], GOSSIP, n, ev, 0, now)
+        self.broadcast.publish(n, eff.announce, now)
 
     def _gossip(self, item: tuple[Any, ...], now: float) -> None:
-        _, _, _, s, ev, g, sent = item
-        groups = self._groups[s]
-        cores = self.cores
-        loss = self._loss
-        recipients = groups[g][1]
-        if not loss and self.share_runs:
-            ev, recipients = self._shared_run(s, g, ev, recipients, now)
-        for r in recipients:
-            if loss and self._loss_rng.random() < loss:
-                self.announces_lost += 1
-                continue
-            effects = cores[r].handle(ev, now)
-            if effects:
-                self.execute(r, effects, now)
-        g += 1
-        if g < len(groups):
-            self.push(sent + groups[g][0], GOSSIP, s, ev, g, sent)
-
-    def _shared_run(
-        self, s: int, g: int, ev: AnnounceReceived, recipients: list[int], now: float
-    ) -> tuple[AnnounceReceived, list[int]]:
-        """The group's shared run with ``ev`` in it, and the recipients that do not follow it
-        (the followers take it from the run when they next read; ``AnnounceRun``). Lossless
-        gossip only: a loss is drawn per recipient."""
-        a = ev.announce
-        runs = self._runs_of[s]
-        run = runs[g]
-        if run is not None and run.extends(a):
-            run.push(a, now)
-            followers = run.followers
-            if len(followers) == len(recipients):
-                recipients = []  # every one follows (only the group's recipients can)
-            elif followers:
-                ids = self.peer_ids
-                recipients = [r for r in recipients if ids[r] not in followers]
-        else:
-            run = runs[g] = AnnounceRun(a, now)
-        return AnnounceReceived(ev.sender, a, run), recipients
+        self.broadcast.deliver(item, now)
 
     def _sync(self, responder: int, requester: int, request: Any, now: float) -> None:
         if self.churn is not None and not self.churn.up(responder):

@@ -1,0 +1,101 @@
+"""Gossip as a direct broadcast, the simulator's default (``SimConfig(gossip="broadcast")``).
+
+A ``Publish`` is encoded once (its length is the bytes per recipient) and reaches every other
+node one link delay after it was published: the recipients of each sender are grouped by equal
+delay, nearest first, and a group is handed the announcement together (one ``GOSSIP`` event per
+group, ``Simulation._gossip``). Each delivery may be lost with probability ``gossip_loss`` (the
+pulls then repair the replicas). Without loss, each group's announcements that change nothing
+form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not handed
+them, and read them from the run instead (``Simulation.share_runs``; the same decisions).
+``peerinfer.sim.gossip`` is the alternative, gossipsub's mesh.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from peerinfer.core.messages import Announce, encode
+from peerinfer.core.node import AnnounceReceived, AnnounceRun
+from peerinfer.sim.kernel import GOSSIP, SimKernel
+
+__all__ = ["Broadcast"]
+
+
+class Broadcast:
+    """A run's direct broadcast; it adds to the kernel's anti-entropy figures (``announces``,
+    ``announce_bytes``, ``announce_deliveries``, ``announces_lost``)."""
+
+    def __init__(self, sim: SimKernel, n: int, *, share_runs: bool) -> None:
+        """``n``: the run's node slots; ``share_runs``: hand unchanged announcements to their
+        followers as one shared run."""
+        self.sim = sim
+        self.share_runs = share_runs
+        self._loss_rng = random.Random(f"{sim.config.seed}:loss")
+        self._loss = sim.config.gossip_loss
+        delay = sim.delay
+        # Gossip recipients of each sender, grouped by equal delay, nearest first.
+        self._groups: list[list[tuple[float, list[int]]]] = []
+        for s in range(n):
+            by_delay: dict[float, list[int]] = {}
+            for r in range(n):
+                if r != s:
+                    by_delay.setdefault(delay[s][r], []).append(r)
+            self._groups.append(sorted(by_delay.items()))
+        # Per sender and group, the run of unchanged announcements the group shares (below).
+        self._runs_of: list[list[AnnounceRun | None]] = [[None] * len(g) for g in self._groups]
+
+    def publish(self, n: int, announce: Announce, now: float) -> None:
+        """Node ``n`` publishes ``announce``: its first group's delivery is scheduled."""
+        sim = self.sim
+        size = len(encode(announce))
+        recipients = sim.config.nodes - 1
+        sim.announces += 1
+        sim.announce_bytes += size * recipients
+        sim.announce_deliveries += recipients
+        if recipients:
+            groups = self._groups[n]
+            ev = AnnounceReceived(sim.peer_ids[n], announce)
+            sim.push(now + groups[0][0], GOSSIP, n, ev, 0, now)
+
+    def deliver(self, item: tuple[Any, ...], now: float) -> None:
+        """A ``GOSSIP`` event: the announcement reaches one group, and the next is scheduled."""
+        sim = self.sim
+        _, _, _, s, ev, g, sent = item
+        groups = self._groups[s]
+        cores = sim.cores
+        loss = self._loss
+        recipients = groups[g][1]
+        if not loss and self.share_runs:
+            ev, recipients = self._shared_run(s, g, ev, recipients, now)
+        for r in recipients:
+            if loss and self._loss_rng.random() < loss:
+                sim.announces_lost += 1
+                continue
+            effects = cores[r].handle(ev, now)
+            if effects:
+                sim.execute(r, effects, now)
+        g += 1
+        if g < len(groups):
+            sim.push(sent + groups[g][0], GOSSIP, s, ev, g, sent)
+
+    def _shared_run(
+        self, s: int, g: int, ev: AnnounceReceived, recipients: list[int], now: float
+    ) -> tuple[AnnounceReceived, list[int]]:
+        """The group's shared run with ``ev`` in it, and the recipients that do not follow it
+        (the followers take it from the run when they next read; ``AnnounceRun``). Lossless
+        gossip only: a loss is drawn per recipient."""
+        a = ev.announce
+        runs = self._runs_of[s]
+        run = runs[g]
+        if run is not None and run.extends(a):
+            run.push(a, now)
+            followers = run.followers
+            if len(followers) == len(recipients):
+                recipients = []  # every one follows (only the group's recipients can)
+            elif followers:
+                ids = self.sim.peer_ids
+                recipients = [r for r in recipients if ids[r] not in followers]
+        else:
+            run = runs[g] = AnnounceRun(a, now)
+        return AnnounceReceived(ev.sender, a, run), recipients
