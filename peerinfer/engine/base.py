@@ -68,7 +68,6 @@ backend without a cache reports ``cached_tokens=0`` and empty changes.
 from __future__ import annotations
 
 import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -86,6 +85,7 @@ from peerinfer.engine.decoder import (
     KVSegment,
     wait_cancelled,
 )
+from peerinfer.engine.disktier import DiskTier, DiskTierStatistics, load_prefix, save_blocks
 from peerinfer.engine.events import (
     CacheChanges,
     EngineEvent,
@@ -103,13 +103,11 @@ from peerinfer.errors import (
     ConfigError,
     EngineError,
     InvalidRequestError,
-    ProtocolError,
 )
 from peerinfer.types import BlockHash
 
 if TYPE_CHECKING:
     from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
-    from peerinfer.engine.disktier import DiskTier, DiskTierStatistics
 
 
 class _IteratorDecoder(Decoder):
@@ -552,8 +550,6 @@ class Engine(ABC):
         (the format names the block size); a later ``configure_cache`` keeps the tier only if
         the format is unchanged."""
         self._check_open()
-        from peerinfer.engine.disktier import DiskTier
-
         cache = self._ensure_cache()
         old = self._disk
         changes = self._changes
@@ -585,28 +581,10 @@ class Engine(ABC):
         disk, and a thread cannot be interrupted from outside). Returns how many blocks were
         written."""
         self._check_open()
-        give_up = None if budget_s is None else time.monotonic() + budget_s
         disk, cache = self._disk, self._cache
         if disk is None or cache is None:
             return 0
-        nodes = [n for h in cache.block_hashes() if (n := cache.node_by_hash(h)) is not None]
-        nodes.sort(key=lambda n: n.last_access)
-        written = 0
-        for node in nodes:
-            if give_up is not None and time.monotonic() > give_up:
-                break
-            if node.hash in disk:
-                disk.touch(node.hash)
-                continue
-            try:
-                data = self.encode_block(node.payload)
-            except Exception:  # as in _spill: a block that cannot be exported stays unsaved
-                continue
-            evicted = disk.put(node.hash, node.key, data)
-            written += node.hash in disk
-            for h in evicted:
-                self._disk_removed(h)
-        return written
+        return save_blocks(disk, cache, self.encode_block, self._disk_removed, budget_s)
 
     def disk_figure(self, held: int) -> tuple[int, int] | None:
         """What a node's load says of this disk tier (``Load.disk``), None without one: per
@@ -653,44 +631,9 @@ class Engine(ABC):
         disk = self._disk
         if disk is None or not len(disk):
             return 0
-        bs = cache.block_size
-        match = cache.match(tokens, touch=False)
-        have = len(match.nodes)
-        n_full = len(tokens) // bs
-        if have >= n_full:
-            return 0
-        block_hash = cache.hasher.block_hash
-        h = match.last_hash
-        start = time.perf_counter()
-        segments: list[KVSegment] = []
-        read = 0
-        for i in range(have, n_full):
-            key = tuple(tokens[i * bs : (i + 1) * bs])
-            h = block_hash(h, key)
-            if h not in disk:
-                break
-            data = disk.get(h, key)
-            if data is None:  # damaged: deleted, so a miss from here on
-                self._disk_removed(h)
-                break
-            try:
-                segments.append(self.decode_block(data, i * bs))
-            except ProtocolError:
-                disk.discard(h, damaged=True)
-                self._disk_removed(h)
-                break
-            read += len(data)
-        if not segments:
-            return 0
-        good = have + len(segments)
-        payloads: list[Any] = [None] * have + [s.payload for s in segments]
-        sizes = [0] * have + [s.nbytes for s in segments]
-        result = cache.insert(tuple(tokens[: good * bs]), payloads, sizes)
-        for payload in result.unused_payloads:
-            if payload is not None:
-                self.free_segment(payload)
-        disk.note_read(read, time.perf_counter() - start)
-        return len(segments)
+        return load_prefix(
+            disk, cache, tokens, self.decode_block, self.free_segment, self._disk_removed
+        )
 
     # ------------------------------------------------------------ requests
 

@@ -40,12 +40,16 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from peerinfer.errors import ConfigError
+from peerinfer.core.radix import RadixCache
+from peerinfer.engine.decoder import KVSegment
+from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash
 
 MAGIC = b"PIKVDSK1"
@@ -301,3 +305,88 @@ def _unlink(path: Path) -> None:
 
 
 __all__ = ["DEFAULT_READ_BYTES_PER_S", "MAGIC", "DiskTier", "DiskTierStatistics", "format_id"]
+
+
+# ------------------------------------------------------------ an engine's use of its tier
+
+
+def save_blocks(
+    disk: DiskTier,
+    cache: RadixCache,
+    encode: Callable[[Any], bytes],
+    removed: Callable[[BlockHash], None],
+    budget_s: float | None,
+) -> int:
+    """``Engine.save_to_disk``: write every block of ``cache`` that ``disk`` lacks, least
+    recently used first, for at most ``budget_s`` seconds (None: no limit); ``removed`` is told
+    of each block the tier evicts for room. Returns how many blocks were written."""
+    give_up = None if budget_s is None else time.monotonic() + budget_s
+    nodes = [n for h in cache.block_hashes() if (n := cache.node_by_hash(h)) is not None]
+    nodes.sort(key=lambda n: n.last_access)
+    written = 0
+    for node in nodes:
+        if give_up is not None and time.monotonic() > give_up:
+            break
+        if node.hash in disk:
+            disk.touch(node.hash)
+            continue
+        try:
+            data = encode(node.payload)
+        except Exception:  # as in a spill: a block that cannot be exported stays unsaved
+            continue
+        evicted = disk.put(node.hash, node.key, data)
+        written += node.hash in disk
+        for h in evicted:
+            removed(h)
+    return written
+
+
+def load_prefix(
+    disk: DiskTier,
+    cache: RadixCache,
+    tokens: Sequence[int],
+    decode: Callable[[bytes, int], KVSegment],
+    free: Callable[[Any], None],
+    removed: Callable[[BlockHash], None],
+) -> int:
+    """``Engine._load_from_disk``: bring the blocks that continue ``tokens``' cached prefix from
+    ``disk`` into ``cache``; how many came. A damaged file or one that does not decode is a
+    miss from there on (deleted, and ``removed`` is told)."""
+    bs = cache.block_size
+    match = cache.match(tokens, touch=False)
+    have = len(match.nodes)
+    n_full = len(tokens) // bs
+    if have >= n_full:
+        return 0
+    block_hash = cache.hasher.block_hash
+    h = match.last_hash
+    start = time.perf_counter()
+    segments: list[KVSegment] = []
+    read = 0
+    for i in range(have, n_full):
+        key = tuple(tokens[i * bs : (i + 1) * bs])
+        h = block_hash(h, key)
+        if h not in disk:
+            break
+        data = disk.get(h, key)
+        if data is None:  # damaged: deleted, so a miss from here on
+            removed(h)
+            break
+        try:
+            segments.append(decode(data, i * bs))
+        except ProtocolError:
+            disk.discard(h, damaged=True)
+            removed(h)
+            break
+        read += len(data)
+    if not segments:
+        return 0
+    good = have + len(segments)
+    payloads: list[Any] = [None] * have + [s.payload for s in segments]
+    sizes = [0] * have + [s.nbytes for s in segments]
+    result = cache.insert(tuple(tokens[: good * bs]), payloads, sizes)
+    for payload in result.unused_payloads:
+        if payload is not None:
+            free(payload)
+    disk.note_read(read, time.perf_counter() - start)
+    return len(segments)
