@@ -65,7 +65,9 @@ A cached block's payload is a ``bytes`` value in ``llama_state_seq_get_data``'s 
 that block's cells alone (K and V rows of every layer, with their positions), written as one
 stream of sequence 0 so that the same KV gives the same bytes whatever sequence it came from
 (``export_block``, ``export_blocks``: one saved state of the whole sequence, cut into blocks by
-:func:`~peerinfer.engine.llamacpp_state.cut`). A hit's blocks are joined into one saved state of
+:func:`~peerinfer.engine.llamacpp_state.cut`; these and the other KV-block methods, ``kv_format``,
+``decode_block``, ``block_errors``, live in :mod:`peerinfer.engine.llamacpp_kv`, which the
+engine's class derives from). A hit's blocks are joined into one saved state of
 the request's sequence and restored in one ``llama_state_seq_set_data`` (``restore_blocks``;
 ``restore_block`` adds one block after what the sequence holds). So the radix cache keeps its
 blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
@@ -107,7 +109,6 @@ from __future__ import annotations
 import ctypes
 import heapq
 import os
-import struct
 import sys
 import threading
 import time
@@ -119,7 +120,7 @@ import numpy as np
 
 from peerinfer.core.messages import ChatMessage
 from peerinfer.engine import llamacpp_state as llstate
-from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
+from peerinfer.engine.base import Decoder, DecodeRequest
 from peerinfer.engine.constraints import GrammarTokenizer
 from peerinfer.engine.llamacpp_decoder import (
     RequestTimings,
@@ -127,6 +128,7 @@ from peerinfer.engine.llamacpp_decoder import (
     guided_token,
     sample_token,
 )
+from peerinfer.engine.llamacpp_kv import LlamaCppKVBlocks
 from peerinfer.engine.llamacpp_load import (
     EXTRA_BUFFERS_ENV,
     PROBE_CRASH_ENV,
@@ -138,7 +140,7 @@ from peerinfer.engine.llamacpp_load import (
     resolve_gguf,
 )
 from peerinfer.engine.modelfiles import gguf_fingerprint
-from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
+from peerinfer.errors import ConfigError, EngineError, InvalidRequestError
 
 #: The byte budget (context + cached blocks) when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -156,15 +158,13 @@ DEFAULT_UBATCH_TOKENS = 32
 #: more spares mean a shorter context per request (module docstring, "One KV stream per sequence").
 DEFAULT_SPARE_SEQUENCES = 2
 _CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
-#: Part of ``kv_format``: llama.cpp's saved-state layout is the library's own.
-_LLAMA_VERSION = getattr(L, "__version__", "unknown")
 
 
 # --------------------------------------------------------------------------------------------
 # The engine.
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(LlamaCppKVBlocks):
     """Serves a GGUF model through llama.cpp, batched, reusing cached KV blocks exactly."""
 
     supports_prefix_cache = True
@@ -333,123 +333,6 @@ class LlamaCppEngine(Engine):
         """Bytes of a block's payload per token, measured on one block (which also records a
         block's exact payload size and header, for ``decode_block``)."""
         return -(-self._measure_block_state(block_size) // block_size)
-
-    # ------------------------------------------------------------ KV blocks as bytes
-
-    def kv_format(self) -> str | None:
-        """``llamacpp-kv1/<llama.cpp version>-k<type>v<type>-<cpu|gpu>/<fingerprint>/b<block
-        size>``: a payload is llama.cpp's own saved sequence state, whose layout is the
-        library's (so its version is part of the name) and whose values depend on the K/V cell
-        types and on where the layers ran."""
-        cache = self._ensure_cache()
-        if cache is None:
-            return None
-        cp = L.llama_context_default_params()
-        numerics = f"{_LLAMA_VERSION}-k{int(cp.type_k)}v{int(cp.type_v)}-{self.device}"
-        return f"llamacpp-kv1/{numerics}/{self.fingerprint.hex()}/b{cache.block_size}"
-
-    def encode_block(self, payload: Any) -> bytes:
-        return bytes(payload)  # already llama.cpp's saved state of the block's cells
-
-    def decode_block(self, data: bytes | memoryview, first_token: int) -> KVSegment:
-        """Checks what llama.cpp's loader would trust: the exact size of a saved block of this
-        model, the header (format tag, stream and cell counts), and each cell's position
-        (``first_token + i``) and sequence count (1); llama.cpp then checks the layer count,
-        cell types and row sizes itself when the block is restored (refusing a mismatch)."""
-        view = memoryview(data)
-        block_size, size = self._block_state
-        cache = self._ensure_cache()
-        if cache is None or cache.block_size != block_size:
-            # The reference was measured for another block size: measure this one.
-            bs = self.default_block_size if cache is None else cache.block_size
-            size = self._measure_block_state(bs)
-            block_size = bs
-        if len(view) != size:
-            raise ProtocolError(f"a llama.cpp KV block of {len(view)} bytes, expected {size}")
-        # A payload's layout (engine/llamacpp_state.py): a tag word, the sequence id (0), the
-        # stream count (1), the cell count; then per cell (pos, n_seq_id, seq_id).
-        magic, _, n_stream, cells = struct.unpack_from("<IIII", view, 0)
-        if (magic, n_stream, cells) != (self._state_magic, 1, block_size):
-            raise ProtocolError("a llama.cpp KV block with a foreign header")
-        for i, (pos, n_seq, _seq) in enumerate(struct.iter_unpack("<iIi", view[16 : 16 + 12 * cells])):
-            if pos != first_token + i or n_seq != 1:
-                raise ProtocolError(
-                    f"a llama.cpp KV block for positions other than {first_token}.."
-                    f"{first_token + block_size - 1}"
-                )
-        # The layers' types and row sizes too: a block llama.cpp refuses to restore would fail
-        # the request that hits it, long after the peer that sent it was trusted.
-        try:
-            state = llstate.parse(view)
-        except EngineError as exc:
-            raise ProtocolError(f"a llama.cpp KV block that does not parse: {exc}") from exc
-        if llstate.layout(state) != self._block_layout:
-            raise ProtocolError("a llama.cpp KV block with another layer layout than this model's")
-        return KVSegment(bytes(view), size)
-
-    verifies_kv_blocks = True
-
-    def block_errors(
-        self,
-        tokens: Sequence[int],
-        first_block: int,
-        blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
-    ) -> list[tuple[int, float]]:
-        """Each sampled block recomputed in a free sequence: the blocks before it (the cached
-        ones, then the pulled ones, decoded) restored there in one saved state, its tokens run
-        through ``llama_decode``, its cells exported, and their K/V values compared with the
-        pulled block's (``llamacpp_state.relative_error``), see ``Engine``."""
-        self._check_open()
-        if not positions:
-            return []
-        cache = self._ensure_cache()
-        assert cache is not None
-        bs = cache.block_size
-        head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
-        if len(head) < first_block:
-            raise EngineError(f"blocks before {first_block} are no longer cached here")
-        payloads: list[bytes] = [n.payload for n in head[:first_block]]
-        last = max(positions)
-        if not 0 <= min(positions) or last >= len(blocks):
-            raise ValueError(f"positions {list(positions)} outside the {len(blocks)} pulled blocks")
-        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
-            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
-        for k in range(last + 1):
-            payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
-        out: list[tuple[int, float]] = []
-        for p in sorted(positions):
-            i = first_block + p
-            seq = self._take_seq()
-            try:
-                self.restore_blocks(seq, payloads[:i])
-                for start in range(i * bs, (i + 1) * bs, self._n_batch):
-                    stop = min((i + 1) * bs, start + self._n_batch)
-                    self._decode([(int(tokens[q]), q, seq, False) for q in range(start, stop)])
-                fresh = self.export_block(seq, i * bs, bs)
-            finally:
-                self._give_seq(seq)
-            error = llstate.relative_error(llstate.parse(payloads[i]), llstate.parse(fresh))
-            out.append((p, error))
-        return out
-
-    def _measure_block_state(self, block_size: int) -> int:
-        """A block's exact payload size (one block run in a free sequence and exported), kept
-        with the payload's first word for ``decode_block``."""
-        bos = L.llama_vocab_bos(self._vocab)
-        token = bos if 0 <= bos < self._n_vocab else 0
-        seq = self._take_seq()
-        try:
-            self._decode([(token, p, seq, False) for p in range(block_size)])
-            payload = self.export_block(seq, 0, block_size)
-        finally:
-            self._give_seq(seq)
-        if len(payload) < 16:
-            raise EngineError("llama.cpp saved no state for a measured block")
-        self._block_state = (block_size, len(payload))
-        self._state_magic = struct.unpack_from("<I", payload)[0]
-        self._block_layout = llstate.layout(llstate.parse(payload))
-        return len(payload)
 
     def configure_cache(self, hasher: Any, *, capacity_bytes: int | None = None,
                         capacity_tokens: int | None = None) -> None:
@@ -692,55 +575,6 @@ class LlamaCppEngine(Engine):
         L.llama_memory_seq_rm(self._mem, src, -1, -1)
         owner._seq = dst
         self._owners[dst] = owner
-
-    def _state_bytes(self, seq: int) -> bytes:
-        """``seq``'s whole saved state (``llama_state_seq_get_data``)."""
-        size = int(L.llama_state_seq_get_size(self._ctx, seq))
-        buf = bytearray(size)
-        arr = (ctypes.c_uint8 * size).from_buffer(buf)
-        n = int(L.llama_state_seq_get_data(self._ctx, arr, size, seq))
-        del arr
-        if n <= 0:
-            raise EngineError(f"llama.cpp saved no state for sequence {seq}")
-        return bytes(memoryview(buf)[:n])
-
-    def _set_state(self, seq: int, data: bytes) -> None:
-        """Replace ``seq``'s cells with a saved state's (``llama_state_seq_set_data``)."""
-        src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
-        n = int(L.llama_state_seq_set_data(self._ctx, src, len(data), seq))
-        if n <= 0:
-            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            raise EngineError(
-                "llama.cpp could not restore cached blocks (the sequence's stream is full?)"
-            )
-
-    def export_blocks(self, seq: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """The payloads of ``seq``'s cells at each ``(start, length)`` of ``ranges``: one saved
-        state of the whole sequence, cut into blocks (``llamacpp_state.cut``)."""
-        if not ranges:
-            return []
-        state = llstate.parse(self._state_bytes(seq))
-        return [llstate.cut(state, start, start + length) for start, length in ranges]
-
-    def export_block(self, seq: int, start: int, length: int) -> bytes:
-        """The payload of ``seq``'s cells at positions ``[start, start + length)``: a saved state
-        of those cells alone, the same bytes whatever sequence they came from."""
-        return self.export_blocks(seq, [(start, length)])[0]
-
-    def restore_blocks(self, seq: int, payloads: Sequence[bytes]) -> None:
-        """Add saved blocks' cells to ``seq`` (at the positions they were saved with), in one
-        ``llama_state_seq_set_data``: the blocks, after any cells ``seq`` already holds, are
-        joined into one saved state (restoring clears the sequence first)."""
-        if not payloads:
-            return
-        states = [llstate.parse(p) for p in payloads]
-        if int(L.llama_memory_seq_pos_max(self._mem, seq)) >= 0:
-            states.insert(0, llstate.parse(self._state_bytes(seq)))
-        self._set_state(seq, llstate.join(states, seq, self._max_sequences))
-
-    def restore_block(self, seq: int, payload: bytes) -> None:
-        """Add a saved block's cells to ``seq`` (at the positions they were saved with)."""
-        self.restore_blocks(seq, [payload])
 
     # ------------------------------------------------------------ decoding
 
