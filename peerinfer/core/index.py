@@ -86,13 +86,8 @@ import math
 from collections.abc import Callable, Container, Mapping, Sequence
 
 from peerinfer.core.messages import Load
-from peerinfer.core.replicaindex import (
-    MIN_ALLOWANCE,
-    NEWCOMER_RESERVE,
-    ReplicaFactory,
-    ReplicaIndex,
-    _PeerState,
-)
+from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
+from peerinfer.core.replicaindex import ReplicaFactory, ReplicaIndex
 from peerinfer.core.routing import Candidate, make_candidate
 from peerinfer.types import BlockHash, PeerId
 
