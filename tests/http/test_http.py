@@ -216,20 +216,43 @@ async def test_raw_sse_ends_with_done_and_streams_completions() -> None:
         assert whole.json()["usage"]["completion_tokens"] == 4
 
 
+async def metrics_showing(http: httpx.AsyncClient, line: str, timeout_s: float = 5.0) -> str:
+    """The node's /metrics text once it shows ``line`` (or after ``timeout_s``, for the caller's
+    assert to say what is missing). A request is counted when its submission ends, which can come
+    a moment after its client has read the whole response."""
+    with trio.move_on_after(timeout_s):
+        while line not in (text := (await http.get("/metrics")).text):
+            await trio.sleep(0.05)
+    return text
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of metric sample ``name`` (with its labels) in /metrics ``text``; 0 if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def test_a_request_is_routed_through_the_network_and_names_its_server() -> None:
+    ok_remote = 'peerinfer_requests_total{outcome="ok",served="remote",source="local"}'
     async with nodes(2) as pair:
-        # Warm one cache with the long prefix, then ask the other node: it forwards.
+        # Warm one cache with the long prefix, then ask the other node: it forwards. (The warm-up
+        # itself may have been forwarded by the node that is now the asker, so count from here.)
         a, b = await warm_up(*pair)
-        raw = await in_thread(lambda: sdk(a).completions.with_raw_response.create(
-            model="simulated", prompt=SHARED + " again", max_tokens=3))
-        assert raw.headers["x-peerinfer-served-by"] == b.peer_id
-        assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 256
-        assert any(not d.local and d.peer == b.peer_id for d in a.recent_decisions)
         async with httpx.AsyncClient(base_url=a.http_url) as http:
-            metrics = (await http.get("/metrics")).text
+            before = (await http.get("/metrics")).text
+            raw = await in_thread(lambda: sdk(a).completions.with_raw_response.create(
+                model="simulated", prompt=SHARED + " again", max_tokens=3))
+            assert raw.headers["x-peerinfer-served-by"] == b.peer_id
+            assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 256
+            assert any(not d.local and d.peer == b.peer_id for d in a.recent_decisions)
+            expected = f"{ok_remote} {_sample(before, ok_remote) + 1:.1f}"
+            metrics = await metrics_showing(http, expected)
             status = (await http.get("/v1/peerinfer/status")).json()
-        assert 'peerinfer_requests_total{outcome="ok",served="remote",source="local"} 1.0' in metrics
-        assert "peerinfer_forwards_total 1.0" in metrics
+        assert expected in metrics
+        forwards = _sample(metrics, "peerinfer_forwards_total")
+        assert forwards == _sample(before, "peerinfer_forwards_total") + 1
         assert "peerinfer_peers_known 1.0" in metrics
         assert status["decisions"][0]["peer"] == b.peer_id
         assert status["decisions"][0]["reason"].startswith("longest_prefix")
@@ -243,7 +266,7 @@ async def test_metrics_count_requests_tokens_and_traffic() -> None:
                 "messages": [{"role": "user", "content": SHARED}]})
             assert r.status_code == 200
         await wait_until(lambda: a.traffic["announce", "received"] > 0)
-        text = (await http.get("/metrics")).text
+        text = await metrics_showing(http, "peerinfer_completion_tokens_total 6.0")
         samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                    for line in text.splitlines() if line and not line.startswith("#")}
         ok = sum(v for k, v in samples.items()
@@ -402,8 +425,8 @@ async def test_a_client_disconnect_cancels_the_work_in_the_engine() -> None:
         (request,) = engine.requests
         await wait_until(lambda: request.cancel.is_set())
         await wait_until(lambda: node.core.load().running == 0)  # type: ignore[union-attr]
-        metrics = (await http.get("/metrics")).text
-        assert 'peerinfer_requests_total{outcome="cancelled",served="none",source="local"} 1.0' in metrics
+        cancelled = 'peerinfer_requests_total{outcome="cancelled",served="none",source="local"} 1.0'
+        assert cancelled in await metrics_showing(http, cancelled)
 
 
 async def test_a_disconnect_cancels_a_forwarded_request_on_the_peer() -> None:
