@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pytest
 
@@ -118,22 +117,6 @@ def test_encode_blocks_stops_at_the_first_hash_not_held() -> None:
 # Transformers: raw tensor bytes behind a header.
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    pytest.importorskip("transformers")
-    from peerinfer.engine.hf import TransformersEngine
-    from tests.engine.test_engine_hf import _make_tiny_model
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    directory: Path = tmp_path_factory.mktemp("tiny-llama-kv")
-    _make_tiny_model(directory)
-    engine = TransformersEngine(directory, device="cpu")
-    yield engine
-    engine.close()
-    torch.set_num_threads(before)
 
 
 def test_hf_blocks_round_trip_to_the_tokens_of_a_recompute(tiny_hf: Engine) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -48,22 +47,6 @@ def test_simulated_block_errors_tell_a_synthetic_block_from_an_altered_one() -> 
 
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    pytest.importorskip("transformers")
-    from peerinfer.engine.hf import TransformersEngine
-    from tests.engine.test_engine_hf import _make_tiny_model
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    directory: Path = tmp_path_factory.mktemp("tiny-llama-verify")
-    _make_tiny_model(directory)
-    engine = TransformersEngine(directory, device="cpu")
-    yield engine
-    engine.close()
-    torch.set_num_threads(before)
 
 
 def test_hf_block_errors_pass_honest_blocks_and_catch_altered_ones(tiny_hf: Engine) -> None:
