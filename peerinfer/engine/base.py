@@ -502,27 +502,30 @@ class Engine(ABC):
                     self.free_segment(payload)
         return cache.match(seq, touch=False).tokens
 
-    #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine
+    #: Whether ``token_errors`` is implemented: a node pulls KV from peers only into an engine
     #: that can check what it pulled.
     verifies_kv_blocks: bool = False
 
-    def block_errors(
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """Recompute some pulled blocks locally and say how far each is from what was pulled.
+        """Recompute the KV of some pulled tokens locally and say how far each is from what was
+        pulled.
 
         ``blocks`` are the encoded blocks ``first_block ..`` of ``tokens`` (from a peer, not
-        adopted yet); the blocks before ``first_block`` must be in this engine's cache.
-        For each ``p`` in ``positions`` (indexes into ``blocks``), block ``first_block + p``
-        is recomputed from the KV of the blocks before it (cached or pulled: about one
-        block's prefill) and compared with ``blocks[p]``: ``(p, relative error)``, the
-        largest difference over the pulled block's largest magnitude (as
+        adopted yet); the blocks before ``first_block`` must be in this engine's cache. Each
+        ``c`` in ``checks`` is a token of the pulled run (``0 <= c < len(blocks) * block
+        size``: token ``first_block * block size + c`` of ``tokens``). Its KV (every layer) is
+        recomputed from the KV before it as pulled (cached or pulled: about one token's
+        prefill), and compared with the pulled KV of that token: ``(c, relative error)``, the
+        largest difference over the largest magnitude of the pulled block holding it (as
         ``peerinfer.core.kvpull.relative_error``). Raises ProtocolError when a needed block
-        does not decode, EngineError when a block before ``first_block`` is not cached.
+        does not decode, EngineError when a block before ``first_block`` is not cached,
+        ValueError for a check outside the pulled tokens.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot verify KV blocks")
 

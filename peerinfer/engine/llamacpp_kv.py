@@ -15,8 +15,8 @@ Where things are:
 * ``kv_format``, ``encode_block``, ``decode_block``: a payload's name, its bytes, and the
   checks on a block received from a peer (size, header, positions, layer layout), against a
   block measured once at start-up (``_measure_block_state``).
-* ``block_errors``: a pulled block recomputed in a free sequence and compared with the pulled
-  one (``verifies_kv_blocks``).
+* ``token_errors``: pulled tokens' KV recomputed in a free sequence and compared with the
+  pulled cells (``verifies_kv_blocks``).
 """
 
 from __future__ import annotations
@@ -110,48 +110,59 @@ class LlamaCppKVBlocks(Engine):
 
     verifies_kv_blocks = True
 
-    def block_errors(
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """Each sampled block recomputed in a free sequence: the blocks before it (the cached
-        ones, then the pulled ones, decoded) restored there in one saved state, its tokens run
-        through ``llama_decode``, its cells exported, and their K/V values compared with the
-        pulled block's (``llamacpp_state.relative_error``), see ``Engine``."""
+        """The checked tokens recomputed in one free sequence, restored once: the blocks up to
+        the one holding the last check (the cached ones, then the pulled ones, decoded) are
+        restored there in one saved state; then, from the last check down, the sequence is cut
+        at the checked token (``llama_memory_seq_rm`` of it and every cell after), the token is
+        run alone at its position (a token attends to the cells of its sequence below it: the
+        pulled ones), and its new cell exported. llama.cpp decodes a sequence's tokens only
+        right after its last cell, so the checks go from the last down, one ``llama_decode``
+        each. Each cell's K/V values are compared with the pulled block's
+        (``llamacpp_state.cell_error``), see ``Engine``."""
         self._check_open()
-        if not positions:
+        if not checks:
             return []
         cache = self._ensure_cache()
         assert cache is not None
         bs = cache.block_size
+        wanted = sorted(set(int(c) for c in checks))
+        if wanted[0] < 0 or wanted[-1] >= len(blocks) * bs:
+            raise ValueError(f"checks outside the {len(blocks) * bs} pulled tokens")
+        last = wanted[-1] // bs
+        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
+            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
         head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
         if len(head) < first_block:
             raise EngineError(f"blocks before {first_block} are no longer cached here")
         payloads: list[bytes] = [n.payload for n in head[:first_block]]
-        last = max(positions)
-        if not 0 <= min(positions) or last >= len(blocks):
-            raise ValueError(f"positions {list(positions)} outside the {len(blocks)} pulled blocks")
-        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
-            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
         for k in range(last + 1):
             payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
+        start = first_block * bs
+        fresh: dict[int, bytes] = {}
+        seq = self._take_seq()
+        try:
+            self.restore_blocks(seq, payloads)
+            for c in reversed(wanted):
+                p = start + c
+                L.llama_memory_seq_rm(self._mem, seq, p, -1)
+                self._decode([(int(tokens[p]), p, seq, False)])
+                fresh[c] = self.export_block(seq, p, 1)
+        finally:
+            self._give_seq(seq)
+        parsed: dict[int, llstate.SavedState] = {}
         out: list[tuple[int, float]] = []
-        for p in sorted(positions):
-            i = first_block + p
-            seq = self._take_seq()
-            try:
-                self.restore_blocks(seq, payloads[:i])
-                for start in range(i * bs, (i + 1) * bs, self._n_batch):
-                    stop = min((i + 1) * bs, start + self._n_batch)
-                    self._decode([(int(tokens[q]), q, seq, False) for q in range(start, stop)])
-                fresh = self.export_block(seq, i * bs, bs)
-            finally:
-                self._give_seq(seq)
-            error = llstate.relative_error(llstate.parse(payloads[i]), llstate.parse(fresh))
-            out.append((p, error))
+        for c in wanted:
+            b = first_block + c // bs
+            if b not in parsed:
+                parsed[b] = llstate.parse(payloads[b])
+            out.append((c, llstate.cell_error(parsed[b], llstate.parse(fresh[c]))))
         return out
 
     def _measure_block_state(self, block_size: int) -> int:

@@ -26,7 +26,7 @@ format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pu
 ``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
-block that does not match its recompute) leaves the request to be served here by recomputing:
+token whose KV does not match its recompute) leaves the request to be served here by recomputing:
 a pull never loses a request. A mismatch, and bytes that are not blocks of the format, are
 reported as ``PullChecked(ok=False)``: the core bans the holder as a liar. Any other pull that
 gave nothing for the holder's part (refused, no answer, the holder gone, the protocol broken)
@@ -324,11 +324,13 @@ class KvExchange:
         if not blocks:
             return PullOutcome(peer, len(hashes), nbytes=nbytes, seconds=seconds,
                                failure="the holder had none of the blocks", blame="failed")
-        # Check a sample before anything is used: recompute those blocks from the ones before.
-        positions = core.pull_sample(len(blocks))
+        # Check a sample before anything is used: recompute those tokens' KV from the KV before.
+        cache = engine.radix_cache
+        bs = 1 if cache is None else cache.block_size
+        positions = core.pull_sample(len(blocks), bs)
         verifier = core.trust.pull_verifier
         try:
-            errors = await ctx.in_engine(engine.block_errors, tokens, first_block, blocks, positions)
+            errors = await ctx.in_engine(engine.token_errors, tokens, first_block, blocks, positions)
         except ProtocolError as exc:
             ctx.feed(PullChecked(PeerId(peer), False, f"blocks that do not decode: {exc}"[:200]))
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
@@ -340,7 +342,7 @@ class KvExchange:
             # PullChecked), and nothing is used.
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
                                failure="pulls were turned off", checked=len(positions))
-        verdict = verifier.judge(errors)
+        verdict = verifier.judge(errors, bs)
         ok, detail = verdict.ok, verdict.detail
         if positions:
             ctx.feed(PullChecked(PeerId(peer), ok, detail[:200]))
