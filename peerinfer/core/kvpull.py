@@ -330,24 +330,38 @@ class PullVerifier:
             k += 1
         return min(items, max(k, floor))
 
-    def sample(self, blocks: int, block_size: int = 1) -> tuple[int, ...]:
+    def sample(self, blocks: int, block_size: int = 1, run: int = 1) -> tuple[int, ...]:
         """The tokens (indexes into the pull's ``blocks * block_size`` tokens, ascending) whose
         KV to recompute; token ``t`` lies in block ``t // block_size``. With ``block_size`` 1
-        a token is a block: the positions of the blocks to check."""
+        a token is a block: the positions of the blocks to check.
+
+        ``run``: with the "token" granularity, the tokens come in runs of ``run`` consecutive
+        tokens of one block (at one of the block's ``ceil(block_size / run)`` aligned slots,
+        so every token is as likely to be checked): an engine that recomputes a run in one
+        step for about the price of one token (llama.cpp: one ``llama_decode`` reads the
+        weights once) asks for runs; the share of tokens checked stays ``rate``."""
         if blocks <= 0 or block_size <= 0:
             return ()
         rng = self._rng
         if self.granularity == "block" or block_size == 1:
             chosen = sorted(rng.sample(range(blocks), self._count(blocks, self.min_blocks)))
             return tuple(b * block_size + o for b in chosen for o in range(block_size))
-        k = self._count(blocks * block_size, min(blocks, self.min_blocks))
+        run = max(1, min(run, block_size))
+        slots = -(-block_size // run)
+        # Runs, not tokens, are counted: rate * tokens / run of them, at least min_blocks.
+        want = self.rate * blocks * block_size / run
+        k = int(want)
+        if rng.random() < want - k:
+            k += 1
+        k = min(blocks * slots, max(k, min(blocks, self.min_blocks)))
         base, extra = divmod(k, blocks)
         more = set(rng.sample(range(blocks), extra))
         out: list[int] = []
         for b in range(blocks):
             n = base + (b in more)
-            if n:
-                out.extend(b * block_size + o for o in sorted(rng.sample(range(block_size), n)))
+            for slot in sorted(rng.sample(range(slots), n)) if n else ():
+                first = b * block_size + slot * run
+                out.extend(range(first, min(first + run, (b + 1) * block_size)))
         return tuple(out)
 
     def judge(self, errors: Iterable[tuple[int, float]], block_size: int = 1) -> PullVerdict:

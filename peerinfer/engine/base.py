@@ -96,6 +96,7 @@ from peerinfer.engine.events import (
     Tokens,
 )
 from peerinfer.engine.job import RequestJob, _Counters
+from peerinfer.engine.kvmemo import OwnBlocks, remember_stored
 from peerinfer.engine.textstream import TextStream
 from peerinfer.engine.validation import validate_prompt, validate_sampling_params
 from peerinfer.errors import (
@@ -505,6 +506,9 @@ class Engine(ABC):
     #: Whether ``token_errors`` is implemented: a node pulls KV from peers only into an engine
     #: that can check what it pulled.
     verifies_kv_blocks: bool = False
+    #: The run of consecutive tokens ``token_errors`` recomputes for about the price of one
+    #: (``PullVerifier.sample``'s ``run``): 1 where every checked token costs the same anyway.
+    verify_run_tokens: int = 1
 
     def token_errors(
         self,
@@ -741,6 +745,15 @@ class Engine(ABC):
         for payload in result.unused_payloads:
             if payload is not None:
                 self.free_segment(payload)
+        remember_stored(self, cache, seq, have)  # a pull of them later is checked for free
+
+    @property
+    def own_blocks(self) -> OwnBlocks:
+        """Digests of the blocks this engine computed (:mod:`peerinfer.engine.kvmemo`)."""
+        memo: OwnBlocks | None = self.__dict__.get("_own_blocks")
+        if memo is None:
+            memo = self.__dict__["_own_blocks"] = OwnBlocks()
+        return memo
 
     # ------------------------------------------------------------ lifetime
 

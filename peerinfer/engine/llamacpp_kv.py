@@ -110,6 +110,12 @@ class LlamaCppKVBlocks(Engine):
 
     verifies_kv_blocks = True
 
+    #: Checked tokens come in runs of 4 (``PullVerifier.sample``): a lone token's
+    #: ``llama_decode`` reads every weight for one token, so it cost about 3x a prefilled
+    #: token's share (docs/performance.md, "Checking pulled KV"); a run of 4 costs about the same
+    #: as one.
+    verify_run_tokens = 4
+
     def token_errors(
         self,
         tokens: Sequence[int],
@@ -119,13 +125,14 @@ class LlamaCppKVBlocks(Engine):
     ) -> list[tuple[int, float]]:
         """The checked tokens recomputed in one free sequence, restored once: the blocks up to
         the one holding the last check (the cached ones, then the pulled ones, decoded) are
-        restored there in one saved state; then, from the last check down, the sequence is cut
-        at the checked token (``llama_memory_seq_rm`` of it and every cell after), the token is
-        run alone at its position (a token attends to the cells of its sequence below it: the
-        pulled ones), and its new cell exported. llama.cpp decodes a sequence's tokens only
-        right after its last cell, so the checks go from the last down, one ``llama_decode``
-        each. Each cell's K/V values are compared with the pulled block's
-        (``llamacpp_state.cell_error``), see ``Engine``."""
+        restored there in one saved state; then, from the last run of consecutive checked
+        tokens down, the sequence is cut at the run's first token (``llama_memory_seq_rm`` of
+        it and every cell after), the run is decoded at its positions (its first token attends
+        to the pulled cells below it, the others to those and the run's fresh ones), and its
+        new cells exported. llama.cpp decodes a sequence's tokens only right after its last
+        cell, so the runs go from the last down, one ``llama_decode`` each. Each cell's K/V
+        values are compared with the pulled block's (``llamacpp_state.cell_error``), see
+        ``Engine``."""
         self._check_open()
         if not checks:
             return []
@@ -145,15 +152,23 @@ class LlamaCppKVBlocks(Engine):
         for k in range(last + 1):
             payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
         start = first_block * bs
+        runs: list[list[int]] = []  # maximal runs of consecutive checked positions
+        for c in wanted:
+            if runs and runs[-1][-1] == start + c - 1:
+                runs[-1].append(start + c)
+            else:
+                runs.append([start + c])
         fresh: dict[int, bytes] = {}
         seq = self._take_seq()
         try:
             self.restore_blocks(seq, payloads)
-            for c in reversed(wanted):
-                p = start + c
-                L.llama_memory_seq_rm(self._mem, seq, p, -1)
-                self._decode([(int(tokens[p]), p, seq, False)])
-                fresh[c] = self.export_block(seq, p, 1)
+            for positions in reversed(runs):
+                L.llama_memory_seq_rm(self._mem, seq, positions[0], -1)
+                for i in range(0, len(positions), self._n_batch):
+                    self._decode([(int(tokens[p]), p, seq, False)
+                                  for p in positions[i:i + self._n_batch]])
+                cells = self.export_blocks(seq, [(p, 1) for p in positions])
+                fresh.update(zip(positions, cells, strict=True))
         finally:
             self._give_seq(seq)
         parsed: dict[int, llstate.SavedState] = {}
@@ -162,7 +177,7 @@ class LlamaCppKVBlocks(Engine):
             b = first_block + c // bs
             if b not in parsed:
                 parsed[b] = llstate.parse(payloads[b])
-            out.append((c, llstate.cell_error(parsed[b], llstate.parse(fresh[c]))))
+            out.append((c, llstate.cell_error(parsed[b], llstate.parse(fresh[start + c]))))
         return out
 
     def _measure_block_state(self, block_size: int) -> int:

@@ -256,6 +256,15 @@ def test_the_sample_is_deterministic_given_the_seed_and_has_the_rate() -> None:
     whole = PullVerifier("s", rate=0.08, granularity="block").sample(125, 16)
     assert len(whole) % 16 == 0 and all(t % 16 == i % 16 for i, t in enumerate(whole))
     assert a.sample(0, 16) == ()
+    # Runs of 4 consecutive tokens at aligned slots of a block; the share of tokens stays.
+    runs = [PullVerifier("r", rate=0.0625).sample(125, 16, 4) for _ in range(100)]
+    assert sum(map(len, runs)) / 100 == pytest.approx(125.0, abs=2.0)
+    for d in runs:
+        assert len(d) % 4 == 0
+        for i in range(0, len(d), 4):
+            assert d[i] % 4 == 0 and list(d[i:i + 4]) == list(range(d[i], d[i] + 4))
+    assert len({t % 16 for d in runs for t in d}) == 16
+    assert len(PullVerifier("r", rate=0.0).sample(3, 16, 4)) == 4  # min_blocks 1: one run
     with pytest.raises(ConfigError):
         PullVerifier("s", granularity="layer")
 

@@ -39,7 +39,7 @@ def _blocks_of(engine: Engine, prompt: list[int], block_size: int) -> list[bytes
 def _caught(engine: Engine, prompt: list[int], blocks: list[bytes], bs: int, seed: str) -> bool:
     """One pull checked as a node checks it: the default verifier's sample, then its verdict."""
     verifier = PullVerifier(seed)
-    checks = verifier.sample(len(blocks), bs)
+    checks = verifier.sample(len(blocks), bs, engine.verify_run_tokens)
     return not verifier.judge(engine.token_errors(prompt, 0, blocks, checks), bs).ok
 
 
@@ -73,7 +73,11 @@ def _hf_altered(engine: Engine, block: bytes, first_token: int, token: int | Non
     return engine.encode_block(kv)
 
 
-def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(tiny_hf: Engine) -> None:
+def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(
+    tiny_hf: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerinfer.engine import hf_verify
+
     prompt = [5 + (i * 7) % 50 for i in range(26)]
     blocks = _blocks_of(tiny_hf, prompt, 4)
     assert len(blocks) == 6
@@ -81,6 +85,11 @@ def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(tiny_hf:
     honest = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
     assert sorted(honest) == every
     assert max(honest.values()) < TOL / 100, honest
+    # In groups of 5 tokens (a pass each, over the cells up to the group's last): the same.
+    monkeypatch.setattr(hf_verify, "_GROUP", 5)
+    grouped = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
+    assert sorted(grouped) == every and max(grouped.values()) < TOL / 100, grouped
+    monkeypatch.undo()
     # Every token of block 2 altered: caught at any one of its tokens, not before the block.
     whole = [*blocks[:2], _hf_altered(tiny_hf, blocks[2], 8, None, 0.5), *blocks[3:]]
     errors = dict(tiny_hf.token_errors(prompt, 0, whole, [3, 9]))
@@ -188,3 +197,44 @@ def test_llamacpp_token_errors_start_after_cached_blocks(smol: Engine) -> None:
     smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # empty
     with pytest.raises(EngineError):
         smol.token_errors(prompt, 2, blocks[2:], [1])
+
+
+# --------------------------------------------------------------------------------------------
+# Free checks: the digests of the blocks an engine computed itself (peerinfer.engine.kvmemo).
+
+
+def test_own_blocks_are_bounded_and_match_only_the_same_bytes() -> None:
+    from peerinfer.engine.kvmemo import OwnBlocks
+    from peerinfer.types import BlockHash
+
+    memo = OwnBlocks(capacity=3)
+    for h in range(5):
+        memo.remember(BlockHash(h), bytes([h]) * 8)
+    assert len(memo) == 3
+    assert not memo.matches(BlockHash(0), bytes([0]) * 8)  # forgotten first
+    assert memo.matches(BlockHash(4), bytes([4]) * 8)
+    assert not memo.matches(BlockHash(4), bytes([4]) * 7 + b"\x05")
+    assert not memo.matches(BlockHash(3), bytes([4]) * 8)  # another block's bytes
+
+
+def test_llamacpp_pulled_blocks_it_computed_itself_are_known_and_altered_ones_are_not(
+    smol: Engine,
+) -> None:
+    from peerinfer.engine.kvmemo import known_blocks
+
+    prompt = _smol_prompt(smol, "lakes")
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    for _ in smol.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    cache = smol.radix_cache
+    assert cache is not None
+    hashes = [n.hash for n in cache.match(prompt, touch=False).nodes]
+    blocks = smol.encode_blocks(hashes)
+    # Evicted (an emptied cache): the digests stay, and a pull of the same bytes is known.
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    assert known_blocks(smol, hashes, blocks) == frozenset(range(len(blocks)))
+    altered = list(blocks)
+    altered[1] = _ll_altered(blocks[1], 3, 0.01, layer=0)  # under any tolerance: still not known
+    assert known_blocks(smol, hashes, altered) == frozenset(range(len(blocks))) - {1}
+    swapped = [blocks[1], blocks[0], *blocks[2:]]
+    assert not {0, 1} & known_blocks(smol, hashes, swapped)
