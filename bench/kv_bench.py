@@ -147,7 +147,7 @@ def verify(args: argparse.Namespace) -> None:
                             verify_granularity=args.granularity)
     costs = DEFAULT_COSTS
     bs = args.block_size
-    print(f"# kv_bench verify: {settings.verify_granularity} granularity, runs of {args.run} "
+    print(f"# kv_bench verify: {settings.verify_granularity} granularity, runs of {args.run_tokens} "
           f"token(s), rate "
           f"{settings.verify_rate} of the tokens, at least {settings.verify_min_blocks} "
           f"block(s) a pull, tolerance {settings.verify_tolerance}, {bs}-token blocks, "
@@ -158,7 +158,7 @@ def verify(args: argparse.Namespace) -> None:
                  rng: random.Random) -> tuple[bool, int]:
         """One pull checked: ``bad`` maps an altered block to its altered token offsets (None:
         all of them). The block's scale is modelled as 4 (the few large values)."""
-        picked = verifier.sample(blocks, bs, args.run)
+        picked = verifier.sample(blocks, bs, args.run_tokens)
         errors = []
         for t in picked:
             b, o = divmod(t, bs)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--liars", type=lambda t: [x for x in t.split(",") if x], default=list(LIARS),
                    help=f"which liars, comma-separated, of {list(LIARS)}")
     p.add_argument("--granularity", default=None, help="token or block (default: the core's)")
-    p.add_argument("--run", type=int, default=1,
+    p.add_argument("--run-tokens", type=int, default=1,
                    help="checked tokens come in runs of this many (the engine's verify_run_tokens: "
                         "Transformers 1, llama.cpp 4)")
     p.add_argument("--honest-pulls", type=int, default=1000)

@@ -49,12 +49,14 @@ __all__ = [
 ]
 
 #: The share of a pull's tokens whose KV is recomputed to check it, spread over its blocks (at
-#: least one token in each of ``verify_min_blocks`` blocks). Chosen with bench/kv_bench.py verify
-#: and the engines' measured check cost (docs/performance.md, "Checking pulled KV"): with
-#: 16-token blocks it checks one or two tokens of every block, so a peer that alters whole blocks
-#: is caught at its first pull, at about 8% of the prefill a pull saves. A peer that alters the
-#: KV of one token is caught only at this rate per pull (docs/security.md, "Pulled KV").
-DEFAULT_VERIFY_RATE = 0.08
+#: least one token, or one run, in each of ``verify_min_blocks`` blocks). Chosen with
+#: bench/kv_bench.py verify and the engines' measured check cost (``verifycost``;
+#: docs/performance.md, "Checking pulled KV"): at 5% the check stayed under 10% of the prefill a
+#: pull saves on both engines, and with 16-token blocks 80% of a pull's blocks get a checked
+#: token (Transformers; 20% get a run of 4 on llama.cpp), so a peer that alters a whole block
+#: of each pull was caught within 20 pulls in 97.5-100% of modelled runs. A peer that alters the KV of
+#: one token is caught only at this rate per pull (docs/security.md, "Pulled KV").
+DEFAULT_VERIFY_RATE = 0.05
 #: A recomputed token's KV matches the pulled one when their largest difference is at most this
 #: share of the pulled block's largest magnitude: float noise between two runs of one engine
 #: (batching, thread counts) stays orders of magnitude below it.

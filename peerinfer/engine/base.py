@@ -96,7 +96,7 @@ from peerinfer.engine.events import (
     Tokens,
 )
 from peerinfer.engine.job import RequestJob, _Counters
-from peerinfer.engine.kvmemo import OwnBlocks, remember_stored
+from peerinfer.engine.kvmemo import remember_stored
 from peerinfer.engine.textstream import TextStream
 from peerinfer.engine.validation import validate_prompt, validate_sampling_params
 from peerinfer.errors import (
@@ -746,14 +746,6 @@ class Engine(ABC):
             if payload is not None:
                 self.free_segment(payload)
         remember_stored(self, cache, seq, have)  # a pull of them later is checked for free
-
-    @property
-    def own_blocks(self) -> OwnBlocks:
-        """Digests of the blocks this engine computed (:mod:`peerinfer.engine.kvmemo`)."""
-        memo: OwnBlocks | None = self.__dict__.get("_own_blocks")
-        if memo is None:
-            memo = self.__dict__["_own_blocks"] = OwnBlocks()
-        return memo
 
     # ------------------------------------------------------------ lifetime
 

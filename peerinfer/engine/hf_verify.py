@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from peerinfer.engine.hf_layers import _cache_layers
 from peerinfer.errors import EngineError
 
-if TYPE_CHECKING:
-    from peerinfer.engine.hf import TransformersEngine
+#: The Transformers engine (not imported: it imports this module).
+TransformersEngine = Any
 
 
 #: Checked tokens run in one forward pass, at most: the tokens are sorted by position and each
@@ -48,12 +48,18 @@ def _recompute(
     # too, masked out like the others' own)
     q = len(positions)
     kv = engine.kv_cache_from_segments([full[:, :, :, :width]], contiguous=True)
-    # Additive mask (0: attend): works for the eager and the sdpa attention alike.
-    mask = torch.full((1, 1, q, width + q), torch.finfo(engine.dtype).min,
-                      dtype=engine.dtype, device=device)
+    # As the engine's own prefill masks: boolean (True: attend) for sdpa, additive (0: attend)
+    # for the eager attention.
+    if engine._bool_mask:
+        mask = torch.zeros((1, 1, q, width + q), dtype=torch.bool, device=device)
+        seen: Any = True
+    else:
+        mask = torch.full((1, 1, q, width + q), torch.finfo(engine.dtype).min,
+                          dtype=engine.dtype, device=device)
+        seen = 0.0
     for j, p in enumerate(positions):
-        mask[0, 0, j, :p] = 0.0
-        mask[0, 0, j, width + j] = 0.0
+        mask[0, 0, j, :p] = seen
+        mask[0, 0, j, width + j] = seen
     kwargs: dict[str, Any] = {engine._cache_kw: kv, "use_cache": True}
     if engine._logits_kw is not None:
         kwargs[engine._logits_kw] = 1

@@ -22,13 +22,21 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from peerinfer.types import BlockHash
 
 if TYPE_CHECKING:
     from peerinfer.core.radix import RadixCache
-    from peerinfer.engine.base import Engine
+
+
+class _Engine(Protocol):
+    """What this module reads of an ``Engine`` (not imported: the engine imports this)."""
+
+    __dict__: dict[str, Any]
+
+    def kv_format(self) -> str | None: ...
+    def encode_block(self, payload: Any) -> bytes: ...
 
 #: Blocks remembered (about 100 bytes each with the dict's own: ~6.5 MB at most).
 MAX_DIGESTS = 65_536
@@ -60,27 +68,35 @@ class OwnBlocks:
         return known is not None and known == digest(data)
 
 
-def remember_stored(engine: Engine, cache: RadixCache, seq: Sequence[int], have: int) -> None:
+def own_blocks(engine: _Engine) -> OwnBlocks:
+    """``engine``'s memo (made on first use, kept across ``configure_cache``)."""
+    memo: OwnBlocks | None = engine.__dict__.get("_own_blocks")
+    if memo is None:
+        memo = engine.__dict__["_own_blocks"] = OwnBlocks()
+    return memo
+
+
+def remember_stored(engine: _Engine, cache: RadixCache, seq: Sequence[int], have: int) -> None:
     """After ``Engine._store`` inserted the blocks ``have ..`` of ``seq`` it computed: remember
     their digests (engines that cannot encode blocks remember nothing)."""
     if engine.kv_format() is None:
         return
-    memo = engine.own_blocks
+    memo = own_blocks(engine)
     for node in cache.match(tuple(seq), touch=False).nodes[have:]:
         if node.payload is not None:
             memo.remember(node.hash, engine.encode_block(node.payload))
 
 
 def known_blocks(
-    engine: Engine, hashes: Sequence[BlockHash], blocks: Sequence[bytes | memoryview]
+    engine: _Engine, hashes: Sequence[BlockHash], blocks: Sequence[bytes | memoryview]
 ) -> frozenset[int]:
     """The positions among pulled ``blocks`` (of ``hashes``) whose bytes are exactly what this
     engine computed for them: checked for free (see the module docstring)."""
-    memo = engine.own_blocks
+    memo = own_blocks(engine)
     if not len(memo):
         return frozenset()
     return frozenset(i for i, (h, b) in enumerate(zip(hashes, blocks, strict=False))
                      if memo.matches(h, b))
 
 
-__all__ = ["MAX_DIGESTS", "OwnBlocks", "digest", "known_blocks", "remember_stored"]
+__all__ = ["MAX_DIGESTS", "OwnBlocks", "digest", "known_blocks", "own_blocks", "remember_stored"]

@@ -37,9 +37,13 @@ def _blocks_of(engine: Engine, prompt: list[int], block_size: int) -> list[bytes
 
 
 def _caught(engine: Engine, prompt: list[int], blocks: list[bytes], bs: int, seed: str) -> bool:
-    """One pull checked as a node checks it: the default verifier's sample, then its verdict."""
-    verifier = PullVerifier(seed)
-    checks = verifier.sample(len(blocks), bs, engine.verify_run_tokens)
+    """One pull checked as a node checks it (the verifier's sample in the engine's runs, then its
+    verdict), at the rate that gives every block one run: an altered block is always sampled
+    (at the default rate a given block is sampled with probability rate * bs / run)."""
+    run = engine.verify_run_tokens
+    verifier = PullVerifier(seed, rate=run / bs)
+    checks = verifier.sample(len(blocks), bs, run)
+    assert {c // bs for c in checks} == set(range(len(blocks)))
     return not verifier.judge(engine.token_errors(prompt, 0, blocks, checks), bs).ok
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import trio
 
+from peerinfer.core.kvpull import PullVerifier
 from peerinfer.core.messages import (
     ErrorMessage,
     GenerateDone,
@@ -498,6 +499,15 @@ async def test_a_pull_between_transformers_nodes_gives_the_greedy_tokens_of_a_re
             e.close()
 
 
+def _check_every_block(node: Node) -> None:
+    """Give ``node``'s core a verifier that samples one run in every pulled block (at the
+    default rate a given block is sampled with probability rate * 16 / run, docs/security.md):
+    a holder altering one block is then caught at its first pull, whichever block it is."""
+    assert node.core is not None and node.engine is not None
+    run = node.engine.verify_run_tokens
+    node.core.trust.pull_verifier = PullVerifier(f"every-block/{node.peer_id}", rate=run / 16)
+
+
 def _alter_one_block(engine: Engine, alter: Callable[[bytes], bytes]) -> None:
     """Make ``engine`` a liar that alters ONE block of every pull it serves (the second, or
     the only one), every token of it, and serves the rest honestly."""
@@ -534,6 +544,7 @@ async def test_a_transformers_holder_altering_one_block_is_caught(tiny_model_dir
         ) as (holder, puller):
             text = "the quick brown fox jumps over the lazy dog " * 3
             recomputed, _ = await warm(holder, puller, text)
+            _check_every_block(puller)
             ids, done = await ask(puller, text)
             outcome = last_outcome(puller)
             assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
@@ -616,6 +627,7 @@ async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_an
         ) as (holder, puller):
             text = short_prompt(5)
             recomputed, _ = await warm(holder, puller, text)
+            _check_every_block(puller)
             ids, done = await ask(puller, text)
             outcome = last_outcome(puller)
             assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
