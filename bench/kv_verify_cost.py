@@ -83,8 +83,10 @@ def verify_cost(args: argparse.Namespace) -> None:
               f"{bs} ({nbytes / 1e6:.1f} MB), rate {rate}, runs of {engine.verify_run_tokens} "
               f"token(s); load average {os.getloadavg()[0]:.2f}")
         rows: list[tuple[str, int, float, float]] = []
-        for granularity in [g for g in args.granularities.split(",") if g]:
-            for trial in range(args.trials):
+        # Granularities alternate within each trial: the load on a shared machine drifts, and
+        # one granularity's trials all run back to back would meet another load than the other's.
+        for trial in range(args.trials):
+            for granularity in [g for g in args.granularities.split(",") if g]:
                 engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=bs))  # empty
                 verifier = PullVerifier(f"cost/{trial}", rate=rate, granularity=granularity)
                 checks = verifier.sample(n_blocks, bs, engine.verify_run_tokens)
