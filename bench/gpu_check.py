@@ -238,7 +238,7 @@ def check_llamacpp(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     gpu_layers = 0 if args.device == "cpu" else args.gpu_layers
     engine = LlamaCppEngine(args.model, gpu_layers=gpu_layers, max_batch_size=max(args.batch_sizes + [8]),
-                            threads=min(4, os.cpu_count() or 1) if args.device == "cpu" else None)
+                            threads=1 if args.device == "cpu" else None)
     out.update(gguf=str(engine.gguf), gpu_layers=gpu_layers, extra_buffers=engine.extra_buffers)
     try:
         chat, raw, warm = _prompts(engine, args, max(args.agree_requests, 8))
