@@ -128,6 +128,7 @@ def _pull(args: argparse.Namespace, lan: Any) -> None:
     engines = _engines(args)
     load_s = time.perf_counter() - loaded
     engine0 = engines[0]
+    spent = _time_engine_steps(engines[0], engines[1])
     # Generous timeouts: on a loaded machine a cold 2,000-token prefill, or a ping, can take long,
     # and a node that dropped its peer as gone would recompute instead of pulling.
     base = node_options(engine=args.engine, policy="local", swarm_key=SWARM_KEY, audit_rate=0.0,
@@ -211,12 +212,41 @@ def _pull(args: argparse.Namespace, lan: Any) -> None:
                 pulled_ids, pulled, outcome = second.call(pulled_ask, text)
                 local_ids, local = second.call(ask, recomputer, text)
                 rows.append(_row(trial, pulled_ids, pulled, outcome, local_ids, local, warm))
+                rows[-1].update({f"{step}_s": sum(spent.pop(step, [])) for step in STEPS})
                 if not args.json:
                     _print_row(rows[-1])
     finally:
         for e in engines:
             e.close()
     _summary(args, engine0, lan, load_s, rows)
+
+
+#: The engine calls of a pull that are timed (``_time_engine_steps``): the holder's encoding of
+#: the blocks (inside the transfer's time), the puller's check of a sample and its adoption.
+STEPS = ("encode", "check", "adopt")
+
+
+def _time_engine_steps(holder: Any, puller: Any) -> dict[str, list[float]]:
+    """Wrap the engines' pull steps with timers (on the instances, for this bench only); the
+    seconds each call took go to the returned lists, by step."""
+    spent: dict[str, list[float]] = {}
+
+    def wrap(engine: Any, method: str, step: str) -> None:
+        inner = getattr(engine, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:  # the engine's thread: list.append is atomic
+                spent.setdefault(step, []).append(time.perf_counter() - started)
+
+        setattr(engine, method, timed)
+
+    wrap(holder, "encode_blocks", "encode")
+    wrap(puller, "block_errors", "check")
+    wrap(puller, "adopt_blocks", "adopt")
+    return spent
 
 
 def _row(trial: int, pulled_ids: list[int], pulled: Any, outcome: Any, local_ids: list[int],
@@ -245,7 +275,9 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{row['pulled_bytes'] / 1e6:.1f} MB at {rate:.1f} MB/s, {row['checked_blocks']} blocks "
           f"checked, {row['cached_tokens']} cached) vs recompute {row['recompute_ttft_s']:.3f} s: "
           f"{row['ratio']:.3f}x, identical {row['identical']}"
-          + (f" [{row['pull_failure']}]" if row["pull_failure"] else ""), flush=True)
+          + (f" [{row['pull_failure']}]" if row["pull_failure"] else "")
+          + f"; holder's encode {row['encode_s']:.3f} s (in the transfer), check "
+          f"{row['check_s']:.3f} s, adopt {row['adopt_s']:.3f} s", flush=True)
 
 
 def _summary(args: argparse.Namespace, engine0: Any, lan: Any, load_s: float,
