@@ -11,6 +11,8 @@ nodes (``MemNetwork.node``) run under trio's virtual clock; imported on its own 
 ``peerinfer.testing.waiting``: bounded waits, ``wait_until`` (a predicate) and ``wait_for``
 (an awaited probe).
 ``peerinfer.testing.netns``: an emulated internet of network namespaces and NATs (root only).
+``peerinfer.testing.lan``: a two-host LAN (two namespaces and a veth, rate-shaped with ``tc
+tbf``) and ``LoopThread``, a trio loop on a thread inside one namespace (root only).
 """
 
 from peerinfer.testing.cluster import (
