@@ -63,7 +63,7 @@ from peerinfer.node import (
     NodeOptions,
 )
 from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
-from peerinfer.testing.memnet import MemNetwork
+from peerinfer.testing.memnet import MemHost, MemNetwork
 from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
@@ -356,25 +356,29 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path,
 # ------------------------------------------------------------------------------ fair share
 
 
-async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most() -> None:
+async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """32 long requests from one peer to a 4-slot node; an honest peer's request then gets
     its first token within 2x its idle time plus one request's service (issue 11's target),
     here within 2x idle + 1 s (issue 21's, met by preemption: tests/test_fairness_nodes.py
     has the rest of issue 21's flood). Without the per-requester share it would wait behind
-    all queued ones; without preemption, behind one service."""
+    all queued ones; without preemption, behind one service.
+
+    On the in-memory network under trio's virtual clock (the node's scheduling is the subject,
+    not the transport): the times compared are the cost model's, not the machine's load."""
     costs = replace(COSTS, slots=4, decode_s_per_token=0.0005)
+    net = MemNetwork()
+    host_config = HostConfig(persist_identity=False, mdns=False, stream_timeout_s=5.0)
     async with trio.open_nursery() as nursery:
-        # Liveness pings of 10 s, not 3: the flood's token streams share this one event loop,
-        # and a ping missed makes the node replace the flooder's connection as stalled.
-        node = Node(options(costs=costs, policy="local", peer_timeout_s=20.0),
-                    engine=SimulatedEngine(costs=costs))
+        node = net.node(options(costs=costs, policy="local", peer_timeout_s=20.0), SimulatedEngine(costs=costs))
         await nursery.start(node.serve)
-        async with raw_host(None, None) as attacker, raw_host(None, None) as honest:
+        async with net.open_host(host_config) as attacker, net.open_host(host_config) as honest:
             await attacker.connect(node.addresses()[0])
             await honest.connect(node.addresses()[0])
             tokens = tuple(range(100, 356))
 
-            async def first_token(host: Host, rid: str, max_tokens: int, done: list[float]) -> float:
+            async def first_token(host: MemHost, rid: str, max_tokens: int, done: list[float]) -> float:
                 # Direct requests, as a client sends them (the issue's attack).
                 request = GenerateRequest(
                     request_id=rid, params=SamplingParams(max_tokens=max_tokens), tokens=tokens
