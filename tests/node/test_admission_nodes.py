@@ -1,4 +1,7 @@
-"""Issue 11's attacks, against real nodes (libp2p on 127.0.0.1, the simulated engine) in-process.
+"""Issue 11's attacks, against real nodes (the simulated engine) in-process: on libp2p over
+127.0.0.1 where the attack goes through the transport (the swarm key, gossip, forged identities,
+a restart's connections), on the in-memory network under trio's virtual clock where the node's
+own logic is the subject (a wall-clock step, a flood of maximal requests).
 
 Each test plays one attack from the issue and asserts the figure the issue holds the node to:
 
