@@ -19,7 +19,7 @@ as the node would, at no cost in real time.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -534,44 +534,49 @@ def short_prompt(k: int) -> str:
     return f"question {k}: " + " ".join(f"w{k}x{i}" for i in range(30))
 
 
-async def test_a_pull_between_llamacpp_nodes_gives_the_greedy_tokens_of_a_recompute() -> None:
+@pytest.fixture(scope="module")
+def llama_engines() -> Iterator[list[Engine]]:
+    """Two llama.cpp engines for the module's tests (a node starting on one clears its cache:
+    ``Engine.configure_cache``), loaded once."""
     pytest.importorskip("llama_cpp")
     from peerinfer.engine.llamacpp import LlamaCppEngine
 
-    engines = [
+    engines: list[Engine] = [
         LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
     ]
-    try:
-        async with pair(
-            options(engine="llamacpp"),
-            options(engine="llamacpp", seed=2),
-            engines=lambda i: engines[i],
-        ) as (holder, puller):
-            text = short_prompt(3)
-            recomputed, _ = await warm(holder, puller, text)
-            ids, done = await ask(puller, text)
-            outcome = last_outcome(puller)
-            assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
-            assert outcome.checked >= 1
-            assert done.served_by == puller.peer_id
-            assert done.cached_tokens >= outcome.adopted_tokens
-            assert ids == recomputed and len(ids) == 8
-            assert puller.core is not None
-            assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
-    finally:
-        for e in engines:
-            e.close()
+    yield engines
+    for e in engines:
+        e.close()
 
 
-async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_answered() -> None:
-    pytest.importorskip("llama_cpp")
+async def test_a_pull_between_llamacpp_nodes_gives_the_greedy_tokens_of_a_recompute(
+    llama_engines: list[Engine],
+) -> None:
+    engines = llama_engines
+    async with pair(
+        options(engine="llamacpp"),
+        options(engine="llamacpp", seed=2),
+        engines=lambda i: engines[i],
+    ) as (holder, puller):
+        text = short_prompt(3)
+        recomputed, _ = await warm(holder, puller, text)
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+        assert outcome.checked >= 1
+        assert done.served_by == puller.peer_id
+        assert done.cached_tokens >= outcome.adopted_tokens
+        assert ids == recomputed and len(ids) == 8
+        assert puller.core is not None
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
+
+
+async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_answered(
+    llama_engines: list[Engine], monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import numpy as np
 
-    from peerinfer.engine.llamacpp import LlamaCppEngine
-
-    engines = [
-        LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
-    ]
+    engines = llama_engines
     honest = engines[0].encode_block
 
     def altered(payload: object) -> bytes:
@@ -582,24 +587,20 @@ async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_an
         data[-2:] = np.array([value + 100.0], dtype="<f2").tobytes()
         return bytes(data)
 
-    engines[0].encode_block = altered  # type: ignore[method-assign]
-    try:
-        async with pair(
-            options(engine="llamacpp"), options(engine="llamacpp", seed=2),
-            engines=lambda i: engines[i],
-        ) as (holder, puller):
-            text = short_prompt(5)
-            recomputed, _ = await warm(holder, puller, text)
-            ids, done = await ask(puller, text)
-            outcome = last_outcome(puller)
-            assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
-            assert outcome.adopted_tokens == 0 and outcome.checked >= 1
-            assert done.cached_tokens == 0 and ids == recomputed
-            assert puller.core is not None
-            await wait_until(
-                lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
-                , timeout=5,
-            )
-    finally:
-        for e in engines:
-            e.close()
+    monkeypatch.setattr(engines[0], "encode_block", altered)
+    async with pair(
+        options(engine="llamacpp"), options(engine="llamacpp", seed=2),
+        engines=lambda i: engines[i],
+    ) as (holder, puller):
+        text = short_prompt(5)
+        recomputed, _ = await warm(holder, puller, text)
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
+        assert outcome.adopted_tokens == 0 and outcome.checked >= 1
+        assert done.cached_tokens == 0 and ids == recomputed
+        assert puller.core is not None
+        await wait_until(
+            lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
+            , timeout=5,
+        )
