@@ -1,4 +1,7 @@
-"""Issue 11's attacks, against real nodes (libp2p on 127.0.0.1, the simulated engine) in-process.
+"""Issue 11's attacks, against real nodes (the simulated engine) in-process: on libp2p over
+127.0.0.1 where the attack goes through the transport (the swarm key, gossip, forged identities,
+a restart's connections), on the in-memory network under trio's virtual clock where the node's
+own logic is the subject (a wall-clock step, a flood of maximal requests).
 
 Each test plays one attack from the issue and asserts the figure the issue holds the node to:
 
@@ -9,8 +12,9 @@ Each test plays one attack from the issue and asserts the figure the issue holds
 * 300 forged identities relayed over one connection: 0 members, 0 candidates, 0 forwards, 0
   dials; a peer exchange from a member is dialed at a bounded rate;
 * a wall-clock step of -300 s / +700 s on one node, or a 15-minute skew: it stays a member
-  and a candidate everywhere and keeps receiving announcements; epochs outgrow a restart
-  whose clock stepped back an hour.
+  and a candidate everywhere and keeps receiving announcements (on the in-memory network under
+  trio's virtual clock: the wall clock is the node's, not the transport's); epochs outgrow a
+  restart whose clock stepped back an hour.
 
 Every wait is bounded (``wait_until``), every node and host is stopped by its nursery.
 """
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
@@ -61,6 +66,7 @@ from peerinfer.node import (
     NodeOptions,
 )
 from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
+from peerinfer.testing.memnet import MemHost, MemNetwork
 from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
@@ -83,6 +89,19 @@ async def nodes(*per_node: dict[str, object]) -> AsyncIterator[list[Node]]:
     """One node per dict of option overrides, each bootstrapping from the first."""
     def make(i: int, bootstrap: tuple[str, ...]) -> Node:
         return Node(options(**{"bootstrap": bootstrap, **per_node[i]}), engine=SimulatedEngine(costs=COSTS))
+
+    async with open_nodes(len(per_node), make, topology="star") as started:
+        yield started
+
+
+@asynccontextmanager
+async def mem_nodes(*per_node: dict[str, object]) -> AsyncIterator[list[Node]]:
+    """``nodes`` on the in-memory network, the simulated engine called inline (for trio's
+    virtual clock: the test takes ``autojump_clock``)."""
+    net = MemNetwork()
+
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        return net.node(options(**{"bootstrap": bootstrap, **per_node[i]}), SimulatedEngine(costs=COSTS))
 
     async with open_nodes(len(per_node), make, topology="star") as started:
         yield started
@@ -280,9 +299,11 @@ class SteppedClock:
     ("skew_s", "step_s"), [(0.0, -300.0), (0.0, 700.0), (900.0, 0.0)],
     ids=["step-300s", "step+700s", "skew15min"],
 )
-async def test_a_clock_step_or_skew_changes_nothing(skew_s: float, step_s: float) -> None:
+async def test_a_clock_step_or_skew_changes_nothing(
+    skew_s: float, step_s: float, autojump_clock: trio.testing.MockClock,
+) -> None:
     clock = SteppedClock(skew_s)
-    async with nodes({}, {}, {"wall_clock": clock}) as (a, b, c):
+    async with mem_nodes({}, {}, {"wall_clock": clock}) as (a, b, c):
         others = (a, b)
         await wait_until(lambda: all(candidate_at(o, c) and candidate_at(c, o) for o in others), 45)
         clock.offset_s += step_s
@@ -338,25 +359,29 @@ async def test_epochs_outgrow_a_restart_whose_clock_stepped_back(tmp_path: Path,
 # ------------------------------------------------------------------------------ fair share
 
 
-async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most() -> None:
+async def test_a_flood_of_maximal_requests_delays_an_honest_peer_by_one_service_at_most(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """32 long requests from one peer to a 4-slot node; an honest peer's request then gets
     its first token within 2x its idle time plus one request's service (issue 11's target),
     here within 2x idle + 1 s (issue 21's, met by preemption: tests/test_fairness_nodes.py
     has the rest of issue 21's flood). Without the per-requester share it would wait behind
-    all queued ones; without preemption, behind one service."""
+    all queued ones; without preemption, behind one service.
+
+    On the in-memory network under trio's virtual clock (the node's scheduling is the subject,
+    not the transport): the times compared are the cost model's, not the machine's load."""
     costs = replace(COSTS, slots=4, decode_s_per_token=0.0005)
+    net = MemNetwork()
+    host_config = HostConfig(persist_identity=False, mdns=False, stream_timeout_s=5.0)
     async with trio.open_nursery() as nursery:
-        # Liveness pings of 10 s, not 3: the flood's token streams share this one event loop,
-        # and a ping missed makes the node replace the flooder's connection as stalled.
-        node = Node(options(costs=costs, policy="local", peer_timeout_s=20.0),
-                    engine=SimulatedEngine(costs=costs))
+        node = net.node(options(costs=costs, policy="local", peer_timeout_s=20.0), SimulatedEngine(costs=costs))
         await nursery.start(node.serve)
-        async with raw_host(None, None) as attacker, raw_host(None, None) as honest:
+        async with net.open_host(host_config) as attacker, net.open_host(host_config) as honest:
             await attacker.connect(node.addresses()[0])
             await honest.connect(node.addresses()[0])
             tokens = tuple(range(100, 356))
 
-            async def first_token(host: Host, rid: str, max_tokens: int, done: list[float]) -> float:
+            async def first_token(host: MemHost, rid: str, max_tokens: int, done: list[float]) -> float:
                 # Direct requests, as a client sends them (the issue's attack).
                 request = GenerateRequest(
                     request_id=rid, params=SamplingParams(max_tokens=max_tokens), tokens=tokens

@@ -1,4 +1,7 @@
-"""KV pulls between real nodes (libp2p on 127.0.0.1, one process; issue 24).
+"""KV pulls between nodes (issue 24): on the in-memory network under trio's virtual clock
+(``peerinfer.testing.memnet``, the simulated engine called inline), and on libp2p over
+127.0.0.1 where the transport is the subject (the muxer's receive window, admission) or the
+engines are real (Transformers, llama.cpp).
 
 A holder warms a prompt; a puller, asked the same prompt, pulls the holder's KV over
 ``/peerinfer/kv/1.0.0``, checks a sample by recomputing it, adopts it and serves the request with
@@ -8,19 +11,22 @@ holder that does not trust the puller; caught when the holder alters the bytes (
 banned, the request recomputed); recomputed when the holder vanishes or stalls mid-pull.
 The puller runs the ``local`` policy with ``kv_pull="always"``: every request is served there,
 pulling from the trusted holder with the longest match (the core's baseline mode), so the tests
-do not depend on the cost estimates. Every wait is bounded.
+do not depend on the cost estimates. Every wait is bounded. On the in-memory network a wait
+costs virtual seconds only, so the frame timeouts and an engine busy for seconds are waited out
+as the node would, at no cost in real time.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from peerinfer.core.kvpull import PullVerifier
 from peerinfer.core.messages import (
@@ -34,11 +40,13 @@ from peerinfer.core.messages import (
 )
 from peerinfer.core.node import ProbeLink
 from peerinfer.engine.base import Engine
+from peerinfer.engine.decoder import NEVER_CANCELLED, wait_cancelled
 from peerinfer.net import FramedStream
 from peerinfer.node import Node, NodeOptions
 from peerinfer.node.kvpull import PullOutcome
 from peerinfer.node.options import KV_PROTOCOL
 from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
+from peerinfer.testing.memnet import MemNetwork
 from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
@@ -107,6 +115,27 @@ async def pair(
         yield holder, puller
 
 
+@asynccontextmanager
+async def mem_pair(holder_opts: NodeOptions, puller_opts: NodeOptions) -> AsyncIterator[tuple[Node, Node]]:
+    """``pair`` on the in-memory network: simulated engines called inline, for trio's virtual
+    clock (the test takes ``autojump_clock``)."""
+    net = MemNetwork()
+    made = (holder_opts, puller_opts)
+
+    def make(i: int, bootstrap: tuple[str, ...]) -> Node:
+        from dataclasses import replace
+
+        return net.node(replace(made[i], bootstrap=bootstrap))
+
+    async with open_nodes(2, make) as (holder, puller):
+        yield holder, puller
+
+
+def engine_busy(seconds: float) -> None:
+    """Hold the engine (its thread, or with inline calls the owed virtual time) ``seconds``."""
+    wait_cancelled(NEVER_CANCELLED, seconds)
+
+
 async def warm(holder: Node, puller: Node, text: str) -> tuple[list[int], GenerateDone]:
     ids, done = await ask(holder, text)
     assert done.cached_tokens == 0
@@ -119,8 +148,8 @@ def last_outcome(node: Node) -> PullOutcome:
     return node.kv.outcomes[-1]
 
 
-async def test_a_pull_serves_the_tokens_of_a_recompute_with_the_prefix_cached() -> None:
-    async with pair(options(), options(seed=2)) as (holder, puller):
+async def test_a_pull_serves_the_tokens_of_a_recompute_with_the_prefix_cached(autojump_clock: trio.testing.MockClock) -> None:
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(1)
         recomputed, _ = await warm(holder, puller, text)
         ids, done = await ask(puller, text)
@@ -138,8 +167,8 @@ async def test_a_pull_serves_the_tokens_of_a_recompute_with_the_prefix_cached() 
         assert links is not None and links.bandwidth(PeerId(holder.peer_id), puller.ctx.now())
 
 
-async def test_a_probe_measures_the_link() -> None:
-    async with pair(options(), options(seed=2)) as (holder, puller):
+async def test_a_probe_measures_the_link(autojump_clock: trio.testing.MockClock) -> None:
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         await holder_seen(puller, holder, 0)
         assert puller.core is not None and puller.core.choice.links is not None
         await puller.kv.probe(ProbeLink(PeerId(holder.peer_id), 1 << 20))
@@ -173,10 +202,10 @@ async def test_a_stream_reset_while_widening_the_window_fails_the_probe_not_the_
         assert not puller.ctx.closing
 
 
-async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
+async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed(autojump_clock: trio.testing.MockClock) -> None:
     """The core asks for a probe (``ProbeLink``) of a holder's link it has no figure for; the
     node fetches the filler and reports the transfer, so the link has a figure after."""
-    async with pair(options(), options(policy="cost", kv_pull="auto", seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(policy="cost", kv_pull="auto", seed=2)) as (holder, puller):
         text = prompt(6)
         await warm(holder, puller, text)
         assert puller.core is not None and puller.core.choice.links is not None
@@ -189,13 +218,13 @@ async def test_in_auto_mode_a_holder_without_a_link_figure_is_probed() -> None:
         )
 
 
-async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
+async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format(autojump_clock: trio.testing.MockClock) -> None:
     """Filler requests back to back: the burst is served, the next is refused as busy; a pull
     in another KV format is refused as such. (Each request on its own stream.)"""
     from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
     from peerinfer.node.kvpull import PULL_BURST_PER_PEER
 
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         await holder_seen(puller, holder, 0)
         assert puller.host is not None
         answers = []
@@ -217,13 +246,13 @@ async def test_a_holder_bounds_each_peer_s_pull_rate_and_the_format() -> None:
         assert isinstance(done, KvPullDone) and done.refused == "format"
 
 
-async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame() -> None:
+async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame(autojump_clock: trio.testing.MockClock) -> None:
     """A block that would not fit one frame is refused as "too_large" (before: sent anyway,
     and the puller's frame limit failed the stream)."""
     from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
     from peerinfer.node.kvpull import MAX_KV_BLOCK_BYTES
 
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(7)
         await warm(holder, puller, text)
         engine = holder.engine
@@ -246,18 +275,16 @@ async def test_a_holder_refuses_a_pull_of_blocks_larger_than_a_frame() -> None:
 
 
 async def test_a_holder_serves_one_pull_per_peer_at_a_time_each_within_the_pull_timeout(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Two pulls of one peer at once (two streams): one is served, the other refused as busy,
     so one peer cannot take every serving slot. A serve that outlasts ``PULL_TIMEOUT_S`` is
     ended (its stream reset) and frees its slot."""
-    import time
-
     from peerinfer.core.messages import KvPullDone, KvPullRequest, decode
     from peerinfer.errors import PeerUnavailableError
     from peerinfer.node import kvpull
 
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         await holder_seen(puller, holder, 0)
         engine = holder.engine
         assert engine is not None and puller.host is not None
@@ -266,7 +293,7 @@ async def test_a_holder_serves_one_pull_per_peer_at_a_time_each_within_the_pull_
         host = puller.host
 
         def slow(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
-            time.sleep(1.0)  # the engine thread
+            engine_busy(1.0)
             return []
 
         engine.encode_blocks = slow  # type: ignore[method-assign]
@@ -311,11 +338,11 @@ async def test_the_kv_protocol_is_admitted_like_every_other() -> None:
         assert holder.ctx.traffic["kv-probe", "sent"] == 0
 
 
-async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_recomputed() -> None:
+async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_recomputed(autojump_clock: trio.testing.MockClock) -> None:
     # An open swarm: the puller opted in to pulling there, the holder did not.
     holder_opts = options(swarm_key=None)
     puller_opts = options(swarm_key=None, kv_pull_open_swarm=True, seed=2)
-    async with pair(holder_opts, puller_opts) as (holder, puller):
+    async with mem_pair(holder_opts, puller_opts) as (holder, puller):
         text = prompt(2)
         recomputed, _ = await warm(holder, puller, text)
         ids, done = await ask(puller, text)
@@ -331,8 +358,8 @@ async def test_a_holder_refuses_a_peer_it_does_not_trust_and_the_request_is_reco
         assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
 
 
-async def test_without_the_open_swarm_opt_in_a_node_never_pulls() -> None:
-    async with pair(options(swarm_key=None), options(swarm_key=None, seed=2)) as (holder, puller):
+async def test_without_the_open_swarm_opt_in_a_node_never_pulls(autojump_clock: trio.testing.MockClock) -> None:
+    async with mem_pair(options(swarm_key=None), options(swarm_key=None, seed=2)) as (holder, puller):
         text = prompt(3)
         recomputed, _ = await warm(holder, puller, text)
         ids, done = await ask(puller, text)
@@ -340,8 +367,8 @@ async def test_without_the_open_swarm_opt_in_a_node_never_pulls() -> None:
         assert done.cached_tokens == 0 and ids == recomputed
 
 
-async def test_a_holder_serving_altered_kv_is_caught_banned_and_the_request_answered() -> None:
-    async with pair(options(), options(seed=2)) as (holder, puller):
+async def test_a_holder_serving_altered_kv_is_caught_banned_and_the_request_answered(autojump_clock: trio.testing.MockClock) -> None:
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         engine = holder.engine
         assert engine is not None
         honest = engine.encode_block
@@ -366,10 +393,10 @@ async def test_a_holder_serving_altered_kv_is_caught_banned_and_the_request_answ
         )
 
 
-async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody() -> None:
+async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody(autojump_clock: trio.testing.MockClock) -> None:
     """With no verifier left (pulls turned off while the pull ran) nothing judges the holder:
     nothing is adopted, the request is recomputed, and the honest holder is not banned."""
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(9)
         recomputed, _ = await warm(holder, puller, text)
         assert puller.core is not None
@@ -382,14 +409,12 @@ async def test_a_pull_whose_checks_are_turned_off_meanwhile_blames_nobody() -> N
         assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
 
 
-async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull() -> None:
+async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull(autojump_clock: trio.testing.MockClock) -> None:
     """The holder's first frame waits for its engine thread (the lock): longer than the 5 s
     between frames, within the first frame's wait, the pull still succeeds."""
-    import time
-
     from peerinfer.node.kvpull import PULL_FIRST_FRAME_TIMEOUT_S, PULL_FRAME_TIMEOUT_S
 
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(10)
         recomputed, _ = await warm(holder, puller, text)
         engine = holder.engine
@@ -399,7 +424,7 @@ async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull() -> 
         assert delay < PULL_FIRST_FRAME_TIMEOUT_S
 
         def busy(hashes: list[int], max_bytes: int | None = None) -> list[bytes]:
-            time.sleep(delay)  # the engine thread, as if the lock were held
+            engine_busy(delay)  # as if the engine lock were held
             return honest(hashes, max_bytes)
 
         engine.encode_blocks = busy  # type: ignore[method-assign]
@@ -410,8 +435,10 @@ async def test_a_holder_whose_engine_is_busy_a_while_still_serves_the_pull() -> 
 
 
 @pytest.mark.parametrize("how", ["reset", "stall"])
-async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute(how: str) -> None:
-    async with pair(options(), options(seed=2)) as (holder, puller):
+async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute(
+    how: str, autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(5)
         recomputed, _ = await warm(holder, puller, text)
         engine = holder.engine
@@ -436,10 +463,10 @@ async def test_a_holder_that_vanishes_mid_pull_leaves_the_request_to_a_recompute
         assert trio.current_time() - started < 15  # a stalled holder costs one frame timeout
 
 
-async def test_a_block_of_the_wrong_length_is_refused_as_it_arrives() -> None:
+async def test_a_block_of_the_wrong_length_is_refused_as_it_arrives(autojump_clock: trio.testing.MockClock) -> None:
     """The puller does not buffer a block whose length is not the format's: the pull fails on
     that frame (not a frame timeout later), and the request is recomputed."""
-    async with pair(options(), options(seed=2)) as (holder, puller):
+    async with mem_pair(options(), options(seed=2)) as (holder, puller):
         text = prompt(8)
         recomputed, _ = await warm(holder, puller, text)
         engine = holder.engine
@@ -508,7 +535,9 @@ def _check_every_block(node: Node) -> None:
     node.core.trust.pull_verifier = PullVerifier(f"every-block/{node.peer_id}", rate=run / 16)
 
 
-def _alter_one_block(engine: Engine, alter: Callable[[bytes], bytes]) -> None:
+def _alter_one_block(
+    engine: Engine, alter: Callable[[bytes], bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Make ``engine`` a liar that alters ONE block of every pull it serves (the second, or
     the only one), every token of it, and serves the rest honestly."""
     honest = engine.encode_blocks
@@ -520,10 +549,13 @@ def _alter_one_block(engine: Engine, alter: Callable[[bytes], bytes]) -> None:
             blocks[i] = alter(blocks[i])
         return blocks
 
-    engine.encode_blocks = encode_blocks  # type: ignore[method-assign]
+    # Through monkeypatch: the llama.cpp engines are shared by the module's tests.
+    monkeypatch.setattr(engine, "encode_blocks", encode_blocks)
 
 
-async def test_a_transformers_holder_altering_one_block_is_caught(tiny_model_dir: Path) -> None:
+async def test_a_transformers_holder_altering_one_block_is_caught(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The default verifier checks a token or two of every block: a holder that alters one
     whole block of each pull is caught at its first, and the request is recomputed."""
     import torch
@@ -537,7 +569,7 @@ async def test_a_transformers_holder_altering_one_block_is_caught(tiny_model_dir
         kv = holder_engine.decode_block(block, 0).payload
         return holder_engine.encode_block(kv + 0.5 * torch.sign(kv))
 
-    _alter_one_block(holder_engine, alter)
+    _alter_one_block(holder_engine, alter, monkeypatch)
     try:
         async with pair(
             options(engine="hf"), options(engine="hf", seed=2), engines=lambda i: engines[i]
@@ -569,44 +601,49 @@ def short_prompt(k: int) -> str:
     return f"question {k}: " + " ".join(f"w{k}x{i}" for i in range(30))
 
 
-async def test_a_pull_between_llamacpp_nodes_gives_the_greedy_tokens_of_a_recompute() -> None:
+@pytest.fixture(scope="module")
+def llama_engines() -> Iterator[list[Engine]]:
+    """Two llama.cpp engines for the module's tests (a node starting on one clears its cache:
+    ``Engine.configure_cache``), loaded once."""
     pytest.importorskip("llama_cpp")
     from peerinfer.engine.llamacpp import LlamaCppEngine
 
-    engines = [
+    engines: list[Engine] = [
         LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
     ]
-    try:
-        async with pair(
-            options(engine="llamacpp"),
-            options(engine="llamacpp", seed=2),
-            engines=lambda i: engines[i],
-        ) as (holder, puller):
-            text = short_prompt(3)
-            recomputed, _ = await warm(holder, puller, text)
-            ids, done = await ask(puller, text)
-            outcome = last_outcome(puller)
-            assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
-            assert outcome.checked >= 1
-            assert done.served_by == puller.peer_id
-            assert done.cached_tokens >= outcome.adopted_tokens
-            assert ids == recomputed and len(ids) == 8
-            assert puller.core is not None
-            assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
-    finally:
-        for e in engines:
-            e.close()
+    yield engines
+    for e in engines:
+        e.close()
 
 
-async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_answered() -> None:
-    pytest.importorskip("llama_cpp")
+async def test_a_pull_between_llamacpp_nodes_gives_the_greedy_tokens_of_a_recompute(
+    llama_engines: list[Engine],
+) -> None:
+    engines = llama_engines
+    async with pair(
+        options(engine="llamacpp"),
+        options(engine="llamacpp", seed=2),
+        engines=lambda i: engines[i],
+    ) as (holder, puller):
+        text = short_prompt(3)
+        recomputed, _ = await warm(holder, puller, text)
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+        assert outcome.checked >= 1
+        assert done.served_by == puller.peer_id
+        assert done.cached_tokens >= outcome.adopted_tokens
+        assert ids == recomputed and len(ids) == 8
+        assert puller.core is not None
+        assert PeerId(holder.peer_id) not in puller.core.trust.reputation.blocked()
+
+
+async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_answered(
+    llama_engines: list[Engine], monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import numpy as np
 
-    from peerinfer.engine.llamacpp import LlamaCppEngine
-
-    engines = [
-        LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
-    ]
+    engines = llama_engines
     from peerinfer.engine import llamacpp_state as llstate
 
     def alter(block: bytes) -> bytes:
@@ -619,25 +656,21 @@ async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_an
             values[...] = (values.astype(np.float32) + 2.0).astype("<f2")
         return bytes(raw)
 
-    _alter_one_block(engines[0], alter)
-    try:
-        async with pair(
-            options(engine="llamacpp"), options(engine="llamacpp", seed=2),
-            engines=lambda i: engines[i],
-        ) as (holder, puller):
-            text = short_prompt(5)
-            recomputed, _ = await warm(holder, puller, text)
-            _check_every_block(puller)
-            ids, done = await ask(puller, text)
-            outcome = last_outcome(puller)
-            assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
-            assert outcome.adopted_tokens == 0 and outcome.checked >= 1
-            assert done.cached_tokens == 0 and ids == recomputed
-            assert puller.core is not None
-            await wait_until(
-                lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
-                , timeout=5,
-            )
-    finally:
-        for e in engines:
-            e.close()
+    _alter_one_block(engines[0], alter, monkeypatch)
+    async with pair(
+        options(engine="llamacpp"), options(engine="llamacpp", seed=2),
+        engines=lambda i: engines[i],
+    ) as (holder, puller):
+        text = short_prompt(5)
+        recomputed, _ = await warm(holder, puller, text)
+        _check_every_block(puller)
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
+        assert outcome.adopted_tokens == 0 and outcome.checked >= 1
+        assert done.cached_tokens == 0 and ids == recomputed
+        assert puller.core is not None
+        await wait_until(
+            lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
+            , timeout=5,
+        )
