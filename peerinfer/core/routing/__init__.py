@@ -143,7 +143,8 @@ POLICY_NAMES = (
 DEFAULT_POLICY = "cost"
 
 _COST_OPTIONS = frozenset(
-    {"staleness_half_life_s", "min_gain_s", "min_gain_fraction", "mean_service_s"}
+    {"staleness_half_life_s", "min_gain_s", "min_gain_fraction", "mean_service_s",
+     "extra_work_weight"}
 )
 
 
