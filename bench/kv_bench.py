@@ -10,6 +10,8 @@
                                         # nodes (bench/kv_pull_bench.py; docs/performance.md)
     python bench/kv_bench.py disk       # TTFT of a disk-tier hit on a 2,000-token prefix against
                                         # a recompute, and a restart (bench/kv_disk.py)
+    python bench/kv_bench.py verifycost # the pull check's compute on a real engine, against
+                                        # the prefill a pull saves (bench/kv_verify_cost.py)
 
 Each subcommand is one function taking the parsed arguments, or a module beside this one with
 ``add_parser(subparsers)`` (``pull``, ``disk``); add a study by adding a parser and a function
@@ -100,88 +102,115 @@ def decision(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- verify
 
 
-def _block(rng: random.Random, width: int) -> list[float]:
-    """One block's KV values, as a model writes them (roughly normal, a few large)."""
+def _token_values(rng: random.Random, width: int) -> list[float]:
+    """One token's KV values, as a model writes them (roughly normal, a few large)."""
     return [rng.gauss(0.0, 1.0) * (4.0 if rng.random() < 0.02 else 1.0) for _ in range(width)]
 
 
 def _honest_noise(values: list[float], rng: random.Random, ulps: float) -> list[float]:
-    """A recompute of the same block on the same engine: each value off by up to ``ulps``
+    """A recompute of the same token on the same engine: each value off by up to ``ulps``
     units in the last place of bfloat16 (8 significant bits), as batching or thread counts
     change the order of float sums."""
     step = 2.0 ** -8
     return [v + v * step * rng.uniform(-ulps, ulps) for v in values]
 
 
-def _altered(values: list[float], rng: random.Random, strength: float) -> list[float]:
-    """A liar's block: a tenth of its values moved by ``strength`` times the block's scale."""
-    scale = max(abs(v) for v in values)
-    return [v + strength * scale * rng.choice((-1.0, 1.0)) if rng.random() < 0.1 else v
-            for v in values]
+def _altered(values: list[float], scale: float, rng: random.Random, strength: float) -> list[float]:
+    """A liar's token: a tenth of its values (at least one) moved by ``strength`` times the
+    block's scale."""
+    out = list(values)
+    moved = [i for i in range(len(out)) if rng.random() < 0.1] or [rng.randrange(len(out))]
+    for i in moved:
+        out[i] += strength * scale * rng.choice((-1.0, 1.0))
+    return out
+
+
+#: The liars the bench models, by name: (share of blocks altered, 0 for exactly one; whether
+#: only one token of them is altered, else every token of each).
+LIARS = {
+    "5% of blocks": (0.05, False),
+    "20% of blocks": (0.2, False),
+    "1 block": (0.0, False),
+    "1 token": (0.0, True),
+}
 
 
 def verify(args: argparse.Namespace) -> None:
     """Drive the core's verifier (``PullVerifier``) and trust (``Trust.on_pull_checked``) with
-    modelled peers: honest ones whose blocks match the recompute up to float noise, liars that
-    alter a share of each pull's blocks; count catches, false bans and the recompute cost."""
+    modelled peers: honest ones whose tokens' KV matches the recompute up to float noise, liars
+    that alter every token of a share of each pull's blocks, or one token of one block; count
+    catches, false bans and the recompute cost."""
     from peerinfer.core.costmodel import DEFAULT_COSTS
-    from peerinfer.core.kvpull import PullSettings, PullVerifier, relative_error
+    from peerinfer.core.kvpull import PullSettings, PullVerifier
     from peerinfer.core.node import NodeConfig, PullChecked
     from peerinfer.core.node.trust import Trust
     from peerinfer.types import PeerId
 
     settings = PullSettings(verify_rate=args.rate, verify_tolerance=args.tolerance,
-                            verify_min_blocks=args.min_blocks)
+                            verify_min_blocks=args.min_blocks,
+                            verify_granularity=args.granularity)
     costs = DEFAULT_COSTS
     bs = args.block_size
-    print(f"# kv_bench verify: rate {settings.verify_rate}, min {settings.verify_min_blocks} "
+    print(f"# kv_bench verify: {settings.verify_granularity} granularity, runs of {args.run_tokens} "
+          f"token(s), rate "
+          f"{settings.verify_rate} of the tokens, at least {settings.verify_min_blocks} "
           f"block(s) a pull, tolerance {settings.verify_tolerance}, {bs}-token blocks, "
-          f"{args.width} values a block (model), honest noise up to {args.ulps} bf16 ulps, "
+          f"{args.width} values a token (model), honest noise up to {args.ulps} bf16 ulps, "
           f"liar strength {args.strength}; load average {os.getloadavg()[0]:.2f}")
 
-    def one_pull(verifier: PullVerifier, blocks: int, bad: set[int], rng: random.Random) -> tuple[bool, int]:
-        picked = verifier.sample(blocks)
+    def one_pull(verifier: PullVerifier, blocks: int, bad: dict[int, set[int] | None],
+                 rng: random.Random) -> tuple[bool, int]:
+        """One pull checked: ``bad`` maps an altered block to its altered token offsets (None:
+        all of them). The block's scale is modelled as 4 (the few large values)."""
+        picked = verifier.sample(blocks, bs, args.run_tokens)
         errors = []
-        for b in picked:
-            pulled = _block(rng, args.width)
+        for t in picked:
+            b, o = divmod(t, bs)
+            pulled = _token_values(rng, args.width)
             recomputed = _honest_noise(pulled, rng, args.ulps)
-            if b in bad:
-                pulled = _altered(pulled, rng, args.strength)
-            errors.append((b, relative_error(pulled, recomputed)))
-        return verifier.judge(errors).ok, len(picked)
+            scale = max(4.0, max(abs(v) for v in pulled))
+            offsets = bad.get(b, set())
+            if offsets is None or o in offsets:
+                pulled = _altered(pulled, scale, rng, args.strength)
+            diff = max(abs(x - y) for x, y in zip(pulled, recomputed, strict=True))
+            errors.append((t, diff / scale))
+        return verifier.judge(errors, bs).ok, len(picked)
 
-    def liar_blocks(blocks: int, share: float, rng: random.Random) -> set[int]:
+    def liar_blocks(blocks: int, share: float, one_token: bool,
+                    rng: random.Random) -> dict[int, set[int] | None]:
         count = max(1, round(share * blocks)) if share > 0 else 1
-        return set(rng.sample(range(blocks), min(count, blocks)))
+        chosen = rng.sample(range(blocks), min(count, blocks))
+        return {b: {rng.randrange(bs)} if one_token else None for b in chosen}
 
     print("\n| pull tokens | liar alters | caught within 20 pulls (of runs) | median pulls to catch |")
     print("|---|---|---|---|")
     for tokens in args.pull_tokens:
         blocks = tokens // bs
-        for share in args.liar_shares:
+        for name in args.liars:
+            share, one_token = LIARS[name]
             caught = 0
             to_catch: list[int] = []
             for run in range(args.runs):
-                rng = random.Random(f"liar/{tokens}/{share}/{run}")
+                rng = random.Random(f"liar/{tokens}/{name}/{run}")
                 config = NodeConfig(peer_id=PeerId(f"verifier-{run}"), kv_pull=settings)
                 trust = Trust(config)
                 verifier = trust.pull_verifier
                 assert verifier is not None
                 liar = PeerId("liar")
                 for k in range(1, args.max_pulls + 1):
-                    ok, _ = one_pull(verifier, blocks, liar_blocks(blocks, share, rng), rng)
+                    bad = liar_blocks(blocks, share, one_token, rng)
+                    ok, _ = one_pull(verifier, blocks, bad, rng)
                     ban = trust.on_pull_checked(PullChecked(liar, ok, ""), float(k))
                     if ban is not None:
                         to_catch.append(k)
                         if k <= 20:
                             caught += 1
                         break
-            what = "1 block" if share == 0 else f"{share:.0%} of blocks"
             median = statistics.median(to_catch) if to_catch else math.inf
-            print(f"| {tokens} | {what} | {caught}/{args.runs} = {caught / args.runs:.1%} | {median} |")
+            print(f"| {tokens} | {name} | {caught}/{args.runs} = {caught / args.runs:.1%} | {median} |")
 
-    print("\n| pull tokens | honest pulls | honest peers penalized | blocks recomputed | "
-          "verify compute / compute saved |")
+    print("\n| pull tokens | honest pulls | honest peers penalized | tokens recomputed | "
+          "verify compute / compute saved (model) |")
     print("|---|---|---|---|---|")
     for tokens in args.pull_tokens:
         blocks = tokens // bs
@@ -194,13 +223,14 @@ def verify(args: argparse.Namespace) -> None:
         checked = 0
         for k in range(args.honest_pulls):
             peer = peers[k % len(peers)]
-            ok, n = one_pull(verifier, blocks, set(), rng)
+            ok, n = one_pull(verifier, blocks, {}, rng)
             checked += n
             if trust.on_pull_checked(PullChecked(peer, ok, ""), float(k)) is not None or not ok:
                 penalized.add(peer)
-        # Recomputing a block costs its tokens' prefill; a pull saves the prefill of every
-        # pulled token, less what reading it from the cache costs.
-        verify_s = checked * bs * costs.prefill_s_per_token
+        # Recomputing a token costs its prefill (the model; the engines' measured cost is
+        # ``verifycost``); a pull saves the prefill of every pulled token, less what reading
+        # it from the cache costs.
+        verify_s = checked * costs.prefill_s_per_token
         saved_s = args.honest_pulls * tokens * (costs.prefill_s_per_token - costs.cached_s_per_token)
         print(f"| {tokens} | {args.honest_pulls} | {len(penalized)} | {checked} | "
               f"{verify_s / saved_s:.1%} |")
@@ -242,18 +272,22 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(run=decision)
 
     p = sub.add_parser("verify", help="the pull verifier: liars caught, honest spared, cost")
-    p.add_argument("--rate", type=float, default=None, help="share of blocks checked (default: the core's)")
+    p.add_argument("--rate", type=float, default=None, help="share of tokens checked (default: the core's)")
     p.add_argument("--tolerance", type=float, default=None)
     p.add_argument("--min-blocks", type=int, default=None)
     p.add_argument("--runs", type=int, default=200)
     p.add_argument("--max-pulls", type=int, default=200)
     p.add_argument("--pull-tokens", type=_ints, default=[2000, 512, 192])
-    p.add_argument("--liar-shares", type=_floats, default=[0.05, 0.2, 0.0],
-                   help="shares of each pull's blocks a liar alters (0: exactly one block)")
+    p.add_argument("--liars", type=lambda t: [x for x in t.split(",") if x], default=list(LIARS),
+                   help=f"which liars, comma-separated, of {list(LIARS)}")
+    p.add_argument("--granularity", default=None, help="token or block (default: the core's)")
+    p.add_argument("--run-tokens", type=int, default=1,
+                   help="checked tokens come in runs of this many (the engine's verify_run_tokens: "
+                        "Transformers 1, llama.cpp 4)")
     p.add_argument("--honest-pulls", type=int, default=1000)
     p.add_argument("--honest-peers", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--width", type=int, default=64, help="values per modelled block")
+    p.add_argument("--width", type=int, default=8, help="values per modelled token")
     p.add_argument("--ulps", type=float, default=4.0, help="honest recompute noise, bf16 ulps")
     p.add_argument("--strength", type=float, default=0.1,
                    help="a liar's change, times the block's largest value")
@@ -261,9 +295,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import kv_disk
     import kv_pull_bench
+    import kv_verify_cost
 
     kv_pull_bench.add_parser(sub)
     kv_disk.add_disk_parser(sub)
+    kv_verify_cost.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "decision" and args.extra_work_weight is None:
@@ -277,11 +313,15 @@ def main(argv: list[str] | None = None) -> None:
         args.rate = d.verify_rate if args.rate is None else args.rate
         args.tolerance = d.verify_tolerance if args.tolerance is None else args.tolerance
         args.min_blocks = d.verify_min_blocks if args.min_blocks is None else args.min_blocks
+        args.granularity = d.verify_granularity if args.granularity is None else args.granularity
+        unknown = [n for n in args.liars if n not in LIARS]
+        if unknown:
+            parser.error(f"unknown liars {unknown}; known: {list(LIARS)}")
     run: Callable[[argparse.Namespace], None] = args.run
     run(args)
 
 
-SUBCOMMANDS = ("decision", "verify", "pull", "disk")
+SUBCOMMANDS = ("decision", "verify", "pull", "disk", "verifycost")
 
 if __name__ == "__main__":
     main()

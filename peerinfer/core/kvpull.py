@@ -18,11 +18,13 @@ How a node uses this module
   there is none recent. With none, a pull from that peer is not considered, and
   ``probe(peer, now)`` asks (at most once per ``probe_gap_s``) for a bounded probe of
   ``probe_bytes``: the node core turns it into a ``ProbeLink`` effect.
-* **Verification.** ``PullVerifier.sample(blocks)`` names the pulled blocks to recompute
-  locally (deterministic given its seed and the calls before); the engine recomputes them
-  from the blocks before them and measures each one's ``relative_error`` against the pulled
-  KV; ``PullVerifier.judge(errors)`` says whether the pull stands. A mismatch discards the whole
-  pull and counts as a failed audit (``Trust.on_kv_mismatch``): the peer is banned as a liar.
+* **Verification.** ``PullVerifier.sample(blocks, block_size)`` names the pulled tokens whose
+  KV to recompute locally (deterministic given its seed and the calls before): by default a few
+  tokens spread over every block (``verify_granularity="token"``), or every token of a few
+  blocks (``"block"``). The engine recomputes each from the pulled KV before it and measures its
+  ``relative_error`` against the pulled KV (``Engine.token_errors``);
+  ``PullVerifier.judge(errors)`` says whether the pull stands. A mismatch discards the whole
+  pull and counts as a failed audit (``Trust.on_pull_checked``): the peer is banned as a liar.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from peerinfer.types import PeerId
 __all__ = [
     "DEFAULT_VERIFY_RATE",
     "DEFAULT_VERIFY_TOLERANCE",
+    "GRANULARITIES",
     "LinkEstimator",
     "PullSettings",
     "PullVerdict",
@@ -45,16 +48,23 @@ __all__ = [
     "relative_error",
 ]
 
-#: The share of a pull's blocks recomputed to check it (at least ``verify_min_blocks``). Chosen
-#: with bench/kv_bench.py verify (docs/performance.md): it catches a peer that alters 5% of
-#: the blocks of 2,000-token pulls within 20 pulls in every one of 200 seeded runs, and costs
-#: about 5% of the prefill a pull saves at that size; the minimum of one block a pull makes
-#: small pulls dearer to check (a 4-block pull: 25%).
-DEFAULT_VERIFY_RATE = 0.08
-#: A recomputed block matches the pulled one when their largest difference is at most this
+#: The share of a pull's tokens whose KV is recomputed to check it, spread over its blocks (at
+#: least one token, or one run, in each of ``verify_min_blocks`` blocks). Chosen with
+#: bench/kv_bench.py verify and the engines' measured check cost (``verifycost``;
+#: docs/performance.md, "Checking pulled KV"): at 5% the check stayed under 10% of the prefill a
+#: pull saves on both engines, and with 16-token blocks 80% of a pull's blocks get a checked
+#: token (Transformers; 20% get a run of 4 on llama.cpp), so a peer that alters a whole block
+#: of each pull was caught within 20 pulls in 97.5-100% of modelled runs. A peer that alters the KV of
+#: one token is caught only at this rate per pull (docs/security.md, "Pulled KV").
+DEFAULT_VERIFY_RATE = 0.05
+#: A recomputed token's KV matches the pulled one when their largest difference is at most this
 #: share of the pulled block's largest magnitude: float noise between two runs of one engine
 #: (batching, thread counts) stays orders of magnitude below it.
 DEFAULT_VERIFY_TOLERANCE = 0.02
+#: How a pull's checks are spread: ``"token"``, single tokens spread over every block (the
+#: default: an altered block is caught when any of its tokens is checked); ``"block"``, every
+#: token of a few whole blocks (what the verifier did first; the bench compares the two).
+GRANULARITIES = ("token", "block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +85,10 @@ class PullSettings:
     be wrong, and a near tie is not worth the bytes. ``min_pull_tokens``: fewer tokens gained
     are not worth a pull. The link estimator's figures: ``bandwidth_half_life_s``,
     ``bandwidth_max_age_s``, ``probe_bytes``, ``probe_gap_s`` (``LinkEstimator``). The
-    verifier's: ``verify_rate``, ``verify_min_blocks``, ``verify_tolerance``
-    (``PullVerifier``). ``extra_work_weight``: the weight of the ``cost`` policy's extra-work
-    charge while pulls are on (``CostPolicy(extra_work_weight=...)``, set by the node's
-    ``Choice``; 0: the greedy choice, as with pulls off).
+    verifier's: ``verify_rate``, ``verify_min_blocks``, ``verify_tolerance``,
+    ``verify_granularity`` (``PullVerifier``). ``extra_work_weight``: the weight of the
+    ``cost`` policy's extra-work charge while pulls are on (``CostPolicy(extra_work_weight=
+    ...)``, set by the node's ``Choice``; 0: the greedy choice, as with pulls off).
     """
 
     mode: str = "auto"
@@ -96,11 +106,15 @@ class PullSettings:
     verify_rate: float = DEFAULT_VERIFY_RATE
     verify_min_blocks: int = 1
     verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
+    verify_granularity: str = "token"
     #: past saturation the greedy choice trails always-forwarding (issue 24's RAG sweep): the
     #: charge makes the core's choice count what a recompute costs the requests after it
     extra_work_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.verify_granularity not in GRANULARITIES:
+            raise ConfigError(f"verify_granularity must be one of {GRANULARITIES}, "
+                              f"got {self.verify_granularity!r}")
         if self.mode not in ("auto", "always"):
             raise ConfigError(f"kv pull mode must be 'auto' or 'always', got {self.mode!r}")
         if self.kv_bytes_per_token < 1:
@@ -262,7 +276,7 @@ class PullVerdict:
     @property
     def detail(self) -> str:
         if self.ok:
-            return f"{self.checked} block(s) checked, worst error {self.worst_error:.2e}"
+            return f"{self.checked} checked, worst error {self.worst_error:.2e}"
         return (
             f"pulled block {self.worst_block} differs from its recompute by "
             f"{self.worst_error:.2e} (relative)"
@@ -270,14 +284,19 @@ class PullVerdict:
 
 
 class PullVerifier:
-    """Picks a random sample of each pull's blocks to recompute locally, and judges them.
+    """Picks a random sample of each pull's tokens whose KV to recompute locally, and judges them.
 
-    A share ``rate`` of the blocks is picked, and at least ``min_blocks`` (a pull always gets
-    some check); the dice are this verifier's own (``seed``), so the choice is
-    deterministic given the seed and the pulls before, and a peer cannot tell which blocks
-    will be checked. The first block of a pull is checked like any other: recomputing block
-    ``i`` needs the KV of blocks ``0..i-1`` (pulled too, or local), and costs about one block's
-    prefill at that position.
+    A share ``rate`` of the pulled tokens is checked. With ``granularity="token"`` (the default)
+    they are spread over the blocks as evenly as the count allows (each block gets
+    ``k // blocks`` tokens, a random ``k % blocks`` of them one more, at distinct random offsets),
+    and at least ``min_blocks`` blocks get one: a liar that alters every token of a block is
+    caught when any one of them is checked, so spreading the same compute over every block
+    catches whole-block lies far more often than checking whole blocks. With ``"block"``, a
+    share ``rate`` of the blocks is checked in full (at least ``min_blocks``). The dice are this
+    verifier's own (``seed``), so the choice is deterministic given the seed and the pulls
+    before, and a peer cannot tell which tokens will be checked. Recomputing token ``t`` needs
+    the KV of the tokens before it (pulled too, or local), and costs about one token's prefill
+    at that position.
     """
 
     def __init__(
@@ -287,12 +306,16 @@ class PullVerifier:
         rate: float = DEFAULT_VERIFY_RATE,
         min_blocks: int = 1,
         tolerance: float = DEFAULT_VERIFY_TOLERANCE,
+        granularity: str = "token",
     ) -> None:
         if not 0.0 <= rate <= 1.0 or min_blocks < 0 or not tolerance >= 0.0:
             raise ConfigError("pull verifier: rate in [0, 1], min_blocks >= 0, tolerance >= 0")
+        if granularity not in GRANULARITIES:
+            raise ConfigError(f"pull verifier: granularity must be one of {GRANULARITIES}")
         self.rate = rate
         self.min_blocks = min_blocks
         self.tolerance = tolerance
+        self.granularity = granularity
         self._rng = random.Random(f"kv-verify/{seed}")
 
     @classmethod
@@ -302,25 +325,56 @@ class PullVerifier:
             rate=settings.verify_rate,
             min_blocks=settings.verify_min_blocks,
             tolerance=settings.verify_tolerance,
+            granularity=settings.verify_granularity,
         )
 
-    def sample(self, blocks: int) -> tuple[int, ...]:
-        """The positions (ascending) among a pull's ``blocks`` blocks to recompute: ``rate *
-        blocks`` of them, rounded up or down at random so that the mean is exact, at least
-        ``min_blocks``, drawn without replacement."""
-        if blocks <= 0:
+    def _count(self, items: int, floor: int) -> int:
+        """``rate * items``, rounded up or down at random so that the mean is exact, at least
+        ``floor``, at most ``items``."""
+        want = self.rate * items
+        k = int(want)
+        if self._rng.random() < want - k:
+            k += 1
+        return min(items, max(k, floor))
+
+    def sample(self, blocks: int, block_size: int = 1, run: int = 1) -> tuple[int, ...]:
+        """The tokens (indexes into the pull's ``blocks * block_size`` tokens, ascending) whose
+        KV to recompute; token ``t`` lies in block ``t // block_size``. With ``block_size`` 1
+        a token is a block: the positions of the blocks to check.
+
+        ``run``: with the "token" granularity, the tokens come in runs of ``run`` consecutive
+        tokens of one block (at one of the block's ``ceil(block_size / run)`` aligned slots,
+        so every token is as likely to be checked): an engine that recomputes a run in one
+        step for about the price of one token (llama.cpp: one ``llama_decode`` reads the
+        weights once) asks for runs; the share of tokens checked stays ``rate``."""
+        if blocks <= 0 or block_size <= 0:
             return ()
         rng = self._rng
-        want = self.rate * blocks
+        if self.granularity == "block" or block_size == 1:
+            chosen = sorted(rng.sample(range(blocks), self._count(blocks, self.min_blocks)))
+            return tuple(b * block_size + o for b in chosen for o in range(block_size))
+        run = max(1, min(run, block_size))
+        slots = -(-block_size // run)
+        # Runs, not tokens, are counted: rate * tokens / run of them, at least min_blocks.
+        want = self.rate * blocks * block_size / run
         k = int(want)
         if rng.random() < want - k:
             k += 1
-        k = min(blocks, max(k, self.min_blocks))
-        return tuple(sorted(rng.sample(range(blocks), k)))
+        k = min(blocks * slots, max(k, min(blocks, self.min_blocks)))
+        base, extra = divmod(k, blocks)
+        more = set(rng.sample(range(blocks), extra))
+        out: list[int] = []
+        for b in range(blocks):
+            n = base + (b in more)
+            for slot in sorted(rng.sample(range(slots), n)) if n else ():
+                first = b * block_size + slot * run
+                out.extend(range(first, min(first + run, (b + 1) * block_size)))
+        return tuple(out)
 
-    def judge(self, errors: Iterable[tuple[int, float]]) -> PullVerdict:
-        """The verdict on a pull from ``(block position, relative error)`` of each block
-        recomputed (``relative_error``): it stands when every error is within the tolerance."""
+    def judge(self, errors: Iterable[tuple[int, float]], block_size: int = 1) -> PullVerdict:
+        """The verdict on a pull from ``(token index, relative error)`` of each token recomputed
+        (``relative_error``; with ``block_size`` 1, of each block): it stands when every error
+        is within the tolerance. ``worst_block`` is the worst token's block."""
         worst = 0.0
         worst_at: int | None = None
         checked = 0
@@ -329,4 +383,5 @@ class PullVerifier:
             e = math.inf if error != error else error  # NaN is a mismatch
             if worst_at is None or e > worst:
                 worst, worst_at = e, position
-        return PullVerdict(worst <= self.tolerance, worst, worst_at, checked)
+        block = None if worst_at is None else worst_at // max(1, block_size)
+        return PullVerdict(worst <= self.tolerance, worst, block, checked)

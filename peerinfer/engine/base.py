@@ -96,6 +96,7 @@ from peerinfer.engine.events import (
     Tokens,
 )
 from peerinfer.engine.job import RequestJob, _Counters
+from peerinfer.engine.kvmemo import remember_stored
 from peerinfer.engine.textstream import TextStream
 from peerinfer.engine.validation import validate_prompt, validate_sampling_params
 from peerinfer.errors import (
@@ -502,27 +503,33 @@ class Engine(ABC):
                     self.free_segment(payload)
         return cache.match(seq, touch=False).tokens
 
-    #: Whether ``block_errors`` is implemented: a node pulls KV from peers only into an engine
+    #: Whether ``token_errors`` is implemented: a node pulls KV from peers only into an engine
     #: that can check what it pulled.
     verifies_kv_blocks: bool = False
+    #: The run of consecutive tokens ``token_errors`` recomputes for about the price of one
+    #: (``PullVerifier.sample``'s ``run``): 1 where every checked token costs the same anyway.
+    verify_run_tokens: int = 1
 
-    def block_errors(
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """Recompute some pulled blocks locally and say how far each is from what was pulled.
+        """Recompute the KV of some pulled tokens locally and say how far each is from what was
+        pulled.
 
         ``blocks`` are the encoded blocks ``first_block ..`` of ``tokens`` (from a peer, not
-        adopted yet); the blocks before ``first_block`` must be in this engine's cache.
-        For each ``p`` in ``positions`` (indexes into ``blocks``), block ``first_block + p``
-        is recomputed from the KV of the blocks before it (cached or pulled: about one
-        block's prefill) and compared with ``blocks[p]``: ``(p, relative error)``, the
-        largest difference over the pulled block's largest magnitude (as
+        adopted yet); the blocks before ``first_block`` must be in this engine's cache. Each
+        ``c`` in ``checks`` is a token of the pulled run (``0 <= c < len(blocks) * block
+        size``: token ``first_block * block size + c`` of ``tokens``). Its KV (every layer) is
+        recomputed from the KV before it as pulled (cached or pulled: about one token's
+        prefill), and compared with the pulled KV of that token: ``(c, relative error)``, the
+        largest difference over the largest magnitude of the pulled block holding it (as
         ``peerinfer.core.kvpull.relative_error``). Raises ProtocolError when a needed block
-        does not decode, EngineError when a block before ``first_block`` is not cached.
+        does not decode, EngineError when a block before ``first_block`` is not cached,
+        ValueError for a check outside the pulled tokens.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot verify KV blocks")
 
@@ -738,6 +745,7 @@ class Engine(ABC):
         for payload in result.unused_payloads:
             if payload is not None:
                 self.free_segment(payload)
+        remember_stored(self, cache, seq, have)  # a pull of them later is checked for free
 
     # ------------------------------------------------------------ lifetime
 

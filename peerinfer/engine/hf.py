@@ -104,6 +104,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from peerinfer.core.messages import ChatMessage
+from peerinfer.engine import hf_verify
 from peerinfer.engine.base import Decoder, DecodeRequest, Engine, KVSegment
 from peerinfer.engine.constraints import GrammarTokenizer
 from peerinfer.engine.hf_decoder import (
@@ -146,7 +147,7 @@ from peerinfer.engine.modelfiles import (  # noqa: F401 - re-exported (demo, tes
     gguf_fingerprint,
     models_home,
 )
-from peerinfer.errors import ConfigError, EngineError, InvalidRequestError, ProtocolError
+from peerinfer.errors import ConfigError, InvalidRequestError, ProtocolError
 
 #: The KV byte budget when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -492,41 +493,16 @@ class TransformersEngine(Engine):
 
     verifies_kv_blocks = True
 
-    def block_errors(
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """Each sampled block recomputed by one forward pass of its tokens over the KV of the
-        blocks before it (the cached ones, then the pulled ones decoded), see ``Engine``."""
-        if not positions:
-            return []
-        cache = self._ensure_cache()
-        assert cache is not None
-        bs = cache.block_size
-        head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
-        if len(head) < first_block:
-            raise EngineError(f"blocks before {first_block} are no longer cached here")
-        segments: list[torch.Tensor] = [n.payload for n in head[:first_block]]
-        last = max(positions)
-        for k in range(last + 1):
-            segments.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
-        out: list[tuple[int, float]] = []
-        with torch.inference_mode():
-            for p in sorted(positions):
-                i = first_block + p
-                kv = self.kv_cache_from_segments(segments[:i], contiguous=True)
-                self.forward(tokens[i * bs : (i + 1) * bs], kv)
-                fresh = self.export_blocks(kv, i, 1, bs)[0].payload
-                pulled = segments[i].to(fresh.dtype)
-                scale = float(pulled.abs().max())
-                diff = float((fresh - pulled).abs().max())
-                # NaN (diff != diff) or a zero block that should not be: no match at all.
-                ok = scale > 0.0 and diff == diff
-                out.append((p, 0.0 if diff == 0.0 else diff / scale if ok else math.inf))
-        return out
+        """Every checked token recomputed in one forward pass over the pulled KV, under a 4-D
+        mask (:mod:`peerinfer.engine.hf_verify`), see ``Engine``."""
+        return hf_verify.token_errors(self, tokens, first_block, blocks, checks)
 
     # ------------------------------------------------------------ decoding
 

@@ -66,16 +66,16 @@ that block's cells alone (K and V rows of every layer, with their positions), wr
 stream of sequence 0 so that the same KV gives the same bytes whatever sequence it came from
 (``export_block``, ``export_blocks``: one saved state of the whole sequence, cut into blocks by
 :func:`~peerinfer.engine.llamacpp_state.cut`; these and the other KV-block methods, ``kv_format``,
-``decode_block``, ``block_errors``, live in :mod:`peerinfer.engine.llamacpp_kv`, which the
+``decode_block``, ``token_errors``, live in :mod:`peerinfer.engine.llamacpp_kv`, which the
 engine's class derives from). A hit's blocks are joined into one saved state of
 the request's sequence and restored in one ``llama_state_seq_set_data`` (``restore_blocks``;
 ``restore_block`` adds one block after what the sequence holds). So the radix cache keeps its
 blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
 self-contained byte string that restores into any sequence at its positions (the KV-tier issue's
-disk format, and what a KV pull moves). A pulled block is checked (``block_errors``) by
-recomputing it in a free sequence over the blocks before it and comparing the K/V values of
-the two saved states (:func:`~peerinfer.engine.llamacpp_state.relative_error`): the row kernel
-makes an honest block of the same build bit-identical to the recompute.
+disk format, and what a KV pull moves). A pull is checked (``token_errors``) by recomputing
+sampled tokens in a free sequence over the pulled cells before them and comparing the K/V
+values of their cells (:func:`~peerinfer.engine.llamacpp_state.cell_error`): the row kernel
+makes an honest cell of the same build bit-identical to the recompute.
 
 The alternative, sharing KV cells (cached blocks stay in the context under cache-owner sequences,
 and a hit ``seq_cp``s them to the request: no copy at all), was measured and rejected

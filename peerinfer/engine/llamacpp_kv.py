@@ -15,8 +15,8 @@ Where things are:
 * ``kv_format``, ``encode_block``, ``decode_block``: a payload's name, its bytes, and the
   checks on a block received from a peer (size, header, positions, layer layout), against a
   block measured once at start-up (``_measure_block_state``).
-* ``block_errors``: a pulled block recomputed in a free sequence and compared with the pulled
-  one (``verifies_kv_blocks``).
+* ``token_errors``: pulled tokens' KV recomputed in a free sequence and compared with the
+  pulled cells (``verifies_kv_blocks``).
 """
 
 from __future__ import annotations
@@ -110,48 +110,74 @@ class LlamaCppKVBlocks(Engine):
 
     verifies_kv_blocks = True
 
-    def block_errors(
+    #: Checked tokens come in runs of 4 (``PullVerifier.sample``): a lone token's
+    #: ``llama_decode`` reads every weight for one token, so it cost about 3x a prefilled
+    #: token's share (docs/performance.md, "Checking pulled KV"); a run of 4 costs about the same
+    #: as one.
+    verify_run_tokens = 4
+
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """Each sampled block recomputed in a free sequence: the blocks before it (the cached
-        ones, then the pulled ones, decoded) restored there in one saved state, its tokens run
-        through ``llama_decode``, its cells exported, and their K/V values compared with the
-        pulled block's (``llamacpp_state.relative_error``), see ``Engine``."""
+        """The checked tokens recomputed in one free sequence, restored once: the blocks up to
+        the one holding the last check (the cached ones, then the pulled ones, decoded) are
+        restored there in one saved state; then, from the last run of consecutive checked
+        tokens down, the sequence is cut at the run's first token (``llama_memory_seq_rm`` of
+        it and every cell after), the run is decoded at its positions (its first token attends
+        to the pulled cells below it, the others to those and the run's fresh ones), and its
+        new cells exported. llama.cpp decodes a sequence's tokens only right after its last
+        cell, so the runs go from the last down, one ``llama_decode`` each. Each cell's K/V
+        values are compared with the pulled block's (``llamacpp_state.cell_error``), see
+        ``Engine``."""
         self._check_open()
-        if not positions:
+        if not checks:
             return []
         cache = self._ensure_cache()
         assert cache is not None
         bs = cache.block_size
+        wanted = sorted(set(int(c) for c in checks))
+        if wanted[0] < 0 or wanted[-1] >= len(blocks) * bs:
+            raise ValueError(f"checks outside the {len(blocks) * bs} pulled tokens")
+        last = wanted[-1] // bs
+        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
+            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
         head = cache.match(tuple(tokens[: first_block * bs]), touch=False).nodes
         if len(head) < first_block:
             raise EngineError(f"blocks before {first_block} are no longer cached here")
         payloads: list[bytes] = [n.payload for n in head[:first_block]]
-        last = max(positions)
-        if not 0 <= min(positions) or last >= len(blocks):
-            raise ValueError(f"positions {list(positions)} outside the {len(blocks)} pulled blocks")
-        if (first_block + last + 1) * bs > min(len(tokens), self._sequence_tokens):
-            raise EngineError("the blocks to check are longer than the tokens or a sequence's stream")
         for k in range(last + 1):
             payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
+        start = first_block * bs
+        runs: list[list[int]] = []  # maximal runs of consecutive checked positions
+        for c in wanted:
+            if runs and runs[-1][-1] == start + c - 1:
+                runs[-1].append(start + c)
+            else:
+                runs.append([start + c])
+        fresh: dict[int, bytes] = {}
+        seq = self._take_seq()
+        try:
+            self.restore_blocks(seq, payloads)
+            for positions in reversed(runs):
+                L.llama_memory_seq_rm(self._mem, seq, positions[0], -1)
+                for i in range(0, len(positions), self._n_batch):
+                    self._decode([(int(tokens[p]), p, seq, False)
+                                  for p in positions[i:i + self._n_batch]])
+                cells = self.export_blocks(seq, [(p, 1) for p in positions])
+                fresh.update(zip(positions, cells, strict=True))
+        finally:
+            self._give_seq(seq)
+        parsed: dict[int, llstate.SavedState] = {}
         out: list[tuple[int, float]] = []
-        for p in sorted(positions):
-            i = first_block + p
-            seq = self._take_seq()
-            try:
-                self.restore_blocks(seq, payloads[:i])
-                for start in range(i * bs, (i + 1) * bs, self._n_batch):
-                    stop = min((i + 1) * bs, start + self._n_batch)
-                    self._decode([(int(tokens[q]), q, seq, False) for q in range(start, stop)])
-                fresh = self.export_block(seq, i * bs, bs)
-            finally:
-                self._give_seq(seq)
-            error = llstate.relative_error(llstate.parse(payloads[i]), llstate.parse(fresh))
-            out.append((p, error))
+        for c in wanted:
+            b = first_block + c // bs
+            if b not in parsed:
+                parsed[b] = llstate.parse(payloads[b])
+            out.append((c, llstate.cell_error(parsed[b], llstate.parse(fresh[start + c]))))
         return out
 
     def _measure_block_state(self, block_size: int) -> int:

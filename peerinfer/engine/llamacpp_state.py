@@ -288,3 +288,36 @@ def relative_error(pulled: SavedState, recomputed: SavedState) -> float:
     if diff == 0.0:
         return 0.0
     return diff / scale if scale > 0.0 else float("inf")
+
+
+def cell_error(block: SavedState, fresh: SavedState) -> float:
+    """How far ``fresh``'s cells (a recompute of some of ``block``'s positions) are from
+    ``block``'s cells at the same positions: the largest difference over ``block``'s largest
+    magnitude, all its cells (as :func:`relative_error`, which compares whole states); inf when
+    ``block`` lacks one of the positions or the layouts differ."""
+    if layout(block) != layout(fresh):
+        return float("inf")
+    diff = 0.0
+    scale = 0.0
+    for a, b in zip(block.sections, fresh.sections, strict=True):
+        if a is None or b is None:
+            if a is not b:
+                return float("inf")
+            continue
+        rows = np.flatnonzero(np.isin(a.positions, b.positions))
+        if len(rows) != len(b.positions) or not np.array_equal(a.positions[rows], b.positions):
+            return float("inf")
+        sub = a.take(rows)
+        for whole, la, lb in zip([*a.k, *a.v], [*sub.k, *sub.v], [*b.k, *b.v], strict=True):
+            vw, va, vb = _values(whole), _values(la), _values(lb)
+            if not np.isfinite(vw).all():
+                return float("inf")
+            if vw.size:
+                scale = max(scale, float(np.abs(vw).max()))
+            if va.size:
+                diff = max(diff, float(np.abs(va - vb).max()))
+    if diff != diff:
+        return float("inf")
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0.0 else float("inf")

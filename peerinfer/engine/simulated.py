@@ -431,21 +431,26 @@ class SimulatedEngine(Engine):
 
     verifies_kv_blocks = True
 
-    def block_errors(
+    def token_errors(
         self,
         tokens: Sequence[int],
         first_block: int,
         blocks: Sequence[bytes | memoryview],
-        positions: Sequence[int],
+        checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """A synthetic block's recompute is the synthetic block itself: a pulled block whose
-        bytes differ from it in any way is a mismatch (error inf), as a real engine's altered
-        values would be."""
+        """A synthetic block's recompute is the synthetic block itself: a checked token whose
+        pulled block's bytes differ from it in any way is a mismatch (error inf), as a real
+        engine's altered values would be."""
         expected = self.encode_block(None)
+        cache = self._ensure_cache()
+        bs = self.default_block_size if cache is None else cache.block_size
         out: list[tuple[int, float]] = []
-        for p in positions:
-            self.decode_block(blocks[p], 0)  # the size and magic, as an adoption checks them
-            out.append((p, 0.0 if bytes(blocks[p]) == expected else math.inf))
+        for c in sorted(set(checks)):
+            if not 0 <= c < len(blocks) * bs:
+                raise ValueError(f"check {c} outside the {len(blocks) * bs} pulled tokens")
+            block = blocks[c // bs]
+            self.decode_block(block, 0)  # the size and magic, as an adoption checks them
+            out.append((c, 0.0 if bytes(block) == expected else math.inf))
         return out
 
     def decode_batch(self, decoders: Sequence[Decoder]) -> list[int | None]:

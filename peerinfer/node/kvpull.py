@@ -26,8 +26,9 @@ format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pu
 ``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
-block that does not match its recompute) leaves the request to be served here by recomputing:
-a pull never loses a request. A mismatch, and bytes that are not blocks of the format, are
+token whose KV does not match its recompute) leaves the request to be served here by recomputing:
+a pull never loses a request. Pulled blocks whose bytes are exactly what this node's engine
+computed for them earlier (``peerinfer.engine.kvmemo``) are taken without a recompute. A mismatch, and bytes that are not blocks of the format, are
 reported as ``PullChecked(ok=False)``: the core bans the holder as a liar. Any other pull that
 gave nothing for the holder's part (refused, no answer, the holder gone, the protocol broken)
 is reported as ``PullFailed``: the core pulls nothing from that holder for a while.
@@ -54,13 +55,14 @@ from peerinfer.core.messages import (
 )
 from peerinfer.core.node import ProbeLink, PullChecked, PullFailed, RunLocal, TransferMeasured
 from peerinfer.engine.base import Engine
+from peerinfer.engine.kvmemo import known_blocks
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
 from peerinfer.net.api import Stream
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.streampool import StreamUse
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import KV_PROTOCOL, logger
-from peerinfer.types import PeerId
+from peerinfer.types import BlockHash, PeerId
 
 #: The most bytes of blocks one pull is answered with (a 4,096-token prompt of the default model
 #: in float32 is 189 MB): the rest of the run is not sent, and the puller recomputes it.
@@ -108,6 +110,9 @@ class PullOutcome:
     #: the holder's part in a pull that gave nothing, unjudged (reported as ``PullFailed``):
     #: its refusal code, or "failed" (no answer, the holder gone, the protocol broken)
     blame: str = ""
+    #: pulled blocks whose bytes this engine had computed itself: checked for free
+    #: (``peerinfer.engine.kvmemo``)
+    known: int = 0
 
 
 class KvExchange:
@@ -324,11 +329,18 @@ class KvExchange:
         if not blocks:
             return PullOutcome(peer, len(hashes), nbytes=nbytes, seconds=seconds,
                                failure="the holder had none of the blocks", blame="failed")
-        # Check a sample before anything is used: recompute those blocks from the ones before.
-        positions = core.pull_sample(len(blocks))
+        # Check a sample before anything is used: recompute those tokens' KV from the KV before.
+        cache = engine.radix_cache
+        bs = 1 if cache is None else cache.block_size
+        positions = core.pull_sample(len(blocks), bs, engine.verify_run_tokens)
+        # Blocks whose bytes are what this engine computed itself need no recompute.
+        known = await ctx.in_engine(known_blocks, engine, [BlockHash(h) for h in hashes[:len(blocks)]],
+                                    blocks)
+        if known:
+            positions = tuple(t for t in positions if t // bs not in known)
         verifier = core.trust.pull_verifier
         try:
-            errors = await ctx.in_engine(engine.block_errors, tokens, first_block, blocks, positions)
+            errors = await ctx.in_engine(engine.token_errors, tokens, first_block, blocks, positions)
         except ProtocolError as exc:
             ctx.feed(PullChecked(PeerId(peer), False, f"blocks that do not decode: {exc}"[:200]))
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
@@ -340,7 +352,7 @@ class KvExchange:
             # PullChecked), and nothing is used.
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
                                failure="pulls were turned off", checked=len(positions))
-        verdict = verifier.judge(errors)
+        verdict = verifier.judge(errors, bs)
         ok, detail = verdict.ok, verdict.detail
         if positions:
             ctx.feed(PullChecked(PeerId(peer), ok, detail[:200]))
@@ -356,7 +368,7 @@ class KvExchange:
             return PullOutcome(peer, len(hashes), len(blocks), 0, nbytes, seconds,
                                failure=f"undecodable: {exc}", checked=len(positions), ok=False)
         return PullOutcome(peer, len(hashes), len(blocks), adopted, nbytes, seconds,
-                           checked=len(positions), ok=True)
+                           checked=len(positions), ok=True, known=len(known))
 
     # ------------------------------------------------------------------ probes
 

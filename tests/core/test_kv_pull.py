@@ -127,6 +127,7 @@ def test_always_mode_pulls_from_the_longest_trusted_holder() -> None:
 
 def test_settings_are_checked() -> None:
     for bad in ({"mode": "sometimes"}, {"kv_bytes_per_token": 0}, {"verify_rate": 1.5},
+                {"verify_granularity": "layer"},
                 {"probe_gap_s": 0.0}, {"min_gain_fraction": -1.0}):
         with pytest.raises(ConfigError):
             PullSettings(**bad)  # type: ignore[arg-type]
@@ -232,17 +233,40 @@ def test_the_estimator_is_bounded() -> None:
 
 def test_the_sample_is_deterministic_given_the_seed_and_has_the_rate() -> None:
     a, b = PullVerifier("s", rate=0.08), PullVerifier("s", rate=0.08)
-    draws = [a.sample(125) for _ in range(200)]
-    assert draws == [b.sample(125) for _ in range(200)]
-    assert draws != [PullVerifier("t", rate=0.08).sample(125) for _ in range(200)]
-    assert sum(map(len, draws)) / 200 == pytest.approx(10.0, abs=0.2)
+    draws = [a.sample(125, 16) for _ in range(200)]
+    assert draws == [b.sample(125, 16) for _ in range(200)]
+    assert draws != [PullVerifier("t", rate=0.08).sample(125, 16) for _ in range(200)]
+    assert sum(map(len, draws)) / 200 == pytest.approx(160.0, abs=1.0)  # 8% of 2,000 tokens
     for d in draws:
-        assert list(d) == sorted(set(d)) and all(0 <= i < 125 for i in d)
+        assert list(d) == sorted(set(d)) and all(0 <= i < 2000 for i in d)
+        per_block = [sum(1 for t in d if t // 16 == blk) for blk in range(125)]
+        assert min(per_block) >= 1 and max(per_block) <= 2  # spread: every block, 1 or 2
+    # Offsets within blocks are not fixed: a liar cannot keep to the unchecked ones.
+    assert len({t % 16 for d in draws for t in d}) == 16
     small = PullVerifier("s", rate=0.08, min_blocks=1)
+    assert all(len({t // 16 for t in small.sample(4, 16)}) == 4 for _ in range(50))
+    assert {len(small.sample(4, 16)) for _ in range(200)} == {5, 6}  # 8% of 64 tokens
+    few = [PullVerifier("s", rate=0.02).sample(10, 16) for _ in range(20)]
+    assert all(len({t // 16 for t in d}) == len(d) for d in few)  # under 1 a block: 1 each
+    # Blocks as the unit (block_size 1, or the "block" granularity: every token of a block).
     assert all(len(small.sample(4)) == 1 for _ in range(50))
     assert PullVerifier("s", rate=1.0).sample(7) == tuple(range(7))
-    assert PullVerifier("s", rate=0.0, min_blocks=0).sample(7) == ()
-    assert a.sample(0) == ()
+    assert PullVerifier("s", rate=1.0).sample(2, 3) == tuple(range(6))
+    assert PullVerifier("s", rate=0.0, min_blocks=0).sample(7, 16) == ()
+    whole = PullVerifier("s", rate=0.08, granularity="block").sample(125, 16)
+    assert len(whole) % 16 == 0 and all(t % 16 == i % 16 for i, t in enumerate(whole))
+    assert a.sample(0, 16) == ()
+    # Runs of 4 consecutive tokens at aligned slots of a block; the share of tokens stays.
+    runs = [PullVerifier("r", rate=0.0625).sample(125, 16, 4) for _ in range(100)]
+    assert sum(map(len, runs)) / 100 == pytest.approx(125.0, abs=2.0)
+    for d in runs:
+        assert len(d) % 4 == 0
+        for i in range(0, len(d), 4):
+            assert d[i] % 4 == 0 and list(d[i:i + 4]) == list(range(d[i], d[i] + 4))
+    assert len({t % 16 for d in runs for t in d}) == 16
+    assert len(PullVerifier("r", rate=0.0).sample(3, 16, 4)) == 4  # min_blocks 1: one run
+    with pytest.raises(ConfigError):
+        PullVerifier("s", granularity="layer")
 
 
 def test_judging_within_and_beyond_the_tolerance() -> None:
@@ -258,6 +282,7 @@ def test_judging_within_and_beyond_the_tolerance() -> None:
     bad = v.judge([(0, 0.001), (7, 0.3), (9, 0.05)])
     assert not bad.ok and bad.worst_block == 7 and "block 7" in bad.detail
     assert not v.judge([(3, math.nan)]).ok
+    assert v.judge([(0, 0.0), (37, 0.5)], 16).worst_block == 2  # token 37 of 16-token blocks
     assert v.judge([]).ok  # nothing checked: nothing against the pull
 
 
@@ -357,6 +382,7 @@ def test_a_failed_pull_holds_off_pulls_from_that_holder_for_a_while_or_for_good(
 def test_a_pull_that_fails_its_check_bans_the_peer() -> None:
     a, b, _ = _busy_holder_and_puller()
     assert a.pull_sample(125) and all(0 <= i < 125 for i in a.pull_sample(125))
+    assert all(0 <= i < 2000 for i in a.pull_sample(125, 16))
     assert a.handle(PullChecked(b.peer_id, True, ""), 3.0) == []
     effects = a.handle(PullChecked(b.peer_id, False, "block 3 differs"), 3.0)
     bans = of(effects, BanPeer)

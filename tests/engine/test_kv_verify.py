@@ -1,23 +1,27 @@
-"""``Engine.block_errors``: the recompute a node runs on a sample of pulled KV blocks (issue 24).
+"""``Engine.token_errors``: the recompute a node runs on a sample of pulled tokens' KV (issue 24).
 
 Honest blocks (exported from another run of the same engine) come out within the verifier's
-tolerance; a block whose values were altered comes out far beyond it; bytes that are not a
-block are refused as a protocol error, never judged.
+tolerance at every token; an altered block is caught at any of its tokens, an altered token at
+that token; bytes that are not a block are refused as a protocol error, never judged. Checking
+every token of every block exercises the engines' one-pass recompute (the Transformers engine's
+4-D mask, llama.cpp's cut-and-redecode): a mask that let a token see its own pulled cell, the
+other checked tokens, or too little of the prefix would move honest tokens' KV.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 
 import pytest
 
-from peerinfer.core.kvpull import DEFAULT_VERIFY_TOLERANCE
+from peerinfer.core.kvpull import DEFAULT_VERIFY_TOLERANCE, PullVerifier
 from peerinfer.core.messages import SamplingParams
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.engine.base import Engine
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import EngineError, ProtocolError
+
+TOL = DEFAULT_VERIFY_TOLERANCE
 
 
 def _blocks_of(engine: Engine, prompt: list[int], block_size: int) -> list[bytes]:
@@ -32,50 +36,92 @@ def _blocks_of(engine: Engine, prompt: list[int], block_size: int) -> list[bytes
     return blocks
 
 
-def test_simulated_block_errors_tell_a_synthetic_block_from_an_altered_one() -> None:
+def _caught(engine: Engine, prompt: list[int], blocks: list[bytes], bs: int, seed: str) -> bool:
+    """One pull checked as a node checks it (the verifier's sample in the engine's runs, then its
+    verdict), at the rate that gives every block one run: an altered block is always sampled
+    (at the default rate a given block is sampled with probability rate * bs / run)."""
+    run = engine.verify_run_tokens
+    verifier = PullVerifier(seed, rate=run / bs)
+    checks = verifier.sample(len(blocks), bs, run)
+    assert {c // bs for c in checks} == set(range(len(blocks)))
+    return not verifier.judge(engine.token_errors(prompt, 0, blocks, checks), bs).ok
+
+
+def test_simulated_token_errors_tell_a_synthetic_block_from_an_altered_one() -> None:
     engine = SimulatedEngine(kv_bytes_per_token=8, time_scale=0.0)
     prompt = list(range(100, 121))
     blocks = _blocks_of(engine, prompt, 4)
     assert len(blocks) == 5
     altered = list(blocks)
     altered[3] = altered[3][:-1] + b"\x01"
-    assert engine.block_errors(prompt, 0, blocks, [0, 3]) == [(0, 0.0), (3, 0.0)]
-    errors = dict(engine.block_errors(prompt, 0, altered, [0, 3]))
-    assert errors[0] == 0.0 and errors[3] > DEFAULT_VERIFY_TOLERANCE
+    assert engine.token_errors(prompt, 0, blocks, [1, 13]) == [(1, 0.0), (13, 0.0)]
+    errors = dict(engine.token_errors(prompt, 0, altered, [1, 13]))
+    assert errors[1] == 0.0 and errors[13] > TOL  # token 13 lies in block 3
     with pytest.raises(ProtocolError):
-        engine.block_errors(prompt, 0, [b"junk"], [0])
+        engine.token_errors(prompt, 0, [b"junk"], [0])
+    with pytest.raises(ValueError):
+        engine.token_errors(prompt, 0, blocks, [20])
 
 
 torch = pytest.importorskip("torch")
 
 
-def test_hf_block_errors_pass_honest_blocks_and_catch_altered_ones(tiny_hf: Engine) -> None:
+def _hf_altered(engine: Engine, block: bytes, first_token: int, token: int | None, by: float,
+                layer: int | None = None) -> bytes:
+    """``block`` with the K/V of one of its tokens (``token``, an offset; None: every token),
+    in every layer or only ``layer``, moved by ``by``."""
+    kv = engine.decode_block(block, first_token).payload.clone()  # [layers, 2, heads, bs, dim]
+    rows = slice(None) if token is None else slice(token, token + 1)
+    layers = slice(None) if layer is None else slice(layer, layer + 1)
+    kv[layers, :, :, rows] += by
+    return engine.encode_block(kv)
+
+
+def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(
+    tiny_hf: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerinfer.engine import hf_verify
+
     prompt = [5 + (i * 7) % 50 for i in range(26)]
     blocks = _blocks_of(tiny_hf, prompt, 4)
     assert len(blocks) == 6
-    honest = dict(tiny_hf.block_errors(prompt, 0, blocks, [0, 2, 5]))
-    assert set(honest) == {0, 2, 5}
-    assert max(honest.values()) < DEFAULT_VERIFY_TOLERANCE / 100
-    # Alter one value of block 2's payload (a float32 after the header) by a visible amount.
-    raw = bytearray(blocks[2])
-    offset = len(raw) - 4 * 10
-    (value,) = struct.unpack_from("<f", raw, offset)
-    struct.pack_into("<f", raw, offset, value + 5.0)
-    altered = [*blocks[:2], bytes(raw), *blocks[3:]]
-    errors = dict(tiny_hf.block_errors(prompt, 0, altered, [2]))
-    assert errors[2] > DEFAULT_VERIFY_TOLERANCE, errors
+    every = list(range(24))
+    honest = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
+    assert sorted(honest) == every
+    assert max(honest.values()) < TOL / 100, honest
+    # In groups of 5 tokens (a pass each, over the cells up to the group's last): the same.
+    monkeypatch.setattr(hf_verify, "_GROUP", 5)
+    grouped = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
+    assert sorted(grouped) == every and max(grouped.values()) < TOL / 100, grouped
+    monkeypatch.undo()
+    # Every token of block 2 altered: caught at any one of its tokens, not before the block.
+    whole = [*blocks[:2], _hf_altered(tiny_hf, blocks[2], 8, None, 0.5), *blocks[3:]]
+    errors = dict(tiny_hf.token_errors(prompt, 0, whole, [3, 9]))
+    assert errors[3] < TOL / 100 and errors[9] > TOL, errors
+    # One token (9, in block 2), one layer: caught where that token is checked; the tokens
+    # before it pass.
+    one = [*blocks[:2], _hf_altered(tiny_hf, blocks[2], 8, 1, 0.5, layer=0), *blocks[3:]]
+    errors = dict(tiny_hf.token_errors(prompt, 0, one, [0, 8, 9]))
+    assert errors[0] < TOL / 100 and errors[8] < TOL / 100 and errors[9] > TOL, errors
+    # Checked as a node checks a pull (the default verifier's sample): a pull with one altered
+    # block is caught at once; an honest one passes.
+    for seed in ("a", "b", "c"):
+        assert _caught(tiny_hf, prompt, whole, 4, seed)
+        assert not _caught(tiny_hf, prompt, blocks, 4, seed)
 
 
-def test_hf_block_errors_start_after_cached_blocks(tiny_hf: Engine) -> None:
-    """Blocks 0..1 local, 2..5 pulled: block 3 is recomputed over two cached and one pulled."""
+def test_hf_token_errors_start_after_cached_blocks(tiny_hf: Engine) -> None:
+    """Blocks 0..1 local, 2..5 pulled: tokens of blocks 3 and 5 recomputed over both."""
     prompt = [7 + (i * 11) % 50 for i in range(26)]
     blocks = _blocks_of(tiny_hf, prompt, 4)
     assert tiny_hf.adopt_blocks(prompt, blocks[:2]) == 8
-    errors = dict(tiny_hf.block_errors(prompt, 2, blocks[2:], [1]))
-    assert errors[1] < DEFAULT_VERIFY_TOLERANCE / 100
+    errors = dict(tiny_hf.token_errors(prompt, 2, blocks[2:], [0, 5, 15]))
+    assert max(errors.values()) < TOL / 100, errors
+    with pytest.raises(ValueError):
+        tiny_hf.token_errors(prompt, 2, blocks[2:], [16])
     tiny_hf.configure_cache(PrefixHasher(tiny_hf.fingerprint, block_size=4))  # empty
     with pytest.raises(EngineError):
-        tiny_hf.block_errors(prompt, 2, blocks[2:], [1])
+        tiny_hf.token_errors(prompt, 2, blocks[2:], [5])
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,45 +143,102 @@ def _smol_prompt(engine: Engine, topic: str) -> list[int]:
     return engine.tokenize(text)
 
 
-def _shift_last_value(block: bytes, by: float) -> bytes:
-    """The block with its last float16 K/V value (the last layer's V) moved by ``by``."""
+def _ll_altered(block: bytes, token: int | None, by: float, layer: int | None = None) -> bytes:
+    """``block`` (a saved state) with the K values of one of its cells (``token``; None: every
+    cell), in every layer or only ``layer``, moved by ``by`` (float16)."""
     np = pytest.importorskip("numpy")
+    from peerinfer.engine import llamacpp_state as llstate
+
     raw = bytearray(block)
-    value = np.frombuffer(bytes(raw[-2:]), dtype="<f2")[0]
-    raw[-2:] = np.array([float(value) + by], dtype="<f2").tobytes()
+    state = llstate.parse(raw)  # views into raw: writing them alters the bytes
+    section = state.sections[0]
+    assert section is not None
+    rows = slice(None) if token is None else slice(token, token + 1)
+    for i, k in enumerate(section.k):
+        if layer is None or i == layer:
+            values = k.data[rows].view("<f2")
+            values[...] = (values.astype(np.float32) + by).astype("<f2")
     return bytes(raw)
 
 
-def test_llamacpp_block_errors_pass_honest_blocks_and_catch_altered_ones(smol: Engine) -> None:
+def test_llamacpp_token_errors_pass_every_honest_token_and_catch_altered_ones(smol: Engine) -> None:
     assert smol.verifies_kv_blocks
     prompt = _smol_prompt(smol, "rivers")
     blocks = _blocks_of(smol, prompt, 16)
     assert len(blocks) >= 5
-    last = len(blocks) - 1
-    honest = dict(smol.block_errors(prompt, 0, blocks, [0, 2, last]))
-    assert set(honest) == {0, 2, last}
-    assert max(honest.values()) < DEFAULT_VERIFY_TOLERANCE / 100, honest
-    altered = list(blocks)
-    altered[2] = _shift_last_value(blocks[2], 100.0)
-    errors = dict(smol.block_errors(prompt, 0, altered, [1, 2]))
-    assert errors[1] < DEFAULT_VERIFY_TOLERANCE / 100  # block 1 comes before the altered one
-    assert errors[2] > DEFAULT_VERIFY_TOLERANCE, errors
+    n = 16 * len(blocks)
+    checks = [*range(0, 48), n - 1]
+    honest = dict(smol.token_errors(prompt, 0, blocks, checks))
+    assert sorted(honest) == checks
+    assert max(honest.values()) < TOL / 100, honest
+    whole = list(blocks)
+    whole[2] = _ll_altered(blocks[2], None, 2.0)
+    errors = dict(smol.token_errors(prompt, 0, whole, [20, 37]))
+    assert errors[20] < TOL / 100 and errors[37] > TOL, errors
+    one = list(blocks)
+    one[2] = _ll_altered(blocks[2], 5, 2.0, layer=3)  # token 37, layer 3's K only
+    errors = dict(smol.token_errors(prompt, 0, one, [36, 37]))
+    assert errors[36] < TOL / 100 and errors[37] > TOL, errors
+    for seed in ("a", "b"):
+        assert _caught(smol, prompt, whole, 16, seed)
+        assert not _caught(smol, prompt, blocks, 16, seed)
     # Bytes that are not a block of this model's format are refused, never judged.
     with pytest.raises(ProtocolError):
-        smol.block_errors(prompt, 0, [b"junk", *blocks[1:]], [0])
+        smol.token_errors(prompt, 0, [b"junk", *blocks[1:]], [0])
     with pytest.raises(ProtocolError):
-        smol.block_errors(prompt, 0, [blocks[1], *blocks[1:]], [0])  # positions 16..31 at 0
+        smol.token_errors(prompt, 0, [blocks[1], *blocks[1:]], [0])  # positions 16..31 at 0
     # Every sequence the checks took was given back.
     assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
 
 
-def test_llamacpp_block_errors_start_after_cached_blocks(smol: Engine) -> None:
-    """Blocks 0..1 local, 2.. pulled: block 3 is recomputed over two cached and one pulled."""
+def test_llamacpp_token_errors_start_after_cached_blocks(smol: Engine) -> None:
+    """Blocks 0..1 local, 2.. pulled: tokens of blocks 2 and 3 recomputed over both."""
     prompt = _smol_prompt(smol, "mountains")
     blocks = _blocks_of(smol, prompt, 16)
     assert smol.adopt_blocks(prompt, blocks[:2]) == 32
-    errors = dict(smol.block_errors(prompt, 2, blocks[2:], [0, 1]))
-    assert max(errors.values()) < DEFAULT_VERIFY_TOLERANCE / 100, errors
+    errors = dict(smol.token_errors(prompt, 2, blocks[2:], [0, 7, 31]))
+    assert max(errors.values()) < TOL / 100, errors
     smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # empty
     with pytest.raises(EngineError):
-        smol.block_errors(prompt, 2, blocks[2:], [1])
+        smol.token_errors(prompt, 2, blocks[2:], [1])
+
+
+# --------------------------------------------------------------------------------------------
+# Free checks: the digests of the blocks an engine computed itself (peerinfer.engine.kvmemo).
+
+
+def test_own_blocks_are_bounded_and_match_only_the_same_bytes() -> None:
+    from peerinfer.engine.kvmemo import OwnBlocks
+    from peerinfer.types import BlockHash
+
+    memo = OwnBlocks(capacity=3)
+    for h in range(5):
+        memo.remember(BlockHash(h), bytes([h]) * 8)
+    assert len(memo) == 3
+    assert not memo.matches(BlockHash(0), bytes([0]) * 8)  # forgotten first
+    assert memo.matches(BlockHash(4), bytes([4]) * 8)
+    assert not memo.matches(BlockHash(4), bytes([4]) * 7 + b"\x05")
+    assert not memo.matches(BlockHash(3), bytes([4]) * 8)  # another block's bytes
+
+
+def test_llamacpp_pulled_blocks_it_computed_itself_are_known_and_altered_ones_are_not(
+    smol: Engine,
+) -> None:
+    from peerinfer.engine.kvmemo import known_blocks
+
+    prompt = _smol_prompt(smol, "lakes")
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    for _ in smol.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    cache = smol.radix_cache
+    assert cache is not None
+    hashes = [n.hash for n in cache.match(prompt, touch=False).nodes]
+    blocks = smol.encode_blocks(hashes)
+    # Evicted (an emptied cache): the digests stay, and a pull of the same bytes is known.
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    assert known_blocks(smol, hashes, blocks) == frozenset(range(len(blocks)))
+    altered = list(blocks)
+    altered[1] = _ll_altered(blocks[1], 3, 0.01, layer=0)  # under any tolerance: still not known
+    assert known_blocks(smol, hashes, altered) == frozenset(range(len(blocks))) - {1}
+    swapped = [blocks[1], blocks[0], *blocks[2:]]
+    assert not {0, 1} & known_blocks(smol, hashes, swapped)

@@ -14,7 +14,7 @@ do not depend on the cost estimates. Every wait is bounded.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import trio
 
+from peerinfer.core.kvpull import PullVerifier
 from peerinfer.core.messages import (
     ErrorMessage,
     GenerateDone,
@@ -38,7 +39,7 @@ from peerinfer.node import Node, NodeOptions
 from peerinfer.node.kvpull import PullOutcome
 from peerinfer.node.options import KV_PROTOCOL
 from peerinfer.testing.inprocess import node_options, open_nodes, wait_until
-from peerinfer.types import PeerId
+from peerinfer.types import BlockHash, PeerId
 
 pytestmark = pytest.mark.slow
 
@@ -498,6 +499,67 @@ async def test_a_pull_between_transformers_nodes_gives_the_greedy_tokens_of_a_re
             e.close()
 
 
+def _check_every_block(node: Node) -> None:
+    """Give ``node``'s core a verifier that samples one run in every pulled block (at the
+    default rate a given block is sampled with probability rate * 16 / run, docs/security.md):
+    a holder altering one block is then caught at its first pull, whichever block it is."""
+    assert node.core is not None and node.engine is not None
+    run = node.engine.verify_run_tokens
+    node.core.trust.pull_verifier = PullVerifier(f"every-block/{node.peer_id}", rate=run / 16)
+
+
+def _alter_one_block(engine: Engine, alter: Callable[[bytes], bytes]) -> None:
+    """Make ``engine`` a liar that alters ONE block of every pull it serves (the second, or
+    the only one), every token of it, and serves the rest honestly."""
+    honest = engine.encode_blocks
+
+    def encode_blocks(hashes: Sequence[BlockHash], max_bytes: int | None = None) -> list[bytes]:
+        blocks = honest(hashes, max_bytes)
+        if blocks:
+            i = min(1, len(blocks) - 1)
+            blocks[i] = alter(blocks[i])
+        return blocks
+
+    engine.encode_blocks = encode_blocks  # type: ignore[method-assign]
+
+
+async def test_a_transformers_holder_altering_one_block_is_caught(tiny_model_dir: Path) -> None:
+    """The default verifier checks a token or two of every block: a holder that alters one
+    whole block of each pull is caught at its first, and the request is recomputed."""
+    import torch
+
+    from peerinfer.engine.hf import TransformersEngine
+
+    engines = [TransformersEngine(tiny_model_dir, device="cpu") for _ in range(2)]
+    holder_engine = engines[0]
+
+    def alter(block: bytes) -> bytes:
+        kv = holder_engine.decode_block(block, 0).payload
+        return holder_engine.encode_block(kv + 0.5 * torch.sign(kv))
+
+    _alter_one_block(holder_engine, alter)
+    try:
+        async with pair(
+            options(engine="hf"), options(engine="hf", seed=2), engines=lambda i: engines[i]
+        ) as (holder, puller):
+            text = "the quick brown fox jumps over the lazy dog " * 3
+            recomputed, _ = await warm(holder, puller, text)
+            _check_every_block(puller)
+            ids, done = await ask(puller, text)
+            outcome = last_outcome(puller)
+            assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome
+            assert outcome.adopted_tokens == 0 and outcome.checked >= outcome.received
+            assert done.cached_tokens == 0 and ids == recomputed
+            assert puller.core is not None
+            await wait_until(
+                lambda: PeerId(holder.peer_id) in puller.core.trust.reputation.blocked()  # type: ignore[union-attr]
+                , timeout=5,
+            )
+    finally:
+        for e in engines:
+            e.close()
+
+
 # --------------------------------------------------------------------------------------------
 # llama.cpp: the real SmolLM2 GGUF on both nodes; the puller checks a sample by recomputing it.
 
@@ -545,17 +607,19 @@ async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_an
     engines = [
         LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False) for _ in range(2)
     ]
-    honest = engines[0].encode_block
+    from peerinfer.engine import llamacpp_state as llstate
 
-    def altered(payload: object) -> bytes:
-        # Every block's last float16 value (the last layer's V) moved by 100: whichever block
-        # the puller samples, its recompute differs far beyond the tolerance.
-        data = bytearray(honest(payload))
-        value = float(np.frombuffer(bytes(data[-2:]), dtype="<f2")[0])
-        data[-2:] = np.array([value + 100.0], dtype="<f2").tobytes()
-        return bytes(data)
+    def alter(block: bytes) -> bytes:
+        # Every cell's K values of every layer moved by 2 (float16), in place of the bytes.
+        raw = bytearray(block)
+        section = llstate.parse(raw).sections[0]
+        assert section is not None
+        for k in section.k:
+            values = k.data.view("<f2")
+            values[...] = (values.astype(np.float32) + 2.0).astype("<f2")
+        return bytes(raw)
 
-    engines[0].encode_block = altered  # type: ignore[method-assign]
+    _alter_one_block(engines[0], alter)
     try:
         async with pair(
             options(engine="llamacpp"), options(engine="llamacpp", seed=2),
@@ -563,6 +627,7 @@ async def test_a_llamacpp_holder_serving_altered_kv_is_caught_and_the_request_an
         ) as (holder, puller):
             text = short_prompt(5)
             recomputed, _ = await warm(holder, puller, text)
+            _check_every_block(puller)
             ids, done = await ask(puller, text)
             outcome = last_outcome(puller)
             assert outcome.ok is False and outcome.failure.startswith("mismatch"), outcome

@@ -77,7 +77,7 @@ What it decides
   holder's KV would be faster still; if so the local decision carries ``pull_from`` (the shell
   pulls when the request's turn comes). A link with no recent bandwidth figure is not pulled
   over and gets a ``ProbeLink``; the shell reports every transfer as ``TransferMeasured``.
-  Before a pull is used the shell recomputes the blocks ``pull_sample`` names and reports
+  Before a pull is used the shell recomputes the tokens ``pull_sample`` names and reports
   ``PullChecked``: a mismatch is a failed audit (a ``BanPeer``). A pull that gives nothing
   otherwise (refused, timed out) is reported as ``PullFailed``: no pulls from that holder for
   ``PULL_HOLDOFF_S`` (for good when its KV format is not this node's).

@@ -222,7 +222,7 @@ class TransferMeasured:
 
 @dataclass(frozen=True, slots=True)
 class PullChecked:
-    """The blocks of a pull from ``peer`` that the verifier sampled
+    """The tokens of a pull from ``peer`` that the verifier sampled
     (``NodeCore.pull_sample``) were recomputed: ``ok`` when all matched within the tolerance
     (``PullVerifier.judge``). A mismatch discards the pull (the shell's part) and bans
     ``peer`` as a failed audit does."""

@@ -441,12 +441,12 @@ class NodeCore:
         self.choice.note_transfer(ev.peer, ev.nbytes, ev.seconds, now, ev.rtt_s)
         return []
 
-    def pull_sample(self, blocks: int) -> tuple[int, ...]:
-        """Which of a pull's ``blocks`` pulled blocks to recompute and compare (positions,
-        ascending; ``PullVerifier.sample``), before the pull is used. Report the verdict as
-        ``PullChecked``. Empty when pulls are off."""
+    def pull_sample(self, blocks: int, block_size: int = 1, run: int = 1) -> tuple[int, ...]:
+        """Which of a pull's ``blocks`` pulled blocks' tokens to recompute and compare (indexes
+        into the pulled tokens, ascending; ``PullVerifier.sample``), before the pull is used.
+        Report the verdict as ``PullChecked``. Empty when pulls are off."""
         verifier = self.trust.pull_verifier
-        return () if verifier is None else verifier.sample(blocks)
+        return () if verifier is None else verifier.sample(blocks, block_size, run)
 
     def _on_pull_checked(self, ev: PullChecked, now: float) -> list[Effect]:
         return self._banned(ev.peer, self.trust.on_pull_checked(ev, now), now)
