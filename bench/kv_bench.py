@@ -46,14 +46,18 @@ def decision(args: argparse.Namespace) -> None:
         "recompute": {"policy": "local"},
         "forward": {"policy": "longest_prefix"},
         "pull": {"policy": "local", "pull": "always"},
-        "core": {"policy": "cost", "pull": "auto"},
+        "core": {"policy": "cost", "pull": "auto", "pull_extra_work_weight": args.extra_work_weight},
     }
     if args.with_cost:
         strategies["cost (no pulls)"] = {"policy": "cost"}
+    if args.with_greedy:
+        # The core before the extra-work charge (PullSettings.extra_work_weight 0).
+        strategies["core (greedy)"] = {"policy": "cost", "pull": "auto", "pull_extra_work_weight": 0.0}
     fixed = ("recompute", "forward")  # they never move KV: the link's bandwidth changes nothing
     print(f"# kv_bench decision: {args.nodes} nodes, {args.requests} requests, seed {args.seed}, "
           f"workload {args.workload}, kv {args.kv_bytes} B/token, delay {args.delay_ms} ms, "
-          f"disk tier {'on (' + str(args.disk_mb_s) + ' MB/s)' if args.kv_disk else 'off'}; "
+          f"disk tier {'on (' + str(args.disk_mb_s) + ' MB/s)' if args.kv_disk else 'off'}, "
+          f"core's extra-work weight {args.extra_work_weight:g}; "
           f"load average {os.getloadavg()[0]:.2f}")
     names = list(strategies)
     print("| rate/node | link Mb/s | " + " | ".join(names) + " | core / best of 3 | pulls |")
@@ -261,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-disk", action="store_true", help="holders serve pulls from a disk tier")
     p.add_argument("--disk-mb-s", type=float, default=500.0, help="the disk tier's read rate")
     p.add_argument("--with-cost", action="store_true", help="also the cost policy without pulls")
+    p.add_argument("--with-greedy", action="store_true",
+                   help="also the core without the extra-work charge (weight 0)")
+    p.add_argument("--extra-work-weight", type=float, default=None,
+                   help="the core's PullSettings.extra_work_weight (default: PullSettings')")
     p.set_defaults(run=decision)
 
     p = sub.add_parser("verify", help="the pull verifier: liars caught, honest spared, cost")
@@ -294,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     kv_verify_cost.add_parser(sub)
 
     args = parser.parse_args(argv)
+    if args.command == "decision" and args.extra_work_weight is None:
+        from peerinfer.core.kvpull import PullSettings
+
+        args.extra_work_weight = PullSettings().extra_work_weight
     if args.command == "verify":
         from peerinfer.core.kvpull import PullSettings
 

@@ -86,7 +86,9 @@ class PullSettings:
     are not worth a pull. The link estimator's figures: ``bandwidth_half_life_s``,
     ``bandwidth_max_age_s``, ``probe_bytes``, ``probe_gap_s`` (``LinkEstimator``). The
     verifier's: ``verify_rate``, ``verify_min_blocks``, ``verify_tolerance``,
-    ``verify_granularity`` (``PullVerifier``).
+    ``verify_granularity`` (``PullVerifier``). ``extra_work_weight``: the weight of the
+    ``cost`` policy's extra-work charge while pulls are on (``CostPolicy(extra_work_weight=
+    ...)``, set by the node's ``Choice``; 0: the greedy choice, as with pulls off).
     """
 
     mode: str = "auto"
@@ -105,6 +107,9 @@ class PullSettings:
     verify_min_blocks: int = 1
     verify_tolerance: float = DEFAULT_VERIFY_TOLERANCE
     verify_granularity: str = "token"
+    #: past saturation the greedy choice trails always-forwarding (issue 24's RAG sweep): the
+    #: charge makes the core's choice count what a recompute costs the requests after it
+    extra_work_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.verify_granularity not in GRANULARITIES:
@@ -119,7 +124,7 @@ class PullSettings:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        for name in ("min_gain_s", "min_gain_fraction", "verify_tolerance"):
+        for name in ("min_gain_s", "min_gain_fraction", "verify_tolerance", "extra_work_weight"):
             value = getattr(self, name)
             if not (0.0 <= value < math.inf):
                 raise ConfigError(f"{name} must be a non-negative number, got {value!r}")

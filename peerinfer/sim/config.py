@@ -100,11 +100,14 @@ class SimConfig:
     #: trusted for pulls. ``link_mbps``: every link's bandwidth (megabits/s; a transfer takes
     #: a round trip plus bytes / bandwidth); ``kv_bytes_per_token``: the KV format's bytes;
     #: ``kv_disk``: holders serve pulls from a disk tier read at ``disk_read_mb_s`` (MB/s).
+    #: ``pull_extra_work_weight``: ``PullSettings.extra_work_weight`` (the cost policy's
+    #: extra-work charge while pulls are on; 0: the greedy choice).
     pull: str = ""
     link_mbps: float = 1000.0
     kv_bytes_per_token: int = 46_000
     kv_disk: bool = False
     disk_read_mb_s: float = 500.0
+    pull_extra_work_weight: float = 1.0
     #: each node's disk tier in tokens (0: none): blocks its cache evicts spill to it (LRU,
     #: ``disk_cache_tokens * kv_bytes_per_token`` bytes) and a hit on them loads their KV at
     #: ``disk_read_mb_s`` instead of a prefill (``peerinfer.engine.simulated.SimDiskTier``);
@@ -230,6 +233,7 @@ class SimConfig:
             kv_bytes_per_token=self.kv_bytes_per_token,
             peer_blocks_on_disk=self.kv_disk,
             peer_disk_read_bytes_per_s=self.disk_read_mb_s * 1e6,
+            extra_work_weight=self.pull_extra_work_weight,
         )
 
     def to_dict(self) -> dict[str, Any]:

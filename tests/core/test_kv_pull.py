@@ -336,8 +336,10 @@ def test_no_pulls_in_an_open_swarm_unless_allowed() -> None:
 
 
 def test_pulls_off_change_no_decision() -> None:
-    # The same node with pulls off and with pulls on but no bandwidth figure: same decisions.
-    for kv_pull in (None, PullSettings()):
+    # The same node with pulls off and with pulls on but no bandwidth figure: same decisions
+    # (the extra-work charge off: it is the routing's, not the pull step's; with it on, on
+    # idle nodes it charges nothing and only the reason tells of it).
+    for kv_pull in (None, PullSettings(extra_work_weight=0.0), PullSettings()):
         a = make("A", policy="cost", kv_pull=kv_pull, private_swarm=True)
         b = make("B", policy="cost")
         shared = prompt(1, 1024)
@@ -349,8 +351,11 @@ def test_pulls_off_change_no_decision() -> None:
         if kv_pull is None:
             off = fwd[0].decision
             assert not of(effects, ProbeLink)
-        else:
+        elif kv_pull.extra_work_weight == 0.0:
             assert replace(fwd[0].decision) == off
+        else:
+            assert "extra-work charge local 0.000 s" in fwd[0].decision.reason
+            assert replace(fwd[0].decision, reason=off.reason) == off
 
 
 def test_a_failed_pull_holds_off_pulls_from_that_holder_for_a_while_or_for_good() -> None:

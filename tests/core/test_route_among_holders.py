@@ -68,14 +68,17 @@ def _random_index(rng: random.Random, plain: bool) -> tuple[PeerIndex, dict[str,
     return index, options
 
 
+@pytest.mark.parametrize("weight", [0.0, 1.0])
 @pytest.mark.parametrize("plain", [True, False])
-def test_holder_candidates_decide_as_every_candidate(plain: bool) -> None:
+def test_holder_candidates_decide_as_every_candidate(plain: bool, weight: float) -> None:
+    # ``weight``: the extra-work charge (``CostPolicy.extra_work_weight``), off and on.
     asked_every = pruned = 0
     for trial in range(600):
         rng = random.Random(f"holders:{plain}:{trial}")
         index, options = _random_index(rng, plain)
         chain = options.pop("chain")
-        policy = CostPolicy(DEFAULT_COSTS, mean_service_s=rng.choice([0.005, 0.02, 0.1, None]))
+        policy = CostPolicy(DEFAULT_COSTS, mean_service_s=rng.choice([0.005, 0.02, 0.1, None]),
+                            extra_work_weight=weight)
         request = RouteRequest(prompt_tokens=len(chain) * BS, max_tokens=8, chain=tuple(chain))
         every = index.candidates(chain, **options)  # type: ignore[arg-type]
         dice = random.Random(trial)
@@ -98,4 +101,5 @@ def test_holder_candidates_decide_as_every_candidate(plain: bool) -> None:
         assert (got.target, got.is_local, got.expected_cached_tokens, got.estimated_ttft_s,
                 got.max_outstanding) == (want.target, want.is_local, want.expected_cached_tokens,
                                          want.estimated_ttft_s, want.max_outstanding), trial
-    assert pruned > 300 and asked_every > 30, (pruned, asked_every)
+    # Both ways are exercised (with the charge a busy stand-in wins less often: fewer asks).
+    assert pruned > 300 and asked_every > 20, (pruned, asked_every)

@@ -58,7 +58,16 @@ class Choice:
         self.reputation = reputation
         self._block_size = block_size
         self.rng = rng
-        self.policy: RoutingPolicy = make_policy(config.policy, costs=config.costs)
+        pull = config.kv_pull
+        # With pulls on, the cost policy charges a placement for the extra prefill it puts
+        # before later requests (``PullSettings.extra_work_weight``; off with pulls off, so
+        # the routing without pulls is the greedy choice it always was).
+        options = (
+            {"extra_work_weight": pull.extra_work_weight}
+            if pull is not None and config.policy == "cost" and pull.extra_work_weight
+            else {}
+        )
+        self.policy: RoutingPolicy = make_policy(config.policy, costs=config.costs, **options)
         #: the scaffolds this node served lately, advertised in its load (only for the
         #: ``scaffold_hash`` policy, whose hints they are), and the live ones as last read
         self._hints = ScaffoldHints() if config.policy == "scaffold_hash" else None
@@ -72,7 +81,6 @@ class Choice:
         self._plain_loads = True
         #: pulls (``config.kv_pull``): each peer link's bandwidth, measured from transfers, and
         #: the probes asked for since the node last took them (``take_probes``)
-        pull = config.kv_pull
         self.links: LinkEstimator | None = (
             LinkEstimator.for_settings(pull) if pull is not None else None
         )

@@ -79,6 +79,19 @@ The policies
       node marks it as a speculative holder (``PeerIndex.add_speculative``), so the next request
       for that prefix sees two holders and spreads over both. Load is shed exactly when waiting
       for the hot holder costs more than recomputing the prefix elsewhere.
+    * Extra-work charge (option ``extra_work_weight``, ``w``; 0 by default, so off; 1 while KV
+      pulls are on: ``PullSettings.extra_work_weight``). The estimate is this request's own
+      first token, so the rule above is greedy: past saturation it sheds a busy holder's
+      request onto a *busy* non-holder, whose recompute then delays every request that comes
+      there after it, and the extra prefills keep every node full (issue 24's RAG sweep at
+      0.4 requests/s: 1.3x the mean TTFT of always forwarding to the longest holder). With
+      ``w > 0`` candidates are ranked by a score, ``TTFT(c) + w * E(c) * n(c) / s``, where
+      ``E(c) = (M - p * matched(c)) * (prefill_s_per_token - cached_s_per_token)`` is the
+      prefill ``c`` would run beyond the best-placed candidate's (``M``: the most expected
+      cached tokens among the candidates) and ``n(c)`` its outstanding requests, a stand-in
+      for the requests its extra prefill will delay. An idle node is charged nothing, so a hot
+      prefix still spreads onto idle peers. The margin, the runner-up and ``max_outstanding``
+      are taken on the scores; ``estimated_ttft_s`` stays the estimate.
 
     * Herding: the queue estimate sees the load a peer last announced and this node's own
       requests in flight there, not what the other nodes sent it meanwhile; on a hot prefix they
@@ -143,7 +156,8 @@ POLICY_NAMES = (
 DEFAULT_POLICY = "cost"
 
 _COST_OPTIONS = frozenset(
-    {"staleness_half_life_s", "min_gain_s", "min_gain_fraction", "mean_service_s"}
+    {"staleness_half_life_s", "min_gain_s", "min_gain_fraction", "mean_service_s",
+     "extra_work_weight"}
 )
 
 

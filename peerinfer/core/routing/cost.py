@@ -1,6 +1,7 @@
 """The ``cost`` policy: the smallest estimated time to first token, from the cost model, the
 candidates' announced loads and cached prefixes, with hysteresis in favour of local (described
-in :mod:`peerinfer.core.routing`)."""
+in :mod:`peerinfer.core.routing`); optionally charged for the extra prefill a placement puts
+before the requests that come to a busy node after it (``extra_work_weight``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class CostPolicy:
         min_gain_s: float = 0.01,
         min_gain_fraction: float = 0.1,
         mean_service_s: float | None = None,
+        extra_work_weight: float = 0.0,
     ) -> None:
         if not staleness_half_life_s > 0.0:
             raise ConfigError("cost policy: staleness_half_life_s must be > 0")
@@ -51,11 +53,15 @@ class CostPolicy:
             raise ConfigError("cost policy: min_gain_fraction must be a non-negative number")
         if mean_service_s is not None and not (0.0 <= mean_service_s < math.inf):
             raise ConfigError("cost policy: mean_service_s must be a non-negative number")
+        if not (0.0 <= extra_work_weight < math.inf):
+            raise ConfigError("cost policy: extra_work_weight must be a non-negative number")
         self.costs = costs
         self.staleness_half_life_s = staleness_half_life_s
         self.min_gain_s = min_gain_s
         self.min_gain_fraction = min_gain_fraction
         self.mean_service_s = mean_service_s
+        #: the extra-work charge's weight (0: off, the greedy choice; ``_charges``)
+        self.extra_work_weight = extra_work_weight
         self._decay = math.log(2.0) / staleness_half_life_s  # per second
         self._speed: tuple[int, ...] = costs.speed()
         #: the cost models of peers that announced another speed (bounded: cleared when full)
@@ -171,7 +177,8 @@ class CostPolicy:
         local_i = _local_index(candidates)
         memo: _Memo = {}
         ttfts = self._ttfts(request, candidates, memo)
-        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+        charges = self._charges(request, candidates) if self.extra_work_weight else None
+        return self._choose(request, candidates, rng, local_i, ttfts, memo, charges)
 
     def choose_among_holders(
         self,
@@ -196,10 +203,18 @@ class CostPolicy:
         touched (the caller asks ``choose`` with every candidate). When the local node wins,
         every field is the full list's (the best remote estimate, the only one it reads, is
         the same), but for ``ranked``, which ranks the candidates given, and the peer the
-        reason names as the best remote where left-out peers estimate the same to the bit."""
+        reason names as the best remote where left-out peers estimate the same to the bit.
+
+        With the extra-work charge the same holds of the scores (estimate + charge): a plain
+        non-holder's charge, ``w * M * saving * outstanding / slots`` (``_charges``), is
+        non-decreasing in the outstanding count and does not depend on the round trip, and
+        ``M`` is the same over both lists (every holder is in the pruned one)."""
         local_i = _local_index(candidates)
         memo: _Memo = {}
         ttfts = self._ttfts(request, candidates, memo)
+        charges = self._charges(request, candidates) if self.extra_work_weight else None
+        if charges is not None:
+            ttfts = [t + c for t, c in zip(ttfts, charges, strict=True)]
         best_remote = -1
         best = math.inf
         floor = math.inf  # the best stand-in's estimate
@@ -212,7 +227,43 @@ class CostPolicy:
             local_ttft = ttfts[local_i]
             if local_ttft - best > max(self.min_gain_s, self.min_gain_fraction * local_ttft):
                 return None  # a remote wins, and left-out peers may tie with it
-        return self._choose(request, candidates, rng, local_i, ttfts, memo)
+        return self._choose(request, candidates, rng, local_i, ttfts, memo, charges, True)
+
+    def _charges(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """Each candidate's extra-work charge, in order: ``w * E(c) * n(c) / s(c)``.
+
+        ``E(c) = (M - p(c) * m(c)) * (prefill_s_per_token - cached_s_per_token)`` at ``c``'s
+        speed is the prefill ``c`` would run beyond what the best-placed candidate would (``M``:
+        the most expected cached tokens, ``p * m``, of any candidate), ``n(c)`` its outstanding
+        requests and ``s(c)`` its slots. The estimate counts only this request's own first
+        token; a recompute also holds ``c`` for ``E(c)`` longer, and every request that comes
+        to ``c`` while it is still busy waits that much more. How many do is not known here;
+        the requests it has outstanding now stand in for them (a single-server queue holds on
+        average as many as arrive during the rest of its busy period, ``rho / (1 - rho)``). So
+        the charge is 0 on an idle node (spreading a hot prefix onto idle peers costs nobody),
+        and grows with the queue where a recompute delays others: past saturation the greedy
+        estimate sheds a busy holder's requests to busy non-holders, the extra prefills keep
+        every node full, and the queues grow (docs/evaluation.md, "Pulling KV from a peer")."""
+        prompt = request.prompt_tokens
+        cached: list[float] = []
+        for c in candidates:
+            m = c.matched_tokens if c.matched_tokens < prompt else prompt
+            cached.append(m * self.confidence(c))
+        best = max(cached)
+        w = self.extra_work_weight
+        out: list[float] = []
+        for c, e in zip(candidates, cached, strict=True):
+            load = c.load
+            n = load.queued + load.running
+            if c.inflight > n:
+                n = c.inflight
+            if n <= 0 or not best > e:
+                out.append(0.0)
+                continue
+            costs = self.costs_for(load)
+            saving = costs.prefill_s_per_token - costs.cached_s_per_token
+            out.append(w * (best - e) * saving * n / (load.slots if load.slots > 0 else 1))
+        return out
 
     def _ttfts(
         self, request: RouteRequest, candidates: Sequence[Candidate], memo: _Memo
@@ -292,8 +343,14 @@ class CostPolicy:
         local_i: int,
         ttfts: list[float],
         memo: _Memo,
+        charges: list[float] | None = None,
+        charged: bool = False,
     ) -> RouteDecision:
+        """The choice by ``ttfts``; with ``charges`` (the extra-work charge), by ``ttfts`` plus
+        the charges (already added when ``charged``): the scores."""
         prompt = request.prompt_tokens
+        if charges is not None and not charged:
+            ttfts = [t + c for t, c in zip(ttfts, charges, strict=True)]
         # Stable: equal estimates keep the caller's order in the failover list.
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]
@@ -317,13 +374,20 @@ class CostPolicy:
         if target_i != local_i:
             runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
             max_outstanding = self._outstanding_within(
-                runner_up, candidates[target_i], request, memo
+                runner_up, candidates[target_i], request, memo,
+                0.0 if charges is None else charges[target_i],
             )
         local = candidates[local_i]
         local_cached = estimates[local_i][1]
         target = candidates[target_i]
         ttft, cached, wait = estimates[target_i]
         ranked = (target.peer, *(candidates[i].peer for i in order if i != target_i))
+        # With the charge, ``local_ttft`` and the remotes' figures are scores; say so.
+        charge_text = ""
+        if charges is not None:
+            charge_text = f"; extra-work charge local {charges[local_i]:.3f} s"
+            if best_remote is not None:
+                charge_text += f", {_who(candidates[best_remote])} {charges[best_remote]:.3f} s"
 
         if target.is_local:
             if best_remote is None:
@@ -338,14 +402,14 @@ class CostPolicy:
                     f"cost: local est. TTFT {local_ttft:.3f} s ({local_cached:.0f}/{prompt} "
                     f"tokens cached, queue {estimates[local_i][2]:.3f} s); best remote "
                     f"{_who(r)} {r_ttft:.3f} s does not beat it by the "
-                    f"{margin:.3f} s margin"
+                    f"{margin:.3f} s margin{charge_text}"
                 )
         else:
             reason = (
                 f"cost: {_who(target)} est. TTFT {ttft:.3f} s (holds ~{cached:.0f}/{prompt} "
                 f"tokens, {_age_text(target.digest_age_s)}, queue {wait:.3f} s, "
                 f"rtt {target.rtt_s * 1000:.0f} ms) vs local {local_ttft:.3f} s "
-                f"({local_cached:.0f} cached, {_load_text(local)})"
+                f"({local_cached:.0f} cached, {_load_text(local)}){charge_text}"
             )
         return RouteDecision(
             target.peer,
@@ -359,13 +423,16 @@ class CostPolicy:
 
 
     def _outstanding_within(
-        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: _Memo
+        self, runner_up_s: float, c: Candidate, request: RouteRequest, memo: _Memo,
+        charge: float = 0.0,
     ) -> int:
         """The most requests ``c`` may have queued or running when this one arrives for the
         forward to still beat the runner-up: served there, the first token comes at ``rtt +
         estimate - rtt``; refused, at about ``rtt + runner_up_s``. The inverse of the estimate
         in the outstanding count: past a full batch it grows by ``T / slots`` per request;
-        below, by the prefill backlog of one more running request."""
+        below, by the prefill backlog of one more running request. ``charge``: ``c``'s
+        extra-work charge now (``_charges``), which grows in proportion to the count too; the
+        runner-up is then a score, and so is what it is compared with."""
         slots = c.load.slots if c.load.slots > 0 else 1
         costs = self.costs_for(c.load)
         service = self._service(request, slots, memo, None if costs is self.costs else costs)
@@ -373,6 +440,19 @@ class CostPolicy:
             return 1 << 30
         full = self._estimate(c, request, memo, slots)
         rtt = 0.0 if c.is_local else c.rtt_s
+        if charge > 0.0:
+            now = c.load.queued + c.load.running
+            if c.inflight > now:
+                now = c.inflight
+            per = charge / now  # the charge per outstanding request (> 0 only when now > 0)
+            base = runner_up_s - (full[0] - rtt) - per * slots
+            n = math.floor(base / (service / slots + per) + slots + 1e-9)
+            if n >= slots:
+                return min(n, 1 << 30)
+            for k in range(slots - 1, 0, -1):
+                if self._estimate(c, request, memo, k)[0] - rtt + per * k <= runner_up_s:
+                    return k
+            return 0
         # full - rtt = 0.5 * T / slots + the backlog and prefill next to slots - 1 decoders
         # (+1e-9: a tie with the runner-up must not round down below what it already runs)
         n = math.floor((runner_up_s - (full[0] - rtt)) * slots / service + slots + 1e-9)
