@@ -272,6 +272,16 @@ def _engine_options(args: argparse.Namespace, costs: Any) -> dict[str, Any]:
     return engine_options
 
 
+def _refuse_a_missing_path(model: str | None) -> None:
+    """A model named by a path that is not there is refused before any engine (and torch) is
+    imported: a typo costs a moment, not a 5-25 s import. Names that could be hub ids are left
+    to the engine, which knows its own rules for them."""
+    if model is None or Path(model).expanduser().exists():
+        return
+    if model.startswith((".", "~", "/", "\\")) or model.count("/") > 1:
+        raise ConfigError(f"no model at {model!r}: not a file or directory")
+
+
 def _load_engine_verbosely(options: Any) -> Any:
     """Load the engine, saying what and where, with a progress line while it takes long."""
     import threading
@@ -279,6 +289,7 @@ def _load_engine_verbosely(options: Any) -> Any:
     from peerinfer.engine.registry import load_engine
 
     kwargs = dict(options.engine_options)
+    _refuse_a_missing_path(options.model)
     if options.model is not None:
         kwargs.setdefault("model", options.model)
     if options.device is not None:
