@@ -74,6 +74,10 @@ def to_wire(value: Any) -> Any:
             tail -= 1
         return [to_wire(getattr(value, name)) for name in names]
     if isinstance(value, tuple | list):
+        if len(value) > 1 and all(x is value[0] for x in value):
+            # One element repeated (a field at its length limit): convert it once, not 65,536
+            # times, which took most of that test's time.
+            return [to_wire(value[0])] * len(value)
         return [to_wire(x) for x in value]
     return value
 
