@@ -9,7 +9,8 @@ real model; default: ``CostModel``'s defaults), each with a prefix cache of ``--
 tokens. With ``--engine llamacpp`` the nodes run the real model instead (``--engine llamacpp
 --threads 1``, the default GGUF) with a byte budget of ``--cache-tokens`` simulated-engine
 tokens (llama.cpp splits it between its context and the cached blocks); ``--costs`` then only
-informs the nodes' cost policy. The oracle, ``--sim`` and ``--speedup`` model the simulated
+informs the nodes' cost policy (default: the ``llamacpp`` preset, the engine's calibration,
+which is what such a node announces without ``--costs``). The oracle, ``--sim`` and ``--speedup`` model the simulated
 engine's cache and timing, so they are refused with this engine. The workload is MMLU 5-shot prompts (``peerinfer.workload.mmlu_workload``) with Zipf
 subject popularity (``--skew``), open-loop Poisson arrivals at ``--rate`` requests per second
 *per node* (the simulator's convention), sent by concurrent client tasks (one stream per
@@ -534,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skew", default="zipf:1.1", help="subject popularity (default zipf:1.1)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     p.add_argument("--cache-tokens", type=int, default=8192, help="prefix cache per node in tokens (default 8192)")
-    p.add_argument("--costs", type=Path, help="cost model JSON (peerinfer calibrate --output); default: CostModel defaults")
+    p.add_argument("--costs", type=Path, help="cost model JSON (peerinfer calibrate --output) or a preset name (peerinfer sim --costs); default: CostModel defaults, the llamacpp preset with --engine llamacpp")
     p.add_argument("--announce-interval", type=float, default=1.0, help="digest announcement interval, s (default 1)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"comma-separated, from {', '.join((*POLICY_NAMES, ORACLE))} (default %(default)s)")
     p.add_argument("--seed", type=int, default=1)
@@ -589,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("libp2p").setLevel(logging.ERROR)
 
     costs = DEFAULT_COSTS
+    if args.costs is None and args.engine == "llamacpp":
+        # The nodes' own default on this engine (LlamaCppEngine.default_costs), written out
+        # so that the report names it.
+        args.costs = Path("llamacpp")
     if args.costs is not None:
         from peerinfer.sim.config import load_costs
 
