@@ -59,6 +59,19 @@ decode step is also 9-29 % cheaper: each row's attention walks only its own cell
 Greedy rows take the first maximum; sampled rows draw from their own seeded NumPy generator, so a
 seeded request's tokens do not depend on its neighbours.
 
+Flash attention
+---------------
+``flash_attn`` (None: llama.cpp's auto, which turns it on for a CPU build) stays the default,
+measured but not switched: with the KV stream per sequence, flash attention off made a one-row
+decode step 5 % cheaper and a 512-token prefill 16 % cheaper (``bench/llamacpp_step_probe.py``),
+and the batch bench's 64 requests stayed 64 of 64 identical to llama.cpp alone with it off (the
+reference with it off too; docs/performance.md, "Run 4"). Not the default yet because a KV block
+is not the same bytes either way: without flash attention llama.cpp stores V transposed in the
+saved state and the cells' values round differently, while ``kv_format`` does not name the
+setting, so nodes of the two settings would exchange blocks that fail to restore or are not
+exact; the switch needs the setting in ``kv_format``, the references of the tests following the
+engine's default, and the llama.cpp test suite rerun.
+
 KV reuse: saved sequence state, not shared cells
 ------------------------------------------------
 A cached block's payload is a ``bytes`` value in ``llama_state_seq_get_data``'s format holding
