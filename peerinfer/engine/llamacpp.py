@@ -65,12 +65,12 @@ Flash attention
 measured but not switched: with the KV stream per sequence, flash attention off made a one-row
 decode step 5 % cheaper and a 512-token prefill 16 % cheaper (``bench/llamacpp_step_probe.py``),
 and the batch bench's 64 requests stayed 64 of 64 identical to llama.cpp alone with it off (the
-reference with it off too; docs/performance.md, "Run 4"). Not the default yet because a KV block
-is not the same bytes either way: without flash attention llama.cpp stores V transposed in the
-saved state and the cells' values round differently, while ``kv_format`` does not name the
-setting, so nodes of the two settings would exchange blocks that fail to restore or are not
-exact; the switch needs the setting in ``kv_format``, the references of the tests following the
-engine's default, and the llama.cpp test suite rerun.
+reference with it off too; docs/performance.md, "Run 4"). A KV block is not the same bytes
+either way (without flash attention llama.cpp stores V transposed in the saved state, and the
+values round differently), so an explicit setting is part of ``kv_format`` (``-fa0``/``-fa1``):
+nodes exchange blocks only with their like. Not the default yet: the llama.cpp tests'
+references, the cross-engine audit figures and the KV verification thresholds were all measured
+with it on, and rerunning them did not fit the session that measured this.
 
 KV reuse: saved sequence state, not shared cells
 ------------------------------------------------

@@ -153,6 +153,17 @@ def test_flash_attn_is_checked_and_reaches_the_context() -> None:
     assert flash_attn_type(False) == L.LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
+def test_a_flash_attention_setting_gets_a_kv_format_of_its_own(smol: LlamaCppEngine) -> None:
+    off = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False, flash_attn=False)
+    try:
+        off.configure_cache(PrefixHasher(off.fingerprint, block_size=16))
+        assert off.kv_format() is not None and smol.kv_format() is not None
+        assert off.kv_format() != smol.kv_format() and "-fa0/" in off.kv_format()
+        assert "-fa" not in smol.kv_format()  # the default (llama.cpp's auto) keeps its name
+    finally:
+        off.close()
+
+
 def test_a_cpu_node_on_this_engine_announces_llamacpps_calibration(smol: LlamaCppEngine) -> None:
     from peerinfer.core.costmodel import DEFAULT_COSTS, LLAMACPP_COSTS
     from peerinfer.node.options import NodeOptions, core_config
