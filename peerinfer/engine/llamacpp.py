@@ -65,7 +65,8 @@ Flash attention
 measured but not switched: with the KV stream per sequence, flash attention off made a one-row
 decode step 5 % cheaper and a 512-token prefill 16 % cheaper (``bench/llamacpp_step_probe.py``),
 and the batch bench's 64 requests stayed 64 of 64 identical to llama.cpp alone with it off (the
-reference with it off too; docs/performance.md, "Run 4"). A KV block is not the same bytes
+reference with it off too), their lone runs' prefill 11 % cheaper than with it on
+(docs/performance.md, "Run 4"). A KV block is not the same bytes
 either way (without flash attention llama.cpp stores V transposed in the saved state, and the
 values round differently), so an explicit setting is part of ``kv_format`` (``-fa0``/``-fa1``):
 nodes exchange blocks only with their like. Not the default yet: the llama.cpp tests'
