@@ -51,6 +51,12 @@ context, no cache, greedy), where a tie is a first difference at which the lone 
 exceeded the logit of the token the engine chose by at most ``LLAMA_TIE``; ``tie_gaps`` lists
 those gaps.
 
+``--only node`` measures ``node_x_16`` alone (either engine); ``--only exact`` (llamacpp) measures
+``exact_share`` alone, with the scheduler's time for the 64 (``exact_batched_s``) and the lone
+runs' prefill and decode times (``ref_prefill_s``, ``ref_decode_s``). ``--flash-attn on|off``
+(llamacpp) sets the engine's flash attention and its lone reference's alike (default: the
+engine's own default).
+
 ``--clock cpu`` times with the process's CPU time instead of the wall clock (with one thread,
 what the wall clock would read on an idle machine; generate_batch runs a thread of its own,
 whose time is counted too). Say which when quoting figures, with the machine's load.
@@ -358,9 +364,14 @@ def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[st
     warm = [[{"role": "user", "content": text}] for text in work.warm_texts]
 
     async def run(concurrent: bool) -> tuple[float, int]:
+        # The clients share the node's process and trio loop, so a loaded machine can delay a
+        # client's answer to the node's liveness ping past its deadline (3 s at the default
+        # peer_timeout_s); the node then replaces the "stalled" connection, which resets the
+        # client's generate stream in flight (seen: 6 clients' streams reset at load 4-7). A
+        # client in a process of its own answers at once; here the deadline is 30 s.
         options = NodeOptions(
             engine="unused", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False, persist_identity=False,
-            policy="local", seed=1, max_queue=n,
+            policy="local", seed=1, max_queue=n, peer_timeout_s=60.0,
         )
         node = Node(options, engine=engine)
         produced = [0] * n
@@ -370,10 +381,21 @@ def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[st
             async with Client.connect(addr) as client:
                 for chat in warm:
                     await client.generate(chat, max_tokens=1)
-            t0 = clock()
+            # Every client connects before the clock starts, and the concurrent ones send at
+            # once: the figure is the node's serving, not libp2p's handshakes (16 connects cost
+            # ~0.5 s of CPU here), nor arrivals straggling behind connects on a loaded machine.
+            start = trio.Event()
+            connected = 0
+            t0 = 0.0
             if concurrent:
                 async def ask(i: int) -> None:
+                    nonlocal connected, t0
                     async with Client.connect(addr) as client:
+                        connected += 1
+                        if connected == n:
+                            t0 = clock()
+                            start.set()
+                        await start.wait()
                         produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
 
                 async with trio.open_nursery() as clients:
@@ -381,6 +403,7 @@ def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[st
                         clients.start_soon(ask, i)
             else:
                 async with Client.connect(addr) as client:
+                    t0 = clock()
                     for i in range(n):
                         produced[i] = (await client.generate(chats[i], max_tokens=tokens)).completion_tokens
             elapsed = clock() - t0
@@ -391,20 +414,72 @@ def node_level(engine: Any, work: Workload, tokens: int, n: int = 16) -> dict[st
     t_conc, n_conc = trio.run(run, True)
     say(f"node, {n} clients: one after another {t_seq:.2f} s ({n_seq} tokens), "
         f"at once {t_conc:.2f} s ({n_conc} tokens)")
+    # The same n prompts straight through the engine (one by one, and through a BatchScheduler
+    # of the node's batch size), for what the node adds on top.
+    prompts = work.mixed(n)
+    fresh_cache(engine, work)
+    t_eng_seq, seq_out = run_serial(engine, prompts, tokens)
+    fresh_cache(engine, work)
+    t_eng_conc, conc_out, _ = run_scheduler(engine, prompts, tokens, engine.max_batch_size)
+    e_seq, e_conc = sum(map(len, seq_out)), sum(map(len, conc_out))
+    say(f"engine, the same {n}: one by one {t_eng_seq:.2f} s ({e_seq} tokens), "
+        f"scheduler {t_eng_conc:.2f} s ({e_conc} tokens)")
     return {
         f"node_sequential_{n}_s": round(t_seq, 3), f"node_concurrent_{n}_s": round(t_conc, 3),
         f"node_tokens_{n}": [n_seq, n_conc],
         f"node_x_{n}": round((n_conc / t_conc) / (n_seq / t_seq), 3),
+        f"engine_sequential_{n}_s": round(t_eng_seq, 3), f"engine_concurrent_{n}_s": round(t_eng_conc, 3),
+        f"engine_tokens_{n}": [e_seq, e_conc],
+        f"engine_x_{n}": round((e_conc / t_eng_conc) / (e_seq / t_eng_seq), 3),
     }
+
+
+def llama_exactness(engine: Any, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """``exact_share`` on the llama.cpp engine: ``--exact-requests`` through the scheduler, 8 at a
+    time, against llama.cpp alone with the engine's flash attention setting."""
+    from peerinfer.testing.llamacpp_reference import LlamaCppReference, first_difference
+
+    fresh_cache(engine, work)
+    prompts = work.mixed(args.exact_requests)
+    t_batched, outs, _ = run_scheduler(engine, prompts, args.tokens, 8)
+    ref = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=args.threads,
+                            flash_attn=engine.flash_attn, clock=clock)
+    verdicts, gaps = [], []
+    ref_prefill = ref_decode = 0.0
+    for p, o in zip(prompts, outs, strict=True):
+        run = ref.greedy(p, args.tokens, stop=engine.eos_token_ids, keep_logits=True)
+        ref_prefill += run.prefill_s
+        ref_decode += run.decode_s
+        k = first_difference(o, run)
+        if k is None:
+            verdicts.append("equal")
+            continue
+        gap = float(run.logits[k].max() - run.logits[k][o[k]]) if k < min(len(o), len(run.tokens)) else float("inf")
+        gaps.append(round(gap, 5))
+        verdicts.append("tie" if gap <= LLAMA_TIE else "mismatch")
+    ref.close()
+    out = dict(
+        exact_requests=len(prompts), exact_equal=verdicts.count("equal"),
+        exact_share=round(verdicts.count("equal") / len(prompts), 4),
+        tie_flips=verdicts.count("tie"), mismatches=verdicts.count("mismatch"), tie_gaps=gaps,
+        tie_tolerance=LLAMA_TIE, exact_batched_s=round(t_batched, 3),
+        exact_tokens=sum(map(len, outs)), ref_prefill_s=round(ref_prefill, 3),
+        ref_prompt_tokens=sum(map(len, prompts)), ref_decode_s=round(ref_decode, 3),
+    )
+    say(f"exact: {verdicts.count('equal')}/{len(prompts)} equal, {verdicts.count('tie')} tie flips "
+        f"(gaps {gaps}), {verdicts.count('mismatch')} mismatches; batched {t_batched:.2f} s, lone "
+        f"runs' prefill {ref_prefill:.2f} s, decode {ref_decode:.2f} s")
+    return out
 
 
 def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     """The llama.cpp engine's batching figures (see the module docstring)."""
     from peerinfer.engine.llamacpp import LlamaCppEngine
-    from peerinfer.testing.llamacpp_reference import LlamaCppReference, first_difference
 
     sizes = [int(s) for s in args.step_sizes.split(",")]
-    engine = LlamaCppEngine(threads=args.threads, max_batch_size=8)
+    flash = {"auto": None, "on": True, "off": False}[args.flash_attn]
+    engine = LlamaCppEngine(threads=args.threads, max_batch_size=8,
+                            **({} if args.flash_attn == "auto" else {"flash_attn": flash}))
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()]
     needed = max(sizes + [args.exact_requests, 16])
     per_subject = max(8, -(-needed // len(subjects)))
@@ -412,8 +487,18 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "engine": "llamacpp", "model": engine.model_name, "threads": args.threads,
         "clock": args.clock, "tokens": args.tokens, "data": work.source, "subjects": subjects,
-        "extra_buffers": engine.extra_buffers,
+        "extra_buffers": engine.extra_buffers, "flash_attn": engine.flash_attn,
     }
+    if args.only == "node":
+        result.update(node_level(engine, work, args.tokens))
+        engine.close()
+        result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+        return result
+    if args.only == "exact":
+        result.update(llama_exactness(engine, work, args))
+        engine.close()
+        result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+        return result
     eight = work.mixed(8)
     say(f"prompt tokens of the 8: {[len(p) for p in eight]}")
     fresh_cache(engine, work)
@@ -439,29 +524,7 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     result["step_time_by_batch"] = {str(n): round(t, 5) for n, t in steps.items()}
     result["decode_step_s_by_batch"] = [[n, round(t, 5)] for n, t in sorted(steps.items())]
 
-    fresh_cache(engine, work)
-    prompts = work.mixed(args.exact_requests)
-    _, outs, _ = run_scheduler(engine, prompts, args.tokens, 8)
-    ref = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=args.threads)
-    verdicts, gaps = [], []
-    for p, o in zip(prompts, outs, strict=True):
-        run = ref.greedy(p, args.tokens, stop=engine.eos_token_ids, keep_logits=True)
-        k = first_difference(o, run)
-        if k is None:
-            verdicts.append("equal")
-            continue
-        gap = float(run.logits[k].max() - run.logits[k][o[k]]) if k < min(len(o), len(run.tokens)) else float("inf")
-        gaps.append(round(gap, 5))
-        verdicts.append("tie" if gap <= LLAMA_TIE else "mismatch")
-    ref.close()
-    result.update(
-        exact_requests=len(prompts), exact_equal=verdicts.count("equal"),
-        exact_share=round(verdicts.count("equal") / len(prompts), 4),
-        tie_flips=verdicts.count("tie"), mismatches=verdicts.count("mismatch"), tie_gaps=gaps,
-        tie_tolerance=LLAMA_TIE,
-    )
-    say(f"exact: {verdicts.count('equal')}/{len(prompts)} equal, {verdicts.count('tie')} tie flips "
-        f"(gaps {gaps}), {verdicts.count('mismatch')} mismatches")
+    result.update(llama_exactness(engine, work, args))
 
     if args.skip_node:
         result["node_level"] = "skipped (--skip-node)"
@@ -509,6 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     parser.add_argument("--skip-cb", action="store_true", help="skip generate_batch (slow on CPU)")
     parser.add_argument("--skip-node", action="store_true", help="skip the node-level figure")
+    parser.add_argument("--only", choices=("node", "exact"),
+                        help="measure only node_x_16 (node) or, llamacpp, only exact_share (exact)")
+    parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                        help="llamacpp: flash attention of the engine and of its lone reference (default auto: the engine's default)")
     parser.add_argument("--quick", action="store_true", help="tiny figures, for a smoke run")
     parser.add_argument("--skip-hf", action="store_true", help="llamacpp: skip the Transformers engine comparison")
     args = parser.parse_args(argv)
@@ -549,6 +616,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": engine.model_name, "threads": args.threads, "clock": args.clock,
         "tokens": args.tokens, "data": work.source, "subjects": subjects,
     }
+    if args.only == "node":
+        result.update(node_level(engine, work, args.tokens))
+        result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+        engine.close()
+        print(json.dumps(result) if args.json else result)
+        return 0
     eight = work.mixed(8)
     say(f"prompt tokens of the 8: {[len(p) for p in eight]}")
     fresh_cache(engine, work)

@@ -8,8 +8,10 @@ engine, whose timing follows a cost model (``--costs``: a ``peerinfer calibrate`
 real model; default: ``CostModel``'s defaults), each with a prefix cache of ``--cache-tokens``
 tokens. With ``--engine llamacpp`` the nodes run the real model instead (``--engine llamacpp
 --threads 1``, the default GGUF) with a byte budget of ``--cache-tokens`` simulated-engine
-tokens (llama.cpp splits it between its context and the cached blocks); ``--costs`` then only
-informs the nodes' cost policy. The oracle, ``--sim`` and ``--speedup`` model the simulated
+tokens (llama.cpp splits it between its context and the cached blocks; at least 1 GiB, so that
+each request's KV stream holds the longest MMLU prompts); ``--costs`` then only
+informs the nodes' cost policy (default: the ``llamacpp`` preset, the engine's calibration,
+which is what such a node announces without ``--costs``). The oracle, ``--sim`` and ``--speedup`` model the simulated
 engine's cache and timing, so they are refused with this engine. The workload is MMLU 5-shot prompts (``peerinfer.workload.mmlu_workload``) with Zipf
 subject popularity (``--skew``), open-loop Poisson arrivals at ``--rate`` requests per second
 *per node* (the simulator's convention), sent by concurrent client tasks (one stream per
@@ -87,6 +89,9 @@ from peerinfer.workload import MMLU, WorkloadItem, default_data_dir, mmlu_worklo
 
 ORACLE = "oracle"
 ENGINES = ("simulated", "llamacpp")
+#: The least byte budget of a llama.cpp node here: the engine's default (1 GiB), whose KV streams
+#: hold 2,304 tokens per request (docs/performance.md, "One KV stream per sequence").
+LLAMACPP_MIN_BUDGET = 1 << 30
 DEFAULT_POLICIES = (DEFAULT_POLICY, "random", "least_loaded", ORACLE)
 #: The issue's targets: (JSON key, bound, "max" when the figure must stay at or below it).
 TARGETS = (
@@ -534,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skew", default="zipf:1.1", help="subject popularity (default zipf:1.1)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     p.add_argument("--cache-tokens", type=int, default=8192, help="prefix cache per node in tokens (default 8192)")
-    p.add_argument("--costs", type=Path, help="cost model JSON (peerinfer calibrate --output); default: CostModel defaults")
+    p.add_argument("--costs", type=Path, help="cost model JSON (peerinfer calibrate --output) or a preset name (peerinfer sim --costs); default: CostModel defaults, the llamacpp preset with --engine llamacpp")
     p.add_argument("--announce-interval", type=float, default=1.0, help="digest announcement interval, s (default 1)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"comma-separated, from {', '.join((*POLICY_NAMES, ORACLE))} (default %(default)s)")
     p.add_argument("--seed", type=int, default=1)
@@ -589,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("libp2p").setLevel(logging.ERROR)
 
     costs = DEFAULT_COSTS
+    if args.costs is None and args.engine == "llamacpp":
+        # The nodes' own default on this engine (LlamaCppEngine.default_costs), written out
+        # so that the report names it.
+        args.costs = Path("llamacpp")
     if args.costs is not None:
         from peerinfer.sim.config import load_costs
 
@@ -615,6 +624,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = SimulatedEngine(costs=costs)
     tokens = [tuple(tokenizer.tokenize(item.prompt)) for item in items]
     cache_bytes = None if args.cache_tokens is None else args.cache_tokens * DEFAULT_KV_BYTES_PER_TOKEN
+    if args.engine == "llamacpp" and cache_bytes is not None and cache_bytes < LLAMACPP_MIN_BUDGET:
+        # Each llama.cpp request lives in a KV stream of budget / 2 / 10 sequences: at 8,192
+        # tokens' budget a stream holds 768 tokens and the node refuses the longer MMLU prompts
+        # (up to ~1,800 tokens; 18 of 40 refused in a run). The engine's default budget gives
+        # 2,304 tokens per request.
+        print(f"llamacpp: --cache-tokens {args.cache_tokens} leaves each request's KV stream too short "
+            f"for MMLU prompts; the nodes get {LLAMACPP_MIN_BUDGET >> 20} MiB", file=sys.stderr)
+        cache_bytes = LLAMACPP_MIN_BUDGET
 
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cluster-bench-")))

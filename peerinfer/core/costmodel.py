@@ -333,10 +333,32 @@ BATCHED_COSTS = CostModel(
 )
 
 
+#: SmolLM2-135M-Instruct's shipped Q4_1 GGUF on the llama.cpp engine, CPU, one thread (a portable
+#: AVX2 build on the 2-core AMD EPYC Zen 3 development machine), served up to 8 at a time: one run
+#: of ``peerinfer calibrate --engine llamacpp --threads 1 --clock cpu --statistic min`` (Dec 6,
+#: load 4-10; docs/performance.md, "Calibration (peerinfer calibrate --engine llamacpp)"). The
+#: decode steps were measured by the engine's own ``decode_batch`` at 1, 2, 4 and 8 running
+#: (512-token contexts; its 10 sequences hold no 16): an 8-row step costs 6.3 one-row steps,
+#: because ggml has no batched Q4_1 kernel on AVX2. The prefill line's intercept came out below
+#: zero, so ``overhead_s`` is 0 as fitted. A CPU node on this engine announces it when
+#: ``--costs`` gives none (``LlamaCppEngine.default_costs``); the simulator's ``llamacpp``
+#: preset is this model.
+LLAMACPP_COSTS = CostModel(
+    prefill_s_per_token=0.009842,
+    cached_s_per_token=0.0002314,
+    decode_s_per_token=0.01426,
+    overhead_s=0.0,
+    slots=8,
+    decode_step_s_by_batch=((1, 0.02068), (2, 0.04054), (4, 0.06808), (8, 0.12951)),
+    prefill_busy_s_per_token=0.009387,
+    prefill_chunk_tokens=512,
+)
+
+
 def default_costs(slots: int) -> CostModel:
     """The default cost model of a node whose engine runs ``slots`` requests at once:
     ``DEFAULT_COSTS`` for one, ``BATCHED_COSTS`` with that capacity for more."""
     return DEFAULT_COSTS if slots <= 1 else BATCHED_COSTS.with_slots(slots)
 
 
-__all__ = ["BATCHED_COSTS", "DEFAULT_COSTS", "CostModel", "default_costs"]
+__all__ = ["BATCHED_COSTS", "DEFAULT_COSTS", "LLAMACPP_COSTS", "CostModel", "default_costs"]

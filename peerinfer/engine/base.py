@@ -108,6 +108,7 @@ from peerinfer.errors import (
 from peerinfer.types import BlockHash
 
 if TYPE_CHECKING:
+    from peerinfer.core.costmodel import CostModel
     from peerinfer.engine.constraints import GrammarTokenizer, TokenGuide
 
 
@@ -197,6 +198,9 @@ class Engine(ABC):
     #: scheduler reserves ``(prompt + max_tokens) * kv_bytes_per_token`` per running request
     #: out of the cache's byte budget.
     kv_bytes_per_token: int = 0
+    #: The cost model a node running this engine announces when given none (``--costs``):
+    #: a backend's own calibration (llama.cpp's CPU figures); None: the node's default.
+    default_costs: CostModel | None = None
     #: Whether the backend reports logprobs through ``DecodeRequest.guide``.
     supports_logprobs: bool = False
 

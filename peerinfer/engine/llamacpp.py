@@ -59,6 +59,20 @@ decode step is also 9-29 % cheaper: each row's attention walks only its own cell
 Greedy rows take the first maximum; sampled rows draw from their own seeded NumPy generator, so a
 seeded request's tokens do not depend on its neighbours.
 
+Flash attention
+---------------
+``flash_attn`` (None: llama.cpp's auto, which turns it on for a CPU build) stays the default,
+measured but not switched: with the KV stream per sequence, flash attention off made a one-row
+decode step 5 % cheaper and a 512-token prefill 16 % cheaper (``bench/llamacpp_step_probe.py``),
+and the batch bench's 64 requests stayed 64 of 64 identical to llama.cpp alone with it off (the
+reference with it off too), their lone runs' prefill 11 % cheaper than with it on
+(docs/performance.md, "Run 4"). A KV block is not the same bytes
+either way (without flash attention llama.cpp stores V transposed in the saved state, and the
+values round differently), so an explicit setting is part of ``kv_format`` (``-fa0``/``-fa1``):
+nodes exchange blocks only with their like. Not the default yet: the llama.cpp tests'
+references, the cross-engine audit figures and the KV verification thresholds were all measured
+with it on, and rerunning them did not fit the session that measured this.
+
 KV reuse: saved sequence state, not shared cells
 ------------------------------------------------
 A cached block's payload is a ``bytes`` value in ``llama_state_seq_get_data``'s format holding
@@ -118,6 +132,7 @@ from typing import Any
 
 import numpy as np
 
+from peerinfer.core.costmodel import LLAMACPP_COSTS
 from peerinfer.core.messages import ChatMessage
 from peerinfer.engine import llamacpp_state as llstate
 from peerinfer.engine.base import Decoder, DecodeRequest
@@ -136,6 +151,7 @@ from peerinfer.engine.llamacpp_load import (
     ProbeVerdict,
     _init_backend,
     _probe_main,
+    flash_attn_type,
     probe_extra_buffers,
     resolve_gguf,
 )
@@ -157,6 +173,8 @@ DEFAULT_UBATCH_TOKENS = 32
 #: audit's teacher forcing beside a full batch. Every stream costs its share of the context, so
 #: more spares mean a shorter context per request (module docstring, "One KV stream per sequence").
 DEFAULT_SPARE_SEQUENCES = 2
+#: Flash attention (``flash_attn``): None leaves it to llama.cpp (auto: on for a CPU build).
+DEFAULT_FLASH_ATTN: bool | None = None
 _CONTEXT_PAD = 256  # llama.cpp pads the context to this many cells
 
 
@@ -187,6 +205,7 @@ class LlamaCppEngine(LlamaCppKVBlocks):
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_sequences: int | None = None,
         ubatch_tokens: int = DEFAULT_UBATCH_TOKENS,
+        flash_attn: bool | None = DEFAULT_FLASH_ATTN,
         extra_buffers: bool | None = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -214,13 +233,20 @@ class LlamaCppEngine(LlamaCppKVBlocks):
             raise ConfigError(f"max_sequences must be an integer in [1, 255], got {max_sequences!r}")
         if type(ubatch_tokens) is not int or ubatch_tokens < 1:
             raise ConfigError(f"ubatch_tokens must be an integer >= 1, got {ubatch_tokens!r}")
+        if flash_attn is not None and type(flash_attn) is not bool:
+            raise ConfigError(f"flash_attn must be True, False or None (llama.cpp's choice), got {flash_attn!r}")
         self.ubatch_tokens = ubatch_tokens
+        #: llama.cpp's flash attention: on, off, or None (llama.cpp's auto: on for CPU builds).
+        self.flash_attn = flash_attn
         self.max_batch_size = max_batch_size
         self.default_capacity_bytes = capacity_bytes
         self.default_block_size = block_size
         self.threads = threads or max(1, min(8, os.cpu_count() or 1))
         self.gpu_layers = gpu_layers
         self.device = "cpu" if gpu_layers == 0 else "gpu"
+        # What a node announces without --costs: this engine's CPU calibration (a GPU build's
+        # speed is unknown here, so such a node keeps the node's default until calibrated).
+        self.default_costs = LLAMACPP_COSTS.with_slots(max_batch_size) if gpu_layers == 0 else None
         self.dtype = ""
         self.last_timings: RequestTimings | None = None
         self._lock = threading.Lock()
@@ -300,6 +326,7 @@ class LlamaCppEngine(LlamaCppKVBlocks):
         cp.kv_unified = False
         cp.swa_full = True
         cp.no_perf = True
+        cp.flash_attn_type = flash_attn_type(self.flash_attn)
         ctx = L.llama_init_from_model(self._model, cp)
         if not ctx:
             raise ConfigError(

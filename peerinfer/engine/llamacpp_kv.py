@@ -58,8 +58,8 @@ class LlamaCppKVBlocks(Engine):
         def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> None: ...
 
     def kv_format(self) -> str | None:
-        """``llamacpp-kv1/<llama.cpp version>-k<type>v<type>-<cpu|gpu>/<fingerprint>/b<block
-        size>``: a payload is llama.cpp's own saved sequence state, whose layout is the
+        """``llamacpp-kv1/<llama.cpp version>-k<type>v<type>-<cpu|gpu>[-fa<0|1>]/<fingerprint>/b<block
+        size>`` (``-fa`` only when ``flash_attn`` was set, not left to llama.cpp): a payload is llama.cpp's own saved sequence state, whose layout is the
         library's (so its version is part of the name) and whose values depend on the K/V cell
         types and on where the layers ran."""
         cache = self._ensure_cache()
@@ -67,6 +67,11 @@ class LlamaCppKVBlocks(Engine):
             return None
         cp = L.llama_context_default_params()
         numerics = f"{_LLAMA_VERSION}-k{int(cp.type_k)}v{int(cp.type_v)}-{self.device}"
+        flash = getattr(self, "flash_attn", None)
+        if flash is not None:
+            # Without flash attention the saved state keeps V transposed and the values round
+            # differently: a node that set it (either way) exchanges blocks only with its like.
+            numerics += f"-fa{int(flash)}"
         return f"llamacpp-kv1/{numerics}/{self.fingerprint.hex()}/b{cache.block_size}"
 
     def encode_block(self, payload: Any) -> bytes:

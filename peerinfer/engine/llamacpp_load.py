@@ -46,7 +46,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 
 __all__ = [
     "EXTRA_BUFFERS_ENV", "PROBE_CRASH_ENV", "L", "ProbeVerdict", "_init_backend", "_probe_main",
-    "probe_extra_buffers", "resolve_gguf",
+    "flash_attn_type", "probe_extra_buffers", "resolve_gguf",
 ]
 
 
@@ -96,6 +96,13 @@ def _silence_llama_log() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Locating the model.
+
+
+def flash_attn_type(flash_attn: bool | None) -> int:
+    """llama.cpp's ``flash_attn_type`` for ``flash_attn`` (None: auto)."""
+    if flash_attn is None:
+        return int(L.LLAMA_FLASH_ATTN_TYPE_AUTO)
+    return int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
 
 
 def resolve_gguf(model: str | os.PathLike[str] | None, hub_file: str | None = None) -> tuple[Path, str]:

@@ -210,11 +210,14 @@ def disk_cache_path(opts: NodeOptions) -> Path:
 
 def core_config(
     opts: NodeOptions, peer_id: PeerId, *, max_batch_size: int, cache_capacity_bytes: int | None,
-    kv_bytes_per_token: int | None = None,
+    kv_bytes_per_token: int | None = None, engine_costs_default: CostModel | None = None,
 ) -> NodeConfig:
     """The core's configuration for a node run with ``opts`` whose engine batches
     ``max_batch_size`` requests and whose prefix cache holds ``cache_capacity_bytes`` (and whose
-    KV takes ``kv_bytes_per_token`` a token: what a pull moves; None: ``PullSettings``'s)."""
+    KV takes ``kv_bytes_per_token`` a token: what a pull moves; None: ``PullSettings``'s).
+    ``engine_costs_default`` (the engine's ``default_costs``) replaces the default cost model
+    when ``--costs`` gave none: a llama.cpp node then announces llama.cpp's speed, not the
+    Transformers engine's."""
     kv_pull = opts.kv_pull
     pull_open = opts.kv_pull_open_swarm
     pull_min = opts.kv_pull_min_tokens
@@ -230,7 +233,11 @@ def core_config(
     return NodeConfig(
         peer_id=peer_id,
         policy=opts.policy,
-        costs=engine_costs(opts.costs, max_batch_size),
+        costs=engine_costs(
+            engine_costs_default if engine_costs_default is not None and opts.costs == DEFAULT_COSTS
+            else opts.costs,
+            max_batch_size,
+        ),
         announce_interval_s=opts.announce_interval_s,
         first_token_timeout_s=opts.first_token_timeout_s,
         token_gap_timeout_s=opts.token_gap_timeout_s,

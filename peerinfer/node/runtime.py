@@ -261,6 +261,7 @@ class Node:
                 opts, PeerId(host.peer_id), max_batch_size=engine.max_batch_size,
                 cache_capacity_bytes=cache.capacity_bytes if cache is not None else None,
                 kv_bytes_per_token=engine.kv_bytes_per_token or None,
+                engine_costs_default=engine.default_costs,
             )
             scheduler = BatchScheduler(engine, max_running=config.costs.slots)
             self._scheduler = scheduler

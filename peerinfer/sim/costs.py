@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS, CostModel
+from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS, LLAMACPP_COSTS, CostModel
 from peerinfer.errors import ConfigError
 
 #: Named cost models for ``--costs``. ``default`` is ``DEFAULT_COSTS`` (a small model on a CPU:
@@ -24,18 +24,13 @@ COST_PRESETS: dict[str, CostModel] = {
         overhead_s=0.015,
         slots=1,
     ),
-    # Issue 25's mixed engines: SmolLM2-135M-Instruct on one CPU thread, from the probes of
-    # /work/shared/probes/README.md and issue 20 (llama.cpp, Q4_1 GGUF: ~150 prompt tokens/s,
-    # ~45 generated tokens/s; Transformers, float32: ~380 prompt tokens/s, 15.7 generated
-    # tokens/s). To be replaced by ``peerinfer calibrate --engine llamacpp`` figures once that
-    # engine lands. The per-request overhead and cached-token cost are the default model's.
-    "llamacpp": CostModel(
-        prefill_s_per_token=1 / 150,
-        cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,
-        decode_s_per_token=1 / 45,
-        overhead_s=DEFAULT_COSTS.overhead_s,
-        slots=1,
-    ),
+    # Issue 25's mixed engines: SmolLM2-135M-Instruct on one CPU thread. ``llamacpp`` is the
+    # llama.cpp engine as calibrated (``LLAMACPP_COSTS``: ``peerinfer calibrate --engine
+    # llamacpp``, the shipped Q4_1 GGUF, batches of up to 8 with their measured step times).
+    # ``transformers`` (float32: ~380 prompt tokens/s, 15.7 generated tokens/s, one at a time)
+    # is still the probe's figures (/work/shared/probes/README.md); its per-request overhead and
+    # cached-token cost are the default model's.
+    "llamacpp": LLAMACPP_COSTS,
     "transformers": CostModel(
         prefill_s_per_token=1 / 380,
         cached_s_per_token=DEFAULT_COSTS.cached_s_per_token,

@@ -17,6 +17,8 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from peerinfer.engine.llamacpp_load import flash_attn_type
+
 
 @dataclass(frozen=True, slots=True)
 class GreedyRun:
@@ -34,7 +36,8 @@ class LlamaCppReference:
     """One model, a fresh context per prompt (see the module docstring)."""
 
     def __init__(self, gguf: str | Path, *, extra_buffers: bool = False, threads: int = 1,
-                 ubatch_tokens: int = 32, clock: Callable[[], float] = time.perf_counter) -> None:
+                 ubatch_tokens: int = 32, clock: Callable[[], float] = time.perf_counter,
+                 flash_attn: bool | None = None) -> None:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.use_extra_bufts = extra_buffers
@@ -45,6 +48,8 @@ class LlamaCppReference:
         self.threads = threads
         #: llama.cpp's n_ubatch: the engine's (see DEFAULT_UBATCH_TOKENS in engine/llamacpp.py).
         self.ubatch_tokens = ubatch_tokens
+        #: Flash attention as the engine compared with has it (None: llama.cpp's auto).
+        self.flash_attn = flash_attn
         #: What ``prefill_s`` and ``decode_s`` are timed with: a benchmark passes its own clock
         #: (e.g. CPU time) so that the reference is timed like the engine it is compared with.
         self.clock = clock
@@ -58,6 +63,7 @@ class LlamaCppReference:
         cp.n_ctx = max(512, len(prompt) + n + 16)
         cp.n_batch = 512
         cp.n_ubatch = self.ubatch_tokens
+        cp.flash_attn_type = flash_attn_type(self.flash_attn)
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = self.threads
         ctx = L.llama_init_from_model(self.model, cp)

@@ -143,6 +143,44 @@ def test_options_are_checked(tmp_path: Path) -> None:
     assert resolve_gguf(default_gguf_path())[0] == default_gguf_path()
 
 
+def test_flash_attn_is_checked_and_reaches_the_context() -> None:
+    with pytest.raises(ConfigError, match="flash_attn"):
+        LlamaCppEngine(flash_attn="off", extra_buffers=False)  # type: ignore[arg-type]
+    from peerinfer.engine.llamacpp_load import flash_attn_type
+
+    assert flash_attn_type(None) == L.LLAMA_FLASH_ATTN_TYPE_AUTO
+    assert flash_attn_type(True) == L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert flash_attn_type(False) == L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+def test_a_flash_attention_setting_gets_a_kv_format_of_its_own(smol: LlamaCppEngine) -> None:
+    off = LlamaCppEngine(threads=1, capacity_bytes=96 << 20, extra_buffers=False, flash_attn=False)
+    try:
+        off.configure_cache(PrefixHasher(off.fingerprint, block_size=16))
+        assert off.kv_format() is not None and smol.kv_format() is not None
+        assert off.kv_format() != smol.kv_format() and "-fa0/" in off.kv_format()
+        assert "-fa" not in smol.kv_format()  # the default (llama.cpp's auto) keeps its name
+    finally:
+        off.close()
+
+
+def test_a_cpu_node_on_this_engine_announces_llamacpps_calibration(smol: LlamaCppEngine) -> None:
+    from peerinfer.core.costmodel import DEFAULT_COSTS, LLAMACPP_COSTS
+    from peerinfer.node.options import NodeOptions, core_config
+    from peerinfer.types import PeerId
+
+    assert smol.default_costs == LLAMACPP_COSTS.with_slots(smol.max_batch_size)
+    config = core_config(NodeOptions(), PeerId("p"), max_batch_size=smol.max_batch_size,
+                         cache_capacity_bytes=None, engine_costs_default=smol.default_costs)
+    assert config.costs.speed() == LLAMACPP_COSTS.speed() != DEFAULT_COSTS.speed()
+    assert config.costs.decode_step_s(8) == LLAMACPP_COSTS.decode_step_s(8)
+    # --costs given: the node's own measurement wins over the engine's.
+    own = LLAMACPP_COSTS.with_slots(1).at_speed((1, 1, 1, 1))
+    given = core_config(NodeOptions(costs=own), PeerId("p"), max_batch_size=smol.max_batch_size,
+                        cache_capacity_bytes=None, engine_costs_default=smol.default_costs)
+    assert given.costs.speed() == (1, 1, 1, 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Exact prefix reuse.
 

@@ -410,6 +410,28 @@ def test_calibration_measures_batches_through_the_engine_and_says_how(tmp_path) 
     assert CostModel.from_dict(data["costs"]) == costs
 
 
+def test_calibration_stops_at_the_batch_the_engine_can_hold() -> None:
+    # An engine with a fixed number of sequences (llama.cpp: max_batch_size + 2) refuses the
+    # decoder past them; the curve ends at the largest size it held, and nothing stays open.
+    from peerinfer.engine.calibrate import measure_batch_costs
+    from peerinfer.errors import EngineError
+
+    class Held(SimulatedEngine):
+        def open_decoder(self, request: DecodeRequest):  # type: ignore[no-untyped-def]
+            if self._decoding >= 5:
+                raise EngineError("all 5 sequences are busy")
+            return super().open_decoder(request)
+
+    engine = Held(time_scale=0.0)
+    m = measure_batch_costs(engine, sizes=(1, 2, 4, 8, 16), context_tokens=16, steps=1,
+                            chunk_tokens=8, busy_decoders=2, repeats=1)
+    assert sorted(m.step_s_by_batch) == [1, 2, 4]
+    assert engine._decoding == 0
+    with pytest.raises(EngineError):  # not even one: that is a failure, not a curve
+        measure_batch_costs(Held(time_scale=0.0), sizes=(8,), context_tokens=16, steps=1,
+                            chunk_tokens=8, busy_decoders=2, repeats=1)
+
+
 def test_sim_command_line_batch_and_slots() -> None:
     import argparse
 

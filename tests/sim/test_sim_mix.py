@@ -110,3 +110,28 @@ def test_the_node_announces_its_own_speed() -> None:
     published = [e for e in core.tick(0.0) if isinstance(e, Publish)]
     assert published and published[0].announce.load.speed == GPU.speed()
     assert core.load().speed == GPU.speed()
+
+
+def test_the_llamacpp_preset_is_the_engines_calibration_and_runs_batched_in_a_mix() -> None:
+    from peerinfer.core.costmodel import LLAMACPP_COSTS
+    from peerinfer.sim.costs import load_costs
+
+    llama, hf = COST_PRESETS["llamacpp"], COST_PRESETS["transformers"]
+    assert load_costs("llamacpp") is llama == LLAMACPP_COSTS
+    # As measured: it batches (8 slots, step times by batch size), decodes faster than the
+    # Transformers preset and prefills slower, and a batch of 8 gains little over one request
+    # (no batched Q4_1 kernel on the measuring CPU).
+    assert llama.slots == 8 and [n for n, _ in llama.decode_step_s_by_batch] == [1, 2, 4, 8]
+    assert llama.decode_s_per_token < hf.decode_s_per_token
+    assert llama.prefill_s_per_token > hf.prefill_s_per_token
+    assert 8 / llama.decode_step_s(8) < 2 * (1 / llama.decode_step_s(1))
+    # Used: a mix's llama.cpp nodes run on it, and its traffic is reported by class.
+    cfg = SimConfig(nodes=4, requests=80, rate=0.1, mix="llamacpp:0.5,transformers:0.5", seed=3,
+                    policy="cost")
+    names = [node_class(cfg, i).name for i in range(4)]  # type: ignore[union-attr]
+    assert names.count("llamacpp") == 2
+    assert all(node_costs(cfg, i) == llama for i, n in enumerate(names) if n == "llamacpp")
+    _, report = simulate(cfg, check=True)
+    assert report["mix"]["llamacpp"]["nodes"] == 2
+    served = report["mix"]["llamacpp"]["served_share"] + report["mix"]["transformers"]["served_share"]
+    assert report["mix"]["llamacpp"]["served_share"] > 0 and served == pytest.approx(1.0)
