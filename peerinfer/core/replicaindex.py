@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from itertools import takewhile
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -403,13 +404,20 @@ class ReplicaIndex(ReplicaBudget):
             flat = digest._flat  # (a flat digest's set, read without the method calls)
             held: set[int] | MerkleDigest = digest if flat is None else flat
             spec = state.spec_refs
-            if h0 not in held and h0 not in spec:
-                continue
-            depth = 1
-            for h in chain[1:]:
-                if h not in held and h not in spec:
-                    break
-                depth += 1
+            if spec:
+                if h0 not in held and h0 not in spec:
+                    continue
+                depth = 1
+                for h in chain[1:]:
+                    if h not in held and h not in spec:
+                        break
+                    depth += 1
+            else:
+                if h0 not in held:
+                    continue
+                # The leading run of held hashes, counted in C (holders of a shared prefix:
+                # dozens of peers, dozens of blocks each).
+                depth = len(list(takewhile(held.__contains__, chain)))
             by_depth[depth] = by_depth.get(depth, 0) | state.bit
         return sorted(by_depth.items())
 
