@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from itertools import takewhile
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import takewhile
 
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
