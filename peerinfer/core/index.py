@@ -26,6 +26,16 @@ bit, dense ones go byte by byte through a table of the slots each byte value sta
 from the caller's radix cache) and one ``Candidate`` per known peer with its matched tokens,
 announced load, round trip, digest age and in-flight count.
 
+*Without masks* (``PeerIndex(masks=False)``, ``NodeConfig.index_masks``; the simulator's choice
+when it shares runs of announcements between recipients). The masks are per node, so every
+recipient of an announcement with changes updates its own; without them the replicas' changes
+concern the index not at all, and a walk asks each replica (its flat set) and the peer's
+speculative entries for the chain's leading blocks instead, O(peers) per route, with the same
+``(depth, mask)`` answer. A caller may name, per peer, a newer set to match instead of the
+replica's (the set a shared run's waiting changes lead to: ``peerinfer.core.announcerun``).
+Nothing is skipped then (``max_replica_blocks`` bounds only the masks; the replica budget
+bounds the replicas).
+
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
 that peer's bit. A reconciliation therefore updates the index as it goes, in time proportional

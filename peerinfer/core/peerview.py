@@ -4,7 +4,8 @@ not yet taken in (lazy announcements, and the runs a simulator shares between re
 Most announcements change nothing but a peer's epoch, load and freshness. With
 ``lazy_announcements`` a node keeps the newest such one per peer (``_Kept``) and takes them in
 only when something next reads that peer's state; a simulator may also share one sender's run
-of them between recipients (``AnnounceRun``), and a recipient that kept the run's newest one
+of them between recipients (``AnnounceRun``, which goes on through announcements with changes
+that keep its followers in step: ``peerinfer.core.announcerun``), and a recipient that kept the run's newest one
 *follows* the run instead of being handed each. ``PeerView`` owns all of that on top of the
 ``PeerIndex``, so the node's parts read one of two doors:
 

@@ -4,8 +4,9 @@ A ``Publish`` is encoded once (its length is the bytes per recipient) and reache
 node one link delay after it was published: the recipients of each sender are grouped by equal
 delay, nearest first, and a group is handed the announcement together (one ``GOSSIP`` event per
 group, ``Simulation._gossip``). Each delivery may be lost with probability ``gossip_loss`` (the
-pulls then repair the replicas). Without loss, each group's announcements that change nothing
-form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not handed
+pulls then repair the replicas). Without loss, each group's announcements form a shared
+``AnnounceRun`` (those that change nothing, and, once it has followers, those whose changes
+keep its followers in step): the nodes that follow it (each core decides) are not handed
 them, and read them from the run instead (``Simulation.share_runs``; the same decisions).
 ``peerinfer.sim.gossip`` is the alternative, gossipsub's mesh.
 """
