@@ -26,6 +26,16 @@ bit, dense ones go byte by byte through a table of the slots each byte value sta
 from the caller's radix cache) and one ``Candidate`` per known peer with its matched tokens,
 announced load, round trip, digest age and in-flight count.
 
+*Without masks* (``PeerIndex(masks=False)``, ``NodeConfig.index_masks``; the simulator's choice
+when it shares runs of announcements between recipients). The masks are per node, so every
+recipient of an announcement with changes updates its own; without them the replicas' changes
+concern the index not at all, and a walk asks each replica (its flat set) and the peer's
+speculative entries for the chain's leading blocks instead, O(peers) per route, with the same
+``(depth, mask)`` answer. A caller may name, per peer, a newer set to match instead of the
+replica's (the set a shared run's waiting changes lead to: ``peerinfer.core.announcerun``).
+Nothing is skipped then (``max_replica_blocks`` bounds only the masks; the replica budget
+bounds the replicas).
+
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
 that peer's bit. A reconciliation therefore updates the index as it goes, in time proportional
@@ -85,6 +95,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
 
+from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
 from peerinfer.core.replicaindex import ReplicaFactory, ReplicaIndex
@@ -139,6 +150,7 @@ class PeerIndex(ReplicaIndex):
         max_digest_age_s: float = math.inf,
         max_matched_tokens: int | None = None,
         heard: Mapping[PeerId, tuple[Load, float]] | None = None,
+        newer: Mapping[PeerId, MerkleDigest] | None = None,
     ) -> list[Candidate]:
         """The local candidate (first) and one per known peer, for a prompt with ``chain``.
 
@@ -151,21 +163,24 @@ class PeerIndex(ReplicaIndex):
         some peers, a load and a time from announcements the caller received but has not fed
         in yet (each confirming the peer's replica current): the candidate is as if they had
         been (``announced(peer, load, at, fresh=True)``), the index itself is left as it is.
+        ``newer``: without masks, the sets some peers' replicas will hold once the caller feeds
+        in what it received (matched instead of the replicas': ``_walk``).
         """
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
-        matched = self._matched_by_slot(chain, block_size, cap)
+        matched = self._matched_by_slot(chain, block_size, cap, newer=newer)
         return self._every_candidate(
             matched, cap, local_peer, local_matched_tokens, local_load, now, rtt_s,
             default_rtt_s, inflight, exclude, max_digest_age_s, heard,
         )
 
     def _matched_by_slot(
-        self, chain: Sequence[BlockHash], block_size: int, cap: float, holders: list[int] | None = None
+        self, chain: Sequence[BlockHash], block_size: int, cap: float, holders: list[int] | None = None,
+        newer: Mapping[PeerId, MerkleDigest] | None = None,
     ) -> list[int]:
         """Per slot, the prompt tokens its peer holds (0: none), counting a hit for each holder
         (whose slots are appended to ``holders``, if given)."""
         matched = [0] * self._next_slot
-        for depth, mask in self._walk(chain):
+        for depth, mask in self._walk(chain, newer):
             tokens = depth * block_size
             if tokens > cap:
                 tokens = int(cap)
@@ -256,6 +271,7 @@ class PeerIndex(ReplicaIndex):
         own_speed: tuple[int, ...] = (),
         plain_loads: bool = False,
         rtt_version: object = None,
+        newer: Mapping[PeerId, MerkleDigest] | None = None,
     ) -> HolderCandidates:
         """``candidates()`` pruned for a policy that estimates a plain non-holder by its load and
         round trip alone (``CostPolicy.choose_among_holders``), with the full list at hand.
@@ -281,7 +297,7 @@ class PeerIndex(ReplicaIndex):
         are visited as above."""
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
         holders: list[int] | None = [] if plain_loads and rtt_version is not None else None
-        matched = self._matched_by_slot(chain, block_size, cap, holders)
+        matched = self._matched_by_slot(chain, block_size, cap, holders, newer)
         get_inflight = inflight.get if inflight else None
 
         def every() -> list[Candidate]:

@@ -26,7 +26,7 @@ from peerinfer.core.merklehash import (
 )
 from peerinfer.types import BlockHash
 
-__all__ = ["BatchCacheObserver", "CacheObserver", "DeltaMemo", "MerkleDigest"]
+__all__ = ["BatchCacheObserver", "CacheObserver", "DeltaMemo", "MerkleDigest", "NullObserver"]
 
 
 class CacheObserver(Protocol):
@@ -79,6 +79,21 @@ def _contribution_of(h: int) -> int:
             _CONTRIBUTIONS.clear()
         c = _CONTRIBUTIONS[h] = contribution(mix(h))
     return c
+
+
+class NullObserver:
+    """Hears every change and does nothing (a digest of no index, on the batch path)."""
+
+    __slots__ = ()
+
+    def block_added(self, h: BlockHash) -> None:
+        pass
+
+    def block_removed(self, h: BlockHash) -> None:
+        pass
+
+    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
+        pass
 
 
 class MerkleDigest:
@@ -241,6 +256,41 @@ class MerkleDigest:
             deltas[key] = (added, removed, flat, pair, new, gone)
             self._flat = flat
             self._flat_shared = True
+        if gone or new:
+            batch(new, gone)
+
+    def twin(self) -> MerkleDigest:
+        """A new flat digest of this one's flat set (shared: either copies before changing it),
+        with the same memo and no observer: a shared run's own copy of its sender's set
+        (``peerinfer.core.announcerun``), which applies each delta once for all followers."""
+        flat = self._flat
+        if flat is None:
+            raise ValueError("twin: the digest is not flat")
+        twin = MerkleDigest(NullObserver(), lazy=True, memo=self._memo)
+        twin._flat, twin._flat_pair, twin._flat_shared = flat, self._flat_pair, True
+        self._flat_shared = True
+        return twin
+
+    def adopt(self, other: MerkleDigest) -> None:
+        """Hold ``other``'s flat set (shared: either copies before changing it), as if the
+        elements in one and not the other had been added and removed here: an observer with
+        ``blocks_changed`` hears of them in one call (a ``NullObserver``, which keeps nothing,
+        is not told: then nothing is compared)."""
+        flat = other._flat
+        mine = self._flat
+        if flat is None or mine is None:
+            raise ValueError("adopt: both digests must be flat")
+        batch = self._batch_observer
+        if batch is None:
+            raise ValueError("adopt: the observer must take whole changes (blocks_changed)")
+        if flat is not mine and not isinstance(self._observer, NullObserver):
+            gone = [BlockHash(h) for h in mine - flat]
+            new = [BlockHash(h) for h in flat - mine]
+        else:
+            gone = new = []
+        self._flat, self._flat_pair, self._flat_shared = flat, other._flat_pair, True
+        other._flat_shared = True
+        self._root_memo = other._root_memo
         if gone or new:
             batch(new, gone)
 

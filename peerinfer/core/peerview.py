@@ -4,7 +4,8 @@ not yet taken in (lazy announcements, and the runs a simulator shares between re
 Most announcements change nothing but a peer's epoch, load and freshness. With
 ``lazy_announcements`` a node keeps the newest such one per peer (``_Kept``) and takes them in
 only when something next reads that peer's state; a simulator may also share one sender's run
-of them between recipients (``AnnounceRun``), and a recipient that kept the run's newest one
+of them between recipients (``AnnounceRun``, which goes on through announcements with changes
+that keep its followers in step: ``peerinfer.core.announcerun``), and a recipient that kept the run's newest one
 *follows* the run instead of being handed each. ``PeerView`` owns all of that on top of the
 ``PeerIndex``, so the node's parts read one of two doors:
 
@@ -23,64 +24,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from peerinfer.core.announcerun import AnnounceRun
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.index import PeerIndex
+from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Announce, Load
 from peerinfer.types import PeerId
 
 __all__ = ["AnnounceRun", "PeerView"]
-
-
-class AnnounceRun:
-    """One sender's announcements that change nothing, as a shell hands them to a group of
-    recipients at one time (the simulator: all recipients at one link delay), shared by them.
-
-    A run starts with one announcement (``length`` 1); ``push`` appends one that ``extends``
-    it: no change, chaining from the run's newest epoch, announcing the same root and count.
-    Each recipient still decides for itself: one that kept the run's newest announcement for
-    later (``PeerView._defer_unchanged``) *follows* the run (it joins ``followers``), and the
-    shell then stops handing it the run's announcements. It takes in those pushed since it
-    last looked (their number, the newest ``epoch``, ``load`` and arrival time ``at``) when it
-    next reads the sender's state, exactly as if it had been handed each; it leaves the run
-    as soon as taking the next one in at once could do more than that (a pull, a rebalance,
-    a replica emptied or replaced, the sender forgotten). Every recipient outside
-    ``followers`` is handed every announcement, with the run, as usual.
-
-    Why: with N nodes, each announcement otherwise costs N - 1 calls, although nearly all of
-    them change nothing; a shared run costs one ``push`` plus the recipients that do not follow.
-    """
-
-    __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers")
-
-    def __init__(self, announce: Announce, at: float) -> None:
-        self.sender = announce.sender
-        self.root = announce.root
-        self.count = announce.count
-        self.epoch = announce.epoch
-        self.load = announce.load
-        self.at = at
-        self.length = 1
-        self.followers: set[PeerId] = set()
-
-    def extends(self, a: Announce) -> bool:
-        """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
-        return (
-            a.prev_epoch == self.epoch < a.epoch
-            and a.root == self.root
-            and a.count == self.count
-            and a.sender == self.sender
-            and not (a.added or a.removed or a.truncated)
-            # (a recipient notes another speed or slot count when it is handed one)
-            and a.load.slots == self.load.slots
-            and a.load.speed == self.load.speed
-        )
-
-    def push(self, a: Announce, at: float) -> None:
-        """Append ``a`` (which ``extends`` the run), delivered to the group at ``at``."""
-        self.epoch = a.epoch
-        self.load = a.load
-        self.at = at
-        self.length += 1
 
 
 @dataclass(slots=True)
@@ -106,6 +57,11 @@ class _Kept:
     times: int = 0
     run: AnnounceRun | None = None
     cursor: int = 0
+    #: the followed run's announcements with changes among the ``times`` not taken in, each
+    #: with its position among them (1 = the first not taken in)
+    changes: list[tuple[int, Announce]] | None = None
+    #: the set the last of ``changes`` leads to (the run's, when it was pushed)
+    final: MerkleDigest | None = None
 
 
 
@@ -161,7 +117,7 @@ class PeerView:
     """
 
     __slots__ = ("_index", "_me", "lazy", "_kept", "_unapplied", "_following", "_heard_through_run",
-                 "_pull_idle")
+                 "_pull_idle", "_changed")
 
     def __init__(
         self,
@@ -181,6 +137,8 @@ class PeerView:
         self._unapplied: dict[PeerId, _Kept] = {}
         #: per peer, the kept record of the shared run this node follows (``AnnounceRun``)
         self._following: dict[PeerId, _Kept] = {}
+        #: the peers whose kept record holds a followed run's announcements with changes
+        self._changed: set[PeerId] = set()
         self._heard_through_run = heard_through_run
         self._pull_idle = pull_idle
 
@@ -210,6 +168,11 @@ class PeerView:
         return self._unapplied
 
     @property
+    def following(self) -> Mapping[PeerId, _Kept]:
+        """The kept records of the runs this node follows, per peer (read-only; for tests)."""
+        return self._following
+
+    @property
     def follows_runs(self) -> bool:
         """Whether this node follows any shared run."""
         return bool(self._following)
@@ -219,9 +182,13 @@ class PeerView:
         if self._unapplied:
             pending, self._unapplied = self._unapplied, {}
             for kept in pending.values():
-                kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
+                if kept.changes:
+                    self._take_changes(kept)
+                else:
+                    kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
                 kept.replica_epoch = kept.epoch
                 kept.times = 0
+            self._changed.clear()
             # Peers' states are disjoint: their replicas first, then their index entries.
             self._index.announced_fresh([(p, k.load, k.at) for p, k in pending.items()])
 
@@ -234,6 +201,11 @@ class PeerView:
             assert kept.run is not None and self._me in kept.run.followers, \
                 f"{peer}: follows a run it is not a follower of"
             assert kept.run.sender == peer, f"{peer}: follows another sender's run"
+        for peer in self._changed:
+            waiting = self._unapplied.get(peer)
+            assert waiting is not None and waiting.changes, f"{peer}: no changes kept"
+        for peer, kept in self._unapplied.items():
+            assert not kept.changes or peer in self._changed, f"{peer}: changes kept unseen"
 
     # ------------------------------------------------------------------ receiving
 
@@ -266,9 +238,7 @@ class PeerView:
             self._unapplied[peer] = kept
             if run is not None and run.epoch == a.epoch and run.sender == peer:
                 # Its next announcements that change nothing wait in the run.
-                kept.run, kept.cursor = run, run.length
-                run.followers.add(self._me)
-                self._following[peer] = kept
+                self._follow(peer, kept, run)
             return None
         index = self._index
         if peer in index:
@@ -355,21 +325,38 @@ class PeerView:
         ):
             return
         kept = _Kept(replica, summary, a.epoch, a.root, a.count, a.epoch, a.load, now)
-        kept.run, kept.cursor = run, run.length
         self._kept[peer] = kept
-        run.followers.add(self._me)
+        self._follow(peer, kept, run)
+
+    def _follow(self, peer: PeerId, kept: _Kept, run: AnnounceRun) -> None:
+        """Follow ``run`` from its newest announcement (the replica is in step with it)."""
+        kept.run, kept.cursor = run, run.length
+        run.seed(kept.replica.digest)
+        replica = kept.replica
+        allowance = self._index.allowance(peer)
+        run.followers[self._me] = replica.max_elements if replica.max_elements < allowance else allowance
         self._following[peer] = kept
 
     # ------------------------------------------------------------------ reading without taking in
 
-    def for_routing(self) -> tuple[PeerIndex, Mapping[PeerId, tuple[Load, float]] | None]:
-        """The index for a routing decision, and the newer loads and freshness of the peers
+    def for_routing(
+        self,
+    ) -> tuple[
+        PeerIndex,
+        Mapping[PeerId, tuple[Load, float]] | None,
+        Mapping[PeerId, MerkleDigest] | None,
+    ]:
+        """The index for a routing decision, the newer loads and freshness of the peers
         with announcements received but not taken in (kept ones, and followed runs'
-        announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``):
-        what routing reads of them, without taking the rest in. Peers with speculative
-        entries are taken in first (their confirmation drops entries the walk would see)."""
+        announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``),
+        and without masks the sets their changes lead to (``newer``): what routing reads of
+        them, without taking the rest in. Peers with speculative entries are taken in first
+        (their confirmation drops entries the walk would see); with masks, so are the peers
+        with changes waiting (the masks must hold them)."""
         index = self._index
         following = self._following
+        if index.masks and (following or self._changed):
+            self._take_changed()
         unapplied = self._unapplied
         if (following or unapplied) and index.speculative_blocks() > 0:
             # Few peers hold speculative entries (those routed to lately): ask for them.
@@ -377,22 +364,42 @@ class PeerView:
                 if peer in following or peer in unapplied:
                     self.take(peer)
         if not (following or unapplied):
-            return index, None
-        return index, _Heard(following, unapplied)
+            return index, None, None
+        newer: dict[PeerId, MerkleDigest] | None = None
+        if not index.masks:
+            # (attributes read inline: every followed peer, every route)
+            newer = {
+                p: k.run.digest for p, k in following.items()
+                if k.run is not None and k.run.change_at and k.run.change_at[-1] > k.cursor
+                and k.run.digest is not None
+            }
+            if self._changed:
+                for p in self._changed:
+                    if p not in newer:
+                        final = unapplied[p].final
+                        if final is not None:
+                            newer[p] = final
+        return index, _Heard(following, unapplied), newer
 
     def rebalance(self) -> list[PeerId]:
         """``self.index.rebalance()`` without taking in first what waits (kept announcements,
         followed runs): the index sizes the allowances as if it had been (``pending``), and
         takes it in only before it empties a replica. Like routing, a rebalance (every few
         seconds, over every peer) then leaves the runs to be read when something needs more.
-        Returns the peers whose replicas it emptied."""
-        pending: dict[PeerId, tuple[int, int, float]] = {
-            p: (k.epoch, k.count, k.at) for p, k in self._unapplied.items()
+        Returns the peers whose replicas it emptied. Followed runs' announcements with changes
+        are read as the sizes the replicas will have (with masks, taken in first)."""
+        if self._index.masks and (self._following or self._changed):
+            self._take_changed()
+        pending: dict[PeerId, tuple[int, int, float, int]] = {
+            p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
+            for p, k in self._unapplied.items()
         }
         for peer, kept in self._following.items():
             run = kept.run
             if run is not None and run.length != kept.cursor:
-                pending[peer] = (run.epoch, run.count, run.at)
+                pending[peer] = (
+                    run.epoch, run.count, run.at, run.count if run.changed_since(kept.cursor) else -1
+                )
         return self._index.rebalance(pending=pending, before_emptying=self._take_everything)
 
     def _take_everything(self) -> None:
@@ -427,6 +434,15 @@ class PeerView:
         run = kept.run
         if run is None or run.length == kept.cursor:
             return
+        if run.changed_since(kept.cursor):
+            changed, at = run.changes_since(kept.cursor)
+            steps = kept.changes
+            if steps is None:
+                steps = kept.changes = []
+            base = kept.times - kept.cursor
+            steps.extend((base + n, a) for n, a in zip(at, changed, strict=True))
+            kept.root, kept.count, kept.final = run.root, run.count, run.digest
+            self._changed.add(peer)
         kept.times += run.length - kept.cursor
         kept.cursor = run.length
         kept.epoch, kept.load, kept.at = run.epoch, run.load, run.at
@@ -446,7 +462,7 @@ class PeerView:
         if kept is None or kept.run is None:
             return
         self._catch_up(peer, kept)
-        kept.run.followers.discard(self._me)
+        kept.run.followers.pop(self._me, None)
         kept.run = None
 
     def recheck_following(self, changes: int) -> None:
@@ -482,6 +498,47 @@ class PeerView:
                 and index.replica(peer) is replica
             ):
                 self.leave_run(peer)
+            else:
+                allowance = index.allowance(peer)
+                limit = replica.max_elements
+                run.followers[self._me] = limit if limit < allowance else allowance
+
+    def take_changes_of(self, peer: PeerId) -> None:
+        """Take ``peer``'s waiting announcements in if some have changes (its replica's set is
+        about to be read as it is)."""
+        kept = self._following.get(peer)
+        if (kept is not None and kept.run is not None and kept.run.changed_since(kept.cursor)) \
+                or peer in self._changed:
+            self.take(peer)
+
+    def _take_changed(self) -> None:
+        """Take in every peer whose followed run got announcements with changes since this node
+        last looked, and every kept record holding such (their sets are what routing and the
+        rebalance read)."""
+        for peer, kept in self._following.items():
+            run = kept.run
+            if run is not None and run.changed_since(kept.cursor):
+                self._catch_up(peer, kept)
+        for peer in list(self._changed):
+            self.take(peer)
+
+    def _take_changes(self, kept: _Kept) -> None:
+        """Take in ``kept``'s announcements, some with changes (a followed run's): what taking
+        each in at once did (``AnnounceRun.take_run``: the change rates one by one, the set at
+        once). Then the record's check holds for the replica's new set."""
+        steps = kept.changes
+        final = kept.final
+        assert steps is not None and final is not None
+        replica = kept.replica
+        AnnounceRun.take_run(
+            replica,
+            [(n, a.prev_epoch, a.epoch, len(a.added) + len(a.removed)) for n, a in steps],
+            kept.times, kept.epoch, kept.root, kept.count, final,
+        )
+        kept.changes = kept.final = None
+        summary = replica.digest.flat_summary()
+        assert summary is not None
+        kept.summary = summary
 
     def take(self, peer: PeerId) -> None:
         """Take in ``peer``'s kept announcements: what taking each in at once would have done."""
@@ -489,7 +546,11 @@ class PeerView:
         kept = self._unapplied.pop(peer, None)
         if kept is None:
             return
-        kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
+        if kept.changes:
+            self._take_changes(kept)
+            self._changed.discard(peer)
+        else:
+            kept.replica.take_unchanged(kept.times, kept.epoch, kept.root, kept.count)
         kept.replica_epoch = kept.epoch
         kept.times = 0
         # Loads and times only ever replace the older ones; confirming at the newest time drops

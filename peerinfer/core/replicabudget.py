@@ -134,7 +134,7 @@ class ReplicaBudget:
         self,
         *,
         decay: bool = True,
-        pending: Mapping[PeerId, tuple[int, int, float]] | None = None,
+        pending: Mapping[PeerId, tuple[int, int, float, int]] | None = None,
         before_emptying: Callable[[], None] | None = None,
         reserve: int = 0,
     ) -> list[PeerId]:
@@ -143,10 +143,11 @@ class ReplicaBudget:
         allowance. O(peers log peers); the node runs it every few seconds.
 
         ``pending`` names peers with announcements received but not fed in yet, each as
-        ``(epoch, count, at)`` of the newest (all changing nothing: ``Replica.take_unchanged``
-        and ``announced_fresh`` would take them in): the allowances are computed as if they had
-        been fed in, the index left as it is (what they change and the sizing reads is the
-        peer's claimed count and its freshness). ``before_emptying`` is called once, before the
+        ``(epoch, count, at, size)`` of the newest (``Replica.take_unchanged`` or, for a shared
+        run's changes, ``AnnounceRun.take_run``, and ``announced_fresh`` would take them in;
+        ``size``: how many elements the replica then holds, -1 for as many as now): the
+        allowances are computed as if they had been fed in, the index left as it is (what they
+        change and the sizing reads is the peer's claimed count and size and its freshness). ``before_emptying`` is called once, before the
         first replica is emptied, for the caller to feed them in then (an emptied replica
         starts over, and must not be confirmed by them afterwards).
 
@@ -171,14 +172,20 @@ class ReplicaBudget:
             replica = st.replica
             assert replica is not None
             announced = replica._announced
+            later = -1
             if pending_get is not None:
                 news = pending_get(st.peer)
-                if news is not None and (announced is None or news[0] >= announced[0]):
-                    announced = (news[0], 0, news[1])
+                if news is not None:
+                    later = news[3]
+                    if announced is None or news[0] >= announced[0]:
+                        announced = (news[0], 0, news[1])
             claimed = announced[2] if announced is not None else 0
-            digest = replica.digest
-            flat = digest._flat  # (a flat digest's size without its method call: every peer)
-            size = len(flat) if flat is not None else len(digest)
+            if later >= 0:
+                size = later
+            else:
+                digest = replica.digest
+                flat = digest._flat  # (a flat digest's size without its method call: every peer)
+                size = len(flat) if flat is not None else len(digest)
             sizes.append(size)
             # min(max(2 * max(size, claimed), MIN_ALLOWANCE), cap), without the calls
             want = 2 * (size if size > claimed else claimed)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import takewhile
 
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
+from peerinfer.core.merkle import MerkleDigest, NullObserver
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import (
     _NO_LOAD,
@@ -107,6 +109,7 @@ class ReplicaIndex(ReplicaBudget):
         confirm_grace_s: float = 1.0,
         replica_factory: ReplicaFactory | None = None,
         replica_budget_blocks: int = 1 << 22,
+        masks: bool = True,
     ) -> None:
         if max_peers < 1:
             raise ConfigError(f"peer index: max_peers must be >= 1, got {max_peers}")
@@ -121,6 +124,8 @@ class ReplicaIndex(ReplicaBudget):
         if replica_budget_blocks < 0:
             raise ConfigError("peer index: replica_budget_blocks must be >= 0")
         self.replica_budget_blocks = replica_budget_blocks
+        #: whether the combined masks are kept (see "Without masks" in ``peerinfer.core.index``)
+        self.masks = masks
         self._allocated = 0  # the sum of all allowances
         #: grows whenever an allowance or a peer's replica object may have changed (a peer
         #: added or removed, a rebalance): a node that relies on either rechecks it then
@@ -188,7 +193,8 @@ class ReplicaIndex(ReplicaBudget):
         self._states[peer] = state
         self._observers[peer] = observer
         self._by_slot[slot] = state
-        replica = self._replica_factory(observer)
+        # Without masks the replica's changes concern nobody here (its set is read as it is).
+        replica = self._replica_factory(observer if self.masks else NullObserver())
         state.replica = replica
         # Until the next rebalance: an equal share, from what is unallocated; when too little
         # is left, a rebalance that holds back room for the next newcomers (``reserve``): a
@@ -264,6 +270,8 @@ class ReplicaIndex(ReplicaBudget):
 
     def overflowed(self, peer: PeerId) -> bool:
         """Whether ``peer``'s replica holds hashes the index skipped (``max_replica_blocks``)."""
+        if not self.masks:
+            return False  # nothing is skipped: every replica is asked as it is
         if self._pending_rescan:
             self._run_pending_rescans()
         state = self._states.get(peer)
@@ -339,11 +347,17 @@ class ReplicaIndex(ReplicaBudget):
             for slot in self._slots_in(mask)
         }
 
-    def _walk(self, chain: Sequence[BlockHash]) -> list[tuple[int, int]]:
+    def _walk(
+        self, chain: Sequence[BlockHash], newer: Mapping[PeerId, MerkleDigest] | None = None
+    ) -> list[tuple[int, int]]:
         """``(depth, mask)`` pairs: the peers in ``mask`` hold exactly ``depth`` leading blocks.
 
-        Depths are distinct and ascending, masks disjoint and non-zero.
+        Depths are distinct and ascending, masks disjoint and non-zero. Without masks, a peer
+        in ``newer`` is matched against that set instead of its replica's (its announcements
+        with changes that the caller has not fed in yet; with masks there are none).
         """
+        if not self.masks:
+            return self._walk_sets(chain, newer)
         if self._pending_rescan:
             self._run_pending_rescans()
         out: list[tuple[int, int]] = []
@@ -368,6 +382,44 @@ class ReplicaIndex(ReplicaBudget):
             depth += 1
         out.append((n, alive))
         return out
+
+    def _walk_sets(
+        self, chain: Sequence[BlockHash], newer: Mapping[PeerId, MerkleDigest] | None
+    ) -> list[tuple[int, int]]:
+        """``_walk`` without masks: each replica (or newer set) and the peer's speculative
+        entries asked for the chain's leading blocks, one peer after another."""
+        if not chain:
+            return []
+        by_depth: dict[int, int] = {}
+        newer_get = newer.get if newer else None
+        h0 = chain[0]
+        for state in self._states.values():
+            replica = state.replica
+            assert replica is not None
+            digest = replica.digest
+            if newer_get is not None:
+                later = newer_get(state.peer)
+                if later is not None:
+                    digest = later
+            flat = digest._flat  # (a flat digest's set, read without the method calls)
+            held: set[int] | MerkleDigest = digest if flat is None else flat
+            spec = state.spec_refs
+            if spec:
+                if h0 not in held and h0 not in spec:
+                    continue
+                depth = 1
+                for h in chain[1:]:
+                    if h not in held and h not in spec:
+                        break
+                    depth += 1
+            else:
+                if h0 not in held:
+                    continue
+                # The leading run of held hashes, counted in C (holders of a shared prefix:
+                # dozens of peers, dozens of blocks each).
+                depth = len(list(takewhile(held.__contains__, chain)))
+            by_depth[depth] = by_depth.get(depth, 0) | state.bit
+        return sorted(by_depth.items())
 
     # ---------------------------------------------------------------------- speculation
 
@@ -602,6 +654,9 @@ class ReplicaIndex(ReplicaBudget):
         used = 0
         for state in states.values():
             used |= state.bit
+        if not self.masks:
+            assert not self._masks and not self._pending_rescan, "masks kept without masks"
+            assert all(s.indexed == 0 and not s.skipped for s in states.values())
         # Combined masks: no empty mask, no bit of a free slot, each bit a replica element.
         indexed_count = dict.fromkeys(states, 0)
         for h, m in self._masks.items():
@@ -615,6 +670,8 @@ class ReplicaIndex(ReplicaBudget):
             assert state.replica is not None
             assert indexed_count[state.peer] == state.indexed
             assert state.indexed <= self.max_replica_blocks
+            if not self.masks:
+                continue
             if not state.skipped:
                 assert state.indexed == len(state.replica.digest)
             else:

@@ -4,8 +4,9 @@ A ``Publish`` is encoded once (its length is the bytes per recipient) and reache
 node one link delay after it was published: the recipients of each sender are grouped by equal
 delay, nearest first, and a group is handed the announcement together (one ``GOSSIP`` event per
 group, ``Simulation._gossip``). Each delivery may be lost with probability ``gossip_loss`` (the
-pulls then repair the replicas). Without loss, each group's announcements that change nothing
-form a shared ``AnnounceRun``: the nodes that follow it (each core decides) are not handed
+pulls then repair the replicas). Without loss, each group's announcements form a shared
+``AnnounceRun`` (those that change nothing, and, once it has followers, those whose changes
+keep its followers in step): the nodes that follow it (each core decides) are not handed
 them, and read them from the run instead (``Simulation.share_runs``; the same decisions).
 ``peerinfer.sim.gossip`` is the alternative, gossipsub's mesh.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from peerinfer.core.messages import Announce, encode
 from peerinfer.core.node import AnnounceReceived, AnnounceRun
 from peerinfer.sim.kernel import GOSSIP, SimKernel
+from peerinfer.types import PeerId
 
 __all__ = ["Broadcast"]
 
@@ -42,7 +44,9 @@ class Broadcast:
                 if r != s:
                     by_delay.setdefault(delay[s][r], []).append(r)
             self._groups.append(sorted(by_delay.items()))
-        # Per sender and group, the run of unchanged announcements the group shares (below).
+        #: announcements with changes pushed onto a run with followers (``_shared_run``)
+        self.changes_shared = 0
+        # Per sender and group, the run of announcements the group shares (below).
         self._runs_of: list[list[AnnounceRun | None]] = [[None] * len(g) for g in self._groups]
 
     def publish(self, n: int, announce: Announce, now: float) -> None:
@@ -84,18 +88,40 @@ class Broadcast:
     ) -> tuple[AnnounceReceived, list[int]]:
         """The group's shared run with ``ev`` in it, and the recipients that do not follow it
         (the followers take it from the run when they next read; ``AnnounceRun``). Lossless
-        gossip only: a loss is drawn per recipient."""
+        gossip only: a loss is drawn per recipient. An announcement with changes extends a run
+        that has followers when its delta leads the run's set to the announced one
+        (``AnnounceRun.advances``); the followers it would put over their replica allowance
+        are handed it first, alone (they refuse it and leave the run, nothing else)."""
         a = ev.announce
         runs = self._runs_of[s]
         run = runs[g]
+        over: list[PeerId] = []
         if run is not None and run.extends(a):
             run.push(a, now)
-            followers = run.followers
-            if len(followers) == len(recipients):
-                recipients = []  # every one follows (only the group's recipients can)
-            elif followers:
-                ids = self.sim.peer_ids
-                recipients = [r for r in recipients if ids[r] not in followers]
+        elif run is not None and run.followers and (after := run.advances(a)) is not None:
+            over = run.over_limit(a)
+            if over:
+                alone = AnnounceReceived(ev.sender, a)
+                sim = self.sim
+                cores = sim.cores
+                index_of = sim.index_of
+                for peer in over:
+                    r = index_of[peer]
+                    effects = cores[r].handle(alone, now)
+                    if effects:
+                        sim.execute(r, effects, now)
+                    if peer in run.followers:  # (a core that stayed would be a bug)
+                        raise AssertionError(f"{peer} follows a run over its allowance")
+            run.push_changes(a, now, after)
+            self.changes_shared += 1
         else:
             run = runs[g] = AnnounceRun(a, now)
+            return AnnounceReceived(ev.sender, a, run), recipients
+        followers = run.followers
+        if len(followers) == len(recipients):
+            recipients = []  # every one follows (only the group's recipients can)
+        elif followers or over:
+            ids = self.sim.peer_ids
+            handed = set(over)
+            recipients = [r for r in recipients if ids[r] not in followers and ids[r] not in handed]
         return AnnounceReceived(ev.sender, a, run), recipients

@@ -273,7 +273,10 @@ class Simulation(SimKernel):
     def make_core(self, i: int, now: float) -> NodeCore:
         """Node ``i``'s core, started at ``now``."""
         config = self.config
-        node_config = config.node_config(i, slots=self.slots, **self.node_overrides)
+        # With shared runs, an index without masks: a run's changes wait in it for its
+        # followers (``peerinfer.core.announcerun``) instead of each updating its masks.
+        overrides = {"index_masks": not self.share_runs, **self.node_overrides}
+        node_config = config.node_config(i, slots=self.slots, **overrides)
         rng = random.Random(f"{config.seed}:node:{i}")
         core = NodeCore(node_config, self.hasher, rng=rng, now=now, delta_memo=self.delta_memo)
         if config.policy == ORACLE:

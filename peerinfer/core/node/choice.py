@@ -138,7 +138,7 @@ class Choice:
         cfg = self.config
         if self._hints is not None:
             self.refresh_hints(now)  # the local candidate's load: its live hints
-        index, heard = self._view.for_routing()
+        index, heard, newer = self._view.for_routing()
         request = RouteRequest(
             prompt_tokens=prompt_tokens, max_tokens=params.max_tokens, chain=chain, scaffold=scaffold
         )
@@ -156,6 +156,7 @@ class Choice:
             # Never count the last prompt token as cached: the engine must run it for logits.
             max_matched_tokens=max(0, prompt_tokens - 1),
             heard=heard,
+            newer=newer,
         )
         among_holders = getattr(self.policy, "choose_among_holders", None)
         if among_holders is None or not cfg.route_among_holders:

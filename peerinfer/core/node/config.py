@@ -30,6 +30,10 @@ class NodeConfig:
     ping_after_s: float = 2.0
     #: hashes all replicas together may hold (see PeerIndex: the replica budget)
     replica_budget_blocks: int = 1 << 20
+    #: keep the peer index's combined masks (one bit per peer per block hash: a route walks
+    #: the prompt once); False: no masks, a route asks each replica (``PeerIndex(masks=False)``;
+    #: the simulator's shared runs then leave announcements with changes to be taken in later)
+    index_masks: bool = True
     #: how often the replica budget's allowances are recomputed
     rebalance_interval_s: float = 5.0
     #: a forwarded request must produce its first token within this budget, or we fail over

@@ -95,6 +95,7 @@ class NodeCore:
         self.hasher = hasher
         index = PeerIndex(
             max_peers=config.max_peers, replica_budget_blocks=config.replica_budget_blocks,
+            masks=config.index_masks,
             replica_factory=None if delta_memo is None else functools.partial(Replica, memo=delta_memo),
         )
         # The view's index (it never replaces it): ``handle`` reads its allowance counter on
@@ -363,6 +364,8 @@ class NodeCore:
         self.requests.transition(
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
+        # The claim reads the target's replica: the changes waiting for it are taken in first.
+        self.view.take_changes_of(peer)
         index = self.view.as_is
         req.claimed_tokens = self.choice.digest_claim(peer, req.chain, len(req.tokens))
         req.speed_on_probation = (
@@ -476,8 +479,10 @@ class NodeCore:
         effects: list[Effect] = []
         # Trust: the outcome, against the peer's last announced load for a busy refusal.
         outcome = self.trust.failure_outcome(ev.reason)
-        if outcome == "busy" and ev.peer in self.index:
-            outcome = self.trust.refine_busy(self.index.load(ev.peer))
+        if outcome == "busy" and ev.peer in self.view.as_is:
+            # Its load: what it announced last (taken in for it alone; the other peers wait).
+            self.view.take(ev.peer)
+            outcome = self.trust.refine_busy(self.view.as_is.load(ev.peer))
         self.trust.record(ev.peer, outcome, now)
         # Members: it may be gone; stop routing to it until it is heard from again.
         if ev.reason in ("unavailable", "timeout") and ev.peer in self.members:

@@ -1,0 +1,186 @@
+"""A shared run of one sender's announcements, as a shell hands them to a group of recipients
+at one time (the simulator: all recipients at one link delay), shared by them.
+
+``PeerView`` (``peerinfer.core.peerview``) decides for each recipient whether it follows a run;
+this module is the run itself: what was pushed onto it, and the set of its sender that the
+announcements pushed with changes lead to.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from peerinfer.core.antientropy import Replica
+from peerinfer.core.merkle import MerkleDigest
+from peerinfer.core.messages import Announce
+from peerinfer.types import PeerId
+
+__all__ = ["AnnounceRun"]
+
+
+class AnnounceRun:
+    """One sender's announcements, shared by the recipients of a group.
+
+    A run starts with one announcement (``length`` 1); ``push`` appends one that ``extends``
+    it: no change, chaining from the run's newest epoch, announcing the same root and count.
+    Each recipient still decides for itself: one that kept the run's newest announcement for
+    later (``PeerView._defer_unchanged``) *follows* the run (it joins ``followers``), and the
+    shell then stops handing it the run's announcements. It takes in those pushed since it
+    last looked (their number, the newest ``epoch``, ``load`` and arrival time ``at``) when it
+    next reads the sender's state, exactly as if it had been handed each; it leaves the run
+    as soon as taking the next one in at once could do more than that (a pull, a rebalance,
+    a replica emptied or replaced, the sender forgotten). Every recipient outside
+    ``followers`` is handed every announcement, with the run, as usual.
+
+    *Announcements with changes* (``advances``, ``push_changes``): once a follower joined, the
+    run holds its own copy of the sender's set (``digest``, sharing the follower's replica's
+    set: ``MerkleDigest.twin``). An announcement that chains from the run's newest epoch with a
+    delta is applied to that copy once; when the result has the announced root and count, a
+    follower in step would take it in exactly so (the same set, the same delta: its replica
+    then matches, nothing is refused, no pull starts), unless the count exceeds its replica's
+    allowance: each follower registers that limit (``followers[peer]``), and the shell hands
+    the announcement, before pushing it, to the followers whose limit it exceeds (they refuse
+    it and leave the run). The others take the run's changes in, in order, when they next read
+    the sender's state (``changes`` and ``change_at``: each changed announcement and the run's
+    length once it was pushed). Routing reads every replica's set, so a node takes those in
+    before it routes (``PeerView.for_routing``).
+
+    Why: with N nodes, each announcement otherwise costs N - 1 calls; a shared run costs one
+    ``push`` plus the recipients that do not follow, and one delta application per change.
+    """
+
+    __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
+                 "digest", "changes", "change_at")
+
+    def __init__(self, announce: Announce, at: float) -> None:
+        self.sender = announce.sender
+        self.root = announce.root
+        self.count = announce.count
+        self.epoch = announce.epoch
+        self.load = announce.load
+        self.at = at
+        self.length = 1
+        #: each follower, with the most elements its replica may take (its allowance)
+        self.followers: dict[PeerId, int] = {}
+        #: the sender's set at ``epoch`` (once a follower joined: ``seed``)
+        self.digest: MerkleDigest | None = None
+        self.changes: list[Announce] = []
+        self.change_at: list[int] = []
+
+    def extends(self, a: Announce) -> bool:
+        """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
+        return (
+            a.prev_epoch == self.epoch < a.epoch
+            and a.root == self.root
+            and a.count == self.count
+            and a.sender == self.sender
+            and not (a.added or a.removed or a.truncated)
+            # (a recipient notes another speed or slot count when it is handed one)
+            and a.load.slots == self.load.slots
+            and a.load.speed == self.load.speed
+        )
+
+    def push(self, a: Announce, at: float) -> None:
+        """Append ``a`` (which ``extends`` the run), delivered to the group at ``at``."""
+        self.epoch = a.epoch
+        self.load = a.load
+        self.at = at
+        self.length += 1
+
+    def seed(self, digest: MerkleDigest) -> None:
+        """A follower joins whose replica holds the sender's set at the run's newest epoch as
+        the flat ``digest``: the run's own copy, if it has none yet."""
+        if self.digest is None:
+            self.digest = digest.twin()
+
+    def advances(self, a: Announce) -> MerkleDigest | None:
+        """The sender's set after ``a``, if ``a`` may be pushed with its changes: it chains from
+        the run's newest epoch with a delta (not truncated), the run holds the set, the load
+        keeps its slots and speed, and the delta leads to the announced root and count."""
+        digest = self.digest
+        if (
+            digest is None
+            or not (a.prev_epoch == self.epoch < a.epoch)
+            or a.truncated
+            or a.sender != self.sender
+            or a.load.slots != self.load.slots
+            or a.load.speed != self.load.speed
+        ):
+            return None
+        after = digest.twin()
+        after.apply_delta(a.added, a.removed)
+        if len(after) != a.count or after.root != a.root:
+            return None  # followers would need a pull: each is handed it
+        return after
+
+    def over_limit(self, a: Announce) -> list[PeerId]:
+        """The followers whose replica allowance ``a``'s count exceeds (they refuse it)."""
+        count = a.count
+        return [p for p, limit in self.followers.items() if limit < count]
+
+    def push_changes(self, a: Announce, at: float, after: MerkleDigest) -> None:
+        """Append ``a``, with changes (``advances`` gave ``after``; the followers over their
+        limit left the run first)."""
+        self.digest = after
+        self.root = a.root
+        self.count = a.count
+        self.epoch = a.epoch
+        self.load = a.load
+        self.at = at
+        self.length += 1
+        self.changes.append(a)
+        self.change_at.append(self.length)
+
+    def changes_since(self, cursor: int) -> tuple[list[Announce], list[int]]:
+        """The changed announcements pushed after the run's length was ``cursor``, with the
+        run's length once each was pushed."""
+        change_at = self.change_at
+        if not change_at or change_at[-1] <= cursor:
+            return [], []
+        i = bisect_right(change_at, cursor)
+        return self.changes[i:], change_at[i:]
+
+    def changed_since(self, cursor: int) -> bool:
+        """Whether a changed announcement was pushed after the run's length was ``cursor``."""
+        change_at = self.change_at
+        return bool(change_at) and change_at[-1] > cursor
+
+    @staticmethod
+    def take_run(
+        replica: Replica,
+        changes: Sequence[tuple[int, int, int, int]],
+        times: int,
+        epoch: int,
+        root: int,
+        count: int,
+        final: MerkleDigest,
+    ) -> None:
+        """Leave ``replica`` exactly as ``Replica.apply_announce`` (with changes) and
+        ``Replica.take_unchanged`` (without) would, for ``times`` announcements of a run it
+        followed in step, the last at ``epoch`` with ``root`` and ``count``: those with changes
+        given as ``(position, prev_epoch, epoch, changed)`` (position 1 is the first;
+        ``changed``: elements added and removed). Each change was within the replica's
+        allowance when it came and led the run's set to its announced root and count (the run
+        checked both), and the last leads to ``final``. Only the change rate needs each one;
+        the set moves to ``final`` at once (``MerkleDigest.adopt``: shared; an index's masks
+        hear the difference)."""
+        if replica._announced is None:
+            raise ValueError("take_run: a replica that has taken no announcement in")
+        rate = replica._rate
+        done = 0
+        # (``apply_announce``'s and ``take_unchanged``'s smoothing, step by step: the same floats)
+        for position, prev_epoch, at_epoch, changed in changes:
+            for _ in range(position - 1 - done):
+                rate = 0.0 if rate == 0.0 else 0.7 * rate + 0.3 * 0.0
+            if at_epoch > prev_epoch:
+                per_epoch = changed / (at_epoch - prev_epoch)
+                rate = per_epoch if rate == 0.0 else 0.7 * rate + 0.3 * per_epoch
+            done = position
+        for _ in range(times - done):
+            rate = 0.0 if rate == 0.0 else 0.7 * rate + 0.3 * 0.0
+        replica._rate = rate
+        if epoch >= replica._announced[0]:
+            replica._announced = (epoch, root, count)
+        replica.digest.adopt(final)
+        replica.epoch = epoch
