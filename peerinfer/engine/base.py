@@ -499,13 +499,20 @@ class Engine(ABC):
                     self.free_segment(segment.payload)
             raise
         if segments:
-            payloads: list[Any] = [None] * have + [s.payload for s in segments]
-            sizes = [0] * have + [s.nbytes for s in segments]
-            result = cache.insert(seq, payloads, sizes)
-            for payload in result.unused_payloads:
-                if payload is not None:
-                    self.free_segment(payload)
+            self._insert_segments(cache, seq, have, segments)
         return cache.match(seq, touch=False).tokens
+
+    def _insert_segments(
+        self, cache: RadixCache, seq: tuple[int, ...], have: int, segments: Sequence[KVSegment]
+    ) -> None:
+        """Insert ``segments`` as the blocks ``have ..`` of ``seq`` (the first ``have`` are
+        cached), freeing those the cache did not take (already there, or no room)."""
+        payloads: list[Any] = [None] * have + [s.payload for s in segments]
+        sizes = [0] * have + [s.nbytes for s in segments]
+        result = cache.insert(seq, payloads, sizes)
+        for payload in result.unused_payloads:
+            if payload is not None:
+                self.free_segment(payload)
 
     #: Whether ``token_errors`` is implemented: a node pulls KV from peers only into an engine
     #: that can check what it pulled.
@@ -743,12 +750,7 @@ class Engine(ABC):
             raise EngineError(
                 f"{type(self).__name__} exported {len(segments)} segments, expected {n_full - have}"
             )
-        payloads: list[Any] = [None] * have + [s.payload for s in segments]
-        sizes = [0] * have + [s.nbytes for s in segments]
-        result = cache.insert(seq, payloads, sizes)
-        for payload in result.unused_payloads:
-            if payload is not None:
-                self.free_segment(payload)
+        self._insert_segments(cache, seq, have, segments)
         remember_stored(self, cache, seq, have)  # a pull of them later is checked for free
 
     # ------------------------------------------------------------ lifetime
