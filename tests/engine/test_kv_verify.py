@@ -191,6 +191,51 @@ def test_llamacpp_token_errors_pass_every_honest_token_and_catch_altered_ones(sm
     assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
 
 
+def test_llamacpp_checks_in_one_batch_equal_the_runs_and_chunk_by_sequence_ids(
+    smol: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-batch check (each token in a sequence of its own over shared cells) gives every
+    honest token exactly the holder's cell, as the runs in the engine's own context do, also
+    when the tokens do not fit one context's sequence ids (chunks); an altered token is caught
+    at that token, and the tokens before it still match exactly."""
+    from peerinfer.engine import llamacpp_verify
+
+    prompt = _smol_prompt(smol, "forests")
+    blocks = _blocks_of(smol, prompt, 16)
+    checks = [0, 1, 2, 15, 16, 17, 30, 33, 47, 16 * len(blocks) - 1]
+    assert smol.verify_in_one_batch  # type: ignore[attr-defined]
+    batch = dict(smol.token_errors(prompt, 0, blocks, checks))
+    assert batch == {c: 0.0 for c in checks}, batch  # bit-identical, not merely close
+    monkeypatch.setattr(llamacpp_verify, "MAX_SEQUENCES", 4)  # chunks of 3 tokens
+    assert dict(smol.token_errors(prompt, 0, blocks, checks)) == batch
+    one = list(blocks)
+    one[1] = _ll_altered(blocks[1], 1, 2.0, layer=7)  # token 17, layer 7's K only
+    errors = dict(smol.token_errors(prompt, 0, one, checks))
+    # Tokens after 17 see its altered cell and may move too; those before it may not.
+    assert errors[17] > TOL and all(e == 0.0 for c, e in errors.items() if c < 17), errors
+    monkeypatch.undo()
+    monkeypatch.setattr(smol, "verify_in_one_batch", False)  # runs in the engine's context
+    assert dict(smol.token_errors(prompt, 0, blocks, checks)) == batch
+    errors = dict(smol.token_errors(prompt, 0, one, checks))
+    assert errors[17] > TOL and errors[16] == 0.0, errors
+    assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
+
+
+def test_llamacpp_cell_error_compares_cells_at_their_positions(smol: Engine) -> None:
+    from peerinfer.engine import llamacpp_state as llstate
+
+    prompt = _smol_prompt(smol, "valleys")
+    blocks = _blocks_of(smol, prompt, 16)
+    a, b = llstate.parse(blocks[0]), llstate.parse(blocks[1])
+    assert llstate.cell_error(a, a) == 0.0
+    assert llstate.cell_error(a, b) == float("inf")  # positions 16..31 are not block 0's
+    assert llstate.cell_error(a, llstate.parse(llstate.cut(a, 3, 5))) == 0.0  # a part of it
+    moved = llstate.parse(_ll_altered(blocks[0], 4, 0.5, layer=2))
+    assert llstate.cell_error(a, llstate.parse(llstate.cut(moved, 3, 4))) == 0.0
+    err = llstate.cell_error(a, llstate.parse(llstate.cut(moved, 4, 5)))
+    assert 0.0 < err < float("inf") and err == llstate.cell_error(a, moved)
+
+
 def test_llamacpp_token_errors_start_after_cached_blocks(smol: Engine) -> None:
     """Blocks 0..1 local, 2.. pulled: tokens of blocks 2 and 3 recomputed over both."""
     prompt = _smol_prompt(smol, "mountains")
