@@ -266,6 +266,37 @@ def test_own_blocks_are_bounded_and_match_only_the_same_bytes() -> None:
     assert not memo.matches(BlockHash(3), bytes([4]) * 8)  # another block's bytes
 
 
+def test_own_blocks_are_digested_when_dropped_and_pulled_ones_never(smol: Engine) -> None:
+    """A prefill only marks its blocks (no bytes hashed); their digests are made when the cache
+    drops them (eviction, an emptied cache); blocks adopted from a pull are never remembered."""
+    from peerinfer.engine.kvmemo import known_blocks, own_blocks
+
+    prompt = _smol_prompt(smol, "glaciers")
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    memo = own_blocks(smol)
+    before = len(memo)
+    for _ in smol.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    cache = smol.radix_cache
+    assert cache is not None
+    hashes = [n.hash for n in cache.match(prompt, touch=False).nodes]
+    blocks = smol.encode_blocks(hashes)
+    assert len(memo) == before and memo.mine == set(hashes)  # nothing hashed at the prefill
+    assert known_blocks(smol, hashes, blocks) == frozenset()
+    assert cache.evict(tokens=16) == 1  # the least recent leaf: the last block
+    assert known_blocks(smol, hashes, blocks) == {len(hashes) - 1}
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # the rest dropped
+    assert memo.mine == set() and known_blocks(smol, hashes, blocks) == frozenset(range(len(hashes)))
+    # Adopted from a pull and dropped again: still known by the digests of the prefill's own
+    # blocks, and an altered copy adopted and dropped is not remembered in their place.
+    altered = [_ll_altered(b, 3, 0.01, layer=0) for b in blocks]
+    assert smol.adopt_blocks(prompt, altered) == 16 * len(blocks)
+    assert memo.mine == set()
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    assert known_blocks(smol, hashes, altered) == frozenset()
+    assert known_blocks(smol, hashes, blocks) == frozenset(range(len(hashes)))
+
+
 def test_llamacpp_pulled_blocks_it_computed_itself_are_known_and_altered_ones_are_not(
     smol: Engine,
 ) -> None:
