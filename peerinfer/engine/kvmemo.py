@@ -10,8 +10,9 @@ digest remembered for its hash is exactly what this engine computed: it needs no
 That happens when this node computed a prefix, evicted it (no disk tier, or a full one), and
 then pulls it back from a peer instead of recomputing it, so the digest is needed only once a
 block is dropped, and is made then: a block that is never evicted costs nothing, and a
-prefill does not encode and hash every block it stores (it did until Dec 6: about 0.002-0.005
-of a 2,000-token prefill's time, docs/performance.md).
+prefill does not encode and hash every block it stores (it did until Dec 6: 0.002 of a
+2,000-token prefill's time on llama.cpp, 0.010-0.012 on float32 Transformers,
+docs/performance.md).
 
 Only blocks computed here are remembered: a pulled block that passed a sampled check was not
 checked at every token, so remembering it would let a later pull of the same altered bytes
