@@ -209,9 +209,7 @@ class Engine(ABC):
     _changes: _ChangeLog | None = None
     _counters: _Counters | None = None
     _closed: bool = False
-    #: The digests of the blocks this engine computed itself, made as they are dropped
-    #: (:mod:`peerinfer.engine.kvmemo`: pulled blocks it computed are checked for free).
-    _own_blocks: OwnBlocks | None = None
+    _own_blocks: OwnBlocks | None = None  # digests of the blocks it computed (engine/kvmemo.py)
 
     # ------------------------------------------------------------ identity and tokenizer
 
@@ -555,7 +553,7 @@ class Engine(ABC):
     def _on_evict(self, node: RadixNode) -> None:
         payload, node.payload = node.payload, None
         try:
-            data = self._spill(node, payload) if self._disk is not None else None
+            data = None if self._disk is None else self._spill(node, payload)
             dropped(self, node.hash, payload, data)  # a block it computed: digested now
         finally:
             if payload is not None:
@@ -626,15 +624,14 @@ class Engine(ABC):
         return None if disk is None else disk.statistics()
 
     def _spill(self, node: RadixNode, payload: Any) -> bytes | None:
-        """Write an evicted block to the disk tier (or mark it used, if it is there); the
-        block's encoded bytes when they were made here (the memo of own blocks reuses them)."""
+        """Write an evicted block to the disk tier (or touch it there); its bytes if encoded."""
         disk = self._disk
         assert disk is not None
         if node.hash in disk:
             disk.touch(node.hash)
             return None
         if payload is None and self.kv_format() is None:
-            return None
+            return None  # (the memo of own blocks reuses the bytes: kvmemo.dropped)
         try:
             data = self.encode_block(payload)
         except Exception:  # an export that fails loses the block, as eviction always did

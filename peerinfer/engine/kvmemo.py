@@ -126,4 +126,7 @@ def known_blocks(
                      if memo.matches(h, b))
 
 
-__all__ = ["MAX_DIGESTS", "OwnBlocks", "digest", "dropped", "known_blocks", "own_blocks", "remember_stored"]
+__all__ = [
+    "MAX_DIGESTS", "OwnBlocks", "digest", "dropped", "known_blocks", "own_blocks",
+    "remember_stored",
+]
