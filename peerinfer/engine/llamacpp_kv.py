@@ -158,18 +158,13 @@ class LlamaCppKVBlocks(Engine):
             payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
         start = first_block * bs
         positions = [start + c for c in wanted]
+        states = [llstate.parse(p) for p in payloads]  # once: restored and compared with
         if self.verify_in_one_batch:
-            fresh = llverify.recompute(self, payloads, tokens, positions)
+            fresh = llverify.recompute(self, states, tokens, positions)
         else:
             fresh = self._runs_errors(payloads, tokens, positions)
-        parsed: dict[int, llstate.SavedState] = {}
-        out: list[tuple[int, float]] = []
-        for c in wanted:
-            b = first_block + c // bs
-            if b not in parsed:
-                parsed[b] = llstate.parse(payloads[b])
-            out.append((c, llstate.cell_error(parsed[b], fresh[start + c])))
-        return out
+        return [(c, llstate.cell_error(states[first_block + c // bs], fresh[start + c]))
+                for c in wanted]
 
     def _runs_errors(
         self, payloads: Sequence[bytes], tokens: Sequence[int], positions: Sequence[int]

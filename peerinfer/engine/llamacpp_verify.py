@@ -73,15 +73,14 @@ def _state(ctx: Any, seq: int) -> bytes:
 
 def recompute(
     engine: Any,
-    payloads: Sequence[bytes],
+    states: Sequence[llstate.SavedState],
     tokens: Sequence[int],
     positions: Sequence[int],
 ) -> dict[int, llstate.SavedState]:
-    """Each of ``positions`` (ascending) recomputed over the cells of ``payloads`` (block
+    """Each of ``positions`` (ascending) recomputed over the cells of ``states`` (parsed block
     payloads covering every position below the last one): its fresh cell, parsed."""
     if not positions:
         return {}
-    states = [llstate.parse(p) for p in payloads]
     # Cells restored: the first section's (a sliding-window model's second holds the same).
     cells = sum(len(sec.positions) for st in states if (sec := st.sections[0]) is not None)
     chunk = min(len(positions), MAX_SEQUENCES - 1)
