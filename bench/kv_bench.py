@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--granularity", default=None, help="token or block (default: the core's)")
     p.add_argument("--run-tokens", type=int, default=1,
                    help="checked tokens come in runs of this many (the engine's verify_run_tokens: "
-                        "Transformers 1, llama.cpp 4)")
+                        "1 on both engines; llama.cpp's runs before its one-batch check: 4)")
     p.add_argument("--honest-pulls", type=int, default=1000)
     p.add_argument("--honest-peers", type=int, default=10)
     p.add_argument("--block-size", type=int, default=16)

@@ -4,8 +4,10 @@ One process, one engine, one thread: a prefix of ``--prefix-tokens`` random-word
 prefilled on an empty cache (timed: the compute a pull of it saves), its blocks are exported and
 the cache emptied; then the blocks are checked as a puller checks them
 (``Engine.token_errors`` over the default verifier's sample, ``PullVerifier``), for each
-granularity ("token": single tokens spread over every block, the default; "block": every
-token of whole blocks, the first verifier), looked up in the engine's digests of the blocks it
+granularity ("token": single tokens spread over every block, the default, checked as the
+engine checks them; "block": every token of whole blocks, the first verifier; on llama.cpp
+also "run4": runs of 4 tokens, one ``llama_decode`` a run, the check before the one-batch
+check), looked up in the engine's digests of the blocks it
 computed itself (``peerinfer.engine.kvmemo``: a free check), and adopted (``Engine.adopt_blocks``, timed: what
 using the pull costs instead of the prefill). Figures are ratios within this one run:
 check / prefill, and check / (prefill - adopt), the compute the pull saved.
@@ -29,7 +31,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--rate", type=float, default=None, help="default: the core's verify_rate")
-    p.add_argument("--granularities", default="token,block")
+    p.add_argument("--granularities", default="token,block",
+                   help="of token, block; on llama.cpp also run4, batch1, runs1 (see _method)")
     p.add_argument("--trials", type=int, default=2, help="checks per granularity (other seeds)")
     p.add_argument("--prefills", type=int, default=2, help="prefills timed (before and after)")
     p.set_defaults(run=verify_cost)
@@ -46,6 +49,24 @@ def _engine(args: argparse.Namespace) -> Any:
     from peerinfer.engine.hf import TransformersEngine
 
     return TransformersEngine(args.model, dtype=args.dtype, threads=args.threads, device="cpu")
+
+
+def _method(engine: Any, granularity: str, default_run: int, default_batch: bool | None) -> int:
+    """Set the llama.cpp engine's check method for ``granularity`` and return the run length to
+    sample: "token" and "block" the engine's defaults; "run4" (llama.cpp only) runs of 4
+    consecutive tokens, one ``llama_decode`` a run in the engine's own context; "batch1" and
+    "runs1" (llama.cpp only) single tokens, all in one batch or one ``llama_decode`` each."""
+    if granularity in ("token", "block"):
+        if default_batch is not None:
+            engine.verify_in_one_batch = default_batch
+        engine.verify_run_tokens = default_run
+        return default_run
+    if default_batch is None:
+        raise SystemExit(f"granularity {granularity!r} is the llama.cpp engine's only")
+    batch, run = {"run4": (False, 4), "batch1": (True, 1), "runs1": (False, 1)}[granularity]
+    engine.verify_in_one_batch = batch
+    engine.verify_run_tokens = run
+    return run
 
 
 def verify_cost(args: argparse.Namespace) -> None:
@@ -83,16 +104,21 @@ def verify_cost(args: argparse.Namespace) -> None:
               f"{bs} ({nbytes / 1e6:.1f} MB), rate {rate}, runs of {engine.verify_run_tokens} "
               f"token(s); load average {os.getloadavg()[0]:.2f}")
         rows: list[tuple[str, int, float, float]] = []
+        default_run = engine.verify_run_tokens
+        default_batch = getattr(engine, "verify_in_one_batch", None)
         # Granularities alternate within each trial: the load on a shared machine drifts, and
         # one granularity's trials all run back to back would meet another load than the other's.
         for trial in range(args.trials):
             for granularity in [g for g in args.granularities.split(",") if g]:
                 engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=bs))  # empty
-                verifier = PullVerifier(f"cost/{trial}", rate=rate, granularity=granularity)
-                checks = verifier.sample(n_blocks, bs, engine.verify_run_tokens)
+                run = _method(engine, granularity, default_run, default_batch)
+                verifier = PullVerifier(f"cost/{trial}", rate=rate,
+                                        granularity="block" if granularity == "block" else "token")
+                checks = verifier.sample(n_blocks, bs, run)
                 t0 = time.perf_counter()
                 errors = engine.token_errors(tokens, 0, blocks, checks)
                 check_s = time.perf_counter() - t0
+                _method(engine, "token", default_run, default_batch)
                 verdict = verifier.judge(errors, bs)
                 assert verdict.ok, verdict.detail
                 rows.append((granularity, len(checks), check_s, verdict.worst_error))

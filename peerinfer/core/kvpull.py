@@ -52,10 +52,13 @@ __all__ = [
 #: least one token, or one run, in each of ``verify_min_blocks`` blocks). Chosen with
 #: bench/kv_bench.py verify and the engines' measured check cost (``verifycost``;
 #: docs/performance.md, "Checking pulled KV"): at 5% the check stayed under 10% of the prefill a
-#: pull saves on both engines, and with 16-token blocks 80% of a pull's blocks get a checked
-#: token (Transformers; 20% get a run of 4 on llama.cpp), so a peer that alters a whole block
-#: of each pull was caught within 20 pulls in 97.5-100% of modelled runs. A peer that alters the KV of
-#: one token is caught only at this rate per pull (docs/security.md, "Pulled KV").
+#: pull saves on both engines (0.058-0.095 on a loaded machine), and with 16-token blocks 80% of
+#: a pull's blocks get a checked token (both engines check single tokens), so a peer that alters
+#: a whole block of each pull was caught within 20 pulls in 100% of modelled runs. A peer that
+#: alters the KV of one token is caught only at this rate per pull: 95% within 20 pulls needs
+#: 0.139, and no engine can check that share within 10% of the saving, since a checked token
+#: costs at least a prefilled token (docs/security.md, "Pulled KV"). So one rate for every
+#: engine: none has a design that would let it check more for the same cost.
 DEFAULT_VERIFY_RATE = 0.05
 #: A recomputed token's KV matches the pulled one when their largest difference is at most this
 #: share of the pulled block's largest magnitude: float noise between two runs of one engine

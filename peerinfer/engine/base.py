@@ -96,7 +96,7 @@ from peerinfer.engine.events import (
     Tokens,
 )
 from peerinfer.engine.job import RequestJob, _Counters
-from peerinfer.engine.kvmemo import remember_stored
+from peerinfer.engine.kvmemo import OwnBlocks, dropped, remember_stored
 from peerinfer.engine.textstream import TextStream
 from peerinfer.engine.validation import validate_prompt, validate_sampling_params
 from peerinfer.errors import (
@@ -209,6 +209,7 @@ class Engine(ABC):
     _changes: _ChangeLog | None = None
     _counters: _Counters | None = None
     _closed: bool = False
+    _own_blocks: OwnBlocks | None = None  # digests of the blocks it computed (engine/kvmemo.py)
 
     # ------------------------------------------------------------ identity and tokenizer
 
@@ -552,8 +553,8 @@ class Engine(ABC):
     def _on_evict(self, node: RadixNode) -> None:
         payload, node.payload = node.payload, None
         try:
-            if self._disk is not None:
-                self._spill(node, payload)
+            data = None if self._disk is None else self._spill(node, payload)
+            dropped(self, node.hash, payload, data)  # a block it computed: digested now
         finally:
             if payload is not None:
                 self.free_segment(payload)
@@ -622,21 +623,22 @@ class Engine(ABC):
         disk = self._disk
         return None if disk is None else disk.statistics()
 
-    def _spill(self, node: RadixNode, payload: Any) -> None:
-        """Write an evicted block to the disk tier (or mark it used, if it is there)."""
+    def _spill(self, node: RadixNode, payload: Any) -> bytes | None:
+        """Write an evicted block to the disk tier (or touch it there); its bytes if encoded."""
         disk = self._disk
         assert disk is not None
         if node.hash in disk:
             disk.touch(node.hash)
-            return
+            return None
         if payload is None and self.kv_format() is None:
-            return
+            return None  # (the memo of own blocks reuses the bytes: kvmemo.dropped)
         try:
             data = self.encode_block(payload)
         except Exception:  # an export that fails loses the block, as eviction always did
-            return
+            return None
         for h in disk.put(node.hash, node.key, data):
             self._disk_removed(h)
+        return data
 
     def _disk_removed(self, h: BlockHash) -> None:
         cache, changes = self._cache, self._changes

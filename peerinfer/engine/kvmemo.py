@@ -1,12 +1,18 @@
 """Free checks of pulled KV: a bounded memo of the blocks this engine computed itself (issue 24).
 
-When an engine computes a prompt's blocks (``Engine._store``), the digest of each new block's
-encoded bytes (``encode_block``) is remembered by block hash, up to ``MAX_DIGESTS`` blocks (the
-least recently stored are forgotten first; 16 bytes of digest a block, against ~370 KB of the
-block itself on the default llama.cpp model). A block pulled later whose bytes have the digest
-remembered for its hash is exactly what this engine computed: it needs no recompute. That
-happens when this node computed a prefix, evicted it (no disk tier, or a full one), and then
-pulls it back from a peer instead of recomputing it.
+When an engine computes a prompt's blocks (``Engine._store``) it marks them as its own
+(:func:`remember_stored`: their hashes only, no bytes touched). When the cache drops one of
+them (``Engine._on_evict``: eviction, or an emptied cache), the digest of its encoded bytes
+(``encode_block``) is remembered by block hash (:func:`dropped`), up to ``MAX_DIGESTS`` blocks
+(the least recently dropped are forgotten first; 16 bytes of digest a block, against ~370 KB
+of the block itself on the default llama.cpp model). A block pulled later whose bytes have the
+digest remembered for its hash is exactly what this engine computed: it needs no recompute.
+That happens when this node computed a prefix, evicted it (no disk tier, or a full one), and
+then pulls it back from a peer instead of recomputing it, so the digest is needed only once a
+block is dropped, and is made then: a block that is never evicted costs nothing, and a
+prefill does not encode and hash every block it stores (it did until Dec 6: 0.002 of a
+2,000-token prefill's time on llama.cpp, 0.010-0.012 on float32 Transformers,
+docs/performance.md).
 
 Only blocks computed here are remembered: a pulled block that passed a sampled check was not
 checked at every token, so remembering it would let a later pull of the same altered bytes
@@ -33,7 +39,7 @@ if TYPE_CHECKING:
 class _Engine(Protocol):
     """What this module reads of an ``Engine`` (not imported: the engine imports this)."""
 
-    __dict__: dict[str, Any]
+    _own_blocks: OwnBlocks | None
 
     def kv_format(self) -> str | None: ...
     def encode_block(self, payload: Any) -> bytes: ...
@@ -47,11 +53,14 @@ def digest(data: bytes | memoryview) -> bytes:
 
 
 class OwnBlocks:
-    """Block hash -> digest of the encoded bytes this engine computed for it, LRU-bounded."""
+    """Block hash -> digest of the encoded bytes this engine computed for it, LRU-bounded; and
+    the hashes of the blocks it computed that are still cached (``mine``: digested when
+    dropped; at most the cache's blocks, since each leaves it when its block is dropped)."""
 
     def __init__(self, capacity: int = MAX_DIGESTS) -> None:
         self.capacity = capacity
         self._digests: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self.mine: set[BlockHash] = set()
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -70,21 +79,39 @@ class OwnBlocks:
 
 def own_blocks(engine: _Engine) -> OwnBlocks:
     """``engine``'s memo (made on first use, kept across ``configure_cache``)."""
-    memo: OwnBlocks | None = engine.__dict__.get("_own_blocks")
+    memo = engine._own_blocks
     if memo is None:
-        memo = engine.__dict__["_own_blocks"] = OwnBlocks()
+        memo = engine._own_blocks = OwnBlocks()
     return memo
 
 
 def remember_stored(engine: _Engine, cache: RadixCache, seq: Sequence[int], have: int) -> None:
-    """After ``Engine._store`` inserted the blocks ``have ..`` of ``seq`` it computed: remember
-    their digests (engines that cannot encode blocks remember nothing)."""
+    """After ``Engine._store`` inserted the blocks ``have ..`` of ``seq`` it computed: mark them
+    as this engine's own, to be digested when dropped (engines that cannot encode blocks
+    remember nothing)."""
     if engine.kv_format() is None:
         return
-    memo = own_blocks(engine)
+    mine = own_blocks(engine).mine
     for node in cache.match(tuple(seq), touch=False).nodes[have:]:
         if node.payload is not None:
-            memo.remember(node.hash, engine.encode_block(node.payload))
+            mine.add(node.hash)
+
+
+def dropped(engine: _Engine, h: BlockHash, payload: Any, data: bytes | None = None) -> None:
+    """The cache drops block ``h`` (its ``payload``; ``data``: its encoded bytes, when the
+    caller has them already): if this engine computed it, remember its digest."""
+    memo = engine._own_blocks
+    if memo is None or h not in memo.mine:
+        return
+    memo.mine.discard(h)
+    if data is None:
+        if payload is None:
+            return
+        try:
+            data = engine.encode_block(payload)
+        except Exception:  # an export that fails: no free check for this block, nothing worse
+            return
+    memo.remember(h, data)
 
 
 def known_blocks(
@@ -99,4 +126,7 @@ def known_blocks(
                      if memo.matches(h, b))
 
 
-__all__ = ["MAX_DIGESTS", "OwnBlocks", "digest", "known_blocks", "own_blocks", "remember_stored"]
+__all__ = [
+    "MAX_DIGESTS", "OwnBlocks", "digest", "dropped", "known_blocks", "own_blocks",
+    "remember_stored",
+]

@@ -87,7 +87,8 @@ the request's sequence and restored in one ``llama_state_seq_set_data`` (``resto
 blocks in process memory (``--cache-bytes``), eviction frees bytes, and a block is a
 self-contained byte string that restores into any sequence at its positions (the KV-tier issue's
 disk format, and what a KV pull moves). A pull is checked (``token_errors``) by recomputing
-sampled tokens in a free sequence over the pulled cells before them and comparing the K/V
+sampled tokens over the pulled cells before them, all in one ``llama_decode`` in a check context
+of one unified stream (:mod:`peerinfer.engine.llamacpp_verify`), and comparing the K/V
 values of their cells (:func:`~peerinfer.engine.llamacpp_state.cell_error`): the row kernel
 makes an honest cell of the same build bit-identical to the recompute.
 

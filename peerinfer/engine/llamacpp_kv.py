@@ -15,8 +15,9 @@ Where things are:
 * ``kv_format``, ``encode_block``, ``decode_block``: a payload's name, its bytes, and the
   checks on a block received from a peer (size, header, positions, layer layout), against a
   block measured once at start-up (``_measure_block_state``).
-* ``token_errors``: pulled tokens' KV recomputed in a free sequence and compared with the
-  pulled cells (``verifies_kv_blocks``).
+* ``token_errors``: pulled tokens' KV recomputed (all in one batch in a check context,
+  :mod:`peerinfer.engine.llamacpp_verify`; or in runs in a free sequence) and compared with
+  the pulled cells (``verifies_kv_blocks``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from peerinfer.engine import llamacpp_state as llstate
+from peerinfer.engine import llamacpp_verify as llverify
 from peerinfer.engine.base import Engine, KVSegment
 from peerinfer.engine.llamacpp_load import L
 from peerinfer.errors import EngineError, ProtocolError
@@ -115,11 +117,14 @@ class LlamaCppKVBlocks(Engine):
 
     verifies_kv_blocks = True
 
-    #: Checked tokens come in runs of 4 (``PullVerifier.sample``): a lone token's
-    #: ``llama_decode`` reads every weight for one token, so it cost about 3x a prefilled
-    #: token's share (docs/performance.md, "Checking pulled KV"); a run of 4 costs about the same
-    #: as one.
-    verify_run_tokens = 4
+    #: Checked tokens are recomputed all in one ``llama_decode`` in a check context of their
+    #: own (:mod:`peerinfer.engine.llamacpp_verify`): single tokens spread over every block, each
+    #: in a sequence of its own sharing the pulled cells below it. False: the engine's own
+    #: context, in runs of consecutive tokens, one ``llama_decode`` a run (``_runs_errors``; with
+    #: ``verify_run_tokens`` 4 it cost about 0.07 of the saving at the default rate, the batch
+    #: less: docs/performance.md, "Checking pulled KV").
+    verify_in_one_batch = True
+    verify_run_tokens = 1
 
     def token_errors(
         self,
@@ -128,16 +133,11 @@ class LlamaCppKVBlocks(Engine):
         blocks: Sequence[bytes | memoryview],
         checks: Sequence[int],
     ) -> list[tuple[int, float]]:
-        """The checked tokens recomputed in one free sequence, restored once: the blocks up to
-        the one holding the last check (the cached ones, then the pulled ones, decoded) are
-        restored there in one saved state; then, from the last run of consecutive checked
-        tokens down, the sequence is cut at the run's first token (``llama_memory_seq_rm`` of
-        it and every cell after), the run is decoded at its positions (its first token attends
-        to the pulled cells below it, the others to those and the run's fresh ones), and its
-        new cells exported. llama.cpp decodes a sequence's tokens only right after its last
-        cell, so the runs go from the last down, one ``llama_decode`` each. Each cell's K/V
-        values are compared with the pulled block's (``llamacpp_state.cell_error``), see
-        ``Engine``."""
+        """The checked tokens recomputed over the blocks up to the one holding the last check
+        (the cached ones, then the pulled ones, decoded), in one batch
+        (``verify_in_one_batch``: :mod:`~peerinfer.engine.llamacpp_verify`) or in runs
+        (``_runs_errors``). Each fresh cell's K/V values are compared with the pulled block's
+        (``llamacpp_state.cell_error``), see ``Engine``."""
         self._check_open()
         if not checks:
             return []
@@ -157,33 +157,44 @@ class LlamaCppKVBlocks(Engine):
         for k in range(last + 1):
             payloads.append(self.decode_block(blocks[k], (first_block + k) * bs).payload)
         start = first_block * bs
+        positions = [start + c for c in wanted]
+        states = [llstate.parse(p) for p in payloads]  # once: restored and compared with
+        if self.verify_in_one_batch:
+            fresh = llverify.recompute(self, states, tokens, positions)
+        else:
+            fresh = self._runs_errors(payloads, tokens, positions)
+        return [(c, llstate.cell_error(states[first_block + c // bs], fresh[start + c]))
+                for c in wanted]
+
+    def _runs_errors(
+        self, payloads: Sequence[bytes], tokens: Sequence[int], positions: Sequence[int]
+    ) -> dict[int, llstate.SavedState]:
+        """``positions`` (ascending) recomputed in one free sequence of the engine's context,
+        the ``payloads`` restored there once; then, from the last run of consecutive positions
+        down, the sequence is cut at the run's first token (``llama_memory_seq_rm`` of it and
+        every cell after), the run is decoded at its positions (its first token attends to the
+        pulled cells below it, the others to those and the run's fresh ones), and its new cells
+        exported. llama.cpp decodes a sequence's tokens only right after its last cell, so the
+        runs go from the last down, one ``llama_decode`` each."""
         runs: list[list[int]] = []  # maximal runs of consecutive checked positions
-        for c in wanted:
-            if runs and runs[-1][-1] == start + c - 1:
-                runs[-1].append(start + c)
+        for p in positions:
+            if runs and runs[-1][-1] == p - 1:
+                runs[-1].append(p)
             else:
-                runs.append([start + c])
-        fresh: dict[int, bytes] = {}
+                runs.append([p])
+        fresh: dict[int, llstate.SavedState] = {}
         seq = self._take_seq()
         try:
             self.restore_blocks(seq, payloads)
-            for positions in reversed(runs):
-                L.llama_memory_seq_rm(self._mem, seq, positions[0], -1)
-                for i in range(0, len(positions), self._n_batch):
-                    self._decode([(int(tokens[p]), p, seq, False)
-                                  for p in positions[i:i + self._n_batch]])
-                cells = self.export_blocks(seq, [(p, 1) for p in positions])
-                fresh.update(zip(positions, cells, strict=True))
+            for run in reversed(runs):
+                L.llama_memory_seq_rm(self._mem, seq, run[0], -1)
+                for i in range(0, len(run), self._n_batch):
+                    self._decode([(int(tokens[p]), p, seq, False) for p in run[i:i + self._n_batch]])
+                cells = self.export_blocks(seq, [(p, 1) for p in run])
+                fresh.update((p, llstate.parse(c)) for p, c in zip(run, cells, strict=True))
         finally:
             self._give_seq(seq)
-        parsed: dict[int, llstate.SavedState] = {}
-        out: list[tuple[int, float]] = []
-        for c in wanted:
-            b = first_block + c // bs
-            if b not in parsed:
-                parsed[b] = llstate.parse(payloads[b])
-            out.append((c, llstate.cell_error(parsed[b], llstate.parse(fresh[start + c]))))
-        return out
+        return fresh
 
     def _measure_block_state(self, block_size: int) -> int:
         """A block's exact payload size (one block run in a free sequence and exported), kept

