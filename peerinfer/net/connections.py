@@ -53,7 +53,7 @@ DISCONNECT_TIMEOUT_S = 1.0
 #: try at most PROBE_TIMEOUT_S), while its pings keep failing and it is not yet disconnected, at
 #: most MAX_PROBES peers at once: a new TCP flow goes out at once, where the stalled one waits
 #: out its retransmission backoff (seen: 3-6 s after a cut link came back) and liveness would
-#: then close it. Once the fresh one opens, the stalled ones are closed (``opened``).
+#: then close it. Once the fresh one opens, the stalled ones are retired (``opened``, ``retire``).
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 MAX_PROBES = 16
@@ -89,6 +89,8 @@ class Connections:
         self._probing: set[str] = set()
         #: when stalled connections of a peer were last replaced by a new one
         self.replaced_at: dict[str, float] = {}
+        #: connections being retired (``retire``): each once, however often it is judged stalled
+        self._retiring: set[INetConn] = set()
         self.on_opened: Callable[[str, bool], None] = lambda peer, first: None
         self.on_replaced: list[Callable[[str, list[INetConn]], None]] = []
         self.on_gone: list[Callable[[str], None]] = []
@@ -240,20 +242,29 @@ class Connections:
             if not finished.is_set():
                 nursery.cancel_scope.cancel()
 
-    async def retire(self, peer_id: str, conn: INetConn) -> None:
+    async def retire(self, peer_id: str, conn: INetConn, *, checked: bool = False) -> None:
         """Close ``conn``, judged stalled, without cutting a request still flowing on it (the
         module's "Slow but alive"): at once if it carries no request stream, or if the peer
         delivered nothing on it within ``liveness_timeout_s``, not even in answer to a ping
-        opened over it then; else once its request streams ended, at most ``DRAIN_MAX_S``
-        from now. Call it with ``conn`` out of libp2p's choice."""
+        opened over it then (``checked``: that ping was just made, and failed); else once its
+        request streams ended, at most ``DRAIN_MAX_S`` from now. Call it with ``conn`` out of
+        libp2p's choice."""
+        if conn in self._retiring:
+            return
+        self._retiring.add(conn)
+        try:
+            await self._retire(peer_id, conn, checked)
+        finally:
+            self._retiring.discard(conn)
+
+    async def _retire(self, peer_id: str, conn: INetConn, checked: bool) -> None:
         ctx = self._ctx
         timeout = ctx.config.liveness_timeout_s
         # A ping opened over it solicits frames from a live peer's stack (the stream's
         # acknowledgement, the protocol's), however late its echo: either is proof of life.
         if self.requests_in_flight(conn) and (
             self.heard_within(conn, timeout)
-            or await self._answers_on(peer_id, conn, timeout)
-            or self.heard_within(conn, timeout)
+            or (not checked and (await self._answers_on(peer_id, conn, timeout) or self.heard_within(conn, timeout)))
         ):
             deadline = trio.current_time() + DRAIN_MAX_S
             logger.info("a replaced connection to %s is alive: its %d request stream(s) may finish",
@@ -275,12 +286,15 @@ class Connections:
 
     # -- healing ------------------------------------------------------------------------------
 
-    def replace_stalled(self, peer_id: str, older: list[INetConn], why: str = "its pings failed") -> None:
+    def replace_stalled(
+        self, peer_id: str, older: list[INetConn], why: str = "its pings failed", *, checked: bool = False
+    ) -> None:
         """A new connection to a peer whose pings failed on the ones we had: those are
         stalled (a cut link, a partition, a NAT that lost its mapping), and libp2p would keep
         opening streams on them (it prefers a direct connection, then the one with the most
         streams: the stalled one, whose streams pile up), until liveness closed them all, the
-        new one too. Retire them now (``retire``: a request still flowing on one finishes);
+        new one too. Retire them now (``retire``: a request still flowing on one finishes;
+        ``checked``: each was just found silent on a ping over itself, so it is closed at once);
         the peer counts as newly connected."""
         self.failures.pop(peer_id, None)
         self.replaced_at[peer_id] = trio.current_time()
@@ -291,7 +305,7 @@ class Connections:
         for replaced in self.on_replaced:  # RTT, kept streams, our pubsub stream
             replaced(peer_id, older)
         for stale in older:
-            self._ctx.start_soon(self.retire, peer_id, stale)
+            self._ctx.start_soon(functools.partial(self.retire, peer_id, stale, checked=checked))
         if self._ctx.admission_key is None or self.is_admitted(peer_id):
             self._ctx.emit(PeerEvent("connected", peer_id))
 
@@ -338,7 +352,7 @@ class Connections:
         if silent and not ctx.closed and peer_id not in ctx.banned and self.is_connected(peer_id):
             live = [c for c in self.live(pid) if c not in silent]
             if live:  # never the last: then it is the peer that is silent, liveness's business
-                self.replace_stalled(peer_id, silent, "silent on a ping over it")
+                self.replace_stalled(peer_id, silent, "silent on a ping over it", checked=True)
                 return
         for conn in silent:
             self.back_in_choice(pid, conn)
