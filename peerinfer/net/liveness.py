@@ -5,9 +5,9 @@ in a row, retires the peer's connections (``Connections.retire_all``: a SIGSTOPp
 otherwise stays "connected", in the mesh, for minutes) and reports it ``unresponsive``.
 
 Slow but alive. A ping that misses its deadline is proof of nothing when the peer delivered
-frames meanwhile (any frame on any of its connections since the ping went out: a stream's
-acknowledgement, its tokens, the ping's late echo): its process runs and its link delivers,
-only the answer was late (a client on an overloaded machine; seen with 16 in-process clients
+frames meanwhile (any frame on any of its connections since the ping went out: its muxer's
+acknowledgement of the ping stream itself, a request's frames): its process runs and its link
+delivers, only the answer was late (a client on an overloaded machine; seen with 16 in-process clients
 at load 10+, whose requests were reset with the connection replaced under them). Such a ping
 is excused, not counted, and starts no probe. The rule is the one gRPC and QUIC keep (data
 received counts as life), bounded against a peer that keeps a connection busy and never
