@@ -25,14 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import trio
+from libp2p.io.utils import read_exactly
 from libp2p.stream_muxer.yamux import yamux
 
 #: Credit goes back once this much of a stream's receive window has been read.
 CREDIT_THRESHOLD_BYTES = yamux.DEFAULT_WINDOW_SIZE // 2
 
 _original = yamux.YamuxStream._auto_tune_and_send_window_update
-#: yamux's frame reader (the header, then a data frame's body), as imported by its module
-_read_exactly = yamux.read_exactly
+#: yamux's frame reader (the header, then a data frame's body): its module's global, replaced
+_read_exactly = read_exactly
 _HEARD_AT = "_peerinfer_heard_at"
 
 
@@ -86,7 +87,7 @@ def install() -> None:
     """Use the half-window credit rule for every yamux stream of this process, and stamp each
     connection when its peer delivers a frame (``heard_at``). Idempotent."""
     yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consumed  # type: ignore[method-assign]
-    yamux.read_exactly = _stamped_read_exactly  # type: ignore[assignment]
+    setattr(yamux, "read_exactly", _stamped_read_exactly)  # noqa: B010 (not exported, for mypy)
 
 
 def uninstall() -> None:
