@@ -5,6 +5,12 @@ must still be cut."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import trio
 from libp2p.peer.id import ID
@@ -15,6 +21,32 @@ from peerinfer.net import FramedStream, Host, PeerEvent
 from tests.net.net_helpers import config, wait_until
 
 TOKENS = "/peerinfer/test/tokens/1.0.0"
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A client in a process of its own: connects to argv[1], asks for 60 tokens on protocol argv[2],
+#: prints the outcome.
+CLIENT = """
+import sys, trio
+import peerinfer.net as net
+from tests.net.net_helpers import config
+
+async def main(addr):
+    async with net.open_host(config()) as b:
+        peer = await b.connect(addr)
+        got = 0
+        try:
+            stream = await b.open_stream(peer, sys.argv[2])
+            async with stream:
+                await stream.send(b"go")
+                for _ in range(60):
+                    await stream.receive()
+                    got += 1
+            print("OK", got, flush=True)
+        except Exception as exc:
+            print("ERR", got, repr(exc), flush=True)
+
+trio.run(main, sys.argv[1])
+"""
 
 
 async def late_echo(stream: FramedStream) -> None:
@@ -155,3 +187,46 @@ async def test_a_peer_that_keeps_delivering_but_never_answers_is_still_cut(
                     await stream.send(b"busy")
                     await trio.sleep(0.05)
         assert first.is_closed
+
+
+async def test_a_client_process_frozen_for_three_ping_deadlines_keeps_its_request() -> None:
+    """The overloaded machine itself: a client in its own process is stopped (SIGSTOP) for
+    1.5 s, three ping deadlines, while a streams it tokens. a's ping fails (nothing arrives
+    from b meanwhile), its probe's fresh connection opens once b runs again and replaces the old
+    one, which carries b's request: retired, not cut, the request finishes (before the change:
+    reset after 40-some of 60 tokens)."""
+    node_cfg = config(liveness_interval_s=0.5, liveness_timeout_s=0.5, replace_stalled_connections=True)
+    async with net.open_host(node_cfg) as a:
+        flowing = trio.Event()
+
+        async def stream_tokens(stream: FramedStream) -> None:
+            await stream.receive()
+            for i in range(60):
+                await stream.send(b"token %d" % i)
+                if i == 10:
+                    flowing.set()
+                await trio.sleep(0.05)
+
+        a.set_handler(TOKENS, stream_tokens)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-c", CLIENT, a.listen_addrs()[0], TOKENS], stdout=subprocess.PIPE, cwd=ROOT, env=env
+        )
+        try:
+            with trio.fail_after(60):
+                await flowing.wait()
+                os.kill(proc.pid, signal.SIGSTOP)
+                await trio.sleep(1.5)
+                os.kill(proc.pid, signal.SIGCONT)
+                assert proc.stdout is not None
+                out = b""
+                while chunk := await proc.stdout.receive_some():
+                    out += chunk
+                await proc.wait()
+        finally:
+            if proc.returncode is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                with trio.move_on_after(5):
+                    await proc.wait()
+        assert out.decode().strip() == "OK 60"
