@@ -173,6 +173,10 @@ class Client:
             listen=("/ip4/127.0.0.1/tcp/0",),
             persist_identity=False,
             mdns=False,
+            # A client never pings its node: a node slow to answer costs it no request (each
+            # frame of an answer has ``timeout_s``). Its host still checks an older connection
+            # when the node dials it anew, and keeps one that still delivers frames
+            # (peerinfer.net.connections, "Slow but alive").
             liveness_interval_s=0,
             gossip_topics=(),
             swarm_key=swarm_key,

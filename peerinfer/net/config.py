@@ -157,7 +157,10 @@ class HostConfig:
     liveness_interval_s: float = 10.0
     #: Deadline of one liveness ping.
     liveness_timeout_s: float = 5.0
-    #: Consecutive failed pings after which the peer is disconnected.
+    #: Consecutive failed pings after which the peer's connections are retired (closed; one
+    #: still delivering a request in flight once that ends: Connections.retire) and the peer
+    #: reported unresponsive. A late ping while the peer's frames arrive is not a failure
+    #: (peerinfer.net.liveness, "Slow but alive").
     liveness_max_failures: int = 2
     #: A fresh connection to a peer whose pings failed replaces the ones they failed on at once
     #: (Connections.replace_stalled: a cut relay link then heals within 1.3-4 announce intervals, 5

@@ -6,6 +6,20 @@ Why our own registry: under load the swarm's table can lose a connection that is
 (a close_peer racing a new dial pops the peer's entry wholesale), and then nothing could close
 it. The swarm's table is only libp2p's *choice* for new streams: ``out_of_choice`` takes a
 connection out of it while it is checked or closed, ``back_in_choice`` returns it.
+
+Slow but alive. A connection judged stalled (its pings failed, or one over itself did) may
+only be slow: a client on an overloaded machine answers late while its request's tokens still
+flow. A connection whose peer delivered a frame within ``liveness_timeout_s`` is not silent
+(``heard_within``, from the muxer's read stamps, ``peerinfer.net.muxer.heard_at``); and one
+being replaced is *retired* (``retire``), not cut: out of libp2p's choice at once (new streams
+use the fresh connection), closed at once if it carries no request stream or proves dead (no
+frame within the timeout, not even in answer to a ping opened over it), else closed
+once its request streams ended, at most ``DRAIN_MAX_S`` later. Why draining rather than only
+trusting traffic: a client reading tokens sends us nothing for long stretches (window credit
+goes back once per 128 KiB), so at the moment the fresh connection opens its old one looks
+exactly like a cut link; and why not our own writes as proof: a cut link swallows megabytes
+into socket buffers. Against a hostile peer every wait is bounded: the drain by
+``DRAIN_MAX_S``, each request stream by its own read and write deadlines.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from peerinfer.net.context import (
     reset_stream,
 )
 from peerinfer.net.framing import FramedStream
+from peerinfer.net.muxer import heard_at
 from peerinfer.net.ping import PING_MAX_BYTES, PING_PROTOCOL, echo_nonce
 
 #: Bound on one attempt to close a peer's connections politely (see ``Connections.disconnect``).
@@ -38,10 +53,19 @@ DISCONNECT_TIMEOUT_S = 1.0
 #: try at most PROBE_TIMEOUT_S), while its pings keep failing and it is not yet disconnected, at
 #: most MAX_PROBES peers at once: a new TCP flow goes out at once, where the stalled one waits
 #: out its retransmission backoff (seen: 3-6 s after a cut link came back) and liveness would
-#: then close it. Once the fresh one opens, the stalled ones are closed (``opened``).
+#: then close it. Once the fresh one opens, the stalled ones are retired (``opened``, ``retire``).
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 MAX_PROBES = 16
+
+#: A retired connection (``Connections.retire``) that proves alive is closed once its request
+#: streams ended, at most DRAIN_MAX_S after it was retired (a request's tokens arrive within a
+#: client's per-frame deadline, 120 s, or the request fails anyway); checked every DRAIN_POLL_S.
+DRAIN_MAX_S = 120.0
+DRAIN_POLL_S = 0.25
+#: Streams that live as long as their connection rather than one request (gossip, identify,
+#: pings): a retired connection does not wait for them.
+BACKGROUND_PROTOCOLS = ("/meshsub/", "/floodsub/", "/ipfs/id/", PING_PROTOCOL)
 
 #: Dials ``circuit`` (a relayed address) within the timeout; returns the peer id.
 RelayDialer = Callable[[str, float], Awaitable[str]]
@@ -65,6 +89,8 @@ class Connections:
         self._probing: set[str] = set()
         #: when stalled connections of a peer were last replaced by a new one
         self.replaced_at: dict[str, float] = {}
+        #: connections being retired (``retire``): each once, however often it is judged stalled
+        self._retiring: set[INetConn] = set()
         self.on_opened: Callable[[str, bool], None] = lambda peer, first: None
         self.on_replaced: list[Callable[[str, list[INetConn]], None]] = []
         self.on_gone: list[Callable[[str], None]] = []
@@ -90,6 +116,26 @@ class Connections:
     def live(self, pid: ID) -> list[INetConn]:
         known = set(self._ctx.network.get_connections(pid)) | self._connections.get(pid.to_base58(), set())
         return [conn for conn in known if not conn.is_closed]
+
+    def heard_within(self, conn: INetConn, window: float) -> bool:
+        """Whether the peer delivered a frame on ``conn`` within the last ``window`` seconds."""
+        stamp = heard_at(conn)
+        return stamp is not None and trio.current_time() - stamp <= window
+
+    def heard_since(self, peer_id: str, since: float) -> bool:
+        """Whether ``peer_id`` delivered a frame on any of its connections at or after ``since``
+        (``trio.current_time()``): its process runs and a link of it delivers."""
+        return any((heard_at(c) or float("-inf")) >= since for c in self.live(parse_peer_id(peer_id)))
+
+    @staticmethod
+    def requests_in_flight(conn: INetConn) -> int:
+        """Streams on ``conn`` that carry a request (not gossip, identify or a ping)."""
+        count = 0
+        for stream in list(getattr(conn, "streams", ())):
+            protocol = stream.get_protocol()
+            if protocol is None or not str(protocol).startswith(BACKGROUND_PROTOCOLS):
+                count += 1
+        return count
 
     def replaced_since(self, peer_id: str, since: float) -> bool:
         """Whether stalled connections to ``peer_id`` were replaced by a fresh one at or after
@@ -196,14 +242,60 @@ class Connections:
             if not finished.is_set():
                 nursery.cancel_scope.cancel()
 
+    async def retire(self, peer_id: str, conn: INetConn, *, checked: bool = False) -> None:
+        """Close ``conn``, judged stalled, without cutting a request still flowing on it (the
+        module's "Slow but alive"): at once if it carries no request stream, or if the peer
+        delivered nothing on it within ``liveness_timeout_s``, not even in answer to a ping
+        opened over it then (``checked``: that ping was just made, and failed); else once its
+        request streams ended, at most ``DRAIN_MAX_S`` from now. Call it with ``conn`` out of
+        libp2p's choice."""
+        if conn in self._retiring:
+            return
+        self._retiring.add(conn)
+        try:
+            await self._retire(peer_id, conn, checked)
+        finally:
+            self._retiring.discard(conn)
+
+    async def _retire(self, peer_id: str, conn: INetConn, checked: bool) -> None:
+        ctx = self._ctx
+        timeout = ctx.config.liveness_timeout_s
+        # A ping opened over it solicits frames from a live peer's stack (the stream's
+        # acknowledgement, the protocol's), however late its echo: either is proof of life.
+        if self.requests_in_flight(conn) and (
+            self.heard_within(conn, timeout)
+            or (not checked and (await self._answers_on(peer_id, conn, timeout) or self.heard_within(conn, timeout)))
+        ):
+            deadline = trio.current_time() + DRAIN_MAX_S
+            logger.info("a replaced connection to %s is alive: its %d request stream(s) may finish",
+                        peer_id, self.requests_in_flight(conn))
+            while (not conn.is_closed and not ctx.closed and self.requests_in_flight(conn)
+                   and trio.current_time() < deadline):
+                await trio.sleep(DRAIN_POLL_S)
+        await self.close_connection(peer_id, conn)
+
+    def retire_all(self, peer_id: str) -> None:
+        """Liveness's verdict on ``peer_id``: every connection to it goes out of libp2p's choice
+        and is retired (``retire``; a hung peer's are closed within ``liveness_timeout_s`` plus
+        ``DISCONNECT_TIMEOUT_S``, a slow one's once its requests ended)."""
+        pid = parse_peer_id(peer_id)
+        live = self.live(pid)
+        self.out_of_choice(pid, live)
+        for conn in live:
+            self._ctx.start_soon(self.retire, peer_id, conn)
+
     # -- healing ------------------------------------------------------------------------------
 
-    def replace_stalled(self, peer_id: str, older: list[INetConn], why: str = "its pings failed") -> None:
+    def replace_stalled(
+        self, peer_id: str, older: list[INetConn], why: str = "its pings failed", *, checked: bool = False
+    ) -> None:
         """A new connection to a peer whose pings failed on the ones we had: those are
         stalled (a cut link, a partition, a NAT that lost its mapping), and libp2p would keep
         opening streams on them (it prefers a direct connection, then the one with the most
         streams: the stalled one, whose streams pile up), until liveness closed them all, the
-        new one too. Close them now; the peer counts as newly connected."""
+        new one too. Retire them now (``retire``: a request still flowing on one finishes;
+        ``checked``: each was just found silent on a ping over itself, so it is closed at once);
+        the peer counts as newly connected."""
         self.failures.pop(peer_id, None)
         self.replaced_at[peer_id] = trio.current_time()
         logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)
@@ -213,7 +305,7 @@ class Connections:
         for replaced in self.on_replaced:  # RTT, kept streams, our pubsub stream
             replaced(peer_id, older)
         for stale in older:
-            self._ctx.start_soon(self.close_connection, peer_id, stale)
+            self._ctx.start_soon(functools.partial(self.retire, peer_id, stale, checked=checked))
         if self._ctx.admission_key is None or self.is_admitted(peer_id):
             self._ctx.emit(PeerEvent("connected", peer_id))
 
@@ -251,11 +343,16 @@ class Connections:
         async with trio.open_nursery() as nursery:
             for conn in older:
                 nursery.start_soon(check, conn)
+        # One still delivering frames is alive, if slow to answer (a node streaming us tokens
+        # under load): only the ping was late.
+        for conn in [c for c in silent if self.heard_within(c, timeout)]:
+            silent.remove(conn)
+            self.back_in_choice(pid, conn)
         silent = [c for c in silent if not c.is_closed]
         if silent and not ctx.closed and peer_id not in ctx.banned and self.is_connected(peer_id):
             live = [c for c in self.live(pid) if c not in silent]
             if live:  # never the last: then it is the peer that is silent, liveness's business
-                self.replace_stalled(peer_id, silent, "silent on a ping over it")
+                self.replace_stalled(peer_id, silent, "silent on a ping over it", checked=True)
                 return
         for conn in silent:
             self.back_in_choice(pid, conn)
@@ -345,4 +442,7 @@ class Connections:
         return False
 
 
-__all__ = ["DISCONNECT_TIMEOUT_S", "MAX_PROBES", "PROBE_EVERY_S", "PROBE_TIMEOUT_S", "Connections", "RelayDialer"]
+__all__ = [
+    "BACKGROUND_PROTOCOLS", "DISCONNECT_TIMEOUT_S", "DRAIN_MAX_S", "DRAIN_POLL_S", "MAX_PROBES", "PROBE_EVERY_S",
+    "PROBE_TIMEOUT_S", "Connections", "RelayDialer",
+]

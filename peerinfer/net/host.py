@@ -48,11 +48,17 @@ owns, everything the node needs from the network:
   happy-eyeballs head start (``peerinfer.net.dialing``).
 * **Liveness.** ``ping(peer)`` measures one round trip on ``/peerinfer/ping/1.0.0``. Every
   ``liveness_interval_s`` the host pings all connected peers; after ``liveness_max_failures``
-  consecutive failures the peer is disconnected and an ``unresponsive`` event emitted (a
-  SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes). A peer whose ping
-  failed is probed with a fresh connection, which replaces the stalled ones; a new connection
-  to a peer that holds others has each older one pinged over itself, and a silent one is
-  replaced too (``replace_stalled_connections``; docs/reach.md, "Healing").
+  consecutive failures the peer's connections are retired (below) and an ``unresponsive``
+  event emitted (a SIGSTOPped peer otherwise stays "connected", in the mesh, for minutes). A
+  peer whose ping failed is probed with a fresh connection, which replaces the stalled ones; a
+  new connection to a peer that holds others has each older one pinged over itself, and a
+  silent one is replaced too (``replace_stalled_connections``; docs/reach.md, "Healing").
+  *Slow but alive* (``peerinfer.net.liveness``, ``peerinfer.net.connections``): a late ping
+  while the peer's frames arrive is excused (at most ``MAX_EXCUSED_PINGS`` in a row), a
+  connection still delivering frames is not silent, and a replaced connection is *retired*:
+  out of libp2p's choice at once, closed at once when it carries no request or proves dead,
+  else once its requests ended (at most ``DRAIN_MAX_S``), so a slow client's request in flight
+  finishes instead of being reset.
 * **Discovery.** One task per bootstrap address keeps it connected, redialing with capped
   exponential backoff forever (libp2p's own bootstrap gives up after 3 failures). mDNS
   discoveries are dialed (libp2p's mDNS only fills the peerstore). ``add_known_peer`` +

@@ -1,11 +1,25 @@
 """Liveness for one host: ``ping`` (one echo on ``PING_PROTOCOL``), the host's one table of
 round-trip times, and the loop that pings every connected peer every ``liveness_interval_s``,
-starts a probe (``Connections.start_probe``) on a failure and disconnects a peer after
-``liveness_max_failures`` in a row (a SIGSTOPped peer otherwise stays "connected", in the mesh,
-for minutes)."""
+starts a probe (``Connections.start_probe``) on a failure and, after ``liveness_max_failures``
+in a row, retires the peer's connections (``Connections.retire_all``: a SIGSTOPped peer
+otherwise stays "connected", in the mesh, for minutes) and reports it ``unresponsive``.
+
+Slow but alive. A ping that misses its deadline is proof of nothing when the peer delivered
+frames meanwhile (any frame on any of its connections since the ping went out: its muxer's
+acknowledgement of the ping stream itself, a request's frames): its process runs and its link
+delivers, only the answer was late (a client on an overloaded machine; seen with 16 in-process clients
+at load 10+, whose requests were reset with the connection replaced under them). Such a ping
+is excused, not counted, and starts no probe. The rule is the one gRPC and QUIC keep (data
+received counts as life), bounded against a peer that keeps a connection busy and never
+answers: at most ``MAX_EXCUSED_PINGS`` excused in a row, then the next late ping counts as
+failed. Only what the peer *delivered* counts, never our own writes (a cut link swallows them
+into socket buffers). And a connection replaced or retired all the same keeps its requests
+in flight until they finish, bounded (``Connections.retire``), so even a peer slow enough to
+fail its pings with nothing else delivered loses no request that was making progress."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import trio
@@ -16,6 +30,10 @@ from peerinfer.net.connections import Connections
 from peerinfer.net.context import HostContext, PeerEvent, logger
 from peerinfer.net.ping import PING_PROTOCOL, echo_nonce
 from peerinfer.net.streampool import OpenStream, StreamPool
+
+#: Late liveness pings excused in a row for a peer that delivered frames meanwhile; the next
+#: one counts as failed (a peer trickling frames and never answering is still cut).
+MAX_EXCUSED_PINGS = 5
 
 
 class Liveness:
@@ -33,6 +51,8 @@ class Liveness:
         self._connected_peers = connected_peers
         #: the one RTT table of the host: per peer, the last round trip and when it ended
         self.rtts: dict[str, tuple[float, float]] = {}
+        #: late pings excused in a row per peer (see MAX_EXCUSED_PINGS)
+        self.excused: dict[str, int] = defaultdict(int)
         connections.on_replaced.append(self._replaced)
         connections.on_gone.append(self._gone)
 
@@ -41,6 +61,7 @@ class Liveness:
 
     def _gone(self, peer_id: str) -> None:
         self.rtts.pop(peer_id, None)
+        self.excused.pop(peer_id, None)
 
     def last_rtt(self, peer_id: str) -> float | None:
         """The last measured round trip to ``peer_id`` (seconds), if any."""
@@ -97,6 +118,12 @@ class Liveness:
         except RemoteError as exc:
             if connections.replaced_since(peer, started):
                 return  # it failed on a stalled connection replaced meanwhile: not this one's
+            if connections.heard_since(peer, started) and self.excused[peer] < MAX_EXCUSED_PINGS:
+                self.excused[peer] += 1
+                logger.debug("liveness ping to %s was late, but frames from it arrived meanwhile "
+                             "(%d excused in a row): %s", peer, self.excused[peer], exc)
+                return
+            self.excused.pop(peer, None)
             connections.failures[peer] += 1
             failures = connections.failures[peer]
             logger.info("liveness ping to %s failed (%d): %s", peer, failures, exc)
@@ -108,11 +135,12 @@ class Liveness:
                 connections.failures.pop(peer, None)
                 ctx.counters.unresponsive_disconnects += 1
                 ctx.emit(PeerEvent("unresponsive", peer, detail=str(exc)))
-                await connections.disconnect(peer)
+                connections.retire_all(peer)
         except ClosedError:
             return
         else:
             connections.failures.pop(peer, None)
+            self.excused.pop(peer, None)
 
 
-__all__ = ["Liveness"]
+__all__ = ["MAX_EXCUSED_PINGS", "Liveness"]

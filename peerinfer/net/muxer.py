@@ -14,16 +14,27 @@ reader consumed and give it back in one WINDOW_UPDATE once it reaches half the d
 stream, plenty for token streams and sync replies (5 MB/s per stream even at a 50 ms round
 trip). The sender never stalls while the reader keeps up, since credit comes back half a window
 ahead. Window updates are standard yamux, so peers without this change interoperate.
+
+``install()`` also stamps each connection with the time its peer last delivered a frame (any
+yamux frame: data, window update, ping, go-away), read by ``heard_at``: the proof of life that
+liveness takes besides its own pings (``peerinfer.net.liveness``, "slow but alive").
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import trio
+from libp2p.io.utils import read_exactly
 from libp2p.stream_muxer.yamux import yamux
 
 #: Credit goes back once this much of a stream's receive window has been read.
 CREDIT_THRESHOLD_BYTES = yamux.DEFAULT_WINDOW_SIZE // 2
 
 _original = yamux.YamuxStream._auto_tune_and_send_window_update
+#: yamux's frame reader (the header, then a data frame's body): its module's global, replaced
+_read_exactly = read_exactly
+_HEARD_AT = "_peerinfer_heard_at"
 
 
 async def _credit_when_half_consumed(self: yamux.YamuxStream, *, bytes_read: int = 0) -> None:
@@ -57,14 +68,32 @@ async def widen_receive_window(net_stream: object, nbytes: int) -> bool:
     return True
 
 
+async def _stamped_read_exactly(reader: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
+    data = await _read_exactly(reader, n, *args, **kwargs)
+    setattr(reader, _HEARD_AT, trio.current_time())
+    return data
+
+
+def heard_at(conn: object) -> float | None:
+    """When the peer last delivered a frame on ``conn`` (a libp2p ``INetConn``, in
+    ``trio.current_time()``), or None if never (or not a yamux connection)."""
+    muxed = getattr(conn, "muxed_conn", None)
+    secured = getattr(muxed, "secured_conn", None)
+    stamp = getattr(secured, _HEARD_AT, None)
+    return stamp if isinstance(stamp, float) else None
+
+
 def install() -> None:
-    """Use the half-window credit rule for every yamux stream of this process (idempotent)."""
+    """Use the half-window credit rule for every yamux stream of this process, and stamp each
+    connection when its peer delivers a frame (``heard_at``). Idempotent."""
     yamux.YamuxStream._auto_tune_and_send_window_update = _credit_when_half_consumed  # type: ignore[method-assign]
+    setattr(yamux, "read_exactly", _stamped_read_exactly)  # noqa: B010 (not exported, for mypy)
 
 
 def uninstall() -> None:
-    """Back to py-libp2p's own policy (for measurements)."""
+    """Back to py-libp2p's own credit policy (for measurements); the stamps stay: liveness
+    needs them."""
     yamux.YamuxStream._auto_tune_and_send_window_update = _original  # type: ignore[method-assign]
 
 
-__all__ = ["CREDIT_THRESHOLD_BYTES", "install", "uninstall", "widen_receive_window"]
+__all__ = ["CREDIT_THRESHOLD_BYTES", "heard_at", "install", "uninstall", "widen_receive_window"]
