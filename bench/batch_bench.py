@@ -4,7 +4,8 @@ Run ``python bench/batch_bench.py`` for a table on stderr and ``--json`` for one
 stdout. Engine: ``--engine`` (default ``hf``, the Transformers engine; any name
 ``peerinfer node --engine`` takes), given the options of its constructor that it has among
 ``device`` (cpu), ``dtype`` (``--dtype``, hf: float32 by default, the exact one),
-``threads`` and ``max_batch_size`` (8). Model: the engine's default (SmolLM2-135M-Instruct),
+``threads`` and ``max_batch_size`` (``--max-batch``; default: the engine's own default, what a
+node started without options runs; the 8-request figures use a scheduler of 8 either way). Model: the engine's default (SmolLM2-135M-Instruct),
 one thread for every figure (``--threads``). Figures that compare with transformers' own
 ``generate`` (``vs_hf_*``, the near-tie test of ``exact_share``) need the Transformers engine;
 on another engine ``exact_share`` compares with the engine's own lone run (``engine.generate``
@@ -564,6 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--subjects", default="astronomy,virology")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per request (32)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="hf: the engine's max_batch_size, the node's slots (default: the engine's default)")
     parser.add_argument("--engine", default="hf", help="engine name, as for peerinfer node --engine (default hf)")
     parser.add_argument("--dtype", default="float32", help="hf engine: float32 (default), bfloat16, float16, auto")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
@@ -602,7 +605,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.step_sizes.split(",")]
-    wanted = {"device": "cpu", "dtype": args.dtype, "threads": args.threads, "max_batch_size": 8}
+    wanted: dict[str, Any] = {"device": "cpu", "dtype": args.dtype, "threads": args.threads}
+    if args.max_batch is not None:
+        wanted["max_batch_size"] = args.max_batch
     accepted = inspect.signature(resolve_engine_class(args.engine)).parameters
     engine = load_engine(args.engine, **{k: v for k, v in wanted.items() if k in accepted})
     rss_after_load = rss_mb()
@@ -615,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "engine": args.engine, "dtype": str(getattr(engine, "dtype", "")).removeprefix("torch."),
         "model": engine.model_name, "threads": args.threads, "clock": args.clock,
+        "max_batch_size": getattr(engine, "max_batch_size", None),
         "tokens": args.tokens, "data": work.source, "subjects": subjects,
     }
     if args.only == "node":

@@ -154,8 +154,12 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 #: Prompt tokens run per forward pass; cancellation is checked between chunks. Also the batch
 #: scheduler's chunk: a prompt this long costs the requests decoding meanwhile one step's wait.
 DEFAULT_PREFILL_CHUNK = 512
-#: Requests decoded together by default (``max_batch_size``).
-DEFAULT_MAX_BATCH_SIZE = 8
+#: Requests decoded together by default (``max_batch_size``). 16, not 8: a decode step's cost
+#: grows far slower than its rows (SmolLM2-135M float32, one thread, MMLU chat contexts of
+#: 340-700 tokens: 58, 165 and 252 ms at 1, 8 and 16 rows), so 16 clients decoding as one batch
+#: finish sooner than as two waves of 8 (docs/performance.md, "node_x_16 on the Transformers
+#: engine"). The batch KV buffers grow with the rows actually running, not with this limit.
+DEFAULT_MAX_BATCH_SIZE = 16
 #: Architectures whose batched prefill packs the requests' tokens (``_prefill_packed``).
 _PACKED_MODEL_TYPES = frozenset({"llama"})
 #: Blocks copied out of a finished request's cache per staging step.
@@ -251,6 +255,12 @@ class TransformersEngine(Engine):
         #: architectures whose attention modules hand the cache's keys on to the configured
         #: attention function unchanged (checked: Llama, which SmolLM2 is); others pad.
         self._packed_prefill = getattr(config, "model_type", None) in _PACKED_MODEL_TYPES
+        #: Batched decode steps read a prefix shared by several rows once (hf_decoder, "Shared
+        #: prefixes are read once per step"): measured on float32 CPU only, and needs the same
+        #: pass-through attention modules as the packed prefill.
+        self._shared_prefix_attention = (
+            self._packed_prefill and self.device.type == "cpu" and self.dtype == torch.float32
+        )
         elem = torch.tensor([], dtype=self.dtype).element_size()
         #: Bytes of KV state one token takes (all layers, K and V).
         self.kv_bytes_per_token = n_layers * 2 * heads * head_dim * elem

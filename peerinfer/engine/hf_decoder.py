@@ -29,6 +29,22 @@ running request; the buffers take ``row capacity x columns`` tokens, which adds 
 left padding, the free columns (at least 64, or half the longest row) and unused rows to that:
 this overhead is not accounted against ``--cache-bytes``. Greedy rows take one batched argmax; sampled rows draw from their own
 seeded generator, so a seeded request's tokens do not depend on its neighbours.
+
+**Shared prefixes are read once per step.** Rows whose requests reused the same cached blocks
+(the same segment objects from the radix cache: an MMLU subject's 5-shot prefix, a system
+prompt) hold identical copies of those tokens' KV. Reading every copy made the step's attention
+memory-bound: 16 rows of 340-700 tokens spent about 100 ms of a 250 ms step in sdpa (one
+thread, float32). With such groups (at least ``_MIN_SHARED_TOKENS`` tokens shared by two or
+more rows) the step runs ``_shared_prefix_attention`` instead of sdpa: each group's queries
+(rows x heads) attend over one member's copy of the prefix in one product, every row attends
+over its own tokens after its group's prefix (padded only to the longest such suffix), and the
+two partial softmaxes merge through their maxima and sums (the split that cascade or
+flash-decoding attention uses). The KV layout does not change (each row still holds its whole
+KV, so parking, leaving and export are as before); only the reads do. The result is the same
+attention up to float rounding, as a batched product is; measured in docs/performance.md
+("node_x_16 on the Transformers engine"). Used on float32 CPU engines of the architectures
+whose batched prefill is packed (their attention modules hand the cache's keys and values to
+the attention function unchanged); elsewhere the step runs sdpa over the padded rows.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -50,6 +67,12 @@ from peerinfer.engine.hf_layers import _cache_layers
 #: Least number of free columns a batch KV state is (re)allocated with: decode steps between
 #: two compactions.
 _MIN_HEADROOM = 64
+#: The attention function of a batched decode step whose rows share cached prefixes
+#: (``_shared_prefix_attention``, registered below).
+_BATCH_ATTENTION = "peerinfer_batch_decode"
+#: Least number of cached prefix tokens rows must share for their step to attend over the
+#: prefix once (below it the extra small products cost more than the reads they save).
+_MIN_SHARED_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +104,7 @@ class ModelHost(Protocol):
     _head_dim: int
     _layers: int
     _bool_mask: bool
+    _shared_prefix_attention: bool
     _cache_kw: str
     _logits_kw: str | None
 
@@ -279,6 +303,7 @@ class _BatchKV:
             layers[i] = _BatchLayer(self, i)
         self._n = 0  # rows and first column of the forward pass in progress
         self._start = 0
+        self._plan: _StepPlan | None = None  # the step in progress's shared prefixes
 
     @property
     def _capacity(self) -> tuple[int, int]:
@@ -374,6 +399,52 @@ class _BatchKV:
         n, end = self.rows[r]._kv, self.end
         return [(k[r, :, end - n : end], v[r, :, end - n : end]) for k, v in zip(self._keys, self._values, strict=True)]
 
+    def _shared_plan(self) -> _StepPlan | None:
+        """The next step's groups of rows sharing a cached prefix (see "Shared prefixes are
+        read once per step" above), or None when no two rows share ``_MIN_SHARED_TOKENS``."""
+        # A cached block's segment is one object in the radix cache, so rows that reused the
+        # same object reused the same tokens up to it. Each row joins the deepest of its
+        # segments that another row of the batch reused too (rows of one MMLU subject: its
+        # 5-shot prefix; a chat template's system prompt alone is shared more widely but is
+        # shorter, and a row sits in one group only).
+        paths = [d._request.prefix.segments if d._reused else () for d in self.rows]
+        uses: dict[int, int] = {}
+        for path in paths:
+            for seg in path:
+                uses[id(seg)] = uses.get(id(seg), 0) + 1
+        by_node: dict[int, tuple[list[int], int]] = {}
+        for r, path in enumerate(paths):
+            depth = len(path)
+            while depth and uses[id(path[depth - 1])] < 2:
+                depth -= 1
+            if depth:
+                members, _ = by_node.setdefault(id(path[depth - 1]), ([], depth))
+                members.append(r)
+        shared = [0] * len(self.rows)  # per row: the tokens its group reads once
+        groups: list[tuple[list[int], int]] = []  # (rows, shared tokens)
+        for members, depth in by_node.values():
+            tokens = sum(int(seg.shape[3]) for seg in paths[members[0]][:depth])
+            if len(members) >= 2 and tokens >= _MIN_SHARED_TOKENS:
+                groups.append((members, tokens))
+                for r in members:
+                    shared[r] = tokens
+        if not groups:
+            return None
+        device, end = self._engine.device, self.end
+        own = [d._kv - p for d, p in zip(self.rows, shared, strict=True)]  # tokens after the prefix
+        width = max(own) + 1  # the new token's column too
+        first_column = end + 1 - width
+        columns = torch.arange(first_column, end + 1, device=device)
+        starts = torch.tensor([end - k for k in own], device=device)
+        hidden = (columns[None, :] < starts[:, None]).view(len(own), 1, 1, width)
+        plan_groups = []
+        for members, tokens in groups:
+            source = members[0]
+            start = end - self.rows[source]._kv  # the source row's first column
+            index = torch.tensor(members, dtype=torch.long, device=device)
+            plan_groups.append((index, source, start, tokens))
+        return _StepPlan(first_column, end, hidden, plan_groups)
+
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Run ``tokens[r]`` after row ``r``'s KV for every row at once; logits ``[rows, vocab]``."""
         engine = self._engine
@@ -384,23 +455,37 @@ class _BatchKV:
         assert len(tokens) == n > 0
         device = engine.device
         lengths = torch.tensor([d._kv for d in self.rows], device=device)  # [n]
-        width = int(lengths.max()) + 1
-        self._n, self._start = n, self.end + 1 - width
-        columns_seen = torch.arange(self._start, self.end + 1, device=device)  # [width]
-        visible = columns_seen[None, :] >= (self.end - lengths)[:, None]  # [n, width]
-        mask = visible.view(n, 1, 1, width)
-        if not engine._bool_mask:
-            mask = torch.zeros(mask.shape, dtype=engine.dtype, device=device).masked_fill(
-                ~mask, torch.finfo(engine.dtype).min
-            )
+        self._plan = self._shared_plan() if engine._shared_prefix_attention else None
+        if self._plan is not None:
+            # The plan holds the masks; a 4D mask is passed through untouched and ignored.
+            self._n, self._start = n, self._plan.first
+            mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        else:
+            width = int(lengths.max()) + 1
+            self._n, self._start = n, self.end + 1 - width
+            columns_seen = torch.arange(self._start, self.end + 1, device=device)  # [width]
+            visible = columns_seen[None, :] >= (self.end - lengths)[:, None]  # [n, width]
+            mask = visible.view(n, 1, 1, width)
+            if not engine._bool_mask:
+                mask = torch.zeros(mask.shape, dtype=engine.dtype, device=device).masked_fill(
+                    ~mask, torch.finfo(engine.dtype).min
+                )
         ids = torch.tensor(list(tokens), dtype=torch.long, device=device).view(n, 1)
         kwargs: dict[str, Any] = {engine._cache_kw: self._cache, "use_cache": True}
         if engine._logits_kw is not None:
             kwargs[engine._logits_kw] = 1
-        with torch.inference_mode():
-            out = engine.model(
-                input_ids=ids, position_ids=lengths.view(n, 1), attention_mask=mask, **kwargs
-            )
+        config = engine.model.config
+        before = config._attn_implementation
+        if self._plan is not None:
+            config._attn_implementation = _BATCH_ATTENTION
+        try:
+            with torch.inference_mode():
+                out = engine.model(
+                    input_ids=ids, position_ids=lengths.view(n, 1), attention_mask=mask, **kwargs
+                )
+        finally:
+            config._attn_implementation = before
+            self._plan = None
         self.end += 1
         for d in self.rows:
             d._kv += 1
@@ -427,10 +512,95 @@ class _BatchLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformer
         keys, values = b._keys[self._index], b._values[self._index]
         keys[:n, :, end] = key_states[:, :, 0]  # key_states: [n, kv_heads, 1, head_dim]
         values[:n, :, end] = value_states[:, :, 0]
+        if b._plan is not None:  # the whole buffers, for _shared_prefix_attention
+            return _StepKV(b._plan, keys), _StepKV(b._plan, values)  # type: ignore[return-value]
         return keys[:n, :, start : end + 1], values[:n, :, start : end + 1]
 
     def get_seq_length(self) -> int:
         return self._batch.end - self._batch._start
+
+
+class _StepPlan:
+    """What ``_shared_prefix_attention`` needs of a batched decode step: the columns
+    ``first .. end`` every row's own tokens (after its group's prefix) lie in, ``hidden``
+    ``[rows, 1, 1, width]`` (True: a column before the row's own tokens), and per group of rows
+    sharing a prefix (row indices, the row whose copy is read, its first column, tokens)."""
+
+    __slots__ = ("first", "end", "hidden", "groups")
+
+    def __init__(
+        self, first: int, end: int, hidden: torch.Tensor,
+        groups: list[tuple[torch.Tensor, int, int, int]],
+    ) -> None:
+        self.first = first
+        self.end = end
+        self.hidden = hidden
+        self.groups = groups
+
+
+class _StepKV:
+    """One layer's whole key (or value) buffer ``[row capacity, kv_heads, columns, head_dim]``
+    with the step's plan, as the attention module hands it on to ``_shared_prefix_attention``."""
+
+    __slots__ = ("plan", "buffer")
+
+    def __init__(self, plan: _StepPlan, buffer: torch.Tensor) -> None:
+        self.plan = plan
+        self.buffer = buffer
+
+
+def _shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one batched decode step, each shared prefix read once (see "Shared
+    prefixes are read once per step" above). ``query``: ``[rows, heads, 1, head_dim]``;
+    returns ``[rows, 1, heads, head_dim]`` like every attention function."""
+    assert isinstance(key, _StepKV) and isinstance(value, _StepKV)
+    plan, keys, values = key.plan, key.buffer, value.buffer
+    n, heads, _, dim = query.shape
+    kv_heads = int(keys.shape[1])
+    group = heads // kv_heads  # query head h reads kv head h // group (as repeat_kv expands)
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.view(n, kv_heads, group, dim)
+    own = slice(plan.first, plan.end + 1)
+    # Every row over its own tokens: an unnormalised softmax (its max, sum, weighted values).
+    scores = torch.matmul(q, keys[:n, :, own].transpose(-1, -2)).mul_(scale)  # [n, kvh, g, w]
+    scores.masked_fill_(plan.hidden, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores.sub_(top))
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights, values[:n, :, own])  # [n, kvh, g, dim]
+    for index, source, start, tokens in plan.groups:
+        m = int(index.shape[0])
+        prefix = slice(start, start + tokens)
+        # The group's queries, all rows and heads of a kv head together: [kvh, m * g, dim].
+        qq = q.index_select(0, index).transpose(0, 1).reshape(kv_heads, m * group, dim)
+        s1 = torch.matmul(qq, keys[source, :, prefix].transpose(-1, -2)).mul_(scale)
+        top1 = s1.amax(-1, keepdim=True)
+        w1 = torch.exp(s1.sub_(top1))
+        total1 = w1.sum(-1, keepdim=True)
+        out1 = torch.matmul(w1, values[source, :, prefix])  # [kvh, m * g, dim]
+
+        def rows(t: torch.Tensor, m: int = m) -> torch.Tensor:  # [kvh, m*g, x] -> [m, kvh, g, x]
+            return t.view(kv_heads, m, group, -1).transpose(0, 1)
+
+        top1, total1, out1 = rows(top1), rows(total1), rows(out1)
+        top2, total2, out2 = top[index], total[index], out[index]
+        both = torch.maximum(top1, top2)
+        f1, f2 = torch.exp(top1 - both), torch.exp(top2 - both)
+        out.index_copy_(0, index, out1 * f1 + out2 * f2)
+        total.index_copy_(0, index, total1 * f1 + total2 * f2)
+    return (out / total).view(n, 1, heads, dim), None
+
+
+transformers.AttentionInterface.register(_BATCH_ATTENTION, _shared_prefix_attention)
 
 
 __all__ = ["ModelHost", "RequestTimings", "guided_token", "sample_token"]

@@ -238,6 +238,50 @@ def test_batched_greedy_is_exact_with_joins_leaves_hits_and_cancellation(tiny):
     assert tiny._batch is None or not tiny._batch.rows
 
 
+def test_rows_sharing_a_cached_prefix_read_it_once_and_stay_exact(tiny, monkeypatch):
+    """Rows that reused the same cached blocks form groups whose step attends over the shared
+    prefix once (``_shared_prefix_attention``); a row sharing less, or nothing, attends over
+    its own KV. Rows join and leave at different lengths; every request stays exact."""
+    from peerinfer.engine import hf_decoder
+
+    monkeypatch.setattr(hf_decoder, "_MIN_SHARED_TOKENS", 8)  # the tiny prompts are short
+    plans: list[list[tuple[int, int]]] = []
+    plan_of = hf_decoder._BatchKV._shared_plan
+
+    def spy(self: Any) -> Any:
+        plan = plan_of(self)
+        plans.append([] if plan is None else sorted((len(g[0]), g[3]) for g in plan.groups))
+        return plan
+
+    monkeypatch.setattr(hf_decoder._BatchKV, "_shared_plan", spy)
+    assert tiny._shared_prefix_attention
+    base_a, base_b = _prompt(50, 40), _prompt(51, 24)
+    warm = _Driver(tiny)
+    warm.submit(0, base_a + [1, 2, 3], SamplingParams(max_tokens=2))
+    warm.submit(1, base_b + [4, 5], SamplingParams(max_tokens=2))
+    warm.run()
+    prompts = [
+        base_a + _prompt(60, 5),  # hits 40
+        base_b + _prompt(61, 11),  # hits 24
+        base_a + _prompt(62, 17),  # hits 40
+        base_a[:20] + _prompt(63, 6),  # hits 20: shares less than the rows of base_a
+        base_b + _prompt(64, 3),  # hits 24
+        _prompt(65, 13),  # miss
+        base_a + _prompt(66, 2),  # hits 40
+    ]
+    lengths = [12, 9, 14, 10, 6, 11, 8]
+    driver = _Driver(tiny, chunk=64)
+    for k, p in enumerate(prompts):
+        driver.submit(k, p, SamplingParams(max_tokens=lengths[k]))
+    driver.run()
+    assert [driver.finished[k].prefix.tokens for k in range(len(prompts))] == [40, 24, 40, 20, 24, 0, 40]
+    assert [(2, 24), (3, 40)] in plans  # both groups in one step; rows 3 and 5 in none
+    for k, prompt in enumerate(prompts):
+        job = driver.finished[k]
+        assert len(job.tokens) == lengths[k] or job.tokens[-1] in tiny.eos_token_ids
+        _assert_exact(tiny, prompt, job.tokens)
+
+
 def test_blocks_exported_from_a_batch_are_a_lone_runs_and_feed_exact_hits(tiny):
     """The KV a batched request leaves in the cache equals what a lone run stores, and the
     next turn hitting it is exact."""
