@@ -37,6 +37,7 @@ from peerinfer.testing.netns import (
     _namespaces,
     _sh,
     netns_unavailable,
+    return_workers_home,
     sweep_leftovers,
 )
 
@@ -179,5 +180,7 @@ class LoopThread:
             self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise NetnsError(f"the loop in {self.namespace} did not stop within {timeout_s} s")
+        if self.namespace is not None:
+            return_workers_home()  # its loop's trio workers must not serve other loops in there
         if self._error:
             raise self._error[0]

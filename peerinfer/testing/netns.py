@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import shutil
@@ -154,6 +155,69 @@ def _enter_netns(namespace: str) -> None:
         os.close(fd)
 
 
+def _thread_netns(native_id: int) -> int | None:
+    """The inode of thread ``native_id``'s network namespace (None: the thread is gone)."""
+    try:
+        return os.stat(f"/proc/self/task/{native_id}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _go_home(libc: ctypes.CDLL, home_fd: int, barrier: threading.Barrier) -> None:
+    """A worker's job for :func:`return_workers_home`: move into ``home_fd``'s namespace, then
+    hold the worker until every stray one has its job."""
+    libc.setns(home_fd, _CLONE_NEWNET)
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait()
+
+
+def _release(finished: threading.Semaphore, _outcome: object) -> None:
+    finished.release()
+
+
+def return_workers_home(rounds: int = 3, timeout_s: float = 5.0) -> int:
+    """Move trio's cached worker threads that sit in another network namespace back into the
+    calling thread's; how many were moved. Call it from a thread in the namespace to return to,
+    after the loop that ran inside a namespace has ended.
+
+    Why: trio keeps one process-wide cache of worker threads (``to_thread.run_sync``, and
+    ``open_process``, which starts the child from a worker), and a new thread inherits the
+    namespace of the thread that started it. A loop run inside a namespace therefore leaves
+    idle workers there, and the next ``to_thread`` call of a loop outside picks one up: a
+    child process started that way listens on the namespace's loopback, where nobody can reach
+    it (seen: a test that ran after an emulated-LAN test could not connect to its helper
+    process). Each stray worker is handed one job that ``setns``-es it home; the jobs wait on
+    one barrier so that no worker takes two of them. Bounded: ``rounds`` tries of at most
+    ``timeout_s`` each. The other way round stays possible (a loop inside a namespace may be
+    handed a worker from outside): code run there opens its sockets on the loop's own thread,
+    never in a worker, and starts no processes.
+    """
+    home_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    home = os.fstat(home_fd).st_ino
+    libc = ctypes.CDLL(None, use_errno=True)
+    moved = 0
+    try:
+        for _ in range(rounds):
+            stray = [
+                t for t in threading.enumerate()
+                if t.native_id is not None and _thread_netns(t.native_id) not in (home, None)
+            ]
+            if not stray:
+                break
+            barrier = threading.Barrier(len(stray), timeout=timeout_s)
+            finished = threading.Semaphore(0)
+            go_home = functools.partial(_go_home, libc, home_fd, barrier)
+            done = functools.partial(_release, finished)
+            for _ in stray:
+                trio.lowlevel.start_thread_soon(go_home, done)
+            for _ in stray:
+                finished.acquire(timeout=timeout_s)
+            moved += len(stray)
+    finally:
+        os.close(home_fd)
+    return moved
+
+
 def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
     """Run ``fn`` to completion in a fresh trio loop on a thread inside ``namespace``."""
     result: list[T] = []
@@ -173,6 +237,7 @@ def run_in_netns(namespace: str, fn: Callable[[], Awaitable[T]]) -> T:
     thread = threading.Thread(target=main, name=f"netns-{namespace}", daemon=True)
     thread.start()
     thread.join()
+    return_workers_home()
     if error:
         raise error[0]
     return result[0]
