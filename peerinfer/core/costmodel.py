@@ -320,7 +320,8 @@ DEFAULT_COSTS = CostModel()
 #: 8 and 16 running requests (512-token contexts) were measured by forward passes of the model
 #: over a batch sharing one KV cache, before the engine had its own batched decode; the busy
 #: prefill rate is the fitted rate times the ratio (1.018) of 512-token chunks timed next to 8
-#: decoders and alone. ``slots`` is 8, the batching engine's default ``max_batch_size``.
+#: decoders and alone. ``slots`` is 8, the batching engine's default ``max_batch_size`` when it was
+#: measured; a node announces its engine's own (``default_costs``: 16 for today's default).
 BATCHED_COSTS = CostModel(
     prefill_s_per_token=0.002401,
     cached_s_per_token=0.0000613,
@@ -334,7 +335,7 @@ BATCHED_COSTS = CostModel(
 
 
 #: SmolLM2-135M-Instruct's shipped Q4_1 GGUF on the llama.cpp engine, CPU, one thread (a portable
-#: AVX2 build on the 2-core AMD EPYC Zen 3 development machine), served up to 8 at a time: one run
+#: AVX2 build on the 2-core AMD EPYC Zen 2 development machine), served up to 8 at a time: one run
 #: of ``peerinfer calibrate --engine llamacpp --threads 1 --clock cpu --statistic min`` (Dec 6,
 #: load 4-10; docs/performance.md, "Calibration (peerinfer calibrate --engine llamacpp)"). The
 #: decode steps were measured by the engine's own ``decode_batch`` at 1, 2, 4 and 8 running

@@ -197,7 +197,7 @@ def auto_dtype(device_type: str, *, cuda_bf16: bool = False, flags: frozenset[st
     CUDA: bfloat16 where the GPU supports it (float16's range overflows on some models),
     else float16. CPU: bfloat16 only when the CPU has native bfloat16 arithmetic (one of
     ``NATIVE_BF16_CPU_FLAGS``): measured on such a CPU (Intel, AMX) it prefilled 3.3x and
-    decoded 1.1x faster than float32; on a CPU without (AMD Zen 3, AVX2 only) it was slower
+    decoded 1.1x faster than float32; on a CPU without (AMD Zen 2, AVX2 only) it was slower
     than float32 (docs/performance.md, bench/dtype_bench.py). Anything else: float32.
     """
     if device_type == "cuda":
