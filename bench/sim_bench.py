@@ -94,6 +94,42 @@ def bench_one(
     return row, text
 
 
+def _report_progress(every_s: float) -> None:
+    """Print, every ``every_s`` seconds from a daemon thread, the running simulation's completed
+    requests and virtual time, the process's CPU and peak RSS (stderr; read-only: the thread
+    only reads attributes the loop sets, so the run is the same)."""
+    import threading
+
+    from peerinfer.sim import run as run_module
+
+    running: list[object] = []
+    base = run_module.Simulation  # type: ignore[attr-defined]
+
+    class _Watched(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            running.append(self)
+
+    run_module.Simulation = _Watched  # type: ignore[attr-defined]
+    started = time.perf_counter()
+
+    def report() -> None:
+        while True:
+            time.sleep(every_s)
+            if not running:
+                continue
+            sim = running[-1]
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(
+                f"progress: wall {time.perf_counter() - started:.0f} s, cpu "
+                f"{time.process_time():.1f} s, completed {sim.completed}/{sim.total}, "  # type: ignore[attr-defined]
+                f"virtual {sim.now:.1f} s, peak rss {rss:.0f} MB",  # type: ignore[attr-defined]
+                file=sys.stderr, flush=True,
+            )
+
+    threading.Thread(target=report, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-share", action="store_true",
         help="hand every announcement to every node (Simulation.share_runs=False)",
     )
+    parser.add_argument(
+        "--progress", type=float, default=0.0, metavar="SECONDS",
+        help="every SECONDS of wall time, print to stderr how far the run got (requests "
+        "completed, virtual time, CPU, peak RSS): a long run stopped by a timeout still says",
+    )
     args = parser.parse_args(argv)
+    if args.progress > 0:
+        _report_progress(args.progress)
     churn = {"crash_rate": args.crash_rate, "join_rate": args.join_rate}
     sizes = [int(x) for x in args.nodes.split(",")]
     plan = [(n, args.requests or n * args.requests_per_node) for n in sizes]

@@ -169,7 +169,8 @@ class PeerView:
 
     @property
     def following(self) -> Mapping[PeerId, _Kept]:
-        """The kept records of the runs this node follows, per peer (read-only; for tests)."""
+        """The kept records of the runs this node follows, per peer (read-only: the liveness
+        loop reads when each was last heard from them, ``Members.check``; tests)."""
         return self._following
 
     @property
@@ -404,15 +405,6 @@ class PeerView:
 
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in
-
-    def heard_in_runs(self) -> dict[PeerId, float]:
-        """When each peer was last heard through a followed run that moved since this node last
-        looked (read, not taken in: no state moves), for the peers where it did."""
-        return {
-            peer: kept.run.at
-            for peer, kept in self._following.items()
-            if kept.run is not None and kept.run.length != kept.cursor
-        }
 
     def expire(self, now: float) -> None:
         """Drop speculative entries past their time (``PeerIndex.expire``). Expiry only drops

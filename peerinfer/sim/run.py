@@ -7,7 +7,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from peerinfer.core.messages import SamplingParams
-from peerinfer.core.prefix import DEFAULT_BLOCK_SIZE, PrefixHasher, scaffold_messages
+from peerinfer.core.prefix import (
+    DEFAULT_BLOCK_SIZE,
+    SIM_PROMPT_MEMO_SIZE,
+    PrefixHasher,
+    scaffold_messages,
+)
 from peerinfer.engine.simulated import SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
@@ -160,7 +165,9 @@ class _EngineAdapter:
 def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], EngineLike]]:
     """The swarm's prefix hasher and a builder of each node's simulated engine."""
     probe = SimulatedEngine(costs=config.costs)
-    hasher = PrefixHasher(probe.fingerprint)
+    # One hasher for the swarm, with a memo for every distinct prompt of the workload (the
+    # prompts repeat: each chain is hashed once, not once per request).
+    hasher = PrefixHasher(probe.fingerprint, memo_size=SIM_PROMPT_MEMO_SIZE)
 
     def make(index: int) -> EngineLike:
         # A mix (peerinfer.sim.mix) gives each node its machine's costs and cache size.

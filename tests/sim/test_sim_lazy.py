@@ -68,6 +68,9 @@ def _decisions(sim: sim_module.Simulation) -> dict[str, object]:
         "finish": sim.finish,
         "pulls": sim.pull_requests,
         "pull_bytes": sim.pull_response_bytes,
+        # Liveness: the pings asked and the peers forgotten (heard through followed runs or not).
+        "pings": sim.pings,
+        "drops": sim.drops,
         "stats": [c.statistics() for c in sim.cores],
         "loads": [[(p, c.index.load(p), c.index.digest_age(p, sim.now)) for p in c.index.peers()]
                   for c in sim.cores],
@@ -190,6 +193,23 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
             changes["with newer sets"] += sum(1 for p in self._states if newer.get(p) is not None)  # type: ignore[attr-defined]
         return walk_sets(self, chain, newer)  # type: ignore[arg-type]
 
+    # The liveness loop reading a followed run's newest time per member (``Members.check``'s
+    # ``followed``), for the members whose run moved since their node last looked.
+    from peerinfer.core.node import members as members_module
+
+    check = members_module.Members.check
+
+    def counting_check(self: members_module.Members, now: float, effects: list[object],
+                       **kw: object) -> None:
+        followed = kw["followed"]
+        if followed and now >= self._liveness_due:
+            changes["members heard through runs"] += sum(
+                1 for p in self if (k := followed.get(p)) is not None  # type: ignore[attr-defined]
+                and k.run is not None and k.run.length != k.cursor
+            )
+        check(self, now, effects, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(members_module.Members, "check", counting_check)
     monkeypatch.setattr(announcerun.AnnounceRun, "push_changes", counting_push_changes)
     monkeypatch.setattr(announcerun.AnnounceRun, "over_limit", counting_over_limit)
     monkeypatch.setattr(announcerun.AnnounceRun, "take_run", staticmethod(counting_take_run))
@@ -218,6 +238,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["spared"] > 1000 and changes["taken later"] > 1000, changes
     assert changes["handed alone"] >= 10, changes
     assert changes["walks without masks"] > 1000 and changes["with newer sets"] > 1000, changes
+    assert changes["members heard through runs"] > 1000, changes
     # ... and the replicas of a peer that took the same deltas in share one set.
     assert sets[1] * 10 < sets[0] * 6, sets  # 296 of 632 measured; without sharing, all
 
@@ -454,3 +475,33 @@ def test_routing_among_holders_gives_every_peers_decisions(monkeypatch: pytest.M
     assert counts["nearest"] > 100, counts
     assert counts["every plain non-holder"] > 50, counts  # busy nearest peers, other machines
     print(dict(counts))
+
+
+def test_the_simulators_hasher_hashes_each_distinct_prompt_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The swarm's one hasher keeps every distinct prompt's chain (``SIM_PROMPT_MEMO_SIZE``):
+    a workload that repeats its prompts hashes each once, however many nodes route or admit
+    it, and the run's decisions are those of a hasher with the small memo."""
+    from peerinfer.core import prefix
+    from peerinfer.sim import run as run_module
+
+    config = SimConfig(nodes=6, requests=600, skew="zipf:1.0", seed=3)
+    chained = Counter[int]()
+    chain = prefix.PrefixHasher.chain
+
+    def counting_chain(self: PrefixHasher, tokens: object, *args: object) -> list[BlockHash]:
+        chained[hash(tuple(tokens))] += 1  # type: ignore[arg-type]
+        return chain(self, tokens, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefix.PrefixHasher, "chain", counting_chain)
+    sim, _ = simulate(config, check=True)
+    distinct = len({sim.workload[i % len(sim.workload)].tokens for i in range(config.requests)})
+    assert distinct < config.requests // 2  # the workload repeats prompts
+    assert sum(chained.values()) <= distinct + 5, (sum(chained.values()), distinct)
+    fast = _decisions(sim)
+    chained.clear()
+    monkeypatch.setattr(run_module, "SIM_PROMPT_MEMO_SIZE", 4)
+    small, _ = simulate(config, check=True)
+    assert sum(chained.values()) > 2 * distinct  # the small memo hashes them again
+    assert _decisions(small) == fast

@@ -212,7 +212,7 @@ class NodeCore:
         self.members.check(
             now, effects,
             forget=lambda peer: self._forget_peer(peer, now, effects),
-            heard_in_runs=self.view.heard_in_runs if self.view.follows_runs else None,
+            followed=self.view.following,
         )
         self._maybe_announce(now, effects)
         self.view.expire(now)

@@ -6,12 +6,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from peerinfer.core.node.config import NodeConfig
 from peerinfer.core.node.events import Effect, PingPeer
 from peerinfer.types import PeerId
 
-__all__ = ["Members"]
+__all__ = ["FollowedRecord", "Members"]
+
+
+class _Run(Protocol):
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def at(self) -> float: ...
+
+
+class FollowedRecord(Protocol):
+    """What the liveness loop reads of a followed peer's record (``peerinfer.core.peerview``'s
+    ``_Kept``): its shared run, and how far into it the node last looked."""
+
+    @property
+    def run(self) -> _Run | None: ...
+
+    @property
+    def cursor(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -102,12 +122,14 @@ class Members:
         effects: list[Effect],
         *,
         forget: Callable[[PeerId], None],
-        heard_in_runs: Callable[[], Mapping[PeerId, float]] | None,
+        followed: Mapping[PeerId, FollowedRecord] | None,
     ) -> None:
         """Ping the members silent for ``ping_after_s`` (not pinged lately), and have the node
-        ``forget`` those silent for ``peer_timeout_s``, in member order. ``heard_in_runs``: when
-        members were heard since through followed runs, if the node follows any (read once the
-        loop runs)."""
+        ``forget`` those silent for ``peer_timeout_s``, in member order. ``followed``: the
+        records of the peers whose shared runs the node follows (``PeerView.following``), if it
+        follows any: a member whose run moved since the node last looked was last heard at the
+        run's newest announcement (``run.at``). Read per member in the loop, not gathered into
+        a dict of the moved ones first: every node visits every member about once a second."""
         if now < self._liveness_due:
             return
         cfg = self.config
@@ -116,13 +138,15 @@ class Members:
         self._liveness_due = due = math.inf
         ping_after, timeout = cfg.ping_after_s, cfg.peer_timeout_s
         # Forgetting a member in the loop changes no other member's run (it leaves its own).
-        heard = heard_in_runs() if heard_in_runs is not None else None
+        record_of = followed.get if followed else None
         for peer, st in list(self._members.items()):
             last_seen = st.last_seen
-            if heard:
-                at = heard.get(peer)
-                if at is not None:
-                    last_seen = at
+            if record_of is not None:
+                record = record_of(peer)
+                if record is not None:
+                    run = record.run
+                    if run is not None and run.length != record.cursor:
+                        last_seen = run.at
             silent = now - last_seen
             if silent >= timeout:
                 forget(peer)
