@@ -43,8 +43,8 @@ _GROUP = 512
 #: the cells up to its last token only, so a query's attention costs about what it costs in a
 #: prefill (the cells before it) instead of running over every cell of the pass, masked out.
 #: The matrix products still run once for the whole pass. 0: one attention over every cell,
-#: masked (the check until Dec 6; ``bench/kv_bench.py verifycost --granularities token,dense``
-#: compares them).
+#: masked, as the check ran it until Dec 6 (``bench/kv_bench.py verifycost --granularities
+#: token,dense`` compares them).
 _CHUNK = 32
 
 _CHECK_ATTENTION = "peerinfer_kv_check"
