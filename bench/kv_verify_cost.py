@@ -7,7 +7,8 @@ the cache emptied; then the blocks are checked as a puller checks them
 granularity ("token": single tokens spread over every block, the default, checked as the
 engine checks them; "block": every token of whole blocks, the first verifier; on llama.cpp
 also "run4": runs of 4 tokens, one ``llama_decode`` a run, the check before the one-batch
-check), looked up in the engine's digests of the blocks it
+check; on Transformers also "dense": the "token" sample with the pass's attention over every
+cell, masked, the check before its chunked attention), looked up in the engine's digests of the blocks it
 computed itself (``peerinfer.engine.kvmemo``: a free check), and adopted (``Engine.adopt_blocks``, timed: what
 using the pull costs instead of the prefill). Figures are ratios within this one run:
 check / prefill, and check / (prefill - adopt), the compute the pull saved.
