@@ -7,7 +7,8 @@ the cache emptied; then the blocks are checked as a puller checks them
 granularity ("token": single tokens spread over every block, the default, checked as the
 engine checks them; "block": every token of whole blocks, the first verifier; on llama.cpp
 also "run4": runs of 4 tokens, one ``llama_decode`` a run, the check before the one-batch
-check), looked up in the engine's digests of the blocks it
+check; on Transformers also "dense": the "token" sample with the pass's attention over every
+cell, masked, the check before its chunked attention), looked up in the engine's digests of the blocks it
 computed itself (``peerinfer.engine.kvmemo``: a free check), and adopted (``Engine.adopt_blocks``, timed: what
 using the pull costs instead of the prefill). Figures are ratios within this one run:
 check / prefill, and check / (prefill - adopt), the compute the pull saved.
@@ -32,7 +33,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--rate", type=float, default=None, help="default: the core's verify_rate")
     p.add_argument("--granularities", default="token,block",
-                   help="of token, block; on llama.cpp also run4, batch1, runs1 (see _method)")
+                   help="of token, block; on llama.cpp also run4, batch1, runs1; on "
+                   "Transformers also dense (see _method)")
     p.add_argument("--trials", type=int, default=2, help="checks per granularity (other seeds)")
     p.add_argument("--prefills", type=int, default=2, help="prefills timed (before and after)")
     p.set_defaults(run=verify_cost)
@@ -51,11 +53,22 @@ def _engine(args: argparse.Namespace) -> Any:
     return TransformersEngine(args.model, dtype=args.dtype, threads=args.threads, device="cpu")
 
 
+#: The Transformers check's attention chunk as it was before "dense" set it to 0.
+_HF_CHUNK: list[int] = []
+
+
 def _method(engine: Any, granularity: str, default_run: int, default_batch: bool | None) -> int:
-    """Set the llama.cpp engine's check method for ``granularity`` and return the run length to
+    """Set the engine's check method for ``granularity`` and return the run length to
     sample: "token" and "block" the engine's defaults; "run4" (llama.cpp only) runs of 4
     consecutive tokens, one ``llama_decode`` a run in the engine's own context; "batch1" and
-    "runs1" (llama.cpp only) single tokens, all in one batch or one ``llama_decode`` each."""
+    "runs1" (llama.cpp only) single tokens, all in one batch or one ``llama_decode`` each;
+    "dense" (Transformers only) single tokens, the pass's attention over every cell, masked
+    (``hf_verify._CHUNK`` 0: the check before its chunked attention)."""
+    if default_batch is None:  # the Transformers engine
+        from peerinfer.engine import hf_verify
+
+        hf_verify._CHUNK = 0 if granularity == "dense" else _HF_CHUNK[0]
+        granularity = "token" if granularity == "dense" else granularity
     if granularity in ("token", "block"):
         if default_batch is not None:
             engine.verify_in_one_batch = default_batch
@@ -106,12 +119,17 @@ def verify_cost(args: argparse.Namespace) -> None:
         rows: list[tuple[str, int, float, float]] = []
         default_run = engine.verify_run_tokens
         default_batch = getattr(engine, "verify_in_one_batch", None)
+        if default_batch is None:
+            from peerinfer.engine import hf_verify
+
+            _HF_CHUNK[:] = [hf_verify._CHUNK]
         # Granularities alternate within each trial: the load on a shared machine drifts, and
         # one granularity's trials all run back to back would meet another load than the other's.
         for trial in range(args.trials):
             for granularity in [g for g in args.granularities.split(",") if g]:
                 engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=bs))  # empty
                 run = _method(engine, granularity, default_run, default_batch)
+                # "dense" samples what "token" samples: the same tokens, another attention.
                 verifier = PullVerifier(f"cost/{trial}", rate=rate,
                                         granularity="block" if granularity == "block" else "token")
                 checks = verifier.sample(n_blocks, bs, run)

@@ -89,10 +89,18 @@ def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(
     honest = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
     assert sorted(honest) == every
     assert max(honest.values()) < TOL / 100, honest
-    # In groups of 5 tokens (a pass each, over the cells up to the group's last): the same.
-    monkeypatch.setattr(hf_verify, "_GROUP", 5)
-    grouped = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
-    assert sorted(grouped) == every and max(grouped.values()) < TOL / 100, grouped
+    # In groups of 5 tokens (a pass each, over the cells up to the group's last); with the
+    # attention in chunks of 1 or 5 queries (each over the cells up to its last token: a chunk
+    # cut too short would drop cells a query sees); with one attention over every cell (dense,
+    # the check before the chunks); with the additive mask the eager attention takes: the same.
+    for name, value in (("_GROUP", 5), ("_CHUNK", 1), ("_CHUNK", 5), ("_CHUNK", 0)):
+        monkeypatch.setattr(hf_verify, name, value)
+        grouped = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
+        assert sorted(grouped) == every and max(grouped.values()) < TOL / 100, (name, value, grouped)
+        monkeypatch.undo()
+    monkeypatch.setattr(tiny_hf, "_bool_mask", False)
+    additive = dict(tiny_hf.token_errors(prompt, 0, blocks, every))
+    assert max(additive.values()) < TOL / 100, additive
     monkeypatch.undo()
     # Every token of block 2 altered: caught at any one of its tokens, not before the block.
     whole = [*blocks[:2], _hf_altered(tiny_hf, blocks[2], 8, None, 0.5), *blocks[3:]]
@@ -101,13 +109,42 @@ def test_hf_token_errors_pass_every_honest_token_and_catch_altered_ones(
     # One token (9, in block 2), one layer: caught where that token is checked; the tokens
     # before it pass.
     one = [*blocks[:2], _hf_altered(tiny_hf, blocks[2], 8, 1, 0.5, layer=0), *blocks[3:]]
-    errors = dict(tiny_hf.token_errors(prompt, 0, one, [0, 8, 9]))
-    assert errors[0] < TOL / 100 and errors[8] < TOL / 100 and errors[9] > TOL, errors
+    for chunk in (32, 1, 2):  # one chunk; each query alone; 8 and 9 in one chunk
+        monkeypatch.setattr(hf_verify, "_CHUNK", chunk)
+        errors = dict(tiny_hf.token_errors(prompt, 0, one, [0, 8, 9]))
+        assert errors[0] < TOL / 100 and errors[8] < TOL / 100 and errors[9] > TOL, (chunk, errors)
+    monkeypatch.undo()
     # Checked as a node checks a pull (the default verifier's sample): a pull with one altered
     # block is caught at once; an honest one passes.
     for seed in ("a", "b", "c"):
         assert _caught(tiny_hf, prompt, whole, 4, seed)
         assert not _caught(tiny_hf, prompt, blocks, 4, seed)
+
+
+def test_hf_chunked_check_attention_gives_the_dense_attention_s_kv(
+    tiny_hf: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recompute's fresh K/V with the attention in chunks equals the one attention over
+    every cell, masked (float32: up to rounding), for tokens spread over the pull, the first
+    (no cell before it) and the last included."""
+    from peerinfer.engine import hf_verify
+
+    prompt = [3 + (i * 13) % 50 for i in range(26)]
+    blocks = _blocks_of(tiny_hf, prompt, 4)
+    segments = [tiny_hf.decode_block(b, 4 * i).payload for i, b in enumerate(blocks)]
+    positions = [0, 1, 6, 7, 8, 13, 19, 22, 23]
+    with torch.inference_mode():
+        monkeypatch.setattr(hf_verify, "_CHUNK", 0)
+        dense = hf_verify._recompute(tiny_hf, segments, prompt, positions, "cpu")
+        for chunk in (1, 2, 4, 32):
+            monkeypatch.setattr(hf_verify, "_CHUNK", chunk)
+            fresh = hf_verify._recompute(tiny_hf, segments, prompt, positions, "cpu")
+            assert fresh.shape == dense.shape
+            assert float((fresh - dense).abs().max()) <= 1e-5 * float(dense.abs().max()), chunk
+    # And each fresh row is the pulled (honest) KV of its token.
+    for j, p in enumerate(positions):
+        pulled = segments[p // 4][:, :, :, p % 4]
+        assert float((dense[:, :, :, j] - pulled).abs().max()) < TOL / 100 * float(pulled.abs().max())
 
 
 def test_hf_token_errors_start_after_cached_blocks(tiny_hf: Engine) -> None:
