@@ -341,7 +341,9 @@ class Connections:
         streams: the stalled one, whose streams pile up), until liveness closed them all, the
         new one too. Retire them now (``retire``: a request still flowing on one finishes;
         ``checked``: each was just found silent on a ping over itself, so it is closed at once);
-        the peer counts as newly connected."""
+        the peer counts as newly connected. The fresh one is then our only choice for new
+        streams, while the peer still counts the retired ones: its per-peer limit must not close
+        the newest (``_enforce_direct_limit``)."""
         self.failures.pop(peer_id, None)
         self.replaced_at[peer_id] = trio.current_time()
         logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)
