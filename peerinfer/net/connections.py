@@ -189,15 +189,14 @@ class Connections:
         carries no request stream (``_may_carry_request``), else the new one.
 
         Why not simply the new one (as before): a new connection is usually a replacement, and
-        closing it broke the replacement (seen in ``bench/batch_bench.py --engine hf --only
-        node`` at load 8-10: a ping failed with "No valid connections available" seconds after
-        each replacement; reproduced on loopback, docs/reach.md "A fresh connection closed
-        right after it replaced a stalled one"). The side that replaces puts every older
-        connection out of libp2p's choice, so the fresh one is its only choice; the other side
-        cannot tell retired connections from live ones, and with the drained one, an earlier
-        fresh one and this one it counted 3 of 2 and closed this one. Nor may it close the
-        oldest: that is the one draining a request. An older one without a request stream is
-        one the replacing side has retired and is closing anyway (or an idle spare)."""
+        closing it broke the replacement (reproduced on loopback: docs/reach.md, "A fresh
+        connection closed right after it replaced a stalled one", item 2). The side that
+        replaces puts every older connection out of libp2p's choice, so the fresh one is its
+        only choice; the other side cannot tell retired connections from live ones, and with
+        the drained one, an earlier fresh one and this one it counted 3 of 2 and closed this
+        one (the replacing side's next ping: "No valid connections available"). Nor may it
+        close the oldest: that is the one draining a request. An older one without a request
+        stream is one the replacing side has retired and is closing anyway (or an idle spare)."""
         ctx = self._ctx
         direct = [c for c in self._connections[peer_id]
                   if not c.is_closed and not is_relayed(c) and c not in self._retiring]
@@ -343,7 +342,10 @@ class Connections:
         ``checked``: each was just found silent on a ping over itself, so it is closed at once);
         the peer counts as newly connected. The fresh one is then our only choice for new
         streams, while the peer still counts the retired ones: its per-peer limit must not close
-        the newest (``_enforce_direct_limit``)."""
+        the newest (``_enforce_direct_limit``). Where the "fresh" one closes at once all the
+        same, the peer had left: an in-process host whose ``open_host`` exited still accepted
+        the probe's dial (docs/reach.md, "A fresh connection closed right after it replaced a
+        stalled one", item 1; liveness then finds the peer gone)."""
         self.failures.pop(peer_id, None)
         self.replaced_at[peer_id] = trio.current_time()
         logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)
