@@ -137,6 +137,21 @@ class Connections:
                 count += 1
         return count
 
+    @staticmethod
+    def _may_carry_request(conn: INetConn) -> bool:
+        """Whether ``conn`` has a request stream, or one of ours still negotiating (a lazily
+        negotiated request of ours has no protocol until its reply). A stream the peer opened
+        and has not negotiated yet carries no request we serve yet (seen on a connection just
+        retired by the peer: two such streams, which ``requests_in_flight`` counts)."""
+        for stream in list(getattr(conn, "streams", ())):
+            protocol = stream.get_protocol()
+            if protocol is None:
+                if getattr(getattr(stream, "muxed_stream", None), "is_initiator", True):
+                    return True
+            elif not str(protocol).startswith(BACKGROUND_PROTOCOLS):
+                return True
+        return False
+
     def replaced_since(self, peer_id: str, since: float) -> bool:
         """Whether stalled connections to ``peer_id`` were replaced by a fresh one at or after
         ``since`` (``trio.current_time()``): an exchange begun before then that failed may
@@ -155,10 +170,7 @@ class Connections:
             self.replace_stalled(peer_id, older)
         elif ctx.running:
             if not is_relayed(conn):
-                direct = [c for c in self._connections[peer_id] if not c.is_closed and not is_relayed(c)]
-                if len(direct) > ctx.config.max_connections_per_peer:
-                    # libp2p's per-peer limit leaves room for relayed ones (RELAYED_CONNECTIONS_PER_PEER)
-                    ctx.start_soon(self.close_connection, peer_id, conn)
+                self._enforce_direct_limit(peer_id, conn)
             if replacing:
                 ctx.start_soon(self._replace_silent, peer_id, older)
         opened = self.connect_events.pop(peer_id, None)
@@ -168,6 +180,39 @@ class Connections:
             ctx.start_soon(self.disconnect, peer_id)
             return
         self.on_opened(peer_id, first)
+
+    def _enforce_direct_limit(self, peer_id: str, new: INetConn) -> None:
+        """At most ``max_connections_per_peer`` direct connections per peer (libp2p's own
+        per-peer limit leaves room for relayed ones, RELAYED_CONNECTIONS_PER_PEER); one too
+        many is closed. Not counted: connections we retire ourselves (``retire``: out of
+        libp2p's choice, closed at once or within ``DRAIN_MAX_S``). Closed: an older one that
+        carries no request stream (``_may_carry_request``), else the new one.
+
+        Why not simply the new one (as before): a new connection is usually a replacement, and
+        closing it broke the replacement (reproduced on loopback: docs/reach.md, "A fresh
+        connection closed right after it replaced a stalled one", item 2). The side that
+        replaces puts every older connection out of libp2p's choice, so the fresh one is its
+        only choice; the other side cannot tell retired connections from live ones, and with
+        the drained one, an earlier fresh one and this one it counted 3 of 2 and closed this
+        one (the replacing side's next ping: "No valid connections available"). Nor may it
+        close the oldest: that is the one draining a request. An older one without a request
+        stream is one the replacing side has retired and is closing anyway (or an idle spare)."""
+        ctx = self._ctx
+        direct = [c for c in self._connections[peer_id]
+                  if not c.is_closed and not is_relayed(c) and c not in self._retiring]
+        if len(direct) <= ctx.config.max_connections_per_peer:
+            return
+        idle = [c for c in direct if c is not new and not self._may_carry_request(c)]
+        victim = idle[0] if idle else new
+        logger.info("%d direct connections to %s, over the limit of %d: closing %s one",
+                    len(direct), peer_id, ctx.config.max_connections_per_peer,
+                    "the new" if victim is new else "an older idle")
+        if victim is not new:
+            # As for a replaced one: our pubsub stream on it is renewed on the others at once.
+            self.out_of_choice(parse_peer_id(peer_id), [victim])
+            for replaced in self.on_replaced:
+                replaced(peer_id, [victim])
+        ctx.start_soon(self.close_connection, peer_id, victim)
 
     def closed(self, peer_id: str, conn: INetConn) -> None:
         """libp2p's notification of a closed connection."""
@@ -295,7 +340,12 @@ class Connections:
         streams: the stalled one, whose streams pile up), until liveness closed them all, the
         new one too. Retire them now (``retire``: a request still flowing on one finishes;
         ``checked``: each was just found silent on a ping over itself, so it is closed at once);
-        the peer counts as newly connected."""
+        the peer counts as newly connected. The fresh one is then our only choice for new
+        streams, while the peer still counts the retired ones: its per-peer limit must not close
+        the newest (``_enforce_direct_limit``). Where the "fresh" one closes at once all the
+        same, the peer had left: an in-process host whose ``open_host`` exited still accepted
+        the probe's dial (docs/reach.md, "A fresh connection closed right after it replaced a
+        stalled one", item 1; liveness then finds the peer gone)."""
         self.failures.pop(peer_id, None)
         self.replaced_at[peer_id] = trio.current_time()
         logger.info("a new connection to %s replaces %d stalled one(s) (%s)", peer_id, len(older), why)

@@ -230,3 +230,82 @@ async def test_a_client_process_frozen_for_three_ping_deadlines_keeps_its_reques
                 with trio.move_on_after(5):
                     await proc.wait()
         assert out.decode().strip() == "OK 60"
+
+
+async def test_a_second_replacement_keeps_its_fresh_connection_at_the_peer() -> None:
+    """a replaces its connection to b twice while b's request drains on the first (as when a
+    slow client's pings keep failing): b then holds three direct connections, over its limit
+    of two, not knowing that a retired two of them. b must not close the newest, a's only
+    choice for new streams (it did: a's next ping failed with "No valid connections
+    available"; docs/reach.md, "A fresh connection closed right after it replaced a stalled
+    one", item 2); it closes the older one without a request, which a retired anyway, and the
+    drained one finishes."""
+    node_cfg = config(liveness_timeout_s=0.5, replace_stalled_connections=True)
+    async with net.open_host(node_cfg) as a, net.open_host(config(replace_stalled_connections=True)) as b:
+        a.set_handler(TOKENS, tokens_every(60, 0.05))
+        await b.connect(a.listen_addrs()[0])
+        b_id = ID.from_base58(b.peer_id)
+        (first,) = a._live_connections(b_id)
+        got: list[bytes] = []
+
+        async def ask() -> None:
+            await ask_tokens(b, a, 60, got)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await wait_until(lambda: len(got) > 0)
+                for _ in range(2):  # as a's probe does after a failed ping
+                    a._liveness_failures[b.peer_id] = 1
+                    assert await a._fresh_connection(b.peer_id, 5.0)
+                    await wait_until(lambda: a._liveness_failures.get(b.peer_id, 0) == 0)
+                (fresh,) = a._network.connections[b_id]
+                await trio.sleep(0.5)  # b's limit check and a's retirement of the second one
+                assert not fresh.is_closed, "the peer closed the fresh connection"
+                assert fresh in a._network.connections.get(b_id, [])
+                assert await a.ping(b.peer_id, timeout=2.0) >= 0
+                assert not first.is_closed, "the request's connection was cut, not drained"
+        assert got == [b"token %d" % i for i in range(60)]
+        await wait_until(lambda: first.is_closed)
+        assert a.is_connected(b.peer_id)
+
+
+async def test_a_connection_we_retire_does_not_count_against_the_peer_s_fresh_one() -> None:
+    """Both ends replace: a replaces its connection to b (the first drains b's request), a's
+    own request to b runs on a's fresh one, then b's probe opens a third and b replaces the two
+    it had. a holds three direct connections, but one of them it is retiring itself: it must
+    keep b's fresh one, b's only choice for new streams (a closed it, as the newest: b's next
+    stream found no valid connection), and every request finishes."""
+    cfg = config(liveness_timeout_s=0.5, replace_stalled_connections=True)
+    async with net.open_host(cfg) as a, net.open_host(cfg) as b:
+        a.set_handler(TOKENS, tokens_every(60, 0.05))
+        b.set_handler(TOKENS, tokens_every(60, 0.05))
+        await b.connect(a.listen_addrs()[0])
+        a_id, b_id = ID.from_base58(a.peer_id), ID.from_base58(b.peer_id)
+        b_got: list[bytes] = []
+        a_got: list[bytes] = []
+
+        async def b_asks() -> None:
+            await ask_tokens(b, a, 60, b_got)
+
+        async def a_asks() -> None:
+            await ask_tokens(a, b, 60, a_got)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b_asks)
+                await wait_until(lambda: len(b_got) > 0)
+                a._liveness_failures[b.peer_id] = 1
+                assert await a._fresh_connection(b.peer_id, 5.0)
+                nursery.start_soon(a_asks)  # on a's fresh connection, its only choice
+                await wait_until(lambda: len(a_got) > 0)
+                b._liveness_failures[a.peer_id] = 1
+                assert await b._fresh_connection(a.peer_id, 5.0)
+                await wait_until(lambda: b._liveness_failures.get(a.peer_id, 0) == 0)
+                (fresh,) = b._network.connections[a_id]
+                await trio.sleep(0.5)  # a's limit check
+                assert not fresh.is_closed, "the peer closed the fresh connection"
+                assert await b.ping(a.peer_id, timeout=2.0) >= 0
+        assert b_got == [b"token %d" % i for i in range(60)]
+        assert a_got == [b"token %d" % i for i in range(60)]
+        assert a.is_connected(b.peer_id) and len(a._live_connections(b_id)) >= 1
