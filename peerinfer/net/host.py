@@ -94,6 +94,7 @@ built in ``transport``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
@@ -159,9 +160,14 @@ from peerinfer.net.transport import (
     check_ports_free,
 )
 
+logger = logging.getLogger(__name__)
+
 #: On shutdown, how long connections may take to close politely before their sockets are
 #: closed under them.
 SHUTDOWN_GRACE_S = 1.0
+#: The most a host's shutdown waits for its connections and listeners to close
+#: (``Host._close_everything``); what is left then is the reaper's.
+SHUTDOWN_CLOSE_MAX_S = 5.0
 
 
 class _ConnectionNotifee(INotifee):
@@ -586,6 +592,29 @@ class Host:
                     await abort_socket(conn)
             await trio.sleep(0.5)
 
+    async def _close_everything(self) -> None:
+        """Shutdown: close every connection and the listeners before libp2p's run() returns.
+
+        libp2p's run() stops the swarm's service but never closes the swarm: its connections
+        and listeners stay open after the host is gone. A peer then kept pinging a departed
+        host over its old connection, and a probe dial of its address still completed the
+        handshake at the dead listener (which counted as a fresh connection and was closed at
+        once by the stopped swarm: docs/reach.md, "A fresh connection closed right after it
+        replaced a stalled one"). Shielded, so the cancelled body cannot skip it, and bounded:
+        each disconnect is (``DISCONNECT_TIMEOUT_S``), the reaper started beside it aborts what
+        is left after ``SHUTDOWN_GRACE_S``, and the whole step gives up after
+        ``SHUTDOWN_CLOSE_MAX_S``.
+        """
+        with trio.move_on_after(SHUTDOWN_CLOSE_MAX_S) as scope:
+            scope.shield = True
+            async with trio.open_nursery() as closing:
+                for peer in self._connections.peers():
+                    closing.start_soon(self._connections.disconnect, peer)
+            await self._network.close()
+        if scope.cancelled_caught:
+            logger.warning("closing the host's connections took over %.0f s; left to the reaper",
+                           SHUTDOWN_CLOSE_MAX_S)
+
     async def _stop(self) -> None:
         self._ctx.closed = True
         if self._mdns is not None:
@@ -674,6 +703,7 @@ async def _running(
                             finally:
                                 guard.start_soon(host._reap_connections_after, SHUTDOWN_GRACE_S)
                                 nursery.cancel_scope.cancel()
+                                await host._close_everything()
                     finally:
                         await host._stop()
         finally:

@@ -309,3 +309,24 @@ async def test_a_connection_we_retire_does_not_count_against_the_peer_s_fresh_on
         assert b_got == [b"token %d" % i for i in range(60)]
         assert a_got == [b"token %d" % i for i in range(60)]
         assert a.is_connected(b.peer_id) and len(a._live_connections(b_id)) >= 1
+
+
+async def test_a_host_that_left_closes_its_connections_and_its_listener() -> None:
+    """A client in the node's process (bench/batch_bench.py's) leaves its ``open_host``: the
+    node must see its connection close, not ping it until liveness gives up, and a probe must
+    not reach the departed host (its listener still accepted and completed the handshake, the
+    node counted that as a fresh connection replacing the stalled one, and the departed host's
+    stopped swarm closed it at once: the next ping failed with "No valid connections
+    available", about one ping deadline after every such replacement)."""
+    async with net.open_host(config()) as a:
+        async with net.open_host(config()) as b:
+            await b.connect(a.listen_addrs()[0])
+            b_id = ID.from_base58(b.peer_id)
+            (conn,) = a._live_connections(b_id)
+        with trio.move_on_after(3):
+            while not conn.is_closed:
+                await trio.sleep(0.05)
+        a._liveness_failures[b.peer_id] = 1
+        reached = await a._fresh_connection(b.peer_id, 2.0)
+        assert conn.is_closed, "the departed host's connection stayed open"
+        assert not reached, "a dial reached the departed host's listener"
