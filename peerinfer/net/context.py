@@ -94,7 +94,7 @@ class Counters:
 #: decode is pure Python (~30 us; ~0.2 us from here): the hot callers (``is_connected``,
 #: ``is_admitted``, ``only_relayed``, reachability's poll over every connected peer) ask about
 #: the same few peers many times a second (17,363 decodes in one run of the 16-client node
-#: bench: docs/performance.md, "What the node adds").
+#: bench: docs/performance.md, "What the node still adds: the reachability poll").
 PEER_ID_CACHE = 4096
 
 
