@@ -8,6 +8,7 @@ calls, never the ``Host``, so no part imports the façade or another part above 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -89,11 +90,26 @@ class Counters:
     unadmitted_protocols_refused: int = 0
 
 
+#: Peer ids kept decoded by ``parse_peer_id`` (least recently used dropped first). The base58
+#: decode is pure Python (~30 us; ~0.2 us from here): the hot callers (``is_connected``,
+#: ``is_admitted``, ``only_relayed``, reachability's poll over every connected peer) ask about
+#: the same few peers many times a second (17,363 decodes in one run of the 16-client node
+#: bench: docs/performance.md, "What the node still adds: the reachability poll").
+PEER_ID_CACHE = 4096
+
+
+@functools.lru_cache(maxsize=PEER_ID_CACHE)
+def _decoded_peer_id(text: str) -> ID:
+    # An ID is immutable (its bytes; base58 and xor_id are cached properties of them), so one
+    # instance can be shared by every caller. A malformed text raises and is not cached.
+    return ID.from_base58(text)
+
+
 def parse_peer_id(text: str, error: type[Exception] = InvalidRequestError) -> ID:
     """The libp2p ID for a base58 peer id; ``error`` if it is not one."""
     try:
-        return ID.from_base58(text)
-    except Exception as exc:
+        return _decoded_peer_id(text)
+    except Exception as exc:  # a malformed id, or an unhashable argument
         raise error(f"not a peer id: {text!r}") from exc
 
 

@@ -220,10 +220,15 @@ class _Reach:
                 out.append(peer)
         return out
 
-    async def test_reachable(self) -> bool | None:
+    async def test_reachable(self, speakers: list[str] | None = None) -> bool | None:
+        """``speakers``: ``self._speaking(DIALBACK_PROTOCOL)`` if the caller has just made it."""
+        if speakers is None:
+            speakers = self._speaking(DIALBACK_PROTOCOL)
+        peers = [p for p in speakers if not self.host.only_relayed(p)]
+        if not peers:  # before the multiaddr parse: polled every FIRST_VERDICT_POLL_S meanwhile
+            return None
         port = _listen_port(self.host)
-        peers = [p for p in self._speaking(DIALBACK_PROTOCOL) if not self.host.only_relayed(p)]
-        if port is None or not peers:
+        if port is None:
             return None
         random.shuffle(peers)
         answered = False
@@ -314,14 +319,18 @@ class _Reach:
                     await verdict_known.wait()
 
         async with trio.open_nursery() as nursery:
-            pending = bool(self._speaking(DIALBACK_PROTOCOL))
+            # Made once per round: before the first verdict this runs every FIRST_VERDICT_POLL_S
+            # over every connected peer (clients included), and nothing awaits before the test
+            # reads it.
+            speakers = self._speaking(DIALBACK_PROTOCOL)
+            pending = bool(speakers)
             # Not with a fresh UPnP port mapping: the verdict is expected to be "reachable",
             # and a relayed address advertised meanwhile had peers connect through the relay
             # and stay there (tests/net/test_reach_upnp.py saw it).
             speculate = self.state.upnp_addr is None
             if self.state.reachable is None and not self.state.reservations and pending and speculate:
                 nursery.start_soon(reserve_until_the_verdict)
-            verdict = await self.test_reachable()
+            verdict = await self.test_reachable(speakers)
             verdict_known.set()  # a reservation under way may finish (kept if not reachable)
             if verdict:
                 nursery.cancel_scope.cancel()
