@@ -340,9 +340,11 @@ def summarize(setup: Setup, cluster: Cluster, policy: str, outcomes: list[Outcom
         "send_lag_p99_ms": _r(percentile(lag, 99) * 1000, 2),
         "wall_s": _r(max((o.sent_s + o.latency_s for o in ok), default=math.nan), 2),
     }
-    # The decode phase (first token to last) never waits in a queue (one slot per node), so
-    # its length against the cost model's shows how much slower than modelled the nodes ran
-    # (thread hand-offs, relays, and other programs competing for the CPU).
+    # The decode phase (first token to last) against the cost model's: how much slower than
+    # modelled the nodes ran (thread hand-offs, relays, other programs competing for the CPU,
+    # and, on a batching engine, decode steps that each wait for one prefill chunk of another
+    # request on the same node: engine/batch.py, "Prefill", which the cost model's decode
+    # figure does not include).
     decode_model = [
         (o.completion_tokens - 1) * setup.costs.decode_s_per_token for o in ok if o.completion_tokens > 1
     ]
