@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from peerinfer.core.prefix import PrefixHasher
 from peerinfer.sim import SimConfig, simulate
 from peerinfer.sim import simulator as sim_module
 from peerinfer.types import BlockHash, PeerId
+from peerinfer.workload import EXCERPT_RESOURCE
 
 
 def _random_config(seed: int) -> SimConfig:
@@ -486,7 +488,10 @@ def test_the_simulators_hasher_hashes_each_distinct_prompt_once(
     from peerinfer.core import prefix
     from peerinfer.sim import run as run_module
 
-    config = SimConfig(nodes=6, requests=600, skew="zipf:1.0", seed=3)
+    # The packaged excerpt (4 test questions a subject) repeats its prompts, whether or not the
+    # full MMLU lies beside the checkout (with it, 600 requests are all distinct).
+    excerpt = resources.files("peerinfer").joinpath("data", EXCERPT_RESOURCE)
+    config = SimConfig(nodes=6, requests=600, skew="zipf:1.0", seed=3, data=str(excerpt))
     chained = Counter[int]()
     chain = prefix.PrefixHasher.chain
 
