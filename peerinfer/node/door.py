@@ -308,7 +308,8 @@ class Door:
         decision = eff.decision
         self.recent_decisions.append(
             RoutingRecord(
-                at=self._ctx.now(),
+                # The wall clock, not ctx.now() (monotonic): the dashboard shows it as a time of day.
+                at=self._ctx.options.wall_clock(),
                 request_id=str(eff.request_id),
                 peer=str(target),
                 local=isinstance(eff, RunLocal),

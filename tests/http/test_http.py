@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -256,6 +257,8 @@ async def test_a_request_is_routed_through_the_network_and_names_its_server() ->
         assert "peerinfer_peers_known 1.0" in metrics
         assert status["decisions"][0]["peer"] == b.peer_id
         assert status["decisions"][0]["reason"].startswith("longest_prefix")
+        # The dashboard shows `at` as a time of day: it must be the wall clock, not trio's.
+        assert abs(status["decisions"][0]["at"] - time.time()) < 600
 
 
 async def test_metrics_count_requests_tokens_and_traffic() -> None:
