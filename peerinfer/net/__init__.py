@@ -37,7 +37,7 @@ another transport may provide too), ``config`` (HostConfig and the sizing of rat
 (pings, the RTT table), ``topics`` (gossip glue), ``ping``, ``transport`` (the libp2p host as
 built); ``framing`` (FramedStream), ``gossip`` (the guarded gossipsub), ``admission`` (the
 private swarm's handshake and invites), ``discovery`` (mDNS bridge, dialable addresses),
-``identity`` (the persistent key), ``pacing``
+``identity`` (the persistent key), ``logs`` (py-libp2p's log records), ``pacing``
 (backoff and token bucket, pure), ``_errors`` (the one translation table).
 
 QUIC is not offered. In a loopback trial py-libp2p 0.8.1's QUIC transport connected, carried
@@ -59,6 +59,10 @@ from peerinfer.net.host import (
     StreamHandler,
     open_host,
 )
+from peerinfer.net.logs import route_libp2p_logs
+
+# After py-libp2p's own set-up (run when it was imported, above): see peerinfer.net.logs.
+route_libp2p_logs()
 
 __all__ = [
     "DEFAULT_PORT",
