@@ -11,12 +11,12 @@ So the check runs in a **context of its own with one unified KV stream** (:func:
 made for the check and freed after it (0.03-0.04 s to make on the default model). The pulled
 cells are restored once into sequence 0. Each checked token ``p`` gets a sequence id of its own
 that shares the cells of positions ``< p`` (``llama_memory_seq_cp(0, s, 0, p)``: in one stream a
-cell may belong to several sequences, no copy). Then all the checked tokens run in **one** ``llama_decode``, each row at its
-position in its own sequence, so llama.cpp masks it to the shared cells below it and its own
-new cell. The weights are read once per physical batch for all of them, as in a prefill: a
-checked token's decode costs what a prefilled token does (docs/performance.md). A context
-holds at most ``MAX_SEQUENCES`` sequence ids (llama.cpp's ``LLAMA_MAX_SEQ``), so the tokens go
-in chunks of ``MAX_SEQUENCES - 1``.
+cell may belong to several sequences, no copy). Then all the checked tokens run in **one**
+``llama_decode``, each row at its position in its own sequence, so llama.cpp masks it to the
+shared cells below it and its own new cell. The weights are read once per physical batch for
+all of them, as in a prefill: a checked token's decode costs what a prefilled token does
+(docs/performance.md). A context holds at most ``MAX_SEQUENCES`` sequence ids (llama.cpp's
+``LLAMA_MAX_SEQ``), so the tokens go in chunks of ``MAX_SEQUENCES - 1``.
 
 Why an honest cell stays bit-identical to the holder's prefill: the physical batch is the
 engine's (``ubatch_tokens``, under the 64 rows at which CPU flash attention switches to its
