@@ -32,6 +32,8 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
   stay announced), and loads from it before a request matches, exactly as with a real tier.
   A load takes its bytes over the configured read rate (the tier's measured rate is that
   rate, so the node's ``Load.disk`` figure is what a real node with that disk announces).
+  :meth:`SimulatedEngine.restart` is a machine's restart (the simulator's churn): the memory
+  is lost, the tier kept, as a real tier's files are.
 * **Batches.** Under the batch scheduler (``peerinfer.engine.batch``) the engine serves up to
   ``max_batch_size`` requests (default: the cost model's ``slots``) with the cost model's
   batched times: ``Decoder.prefill(k)`` sleeps ``k`` uncached tokens at the idle or the busy
