@@ -488,6 +488,13 @@ class TransformersEngine(Engine):
         """Checks the header against this engine's (dtype, every dimension) and the length
         exactly, then reads the values as this engine's dtype; a non-finite value is refused
         (no model computes one into its KV)."""
+        return self._decode_scaled(data)[0]
+
+    def _decode_scaled(self, data: bytes | memoryview) -> tuple[KVSegment, float]:
+        """``decode_block``, and the block's largest magnitude (the check's scale). One
+        ``aminmax`` pass gives both: NaN propagates to both ends and an infinity is one of
+        them, so both ends are finite exactly when every value is (and the largest magnitude
+        is the larger of ``-min`` and ``max``, exactly, as negation is)."""
         header, size = self._block_header(), self.encoded_block_bytes()
         shape = struct.unpack_from("<5I", header, len(header) - 20)
         view = memoryview(data)
@@ -497,9 +504,10 @@ class TransformersEngine(Engine):
             raise ProtocolError(f"a KV block of another format than {self.kv_format()}")
         raw = bytearray(view[len(header) :])  # a writable copy torch may own
         tensor = torch.frombuffer(raw, dtype=self.dtype).view(shape)
-        if not bool(torch.isfinite(tensor).all()):
+        lo, hi = (float(v) for v in torch.aminmax(tensor))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ProtocolError("a KV block with non-finite values")
-        return KVSegment(tensor.to(self.device), len(view) - len(header))
+        return KVSegment(tensor.to(self.device), len(view) - len(header)), max(-lo, hi)
 
     verifies_kv_blocks = True
 

@@ -224,13 +224,17 @@ def token_errors(
     if len(head) < first_block:
         raise EngineError(f"blocks before {first_block} are no longer cached here")
     segments: list[torch.Tensor] = [n.payload for n in head[:first_block]]
+    # Each pulled block's largest magnitude (the errors' scale) comes with its decoding's
+    # finiteness check, in the same pass (``_decode_scaled``). Checked tokens lie in pulled
+    # blocks only.
+    scales: dict[int, float] = {}
     for k in range(last + 1):
-        segments.append(engine.decode_block(blocks[k], (first_block + k) * bs).payload)
+        segment, scales[first_block + k] = engine._decode_scaled(blocks[k])
+        segments.append(segment.payload)
     start = first_block * bs
     positions = [start + c for c in wanted]
     device = engine.device
     out: list[tuple[int, float]] = []
-    scales: dict[int, float] = {}
     with torch.inference_mode():
         for g in range(0, len(positions), _GROUP):
             group = positions[g:g + _GROUP]
@@ -238,9 +242,7 @@ def token_errors(
             for j, p in enumerate(group):
                 block = segments[p // bs]
                 pulled = block[:, :, :, p % bs].to(fresh.dtype)
-                scale = scales.get(p // bs, -1.0)
-                if scale < 0.0:
-                    scale = scales[p // bs] = float(block.abs().max())
+                scale = scales[p // bs]
                 diff = float((fresh[:, :, :, j] - pulled).abs().max())
                 # NaN (diff != diff) or a zero block that should not be: no match at all.
                 ok = scale > 0.0 and diff == diff

@@ -116,7 +116,9 @@ the trained context, and at least llama.cpp's 256-cell padding, so a small budge
 hold more than half), is the context's KV cells, allocated up front; the radix cache gets the
 other half, and the scheduler reserves each running request's ``(prompt + max_tokens) *
 kv_bytes_per_token`` out of that rest. A request longer than one stream is refused
-(``max_context_tokens``).
+(``max_context_tokens``). The check of a pulled prefix makes a context of its own for a moment,
+and reserves its cells' bytes out of the same rest while it lives
+(:mod:`peerinfer.engine.llamacpp_verify`, "Memory").
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
   stay announced), and loads from it before a request matches, exactly as with a real tier.
   A load takes its bytes over the configured read rate (the tier's measured rate is that
   rate, so the node's ``Load.disk`` figure is what a real node with that disk announces).
+  :meth:`SimulatedEngine.restart` is a machine's restart (the simulator's churn): the memory
+  is lost, the tier kept, as a real tier's files are.
 * **Batches.** Under the batch scheduler (``peerinfer.engine.batch``) the engine serves up to
   ``max_batch_size`` requests (default: the cost model's ``slots``) with the cost model's
   batched times: ``Decoder.prefill(k)`` sleeps ``k`` uncached tokens at the idle or the busy
@@ -110,7 +112,8 @@ class SimDiskTier(DiskTier):
     blocks kept as references (a simulated engine's blocks are all one synthetic bytes object,
     so this costs no memory), and reads timed at ``read_bytes_per_s`` instead of measured.
 
-    Nothing is ever damaged, and nothing survives the engine (no restart comes up warm).
+    Nothing is ever damaged. It survives a simulated restart (``SimulatedEngine.restart``),
+    as a tier of files does, so a node the simulator brings back comes up warm.
     """
 
     def __init__(self, kv_format: str, capacity_bytes: int, read_bytes_per_s: float) -> None:
@@ -360,6 +363,26 @@ class SimulatedEngine(Engine):
         self._disk = tier
         if self._changes is not None:
             self._changes.elsewhere = tier if tier is not None else ()
+
+    def restart(self, *, saved: bool) -> None:
+        """The machine's process restarts (the simulator's churn brings a node back): what its
+        cache held in memory is lost and its disk tier is kept, as a real node's files outlive
+        its process (``configure_disk`` reads them back). ``saved``: it stopped gracefully and
+        first wrote its memory to the tier (``save_to_disk``, as the node's runtime does on
+        shutdown); a crash writes nothing more. The change log starts over: the restarted
+        node takes its snapshot (``cached_block_hashes``). Nothing may be in flight."""
+        self._check_open()
+        if saved:
+            self.save_to_disk()
+        cache, tier = self._cache, self._disk
+        self._disk = None  # the blocks in memory are lost, not spilled
+        try:
+            if cache is not None:
+                cache.clear()
+        finally:
+            self._disk = tier
+        if self._changes is not None:
+            self._changes.take()
 
     @property
     def disk_tier(self) -> DiskTier | None:

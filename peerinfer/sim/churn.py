@@ -24,6 +24,18 @@ a machine going away or coming up changes, done as the real shell (``peerinfer.n
   pulls every digest, exactly as a real newcomer does. The others take the newcomer's
   announcements and route to it as soon as their policy prefers it. Recorded: when it joined
   and when it was first forwarded a request.
+* **Restart (runs with a disk tier).** A machine that went away comes back: there a join is
+  the machine gone longest coming back (a newcomer joins only when none is gone), in its slot,
+  with its peer id, its links and its users. Its process is new: a new ``NodeCore`` (its epochs
+  above those of the core before, as the runtime's epoch base puts them), joined as a newcomer
+  is; its engine's memory is lost and its disk tier kept, as a real node's files are
+  (``SimulatedEngine.restart``; a leave first saved its memory to the tier, as the runtime's
+  shutdown does, a crash did not). The new core is then told what the engine holds, exactly as
+  the runtime tells it at start: ``CacheChanged(added=engine.cached_block_hashes())`` (the disk
+  tier's blocks), then the tier's ``Load.disk`` figure (``Simulation.restart_engine``). So its
+  digest and its first hits come from its disk, and every decision about them is the core's.
+  Its counters are summed over its cores (``Churn.statistics``). Without a disk tier a join is
+  always a newcomer, as before (a restart there would be a newcomer under an old name).
 * **Leave (graceful).** As the real node's ``shutdown``: its users go elsewhere (new arrivals
   enter at live nodes), forwarded requests reaching it are refused ("shutdown", which the origin
   reads as ``unavailable`` and fails over from), and it keeps serving what it holds, up to the
@@ -145,6 +157,14 @@ class Churn:
         self.gone_at: dict[int, float] = {}
         self.first_routed_at: dict[int, float] = {}
         self._drain_until: dict[int, float] = {}
+        #: machines brought back (runs with a disk tier): when, and whether each had stopped
+        #: gracefully (saving its memory to disk) until it comes back
+        self.restarts = 0
+        self.restarted_at: dict[int, list[float]] = {}
+        self._saved: dict[int, bool] = {}
+        #: the counters of a restarted machine's earlier cores (``statistics``)
+        self._earlier: dict[int, NodeStatistics] = {}
+        self._restarting = cfg.disk_cache_tokens > 0
 
     # ------------------------------------------------------------ state
 
@@ -230,15 +250,28 @@ class Churn:
 
     def _join(self, now: float) -> None:
         sim = self.sim
-        k = self._next_slot
-        if k >= sim.slots:
-            self.joins_skipped += 1
-            return
-        self._next_slot += 1
-        self.joins += 1
+        back = self._returning()
+        epoch_base = 0
+        if back is not None:
+            # The machine that went away first comes back, with its peer id and its disk.
+            k = back
+            self.restarts += 1
+            self.restarted_at.setdefault(k, []).append(now)
+            old = sim.cores[k]
+            self._earlier[k] = self.statistics(k)
+            if isinstance(old, GoneCore) and isinstance(old.core, NodeCore):
+                # Above every epoch it announced before, as the runtime's epoch base is.
+                epoch_base = old.core.local.epoch
+        else:
+            k = self._next_slot
+            if k >= sim.slots:
+                self.joins_skipped += 1
+                return
+            self._next_slot += 1
+            self.joins += 1
+            self.joined_at[k] = now
         self.state[k] = LIVE
-        self.joined_at[k] = now
-        sim.cores[k] = sim.make_core(k, now)
+        sim.cores[k] = sim.make_core(k, now, epoch_base)
         # It dials every live node; each side's ping answers after one round trip.
         for j, s in enumerate(self.state):
             if j != k and s == LIVE:
@@ -247,8 +280,19 @@ class Churn:
                 sim.push(now + rtt, NODE, j, PeerSeen(sim.peer_ids[k], rtt_s=rtt))
         if sim.mesh is not None:
             sim.mesh.joined(k, now)
+        if back is not None:
+            sim.restart_engine(k, now, self._saved.pop(k))
         sim.execute(k, sim.cores[k].tick(now), now)
         sim.rearm(k, now)
+
+    def _returning(self) -> int | None:
+        """With a disk tier, a join is the machine gone longest coming back (a restart: its
+        disk tier survived, ``Simulation.restart_engine``); None: a newcomer joins (every run
+        without a disk tier, or no machine is gone)."""
+        if not self._restarting:
+            return None
+        gone = [n for n, s in enumerate(self.state) if s == GONE]
+        return min(gone, key=lambda n: (self.gone_at[n], n)) if gone else None
 
     def note_delivery(self, n: int, event: Any, now: float) -> None:
         """A newcomer's milestones (called for events reaching newcomer slots)."""
@@ -267,6 +311,7 @@ class Churn:
             self.crashes += 1
         self.state[x] = GONE
         self.gone_at[x] = now
+        self._saved[x] = not crash  # a leave's shutdown saves its memory to disk; a crash not
         for rid in core.pending_requests():
             i = sim.rid_index[rid]
             origin = sim.origin[i]
@@ -335,6 +380,16 @@ class Churn:
 
     # ------------------------------------------------------------ figures
 
+    def statistics(self, n: int) -> NodeStatistics:
+        """Node ``n``'s core counters, summed over every core its machine ran (a restart
+        starts a new one)."""
+        now = self.sim.cores[n].statistics()
+        earlier = self._earlier.get(n)
+        if earlier is None:
+            return now
+        return NodeStatistics(**{f.name: getattr(now, f.name) + getattr(earlier, f.name)
+                                 for f in fields(NodeStatistics)})
+
     def summary(self) -> dict[str, Any]:
         sim = self.sim
         routed = [self.first_routed_at[k] - t for k, t in self.joined_at.items() if k in self.first_routed_at]
@@ -351,6 +406,7 @@ class Churn:
             "newcomer_first_routed_s_mean": round(sum(routed) / len(routed), 3) if routed else None,
             "newcomer_first_routed_s_max": round(max(routed), 3) if routed else None,
             "served_by_newcomers": served_by_newcomers,
+            **({"restarts": self.restarts} if self._restarting else {}),
         }
 
 

@@ -153,7 +153,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     for name, what in (
         ("crash", "crashes per node-hour (in-flight requests fail over at their origins)"),
         ("leave", "graceful leaves per node-hour (the node drains, then goes)"),
-        ("join", "new nodes joining per node-hour (they bootstrap and pull every digest)"),
+        ("join", "new nodes joining per node-hour (they bootstrap and pull every digest; with "
+                 "--disk-cache-tokens a join is the node gone longest restarting warm from its disk)"),
     ):
         g.add_argument(
             f"--{name}-rate",

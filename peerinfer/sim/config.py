@@ -111,7 +111,9 @@ class SimConfig:
     #: each node's disk tier in tokens (0: none): blocks its cache evicts spill to it (LRU,
     #: ``disk_cache_tokens * kv_bytes_per_token`` bytes) and a hit on them loads their KV at
     #: ``disk_read_mb_s`` instead of a prefill (``peerinfer.engine.simulated.SimDiskTier``);
-    #: blocks on disk stay announced, and each node's load carries the tier's figures
+    #: blocks on disk stay announced, and each node's load carries the tier's figures. With
+    #: churn, a join is then the machine gone longest coming back warm from its tier (a
+    #: restart: ``peerinfer.sim.churn``)
     disk_cache_tokens: int = 0
     seed: int = 0
     #: moving window (requests) and stride for the per-node subject share series

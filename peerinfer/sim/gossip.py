@@ -113,6 +113,8 @@ class Mesh:
         self.by_hops: dict[int, list[float]] = {}
         self._covered = 0
         self._audience = 0
+        #: nodes whose heartbeat is scheduled (a chain ends at the first beat after it went)
+        self._beating: set[int] = set()
 
     # ------------------------------------------------------------ membership
 
@@ -136,12 +138,20 @@ class Mesh:
         for n in up:
             self._graft(n, up, self.d)
         for n in up:
+            self._beating.add(n)
             self.schedule_heartbeat(n, self._rng.uniform(0.0, self.heartbeat_s))
 
     def joined(self, n: int, now: float) -> None:
-        """A newcomer (churn) grafts its mesh and starts its heartbeat."""
+        """A newcomer (churn), or a machine back (a restart: its mesh and the ids it saw start
+        over), grafts its mesh and starts its heartbeat, unless its heartbeat from before it
+        went is still scheduled (it went and came back between two beats): that one goes on."""
+        for state in self.nodes:  # the others' links to it broke when it went
+            state.mesh.discard(n)
+        self.nodes[n] = _NodeState(bytes_sent=self.nodes[n].bytes_sent)
         self._graft(n, self._up_nodes(), self.d)
-        self.schedule_heartbeat(n, now + self._rng.uniform(0.0, self.heartbeat_s))
+        if n not in self._beating:
+            self._beating.add(n)
+            self.schedule_heartbeat(n, now + self._rng.uniform(0.0, self.heartbeat_s))
 
     def schedule_heartbeat(self, n: int, t: float) -> None:
         # Not a "live" event: heartbeats never keep a finished run going.
@@ -233,6 +243,7 @@ class Mesh:
 
     def heartbeat(self, n: int, now: float) -> None:
         if not self._up(n):
+            self._beating.discard(n)
             return  # gone: no more heartbeats
         state = self.nodes[n]
         up = self._up_nodes()

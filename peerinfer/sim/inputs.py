@@ -67,5 +67,9 @@ class EngineLike(Protocol):
     #: ``Load.disk``'s figure given the blocks the node announces (None: no disk tier)
     disk_figure: Callable[[int], tuple[int, int] | None] | None
 
+    def restart(self, saved: bool) -> Sequence[BlockHash]:
+        """The machine comes back: memory lost, disk tier kept; the blocks it holds now."""
+        ...
+
 
 __all__ = ["EngineLike", "PlanLike", "SimRequest"]

@@ -178,8 +178,13 @@ class SimKernel:
         """Carry out node ``n``'s effects at ``now``."""
         raise NotImplementedError
 
-    def make_core(self, i: int, now: float) -> NodeCore:
-        """Node ``i``'s core, started at ``now``."""
+    def make_core(self, i: int, now: float, epoch_base: int = 0) -> NodeCore:
+        """Node ``i``'s core, started at ``now`` (a restart's epochs above ``epoch_base``)."""
+        raise NotImplementedError
+
+    def restart_engine(self, n: int, now: float, saved: bool) -> None:
+        """Node ``n``'s machine came back: its engine restarts warm from its disk tier, and its
+        new core is told what the engine holds."""
         raise NotImplementedError
 
     def stop_engine(self, n: int) -> None:

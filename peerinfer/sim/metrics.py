@@ -120,7 +120,9 @@ def summarize(sim: Simulation, *, series: int = 0) -> dict[str, Any]:
     cached_tokens = sum(sim.cached[i] for i in done)
     forwarded = sum(1 for i in done if sim.server[i] != sim.origin[i])
     makespan = max((sim.finish[i] for i in range(sim.total)), default=0.0)
-    stats = [c.statistics() for c in sim.cores]
+    churn = sim.churn  # with restarts, a node's counters over each core its machine ran
+    stats = [c.statistics() for c in sim.cores] if churn is None else [
+        churn.statistics(k) for k in range(len(sim.cores))]
     pull_bytes = sim.pull_request_bytes + sim.pull_response_bytes
     sync_bytes = sim.announce_bytes + pull_bytes
 

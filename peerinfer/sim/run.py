@@ -161,6 +161,13 @@ class _EngineAdapter:
             None if disk is None else engine.disk_figure
         )
 
+    def restart(self, saved: bool) -> tuple[BlockHash, ...]:
+        """The machine comes back (churn): the engine's memory is lost, its disk tier kept
+        (``SimulatedEngine.restart``); what it holds now, as the node's runtime takes it at
+        start (``cached_block_hashes``: the disk tier's blocks)."""
+        self.engine.restart(saved=saved)
+        return self.engine.cached_block_hashes()
+
 
 def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], EngineLike]]:
     """The swarm's prefix hasher and a builder of each node's simulated engine."""

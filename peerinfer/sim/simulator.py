@@ -270,15 +270,16 @@ class Simulation(SimKernel):
         if config.pull:
             self.kv = KvPulls(self, self.engines, hasher)
 
-    def make_core(self, i: int, now: float) -> NodeCore:
-        """Node ``i``'s core, started at ``now``."""
+    def make_core(self, i: int, now: float, epoch_base: int = 0) -> NodeCore:
+        """Node ``i``'s core, started at ``now`` (a restart's epochs above ``epoch_base``)."""
         config = self.config
         # With shared runs, an index without masks: a run's changes wait in it for its
         # followers (``peerinfer.core.announcerun``) instead of each updating its masks.
         overrides = {"index_masks": not self.share_runs, **self.node_overrides}
         node_config = config.node_config(i, slots=self.slots, **overrides)
         rng = random.Random(f"{config.seed}:node:{i}")
-        core = NodeCore(node_config, self.hasher, rng=rng, now=now, delta_memo=self.delta_memo)
+        core = NodeCore(node_config, self.hasher, rng=rng, epoch_base=epoch_base, now=now,
+                        delta_memo=self.delta_memo)
         if config.policy == ORACLE:
             # The simulator-only upper bound: the core's decisions read the swarm's exact
             # state instead of its own view (peerinfer.sim.oracle).
@@ -724,6 +725,18 @@ class Simulation(SimKernel):
         self.batches[n] = batch
         self._runs[n].clear()
         self.enqueued[n].clear()
+
+    def restart_engine(self, n: int, now: float, saved: bool) -> None:
+        """Node ``n``'s machine came back with a new core: its engine restarts warm from its
+        disk tier (``_EngineAdapter.restart``), and the core is told what it holds as the real
+        runtime tells it at start (``CacheChanged(added=snapshot)``), then the tier's figure."""
+        snapshot = self.engines[n].restart(saved)
+        self._touched[n].clear()
+        self._reported[n] = set(snapshot)
+        self._disk_announced[n] = None
+        if snapshot:
+            self._deliver(n, CacheChanged(added=tuple(snapshot)), now)
+        self._disk_load(n, now)
 
     def end_orphaned(self, i: int, now: float) -> bool:
         """Request ``i`` ends as orphaned (status 3: its user's entry node went away), unless

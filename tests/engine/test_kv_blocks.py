@@ -160,6 +160,60 @@ def test_hf_decoder_refuses_what_is_not_a_block_of_its_format(tiny_hf: Engine) -
         tiny_hf.decode_block(bytes(nan), 0)
 
 
+def test_hf_decoder_refuses_every_non_finite_value_and_gives_the_block_s_scale(tiny_hf: Engine) -> None:
+    """One ``aminmax`` pass decides finiteness: NaN, +inf and -inf are refused wherever they lie
+    (the first value, one in the middle, the last), also beside the other kinds; a finite block
+    is accepted, and its scale is exactly its largest magnitude, positive or negative."""
+    prompt = [(i * 17 + 3) % 250 for i in range(20)]
+    tiny_hf.configure_cache(PrefixHasher(tiny_hf.fingerprint, block_size=4))
+    _greedy(tiny_hf, prompt, 2)
+    cache = tiny_hf.radix_cache
+    assert cache is not None
+    block = tiny_hf.encode_blocks([cache.match(prompt, touch=False).nodes[0].hash])[0]
+    head = len(block) - tiny_hf.decode_block(block, 0).nbytes
+    values = (len(block) - head) // 4
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, values // 2 + 1, values - 1):
+            raw = bytearray(block)
+            struct.pack_into("<f", raw, head + 4 * index, bad)
+            with pytest.raises(ProtocolError, match="non-finite"):
+                tiny_hf.decode_block(bytes(raw), 0)
+    for pair in ((float("inf"), float("-inf")), (float("nan"), float("inf")), (float("-inf"), float("nan"))):
+        raw = bytearray(block)
+        struct.pack_into("<f", raw, head, pair[0])
+        struct.pack_into("<f", raw, head + 4 * (values - 1), pair[1])
+        with pytest.raises(ProtocolError, match="non-finite"):
+            tiny_hf.decode_block(bytes(raw), 0)
+    # The largest magnitude of either sign is the scale; the largest finite float32 is accepted.
+    for big in (-1000.5, 1000.5, -3.4028234663852886e38):
+        raw = bytearray(block)
+        struct.pack_into("<f", raw, head + 4 * (values // 3), big)
+        seg, scale = tiny_hf._decode_scaled(bytes(raw))  # type: ignore[attr-defined]
+        assert scale == abs(big) == float(seg.payload.abs().max())
+        assert tiny_hf.decode_block(bytes(raw), 0).payload.equal(seg.payload)
+    seg, scale = tiny_hf._decode_scaled(block)  # type: ignore[attr-defined]
+    assert bool(torch.isfinite(seg.payload).all()) and scale == float(seg.payload.abs().max()) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_aminmax_ends_are_finite_exactly_when_every_value_is(dtype: str) -> None:
+    """What the Transformers engine's ``_decode_scaled`` relies on, in every dtype it may hold
+    KV in: a NaN anywhere makes an end NaN, an infinity is an end (vectorised reductions
+    included: long tensors, the bad value in any lane)."""
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 9, 257, 70_001):
+        t = torch.randn(n, generator=gen).to(dt)
+        lo, hi = torch.aminmax(t)
+        assert max(-float(lo), float(hi)) == float(t.abs().max())
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for index in {0, n // 2, n - 1, (n * 7) // 11}:
+                u = t.clone()
+                u[index] = bad
+                lo, hi = torch.aminmax(u)
+                assert not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))
+
+
 # --------------------------------------------------------------------------------------------
 # llama.cpp: saved sequence state, checked before llama.cpp reads it.
 

@@ -258,6 +258,76 @@ def test_llamacpp_checks_in_one_batch_equal_the_runs_and_chunk_by_sequence_ids(
     assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
 
 
+def test_llamacpp_check_context_comes_out_of_the_byte_budget(
+    smol: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-batch check's own context holds the checked prefix's KV a second time; while it
+    lives its bytes are reserved in the cache, so the context, the cached blocks and every
+    reservation stay within the engine's byte budget. Making room evicts the least recently
+    used block, never the cached prefix the pull goes after; with no room the check is
+    refused (EngineError: nobody's lie), evicting nothing and leaving no pin or reservation."""
+    from peerinfer.engine import llamacpp_state as llstate
+    from peerinfer.engine import llamacpp_verify
+
+    prompt = _smol_prompt(smol, "harbours")
+    blocks = _blocks_of(smol, prompt, 16)
+    filler = _smol_prompt(smol, "meadows")
+    filler_blocks = _blocks_of(smol, filler, 16)
+    # A budget whose context is at most half of it (a smaller one's streams are padded past
+    # half: "Memory" in peerinfer.engine.llamacpp).
+    budget = 256 << 20
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16), capacity_bytes=budget)
+    assert smol.adopt_blocks(filler, filler_blocks) == 16 * len(filler_blocks)
+    assert smol.adopt_blocks(prompt, blocks[:2]) == 32  # the head; the filler is older
+    cache = smol.radix_cache
+    assert cache is not None and cache.capacity_bytes is not None
+    assert smol.context_bytes + cache.capacity_bytes <= budget  # type: ignore[attr-defined]
+    head = cache.match(prompt[:32], touch=False).nodes
+    head_bytes = sum(n.nbytes for n in head)
+    checks = [0, 7, 31, 16 * (len(blocks) - 2) - 1]
+    cells = llamacpp_verify.context_cells([llstate.parse(b) for b in blocks], len(checks))
+    need = cells * smol.kv_bytes_per_token
+    assert need > len(filler_blocks[0])
+    # Running requests hold all the room but the check's less one block: making it evicts.
+    before = cache.stats()
+    running = cache.capacity_bytes - before.bytes - need + 1
+    assert running > 0 and cache.reserve(running)
+    seen = []
+    make = llamacpp_verify._context
+
+    def watched(engine: Engine, n: int, sequences: int) -> object:
+        seen.append((n, cache.stats(), cache.match(prompt[:32], touch=False).tokens))
+        return make(engine, n, sequences)
+
+    monkeypatch.setattr(llamacpp_verify, "_context", watched)
+    errors = dict(smol.token_errors(prompt, 2, blocks[2:], checks))
+    assert max(errors.values()) < TOL / 100, errors
+    [(n, during, head_tokens)] = seen
+    assert n == cells and head_tokens == 32
+    assert during.reserved_bytes == running + need
+    assert during.bytes + during.reserved_bytes <= cache.capacity_bytes
+    assert smol.context_bytes + during.bytes + during.reserved_bytes <= budget  # type: ignore[attr-defined]
+    assert during.evicted_blocks > before.evicted_blocks  # room was made, not assumed
+    after = cache.stats()
+    assert after.reserved_bytes == running and after.locked_blocks == 0
+    # No room even with every unpinned block evicted: refused, nothing evicted.
+    cache.release(running)
+    assert cache.match(prompt[:32], touch=False).tokens == 32
+    running = cache.capacity_bytes - head_bytes - need + 1
+    assert cache.reserve(running)
+    assert cache.match(prompt[:32], touch=False).tokens == 32
+    before = cache.stats()
+    with pytest.raises(EngineError, match="byte budget"):
+        smol.token_errors(prompt, 2, blocks[2:], checks)
+    after = cache.stats()
+    assert len(seen) == 1  # no context was made
+    assert after.evicted_blocks == before.evicted_blocks and after.blocks == before.blocks
+    assert after.reserved_bytes == running and after.locked_blocks == 0
+    cache.release(running)
+    assert len(smol._free_seqs) == smol._max_sequences  # type: ignore[attr-defined]
+    smol.configure_cache(PrefixHasher(smol.fingerprint, block_size=16))  # the fixture's budget
+
+
 @pytest.mark.slow
 def test_llamacpp_one_batch_check_is_exact_on_a_sliding_window_model(
     tmp_path_factory: pytest.TempPathFactory,

@@ -125,3 +125,132 @@ def test_a_tier_that_never_fills_leaves_every_decision_unchanged() -> None:
     on, summary = simulate(SimConfig(disk_cache_tokens=4096, **roomy), check=True)  # type: ignore[arg-type]
     assert summary["disk"]["tokens_read"] == 0
     assert _record(on) == _record(off)
+
+
+# --------------------------------------------------------------------------------------------
+# A warm restart: a machine that went away comes back with its disk tier (churn).
+
+
+def test_a_restarted_engine_keeps_its_disk_tier_and_loses_its_memory() -> None:
+    a, b = _prompt(100), _prompt(5_000)
+    for saved in (False, True):
+        engine = _engine(160, 4096)
+        engine.cached_block_hashes()
+        engine.plan(a, PARAMS)
+        engine.plan(b, PARAMS)  # a's blocks spill to disk; b's stay in memory
+        cache, disk = engine.radix_cache, engine.disk_tier
+        assert cache is not None and disk is not None
+        chain_a, chain_b = (engine.radix_cache.hasher.chain(p[:160]) for p in (a, b))  # type: ignore[union-attr]
+        engine.restart(saved=saved)
+        assert len(cache) == 0  # the memory is lost
+        # A crash keeps what had spilled; a graceful stop saved its memory first.
+        held = set(chain_a) | (set(chain_b) if saved else set())
+        assert set(disk.hashes()) == held
+        assert set(engine.cached_block_hashes()) == held
+        assert engine.take_cache_changes().added == ()  # the snapshot is where it starts
+        warm = engine.plan(a, PARAMS)
+        assert warm.cached_tokens == warm.disk_tokens == 160
+        assert engine.plan(b, PARAMS).disk_tokens == (160 if saved else 0)
+
+
+def _restart_run(disk_tokens: int, stop: str) -> Simulation:
+    """Node 0 serves prompt A, then B (A's blocks spill to its disk tier when there is one);
+    it goes away at t=1 (``stop``: crash or leave) and a machine joins at t=2; then node 0's
+    users ask for A and B again (t=3 and 3.5), and node 1's for A (t=4)."""
+    from peerinfer.core.costmodel import CostModel
+    from peerinfer.sim.inputs import SimRequest
+    from peerinfer.sim.run import engine_factory
+
+    costs = CostModel(prefill_s_per_token=0.001, cached_s_per_token=0.0, decode_s_per_token=0.05,
+                      overhead_s=0.0, slots=1)
+    config = SimConfig(nodes=3, delay_ms="5", costs=costs, cache_tokens=160, policy="cost",
+                       kv_bytes_per_token=KV, disk_cache_tokens=disk_tokens,
+                       disk_read_mb_s=RATE / 1e6, requests=5)
+    a, b = tuple(_prompt(100)), tuple(_prompt(5_000))
+    hasher, make = engine_factory(config)
+    requests = [SimRequest(p, PARAMS, label=str(i)) for i, p in enumerate((a, b, a, b, a))]
+    arrivals = [(0.1, 0), (0.5, 0), (3.0, 0), (3.5, 0), (4.0, 1)]
+    schedule = [(1.0, stop, 0), (2.0, "join", -1)]
+    return _Watched(config, requests, hasher, make, arrivals=arrivals, check=True,
+                    churn_schedule=schedule).run()
+
+
+class _Watched(Simulation):
+    """Records the last epoch of a node's core when its machine stops, and what a restarted
+    node's core holds just after it came back."""
+
+    restarted: dict[int, tuple[set[object], int]]
+    stopped_epoch: dict[int, int]
+
+    def stop_engine(self, n: int) -> None:
+        core = self.cores[n]
+        assert isinstance(core, NodeCore)
+        self.stopped_epoch = {n: core.local.epoch}
+        super().stop_engine(n)
+
+    def restart_engine(self, n: int, now: float, saved: bool) -> None:
+        super().restart_engine(n, now, saved)
+        core = self.cores[n]
+        assert isinstance(core, NodeCore)
+        self.restarted = {n: (set(core.local.digest), core.local.epoch)}
+
+
+@pytest.mark.parametrize("stop", ["crash", "leave"])
+def test_a_node_that_comes_back_announces_and_hits_its_disk_tier(stop: str) -> None:
+    sim = _restart_run(4096, stop)
+    assert isinstance(sim, _Watched)
+    churn = sim.churn
+    assert churn is not None and churn.restarts == 1 and churn.joins == 0
+    assert churn.restarted_at == {0: [2.0]} and churn.live(0) and not churn.live(3)
+    chain_a, chain_b = (set(sim.hasher.chain(_prompt(base)[:160])) for base in (100, 5_000))
+    core = sim.cores[0]
+    assert isinstance(core, NodeCore)
+    # Its digest is its disk tier's: A (spilled before it went); B only where a graceful stop
+    # saved its memory. A crash lost B's blocks with the memory.
+    saved = stop == "leave"
+    digest, epoch = sim.restarted[0]
+    assert digest == chain_a | (chain_b if saved else set())
+    # Its users' requests hit its disk: A read back from disk; B too after a graceful stop.
+    assert sim.status == [1] * 5
+    assert sim.server[2] == 0 and sim.cached[2] == 160 and sim.disk_tokens[2] == 160
+    assert sim.server[3] == 0 and sim.disk_tokens[3] == (160 if saved else 0)
+    # Its epochs went on above its earlier ones, so the others took its new digest in.
+    # (as the runtime's epoch base does: the others may still hold its earlier digest)
+    assert epoch > sim.stopped_epoch[0] > 0 and core.local.epoch > epoch
+    assert chain_a | chain_b <= set(core.local.digest)  # B served again after it came back
+    replica = sim.cores[1].index.replica(sim.peer_ids[0])  # type: ignore[union-attr]
+    assert replica is not None and set(replica.digest) == set(core.local.digest)
+    # And node 1 sends its user's A to node 0, which holds it.
+    assert sim.server[4] == 0 and sim.cached[4] == 160
+    assert churn.summary()["restarts"] == 1
+    # Its counters are summed over both of its cores (the first took requests 0 and 1).
+    assert churn.statistics(0).requests == core.statistics().requests + 2
+    assert churn.statistics(1) == sim.cores[1].statistics()
+
+
+def test_without_a_disk_tier_a_join_is_a_newcomer() -> None:
+    sim = _restart_run(0, "crash")
+    churn = sim.churn
+    assert churn is not None and churn.joins == 1 and churn.restarts == 0
+    assert churn.joined_at == {3: 2.0} and not churn.up(0)
+    assert "restarts" not in churn.summary()
+    assert sim.cached[2] == 0  # node 0's users went elsewhere: nothing of A there
+
+
+@pytest.mark.parametrize("gossip", ["broadcast", "mesh"])
+def test_random_churn_with_a_disk_tier_restarts_nodes_whose_digest_is_their_engine_s(gossip: str) -> None:
+    config = SimConfig(nodes=8, requests=600, cache_tokens=1024, delay_ms="5", policy="cost", seed=2,
+                       crash_rate=40, leave_rate=40, join_rate=80, disk_cache_tokens=65_536,
+                       gossip=gossip)
+    sim, summary = simulate(config, check=True)
+    churn = sim.churn
+    assert churn is not None and churn.restarts >= 3 and summary["churn"]["lost"] == 0
+    restarted = [k for k in churn.restarted_at if churn.live(k)]
+    assert restarted
+    for k in restarted:
+        core = sim.cores[k]
+        assert isinstance(core, NodeCore)
+        engine = sim.engines[k].engine  # type: ignore[attr-defined]
+        # What it announces is what its engine holds, memory and disk (nothing pending).
+        assert set(core.local.digest) == set(engine.cached_block_hashes())
+    assert summary["disk"]["tokens_read"] > 0
