@@ -651,7 +651,7 @@ def _add_swarm(sub: Any) -> None:
 
 
 def _run_swarm_new(args: argparse.Namespace) -> int:
-    from peerinfer.net.admission import make_invite, new_swarm_key
+    from peerinfer.net.admission import invite_address, make_invite, new_swarm_key
     from peerinfer.net.config import DEFAULT_PORT, default_identity_path
     from peerinfer.net.discovery import primary_ipv4
     from peerinfer.net.identity import load_or_create_identity, peer_id_of
@@ -660,7 +660,7 @@ def _run_swarm_new(args: argparse.Namespace) -> int:
     peer = peer_id_of(load_or_create_identity(args.identity or default_identity_path()))
     port = DEFAULT_PORT if args.port is None else args.port
     # The LAN address (loopback in an invite would make a joiner dial itself).
-    hosts = [_invite_addr(a, port) for a in args.addr] or [f"/ip4/{primary_ipv4() or '127.0.0.1'}/tcp/{port}"]
+    hosts = [invite_address(a, port) for a in args.addr] or [f"/ip4/{primary_ipv4() or '127.0.0.1'}/tcp/{port}"]
     invite = make_invite(key, [f"{a.rstrip('/')}/p2p/{peer}" for a in hosts])
     if args.key_file is not None:
         try:
@@ -674,20 +674,6 @@ def _run_swarm_new(args: argparse.Namespace) -> int:
     print("run the first node with: peerinfer node --swarm-key-file FILE  (FILE holding the key, mode 0600)", file=sys.stderr)
     print("others join with:        peerinfer node --join @FILE  (FILE holding the invite)", file=sys.stderr)
     return 0
-
-
-def _invite_addr(addr: str, port: int) -> str:
-    """An ``--addr`` of ``swarm new`` as the invite carries it: a bare host (``/ip4/1.2.3.4``,
-    ``/dns4/home.example``) gets ``/tcp/<port>``, since an invite nobody can dial fails only
-    later, on the joiner's side, in a loop of "no transport found"."""
-    parts = addr.strip().rstrip("/").split("/")
-    if len(parts) < 3 or parts[0] != "" or parts[-2] == "p2p":
-        raise ConfigError(f"--addr {addr!r}: expected a multiaddr without /p2p, like /ip4/1.2.3.4/tcp/{port}")
-    if len(parts) == 3 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
-        return f"{'/'.join(parts)}/tcp/{port}"
-    if "tcp" not in parts[3:-1]:
-        raise ConfigError(f"--addr {addr!r}: peerinfer nodes listen on TCP; expected like /ip4/1.2.3.4/tcp/{port}")
-    return "/".join(parts)
 
 
 def _add_calibrate(sub: Any, full: bool = True) -> None:

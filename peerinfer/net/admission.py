@@ -85,6 +85,21 @@ def make_invite(swarm_key: str, addrs: list[str] | tuple[str, ...]) -> str:
     return INVITE_PREFIX + swarm_key + ":" + ",".join(addrs)
 
 
+def invite_address(addr: str, port: int) -> str:
+    """An address given to ``peerinfer swarm new --addr`` as an invite carries it: a bare host
+    (``/ip4/1.2.3.4``, ``/dns4/home.example``) gets ``/tcp/<port>``; an address that is not
+    TCP or ends in ``/p2p/<id>`` is a ConfigError now, since an invite nobody can dial fails
+    only later, on the joiner's side, in a loop of "no transport found"."""
+    parts = addr.strip().rstrip("/").split("/")
+    if len(parts) < 3 or parts[0] != "" or parts[-2] == "p2p":
+        raise ConfigError(f"--addr {addr!r}: expected a multiaddr without /p2p, like /ip4/1.2.3.4/tcp/{port}")
+    if len(parts) == 3 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        return f"{'/'.join(parts)}/tcp/{port}"
+    if "tcp" not in parts[3:-1]:
+        raise ConfigError(f"--addr {addr!r}: peerinfer nodes listen on TCP; expected like /ip4/1.2.3.4/tcp/{port}")
+    return "/".join(parts)
+
+
 def parse_invite(text: str) -> tuple[str, tuple[str, ...]]:
     """``(swarm key, bootstrap addresses)`` from an invite; ``ConfigError`` if it is not one."""
     text = text.strip()
@@ -103,6 +118,7 @@ __all__ = [
     "PROOF_BYTES",
     "admission_key",
     "check_proof",
+    "invite_address",
     "make_invite",
     "new_nonce",
     "new_swarm_key",
