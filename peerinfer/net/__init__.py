@@ -58,6 +58,7 @@ from peerinfer.net.host import (
     PeerEventKind,
     StreamHandler,
     open_host,
+    relayed_connection,
 )
 from peerinfer.net.logs import route_libp2p_logs
 
@@ -83,4 +84,5 @@ __all__ = [
     "default_identity_path",
     "gossip_rate_limit",
     "open_host",
+    "relayed_connection",
 ]
