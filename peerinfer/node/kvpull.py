@@ -23,7 +23,11 @@ from itself (``Choice.may_pull_from``: a member of its private swarm, or any pee
 swarm with the explicit opt-in; never a banned or untrusted one), and only in its own KV
 format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pull's answer
 (the holder encodes under its engine's lock, which a batch may hold a while),
-``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
+``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all; and over a relayed
+connection at most ``RELAYED_KV_BYTES`` of KV asked for in the connection's life, pulls and
+probes together (a relay closes a circuit after its byte limit, and with it the peer's only
+connection): a pull asks for the blocks that fit what is left (the rest is recomputed), and
+none when nothing is left (the request is recomputed, the holder not blamed).
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 token whose KV does not match its recompute) leaves the request to be served here by recomputing:
