@@ -58,7 +58,6 @@ from peerinfer.net.host import (
     PeerEventKind,
     StreamHandler,
     open_host,
-    relayed_connection,
 )
 from peerinfer.net.logs import route_libp2p_logs
 
@@ -84,5 +83,4 @@ __all__ = [
     "default_identity_path",
     "gossip_rate_limit",
     "open_host",
-    "relayed_connection",
 ]

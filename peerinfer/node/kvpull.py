@@ -62,8 +62,8 @@ from peerinfer.core.node import ProbeLink, PullChecked, PullFailed, RunLocal, Tr
 from peerinfer.engine.base import Engine
 from peerinfer.engine.kvmemo import known_blocks
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
-from peerinfer.net import relayed_connection
 from peerinfer.net.api import Stream
+from peerinfer.net.host import relayed_connection
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.relay import RelaySettings
 from peerinfer.net.streampool import StreamUse
