@@ -6,7 +6,8 @@ The holder warms a prompt whose KV is several times the circuit's limit; the pul
 the same prompt, pulls over the circuit. Checked: the tokens are a recompute's, the KV bytes
 over the circuit stay within the puller's relayed budget (``kvpull.RELAYED_KV_BYTES``), under
 the circuit's limit, and the circuit survives (the same connection, still the only one,
-answers pings; the next pull, with the budget spent, is not made and nobody is blamed).
+answers pings; the next pull, with the budget spent, is not made and nobody is blamed). Over
+a direct connection the budget does not apply.
 Every wait is bounded (the pair and all done with it by 120 s).
 """
 
@@ -27,7 +28,16 @@ from peerinfer.node import Node, kvpull
 from peerinfer.testing.inprocess import open_nodes, wait_until
 from peerinfer.types import PeerId
 from tests.net.net_helpers import config
-from tests.node.test_kv_pull_nodes import SWARM_KEY, ask, holder_seen, last_outcome, options, prompt
+from tests.node.test_kv_pull_nodes import (
+    SWARM_KEY,
+    ask,
+    holder_seen,
+    last_outcome,
+    options,
+    pair,
+    prompt,
+    warm,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +162,18 @@ async def test_pulls_over_a_relayed_connection_stay_within_the_circuit_and_it_su
         assert not puller.core.choice.pull_held_off(PeerId(holder.peer_id), puller.ctx.now())
         assert r.connections() == [conn]
         await ph.ping(holder.peer_id, timeout=5)
+
+
+async def test_a_direct_connection_has_no_relayed_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound is the relayed connection's alone: with no budget at all, a pull over a direct
+    libp2p connection still asks for the whole run."""
+    monkeypatch.setattr(kvpull, "RELAYED_KV_BYTES", 0)
+    async with pair(options(), options(seed=2)) as (holder, puller):
+        assert puller.host is not None
+        text = prompt(3)
+        recomputed, _ = await warm(holder, puller, text)
+        assert not puller.host.only_relayed(holder.peer_id)  # type: ignore[attr-defined]
+        ids, done = await ask(puller, text)
+        outcome = last_outcome(puller)
+        assert outcome.ok is True and outcome.adopted_tokens >= 64, outcome
+        assert outcome.received == outcome.asked and ids == recomputed
