@@ -635,6 +635,14 @@ def stream_is_relayed(stream: FramedStream) -> bool:
     return is_relayed(stream._stream.muxed_conn)
 
 
+def relayed_connection(stream: object) -> object | None:
+    """The relayed connection ``stream`` runs on (a key for what that circuit has carried:
+    ``peerinfer.node.kvpull``), or None when it runs on a direct one or is not a libp2p
+    ``FramedStream`` (the in-memory network has no relays)."""
+    conn = getattr(getattr(stream, "_stream", None), "muxed_conn", None)
+    return conn if conn is not None and is_relayed(conn) else None
+
+
 @asynccontextmanager
 async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """Start a host; on exit stop everything it started (connections, tasks, mDNS).

@@ -23,7 +23,11 @@ from itself (``Choice.may_pull_from``: a member of its private swarm, or any pee
 swarm with the explicit opt-in; never a banned or untrusted one), and only in its own KV
 format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pull's answer
 (the holder encodes under its engine's lock, which a batch may hold a while),
-``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all.
+``PULL_FRAME_TIMEOUT_S`` between the others, ``PULL_TIMEOUT_S`` in all; and over a relayed
+connection at most ``RELAYED_KV_BYTES`` of KV asked for in the connection's life, pulls and
+probes together (a relay closes a circuit after its byte limit, and with it the peer's only
+connection): a pull asks for the blocks that fit what is left (the rest is recomputed), and
+none when nothing is left (the request is recomputed, the holder not blamed).
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 token whose KV does not match its recompute) leaves the request to be served here by recomputing:
@@ -37,6 +41,7 @@ is reported as ``PullFailed``: the core pulls nothing from that holder for a whi
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,7 +63,9 @@ from peerinfer.engine.base import Engine
 from peerinfer.engine.kvmemo import known_blocks
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
 from peerinfer.net.api import Stream
+from peerinfer.net.host import relayed_connection
 from peerinfer.net.pacing import TokenBucket
+from peerinfer.net.relay import RelaySettings
 from peerinfer.net.streampool import StreamUse
 from peerinfer.node.context import NodeContext
 from peerinfer.node.options import KV_PROTOCOL, logger
@@ -89,6 +96,14 @@ PULL_TIMEOUT_S = 120.0
 #: Extra receive window a puller gives the holder on a KV stream (the muxer's default is 256
 #: KiB): about 1.4x the loopback throughput (``peerinfer.net.muxer.widen_receive_window``).
 PULL_WINDOW_BYTES = 4 * 1024 * 1024
+#: The most bytes of KV (pulls and probes together) the puller asks for over one relayed
+#: connection in its whole life: a relay closes a circuit after its byte limit (both
+#: directions, every stream on it: forwards, gossip, pings), and closing it loses the peer.
+#: The relay's limit is not known here (py-libp2p 0.8.1 reads the Limit its STATUS and STOP
+#: messages carry and drops it), so this is a quarter of peerinfer's default limit
+#: (``RelaySettings.circuit_bytes``, ``--relay-circuit-bytes``): three quarters stay for the
+#: rest. A relay configured with less than this budget still closes circuits under pulls.
+RELAYED_KV_BYTES = RelaySettings().circuit_bytes // 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,9 @@ class KvExchange:
         self._rates: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
         #: the last pulls' outcomes, newest last (tests, the benchmark)
         self.outcomes: collections.deque[PullOutcome] = collections.deque(maxlen=64)
+        #: relayed connection -> KV bytes asked for over it so far (``RELAYED_KV_BYTES``); an
+        #: entry goes with its connection
+        self._relayed_asked: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ the holder's side
 
@@ -286,11 +304,24 @@ class KvExchange:
         # say the length, the first block's fixes it for the rest, within the byte cap).
         size = [block_bytes]
 
-        async def exchange(use: StreamUse) -> KvPullDone:
+        cache = engine.radix_cache
+        # Over a relayed connection the blocks asked for are bounded by bytes before they are
+        # asked for: where the engine does not fix a block's length, by its KV bytes a token.
+        block_estimate = block_bytes or engine.kv_bytes_per_token * (cache.block_size if cache else 1)
+        asked = [hashes]
+
+        async def exchange(use: StreamUse) -> KvPullDone | None:
             stream = use.stream
             if stream.remote_peer != peer:
                 raise ProtocolError(f"a stream to {peer} reached {stream.remote_peer}")
-            await stream.send(encode(KvPullRequest(fmt, hashes)), timeout=PULL_FRAME_TIMEOUT_S)
+            budget = self._relayed_budget(stream)
+            if budget is not None:
+                asked[0] = hashes[: budget // block_estimate if block_estimate > 0 else 0]
+                if not asked[0]:
+                    use.keep()
+                    return None
+                self._charge(stream, len(asked[0]) * block_estimate)
+            await stream.send(encode(KvPullRequest(fmt, asked[0])), timeout=PULL_FRAME_TIMEOUT_S)
             await _widen(stream)
             wait = PULL_FIRST_FRAME_TIMEOUT_S
             while True:
@@ -314,11 +345,15 @@ class KvExchange:
                         )
                 blocks.extend(msg.blocks)
                 received[0] += sum(len(b) for b in msg.blocks)
-                if len(blocks) > len(hashes) or received[0] > min(MAX_PULL_BYTES, len(hashes) * (size[0] or 0)):
+                if len(blocks) > len(asked[0]) or received[0] > min(MAX_PULL_BYTES, len(asked[0]) * (size[0] or 0)):
                     raise ProtocolError(f"{peer} sent more than the pull asked for")
 
         done = await host.streams.exchange(peer, KV_PROTOCOL, exchange, timeout=PULL_FRAME_TIMEOUT_S)
         seconds = trio.current_time() - started
+        if done is None:  # nobody's fault: the holder is not blamed
+            return PullOutcome(peer, failure=(
+                f"the relayed connection carried its {RELAYED_KV_BYTES} bytes of KV already"))
+        hashes = asked[0]
         nbytes = received[0]
         ctx.traffic["kv", "received"] += nbytes
         if done.refused:
@@ -370,6 +405,23 @@ class KvExchange:
         return PullOutcome(peer, len(hashes), len(blocks), adopted, nbytes, seconds,
                            checked=len(positions), ok=True, known=len(known))
 
+    # ------------------------------------------------------------------ relayed connections
+
+    def _relayed_budget(self, stream: object) -> int | None:
+        """The bytes of KV still to be asked for over ``stream``'s connection (``RELAYED_KV_BYTES``
+        in its life); None when it is not relayed (then only the other bounds hold)."""
+        conn = relayed_connection(stream)
+        if conn is None:
+            return None
+        return max(0, RELAYED_KV_BYTES - self._relayed_asked.get(conn, 0))
+
+    def _charge(self, stream: object, nbytes: int) -> None:
+        """Count ``nbytes`` asked for over ``stream``'s relayed connection (when it is one):
+        charged when asked, so that pulls and probes at once share the budget."""
+        conn = relayed_connection(stream)
+        if conn is not None:
+            self._relayed_asked[conn] = self._relayed_asked.get(conn, 0) + nbytes
+
     # ------------------------------------------------------------------ probes
 
     async def probe(self, eff: ProbeLink) -> None:
@@ -380,9 +432,17 @@ class KvExchange:
         assert host is not None
         nbytes = max(1, min(eff.nbytes, MAX_KV_FILLER_BYTES))
         received = [0]
+        asked = [nbytes]
 
-        async def exchange(use: StreamUse) -> KvPullDone:
-            await use.stream.send(encode(KvPullRequest("", (), nbytes)), timeout=PULL_FRAME_TIMEOUT_S)
+        async def exchange(use: StreamUse) -> KvPullDone | None:
+            budget = self._relayed_budget(use.stream)
+            if budget is not None:
+                asked[0] = min(nbytes, budget)
+                if asked[0] <= 0:
+                    use.keep()
+                    return None
+                self._charge(use.stream, asked[0])
+            await use.stream.send(encode(KvPullRequest("", (), asked[0])), timeout=PULL_FRAME_TIMEOUT_S)
             await _widen(use.stream)  # measured as a pull moves
             while True:
                 msg = decode(await use.stream.receive(timeout=PULL_FRAME_TIMEOUT_S),
@@ -392,7 +452,7 @@ class KvExchange:
                     return msg
                 assert isinstance(msg, KvBlocks)
                 received[0] += len(msg.filler)
-                if received[0] > nbytes:
+                if received[0] > asked[0]:
                     raise ProtocolError(f"{eff.peer} sent more filler than asked for")
 
         started = trio.current_time()
@@ -409,7 +469,10 @@ class KvExchange:
             return
         seconds = trio.current_time() - started
         ctx.traffic["kv-probe", "received"] += received[0]
-        if done.refused or received[0] < nbytes:
+        if done is None:
+            logger.info("link probe of %s: its relayed connection carried its KV budget already", eff.peer)
+            return
+        if done.refused or received[0] < asked[0]:
             logger.info("link probe of %s: %s", eff.peer, done.detail or "short answer")
             return
         ctx.feed(TransferMeasured(eff.peer, received[0], seconds))
@@ -465,6 +528,7 @@ __all__ = [
     "PULL_RATE_PER_PEER",
     "PULL_TIMEOUT_S",
     "PULL_WINDOW_BYTES",
+    "RELAYED_KV_BYTES",
     "KvExchange",
     "PullOutcome",
 ]
