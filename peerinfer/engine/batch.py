@@ -215,6 +215,8 @@ class BatchScheduler:
         #: the last step handed back a first token instead of decoding (see ``step``)
         self._deferred_decode = False
         self._prefill_chunks = 0
+        #: the last prefill left a longer prompt's chunk out for those that completed
+        self._topped_up_deferred = False
         self._prefill_batches = 0
         self._prefill_batch_retries = 0
         self._batch_sizes: Counter[int] = Counter()
@@ -476,14 +478,25 @@ class BatchScheduler:
         candidates.sort(key=lambda c: (c[0], c[1]))
         chosen: list[tuple[Key, _Running, int]] = []
         budget = self.prefill_chunk_tokens
+        deferred = False
         for remaining, _, key, entry in candidates:
             if budget <= 0:
                 break
             share = min(remaining, budget)
+            if chosen and share < remaining and not self._topped_up_deferred:
+                # Prompts that complete in this step do not share it with a chunk of a longer
+                # one: the step's time is their first tokens' wait (measured on llama.cpp: a
+                # 30-token suffix waited 5-20 s for the 480 tokens that topped up its step).
+                # The longer prompt's chunk runs at the next step, which tops up whatever
+                # completes in it, so a stream of short prompts delays it every other step at
+                # most and cannot starve it.
+                deferred = True
+                break
             chosen.append((key, entry, share))
             budget -= share
             if self._prefill_one_by_one:
                 break  # one request's chunk per step: see the module docstring
+        self._topped_up_deferred = deferred
         if not chosen:
             return []
         self._prefill_chunks += len(chosen)
