@@ -22,7 +22,11 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    chunk) are ready at once. The others are prefilled **together**: taken by fewest prompt
    tokens left (ties: the oldest), each given all it has left until one step's budget of
    ``prefill_chunk_tokens`` tokens is spent (the first always gets a chunk, cut to the budget),
-   and run in one ``engine.prefill_batch`` call (one forward pass where the backend can), so
+   and run in one ``engine.prefill_batch`` call (one forward pass where the backend can). When
+   some prompts complete within the budget, the budget's rest is not topped up with a chunk
+   of a longer prompt that would not complete: their first tokens do not wait for it. That
+   chunk runs at the next step, which is always topped up, so the longer prompt loses every
+   other step at most. So
    a long prompt never stalls the requests already decoding (it costs each of their steps one
    chunk at most) nor a short prompt that joins after it, and several newcomers' uncached
    suffixes cost one pass instead of one step each. An engine that keeps the base class's
