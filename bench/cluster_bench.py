@@ -310,6 +310,29 @@ def _save_outcomes(path: Path, cluster: Cluster, outcomes: list[Outcome]) -> Non
             f.write(json.dumps(row, allow_nan=True) + "\n")
 
 
+def _decode_during_prefill(ok: list[Outcome]) -> float:
+    """The share of the requests' decode time (first token to last) that overlaps another
+    request's wait for its first token on the same node (see ``summarize``)."""
+    total = overlap = 0.0
+    for o in ok:
+        start, end = o.sent_s + o.ttft_s, o.sent_s + o.latency_s
+        if end <= start:
+            continue
+        total += end - start
+        spans = sorted(
+            (max(start, p.sent_s), min(end, p.sent_s + p.ttft_s))
+            for p in ok
+            if p is not o and p.served_by == o.served_by
+        )
+        reach = start
+        for a, b in spans:  # the union of the overlapping spans
+            a = max(a, reach)
+            if b > a:
+                overlap += b - a
+                reach = b
+    return overlap / total if total > 0 else math.nan
+
+
 def summarize(setup: Setup, cluster: Cluster, policy: str, outcomes: list[Outcome]) -> dict[str, Any]:
     ok = [o for o in outcomes if not o.error]
     ttft = [o.ttft_s for o in ok]
@@ -340,18 +363,19 @@ def summarize(setup: Setup, cluster: Cluster, policy: str, outcomes: list[Outcom
         "send_lag_p99_ms": _r(percentile(lag, 99) * 1000, 2),
         "wall_s": _r(max((o.sent_s + o.latency_s for o in ok), default=math.nan), 2),
     }
-    # The decode phase (first token to last) against the cost model's: how much slower than
-    # modelled the nodes ran (thread hand-offs, relays, other programs competing for the CPU,
-    # and, on a batching engine, decode steps that each wait for one prefill chunk of another
-    # request on the same node: engine/batch.py, "Prefill", which the cost model's decode
-    # figure does not include).
-    decode_model = [
-        (o.completion_tokens - 1) * setup.costs.decode_s_per_token for o in ok if o.completion_tokens > 1
-    ]
+    # The decode phase (first token to last) against the cost model's for the request decoding
+    # alone (``CostModel.decode_s``: one-row decode steps; the node batches it with whatever
+    # else runs there, and a step of k rows costs more). What it does not include, and what
+    # the second figure measures: a decode step waits for the prefill chunk of another request
+    # on the same node (engine/batch.py, "Prefill"). ``decode_during_prefill`` is the share of
+    # the decode phases' time during which another request served by the same node was still
+    # waiting for its first token (sent to first token: its prefill, or its queueing before).
+    decode_model = [setup.costs.decode_s(o.completion_tokens) for o in ok if o.completion_tokens > 1]
     decode_real = [o.latency_s - o.ttft_s for o in ok if o.completion_tokens > 1]
     out["decode_time_vs_model"] = _r(
         sum(decode_real) / sum(decode_model) if sum(decode_model) > 0 else math.nan, 3
     )
+    out["decode_during_prefill"] = _r(_decode_during_prefill(ok), 3)
     if policy == ORACLE:
         agree = [o for o in ok if o.oracle_cached is not None]
         out["oracle_cache_agreement"] = _r(

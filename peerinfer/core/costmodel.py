@@ -343,7 +343,8 @@ BATCHED_COSTS = CostModel(
 #: because ggml has no batched Q4_1 kernel on AVX2. The prefill line's intercept came out below
 #: zero, so ``overhead_s`` is 0 as fitted. A CPU node on this engine announces it when
 #: ``--costs`` gives none (``LlamaCppEngine.default_costs``); the simulator's ``llamacpp``
-#: preset is this model.
+#: preset is this model. ``prefill_chunk_tokens`` is not measured: it is the engine's chunk,
+#: 128 since Dec 6 (512 when calibrated; with 32-token ubatches the per-token rate is the same).
 LLAMACPP_COSTS = CostModel(
     prefill_s_per_token=0.009842,
     cached_s_per_token=0.0002314,
@@ -352,7 +353,7 @@ LLAMACPP_COSTS = CostModel(
     slots=8,
     decode_step_s_by_batch=((1, 0.02068), (2, 0.04054), (4, 0.06808), (8, 0.12951)),
     prefill_busy_s_per_token=0.009387,
-    prefill_chunk_tokens=512,
+    prefill_chunk_tokens=128,  # the engine's chunk (engine/llamacpp.py DEFAULT_PREFILL_CHUNK)
 )
 
 

@@ -22,7 +22,11 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    chunk) are ready at once. The others are prefilled **together**: taken by fewest prompt
    tokens left (ties: the oldest), each given all it has left until one step's budget of
    ``prefill_chunk_tokens`` tokens is spent (the first always gets a chunk, cut to the budget),
-   and run in one ``engine.prefill_batch`` call (one forward pass where the backend can), so
+   and run in one ``engine.prefill_batch`` call (one forward pass where the backend can). When
+   some prompts complete within the budget, the budget's rest is not topped up with a chunk
+   of a longer prompt that would not complete: their first tokens do not wait for it. That
+   chunk runs at the next step, which is always topped up, so the longer prompt loses every
+   other step at most. So
    a long prompt never stalls the requests already decoding (it costs each of their steps one
    chunk at most) nor a short prompt that joins after it, and several newcomers' uncached
    suffixes cost one pass instead of one step each. An engine that keeps the base class's
@@ -215,6 +219,8 @@ class BatchScheduler:
         #: the last step handed back a first token instead of decoding (see ``step``)
         self._deferred_decode = False
         self._prefill_chunks = 0
+        #: the last prefill left a longer prompt's chunk out for those that completed
+        self._topped_up_deferred = False
         self._prefill_batches = 0
         self._prefill_batch_retries = 0
         self._batch_sizes: Counter[int] = Counter()
@@ -476,14 +482,25 @@ class BatchScheduler:
         candidates.sort(key=lambda c: (c[0], c[1]))
         chosen: list[tuple[Key, _Running, int]] = []
         budget = self.prefill_chunk_tokens
+        deferred = False
         for remaining, _, key, entry in candidates:
             if budget <= 0:
                 break
             share = min(remaining, budget)
+            if chosen and share < remaining and not self._topped_up_deferred:
+                # Prompts that complete in this step do not share it with a chunk of a longer
+                # one: the step's time is their first tokens' wait (measured on llama.cpp: a
+                # 30-token suffix waited 5-20 s for the 480 tokens that topped up its step).
+                # The longer prompt's chunk runs at the next step, which tops up whatever
+                # completes in it, so a stream of short prompts delays it every other step at
+                # most and cannot starve it.
+                deferred = True
+                break
             chosen.append((key, entry, share))
             budget -= share
             if self._prefill_one_by_one:
                 break  # one request's chunk per step: see the module docstring
+        self._topped_up_deferred = deferred
         if not chosen:
             return []
         self._prefill_chunks += len(chosen)

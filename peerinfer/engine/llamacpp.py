@@ -164,7 +164,11 @@ from peerinfer.errors import ConfigError, EngineError, InvalidRequestError
 #: The byte budget (context + cached blocks) when the node sets none.
 DEFAULT_CAPACITY_BYTES = 1 << 30
 #: Prompt tokens run per llama_decode call (llama.cpp's ``n_batch``) and the scheduler's chunk.
-DEFAULT_PREFILL_CHUNK = 512
+#: Every decode step of the requests running beside a prefill waits for one chunk, and so does
+#: a newcomer's prompt for the chunk under way; at ~100 prompt tokens/s on one CPU thread a
+#: 512-token chunk is ~5 s of such wait, 128 is ~1.3 s. With ``n_ubatch`` 32 the chunk size
+#: hardly changes the prefill's own cost (docs/performance.md, "The decode wait behind prefill").
+DEFAULT_PREFILL_CHUNK = 128
 #: Requests decoded together by default (``max_batch_size``).
 DEFAULT_MAX_BATCH_SIZE = 8
 #: llama.cpp's physical batch (``n_ubatch``). Below 64 rows llama.cpp's CPU flash attention runs

@@ -158,13 +158,15 @@ def test_newcomers_are_prefilled_together_shortest_first_within_the_budget() -> 
     for key, p in prompts.items():
         scheduler.submit(key, p, SamplingParams(max_tokens=3))
     first = scheduler.step()
-    # Fewest tokens left first: c (5) and d (7) whole, then b cut to the 4 tokens left of the
-    # step's 16; a waits. One call for the three, and c's and d's first tokens at once.
-    assert engine.prefill_batches == [3] and engine.prefill_chunks == [5, 7, 4]
+    # Fewest tokens left first: c (5) and d (7) whole, in one call, and their first tokens at
+    # once. b would only get the 4 tokens left of the step's 16: it waits, so that c's and d's
+    # first tokens do not wait for a chunk that completes nothing.
+    assert engine.prefill_batches == [2] and engine.prefill_chunks == [5, 7]
     assert {key for key, ev in first if isinstance(ev, Tokens)} == {"c", "d"}
-    # Next step: b's last 8, then 8 of a's 30 (and the decode of c and d).
+    # Next step: b's 12 whole, topped up with 4 of a's 30 (a chunk left out at one step is
+    # never left out at the next), and the decode of c and d.
     second = scheduler.step()
-    assert engine.prefill_batches == [3, 2] and engine.prefill_chunks[3:] == [8, 8]
+    assert engine.prefill_batches == [2, 2] and engine.prefill_chunks[2:] == [12, 4]
     events: dict[object, list[object]] = {}
     for key, item in [*first, *second]:
         events.setdefault(key, []).append(item)
@@ -176,6 +178,39 @@ def test_newcomers_are_prefilled_together_shortest_first_within_the_budget() -> 
     assert stats.prefill_batches == len(engine.prefill_batches) < stats.prefill_chunks
     assert sum(engine.prefill_chunks) == 30 + 12 + 5 + 7
     assert max(sum(engine.prefill_chunks[i : i + n]) for i, n in _batch_starts(engine)) <= 16
+
+
+def test_a_completing_prompt_does_not_wait_for_a_longer_prompts_chunk() -> None:
+    # A short prompt joining while a long one prefills gets a step of its own (its first
+    # token waits for its own tokens only), and a stream of them delays the long prompt's
+    # chunks every other step at most: it is never starved.
+    engine = _engine(max_batch_size=8, prefill_chunk_tokens=16)
+    long = _prompt(0, 160)
+    shorts = [_prompt(i, 4) for i in range(1, 7)]
+    expected = {"long": _alone(engine, long, 2)} | {i: _alone(engine, p, 2) for i, p in enumerate(shorts)}
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    engine.prefill_chunks.clear()
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("long", long, SamplingParams(max_tokens=2))
+    events: dict[object, list[object]] = {}
+    batches: list[list[int]] = []
+
+    def step() -> None:
+        before = len(engine.prefill_chunks)
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+        batches.append(engine.prefill_chunks[before:])
+
+    step()  # the long prompt's first chunk
+    for i, p in enumerate(shorts):  # one short newcomer at every step
+        scheduler.submit(i, p, SamplingParams(max_tokens=2))
+        step()
+    # Every other step the newcomer's 4 tokens run alone; at the others the long prompt's
+    # chunk tops them up to the step's 16.
+    assert batches == [[16], [4], [4, 12], [4], [4, 12], [4], [4, 12]]
+    for key, items in _drive(scheduler).items():
+        events.setdefault(key, []).extend(items)
+    assert {key: _ids(events[key]) for key in expected} == expected
 
 
 def _batch_starts(engine: BatchRecordingEngine) -> list[tuple[int, int]]:

@@ -236,8 +236,9 @@ def test_prefill_batch_and_decode_batch_are_one_llama_decode_each(smol, smol_ref
         for job in jobs:
             job.start()
         decoders = [job.decoder for job in jobs]
-        done = smol.prefill_batch(decoders, [40] * 4)
-        assert done == [False] * 4 and calls == [160]  # four chunks, one llama_decode
+        # four chunks, one llama_decode (120 tokens: within the 128-token n_batch)
+        done = smol.prefill_batch(decoders, [30] * 4)
+        assert done == [False] * 4 and calls == [120]
         done = smol.prefill_batch(decoders, [10_000] * 4)
         assert done == [True] * 4 and len(calls) == 2
         out = [[t] for t in smol.decode_batch(decoders)]  # first tokens: sampled, no decode

@@ -47,3 +47,15 @@ def test_an_unknown_engine_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         cluster_bench.build_parser().parse_args(["--engine", "hf"])
     assert exc.value.code == 2
+
+
+def test_decode_during_prefill_counts_overlap_on_the_same_node_once():
+    out = cluster_bench.Outcome
+    # a decodes from 2 to 6; b and c wait for their first tokens on a's node over 3-5 and
+    # 4-7 (their union covers 3-6: 3 of a's 4 s); d's wait on another node does not count.
+    a = out(0, 0, 0.0, sent_s=0.0, ttft_s=2.0, latency_s=6.0, served_by="n1")
+    b = out(1, 0, 0.0, sent_s=3.0, ttft_s=2.0, latency_s=2.0, served_by="n1")
+    c = out(2, 0, 0.0, sent_s=4.0, ttft_s=3.0, latency_s=3.0, served_by="n1")
+    d = out(3, 0, 0.0, sent_s=2.0, ttft_s=4.0, latency_s=4.0, served_by="n2")
+    assert cluster_bench._decode_during_prefill([a, b, c, d]) == pytest.approx(3.0 / 4.0)
+    assert cluster_bench._decode_during_prefill([a, d]) == 0.0
