@@ -3,7 +3,9 @@ at one time (the simulator: all recipients at one link delay), shared by them.
 
 ``PeerView`` (``peerinfer.core.peerview``) decides for each recipient whether it follows a run;
 this module is the run itself: what was pushed onto it, and the set of its sender that the
-announcements pushed with changes lead to.
+announcements pushed with changes lead to; ``RunHolders``, the shell's index of its runs' sets
+by block (kept once per sender change), and ``RunReads``, the view through which routing
+matches a followed peer against its run's set (``peerinfer.core.index``, "Without masks").
 """
 
 from __future__ import annotations
