@@ -3,20 +3,24 @@ at one time (the simulator: all recipients at one link delay), shared by them.
 
 ``PeerView`` (``peerinfer.core.peerview``) decides for each recipient whether it follows a run;
 this module is the run itself: what was pushed onto it, and the set of its sender that the
-announcements pushed with changes lead to.
+announcements pushed with changes lead to; ``RunHolders``, the shell's index of its runs' sets
+by block (kept once per sender change), and ``RunReads``, the view through which routing
+matches a followed peer against its run's set (``peerinfer.core.index``, "Without masks").
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+from weakref import WeakSet
 
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Announce
-from peerinfer.types import PeerId
+from peerinfer.types import BlockHash, PeerId
 
-__all__ = ["AnnounceRun"]
+__all__ = ["AnnounceRun", "RunHolders", "RunReads"]
 
 
 class AnnounceRun:
@@ -51,9 +55,9 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at")
+                 "digest", "changes", "change_at", "holders", "__weakref__")
 
-    def __init__(self, announce: Announce, at: float) -> None:
+    def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
         self.sender = announce.sender
         self.root = announce.root
         self.count = announce.count
@@ -67,6 +71,8 @@ class AnnounceRun:
         self.digest: MerkleDigest | None = None
         self.changes: list[Announce] = []
         self.change_at: list[int] = []
+        #: the shell's index of the runs whose set holds a block (``RunHolders``), or None
+        self.holders = holders
 
     def extends(self, a: Announce) -> bool:
         """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
@@ -93,6 +99,8 @@ class AnnounceRun:
         the flat ``digest``: the run's own copy, if it has none yet."""
         if self.digest is None:
             self.digest = digest.twin()
+            if self.holders is not None:
+                self.holders.seeded(self)
 
     def advances(self, a: Announce) -> MerkleDigest | None:
         """The sender's set after ``a``, if ``a`` may be pushed with its changes: it chains from
@@ -123,6 +131,8 @@ class AnnounceRun:
         """Append ``a``, with changes (``advances`` gave ``after``; the followers over their
         limit left the run first)."""
         self.digest = after
+        if self.holders is not None:
+            self.holders.changed(self, a.added, a.removed)
         self.root = a.root
         self.count = a.count
         self.epoch = a.epoch
@@ -184,3 +194,129 @@ class AnnounceRun:
             replica._announced = (epoch, root, count)
         replica.digest.adopt(final)
         replica.epoch = epoch
+
+
+class RunHolders:
+    """Per block, the shared runs whose set holds it: for routing without masks, which would
+    otherwise ask every followed peer's set whether it holds a prompt's first block
+    (``RunReads``). One per shell (the simulator's broadcast), shared by every run it makes,
+    so a run's set is indexed once per change of its sender, not once per recipient.
+
+    Only blocks asked for are indexed (a prompt's first block: few distinct ones in a
+    workload), at most ``max_blocks`` of them, the oldest asked first forgotten (asked again,
+    it is found again by asking every run). Runs are held weakly: one that nobody follows and
+    the shell replaced goes away by itself. Each set changes only through ``seed`` and
+    ``push_changes``, which report here: for every indexed block, the runs listed are exactly
+    the live runs whose ``digest`` holds it."""
+
+    __slots__ = ("_runs", "_of", "max_blocks", "asked", "found_anew")
+
+    def __init__(self, max_blocks: int = 4096) -> None:
+        self._runs: WeakSet[AnnounceRun] = WeakSet()
+        self._of: dict[BlockHash, WeakSet[AnnounceRun]] = {}
+        self.max_blocks = max_blocks
+        #: how many times a block's holders were asked for, and found by asking every run
+        self.asked = 0
+        self.found_anew = 0
+
+    def seeded(self, run: AnnounceRun) -> None:
+        """``run`` got its set (``AnnounceRun.seed``)."""
+        digest = run.digest
+        assert digest is not None
+        self._runs.add(run)
+        for h, runs in self._of.items():
+            if h in digest:
+                runs.add(run)
+
+    def changed(self, run: AnnounceRun, added: Sequence[int], removed: Sequence[int]) -> None:
+        """``run``'s set moved by a delta of ``added`` and ``removed`` (``push_changes``)."""
+        digest = run.digest
+        assert digest is not None
+        of = self._of
+        for changed in (added, removed):
+            for h in changed:
+                runs = of.get(h)  # type: ignore[call-overload]
+                if runs is not None:
+                    if h in digest:
+                        runs.add(run)
+                    else:
+                        runs.discard(run)
+
+    def holding(self, h: BlockHash) -> WeakSet[AnnounceRun]:
+        """The live runs whose set holds ``h`` (read-only)."""
+        self.asked += 1
+        runs = self._of.get(h)
+        if runs is None:
+            self.found_anew += 1
+            of = self._of
+            if len(of) >= self.max_blocks:
+                del of[next(iter(of))]
+            runs = of[h] = WeakSet(r for r in self._runs if r.digest is not None and h in r.digest)
+        return runs
+
+
+class _Followed(Protocol):
+    """What ``RunReads`` reads of a followed peer's record (``peerinfer.core.peerview``'s
+    ``_Kept``)."""
+
+    @property
+    def run(self) -> AnnounceRun | None: ...
+
+    @property
+    def cursor(self) -> int: ...
+
+    @property
+    def final(self) -> MerkleDigest | None: ...
+
+
+class RunReads(Mapping[PeerId, MerkleDigest]):
+    """Without masks, the newer sets routing matches for some peers instead of their replicas'
+    (``newer`` of ``PeerIndex.candidates``), as a view read per peer: a followed run's set when
+    it changed since the node last looked, else the set a kept record's changes lead to.
+
+    It also tells the index how to match without asking every peer (``holders``: every run
+    the node follows is indexed there): a peer whose run the node follows is matched against
+    the run's set, the very set it reads either way (its replica's, taken in from the run, when
+    nothing changed since). So the index asks the runs holding the prompt's first block, and
+    every other peer alone (``ReplicaIndex._walk_runs``)."""
+
+    __slots__ = ("following", "changed", "unapplied", "holders")
+
+    def __init__(
+        self,
+        following: Mapping[PeerId, _Followed],
+        changed: set[PeerId],
+        unapplied: Mapping[PeerId, _Followed],
+        holders: RunHolders | None,
+    ) -> None:
+        self.following, self.changed, self.unapplied = following, changed, unapplied
+        self.holders = holders
+
+    def get(self, peer: PeerId, default: Any = None) -> Any:
+        kept = self.following.get(peer)
+        if kept is not None:
+            run = kept.run
+            if (run is not None and run.change_at and run.change_at[-1] > kept.cursor
+                    and run.digest is not None):
+                return run.digest
+        if peer in self.changed:
+            final = self.unapplied[peer].final
+            if final is not None:
+                return final
+        return default
+
+    def __getitem__(self, peer: PeerId) -> MerkleDigest:
+        digest = self.get(peer)
+        if digest is None:
+            raise KeyError(peer)
+        return digest  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[PeerId]:
+        return (p for p in {**self.following, **dict.fromkeys(self.changed)}
+                if self.get(p) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return bool(self.following or self.changed)

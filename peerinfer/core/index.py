@@ -34,7 +34,10 @@ speculative entries for the chain's leading blocks instead, O(peers) per route, 
 ``(depth, mask)`` answer. A caller may name, per peer, a newer set to match instead of the
 replica's (the set a shared run's waiting changes lead to: ``peerinfer.core.announcerun``).
 Nothing is skipped then (``max_replica_blocks`` bounds only the masks; the replica budget
-bounds the replicas).
+bounds the replicas). When every run the caller follows reports to one ``RunHolders`` (the
+simulator's), ``newer`` is a ``RunReads`` view and the walk asks only the runs whose set holds
+the chain's first block, and the peers not followed one by one (``ReplicaIndex._walk_runs``):
+the same answer, in time proportional to those.
 
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips

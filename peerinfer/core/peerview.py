@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from peerinfer.core.announcerun import AnnounceRun
+from peerinfer.core.announcerun import AnnounceRun, RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.merkle import MerkleDigest
@@ -117,7 +117,7 @@ class PeerView:
     """
 
     __slots__ = ("_index", "_me", "lazy", "_kept", "_unapplied", "_following", "_heard_through_run",
-                 "_pull_idle", "_changed")
+                 "_pull_idle", "_changed", "_run_holders")
 
     def __init__(
         self,
@@ -141,6 +141,10 @@ class PeerView:
         self._changed: set[PeerId] = set()
         self._heard_through_run = heard_through_run
         self._pull_idle = pull_idle
+        #: the index of runs (``RunHolders``) every run this node followed reported to; None
+        #: before the first; False once two differed or one had none (routing then asks
+        #: every peer's set: ``RunReads``)
+        self._run_holders: RunHolders | None | bool = None
 
     # ------------------------------------------------------------------ the two doors
 
@@ -337,6 +341,9 @@ class PeerView:
         allowance = self._index.allowance(peer)
         run.followers[self._me] = replica.max_elements if replica.max_elements < allowance else allowance
         self._following[peer] = kept
+        holders = self._run_holders
+        if holders is not run.holders and holders is not False:
+            self._run_holders = run.holders if holders is None and run.holders is not None else False
 
     # ------------------------------------------------------------------ reading without taking in
 
@@ -366,8 +373,12 @@ class PeerView:
                     self.take(peer)
         if not (following or unapplied):
             return index, None, None
-        newer: dict[PeerId, MerkleDigest] | None = None
-        if not index.masks:
+        newer: Mapping[PeerId, MerkleDigest] | None = None
+        holders = self._run_holders
+        if not index.masks and isinstance(holders, RunHolders):
+            # Every followed run indexed in one place: read per peer, matched run by run.
+            newer = RunReads(following, self._changed, unapplied, holders)
+        elif not index.masks:
             # (attributes read inline: every followed peer, every route)
             newer = {
                 p: k.run.digest for p, k in following.items()

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import takewhile
 
+from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
 from peerinfer.core.merkle import MerkleDigest, NullObserver
@@ -390,6 +391,8 @@ class ReplicaIndex(ReplicaBudget):
         entries asked for the chain's leading blocks, one peer after another."""
         if not chain:
             return []
+        if type(newer) is RunReads and newer.holders is not None:
+            return self._walk_runs(chain, newer, newer.holders)
         by_depth: dict[int, int] = {}
         newer_get = newer.get if newer else None
         h0 = chain[0]
@@ -420,6 +423,67 @@ class ReplicaIndex(ReplicaBudget):
                 depth = len(list(takewhile(held.__contains__, chain)))
             by_depth[depth] = by_depth.get(depth, 0) | state.bit
         return sorted(by_depth.items())
+
+    #: tests: every ``_walk_runs`` also walks every peer and requires the same answer
+    check_run_walks = False
+    #: how many walks ``_walk_runs`` answered (every index together; tests)
+    run_walks = 0
+
+    def _walk_runs(
+        self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
+    ) -> list[tuple[int, int]]:
+        """``_walk_sets`` for a node whose followed runs are all indexed in ``holders``: a
+        followed peer reads its run's set (``RunReads``), so of those only the runs whose set
+        holds the chain's first block are asked; the peers not followed, and followed ones
+        with speculative entries, are asked one by one as there. The same answer in time
+        proportional to those, not to every peer (a swarm's node follows nearly every peer)."""
+        states = self._states
+        following = reads.following
+        spec = self._spec_holders
+        alone = states.keys() - following.keys()
+        if spec:
+            alone |= spec.keys() & following.keys()
+        by_depth: dict[int, int] = {}
+        newer_get = reads.get
+        h0 = chain[0]
+        for peer in alone:
+            state = states[peer]
+            digest = state.replica.digest  # type: ignore[union-attr]
+            later = newer_get(peer)
+            if later is not None:
+                digest = later
+            flat = digest._flat
+            held: set[int] | MerkleDigest = digest if flat is None else flat
+            refs = state.spec_refs
+            if h0 not in held and h0 not in refs:
+                continue
+            depth = 1
+            for h in chain[1:]:
+                if h not in held and h not in refs:
+                    break
+                depth += 1
+            by_depth[depth] = by_depth.get(depth, 0) | state.bit
+        get_kept = following.get
+        for run in holders.holding(h0):
+            sender = PeerId(run.sender)
+            kept = get_kept(sender)
+            if kept is None or kept.run is not run or sender in spec:
+                continue
+            holder = states.get(sender)
+            run_set = run.digest
+            if holder is None or run_set is None:
+                continue
+            run_flat = run_set._flat
+            depth = len(list(takewhile((run_set if run_flat is None else run_flat).__contains__,
+                                       chain)))
+            if depth:
+                by_depth[depth] = by_depth.get(depth, 0) | holder.bit
+        out = sorted(by_depth.items())
+        ReplicaIndex.run_walks += 1
+        if ReplicaIndex.check_run_walks:
+            every = self._walk_sets(chain, {p: d for p, d in reads.items()})
+            assert out == every, f"walk over runs {out} != over every peer {every}"
+        return out
 
     # ---------------------------------------------------------------------- speculation
 

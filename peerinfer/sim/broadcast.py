@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from peerinfer.core.announcerun import RunHolders
 from peerinfer.core.messages import Announce, encode
 from peerinfer.core.node import AnnounceReceived, AnnounceRun
 from peerinfer.sim.kernel import GOSSIP, SimKernel
@@ -28,11 +29,14 @@ class Broadcast:
     """A run's direct broadcast; it adds to the kernel's anti-entropy figures (``announces``,
     ``announce_bytes``, ``announce_deliveries``, ``announces_lost``)."""
 
-    def __init__(self, sim: SimKernel, n: int, *, share_runs: bool) -> None:
+    def __init__(self, sim: SimKernel, n: int, *, share_runs: bool, index_runs: bool = True) -> None:
         """``n``: the run's node slots; ``share_runs``: hand unchanged announcements to their
-        followers as one shared run."""
+        followers as one shared run; ``index_runs``: index the runs' sets by block for every
+        node's routing (``RunHolders``; the same decisions)."""
         self.sim = sim
         self.share_runs = share_runs
+        #: every run's set, indexed once per change for every node's routing
+        self.run_holders = RunHolders() if index_runs else None
         self._loss_rng = random.Random(f"{sim.config.seed}:loss")
         self._loss = sim.config.gossip_loss
         delay = sim.delay
@@ -115,7 +119,7 @@ class Broadcast:
             run.push_changes(a, now, after)
             self.changes_shared += 1
         else:
-            run = runs[g] = AnnounceRun(a, now)
+            run = runs[g] = AnnounceRun(a, now, self.run_holders)
             return AnnounceReceived(ev.sender, a, run), recipients
         followers = run.followers
         if len(followers) == len(recipients):

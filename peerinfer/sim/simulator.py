@@ -143,6 +143,10 @@ class Simulation(SimKernel):
     #: let replicas that hold the same set share the result of applying an announcement's
     #: delta (one ``peerinfer.core.digest.DeltaMemo`` per run); False: each applies it itself
     share_deltas = True
+    #: index the shared runs' sets by block (``peerinfer.core.announcerun.RunHolders``), so a
+    #: node's route asks the runs holding the prompt's first block instead of every peer;
+    #: False: every peer (the same decisions)
+    index_runs = True
 
     def __init__(
         self,
@@ -190,7 +194,7 @@ class Simulation(SimKernel):
         self._forward_overhead_s = config.forward_overhead_ms / 1000.0
         self._arrival_rng = random.Random(f"{seed}:arrivals")
         #: the direct broadcast's gossip (``peerinfer.sim.broadcast``; built with the mesh too)
-        self.broadcast = Broadcast(self, n, share_runs=self.share_runs)
+        self.broadcast = Broadcast(self, n, share_runs=self.share_runs, index_runs=self.index_runs)
 
         total = config.requests
         self.total = total

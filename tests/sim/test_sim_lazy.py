@@ -216,6 +216,10 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     monkeypatch.setattr(announcerun.AnnounceRun, "over_limit", counting_over_limit)
     monkeypatch.setattr(announcerun.AnnounceRun, "take_run", staticmethod(counting_take_run))
     monkeypatch.setattr(replicaindex.ReplicaIndex, "_walk_sets", counting_walk_sets)
+    # Routes that asked only the runs holding the prompt's first block (``_walk_runs``), each
+    # also walked over every peer here and required to give the same answer.
+    monkeypatch.setattr(replicaindex.ReplicaIndex, "check_run_walks", True)
+    run_walks = replicaindex.ReplicaIndex.run_walks
     sets = [0, 0]  # replicas holding something after the shared runs, distinct sets among them
     for seed in range(20):
         config = _random_config(seed)
@@ -241,6 +245,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["handed alone"] >= 10, changes
     assert changes["walks without masks"] > 1000 and changes["with newer sets"] > 1000, changes
     assert changes["members heard through runs"] > 1000, changes
+    assert replicaindex.ReplicaIndex.run_walks - run_walks > 500, replicaindex.ReplicaIndex.run_walks  # 897
     # ... and the replicas of a peer that took the same deltas in share one set.
     assert sets[1] * 10 < sets[0] * 6, sets  # 296 of 632 measured; without sharing, all
 

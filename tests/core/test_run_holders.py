@@ -1,0 +1,63 @@
+"""``RunHolders``: per block, exactly the live shared runs whose set holds it, kept through
+runs seeded, changed and dropped, and through forgetting the blocks asked for longest ago
+(issue 25: a route asks only the runs holding its prompt's first block)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+from peerinfer.core.announcerun import AnnounceRun, RunHolders
+from peerinfer.core.merkle import MerkleDigest
+from peerinfer.core.messages import Announce, Load
+from peerinfer.types import BlockHash
+
+
+def _digest(hashes: set[int]) -> MerkleDigest:
+    d = MerkleDigest(lazy=True)
+    for h in hashes:
+        d.add(BlockHash(h))
+    return d
+
+
+def _announce(sender: str, epoch: int, d: MerkleDigest, added: tuple[int, ...] = (),
+              removed: tuple[int, ...] = ()) -> Announce:
+    return Announce(sender=sender, epoch=epoch, prev_epoch=epoch - 1, root=d.root, count=len(d),
+                    load=Load(), added=added, removed=removed)
+
+
+def test_holders_are_the_runs_whose_set_holds_the_block_through_changes() -> None:
+    rng = random.Random(25)
+    blocks = list(range(1, 41))
+    holders = RunHolders(max_blocks=8)  # small: blocks are forgotten and found again
+    runs: list[AnnounceRun] = []
+    sets: list[set[int]] = []
+    for k in range(12):
+        held = set(rng.sample(blocks, 10))
+        d = _digest(held)
+        run = AnnounceRun(_announce(f"p{k}", 1, d), 0.0, holders)
+        assert holders.holding(BlockHash(blocks[0])) is not None  # asked before a set is seeded
+        run.seed(d)
+        runs.append(run)
+        sets.append(held)
+    for step in range(300):
+        k = rng.randrange(len(runs))
+        run, held = runs[k], sets[k]
+        added = tuple(b for b in rng.sample(blocks, 3) if b not in held)
+        removed = tuple(b for b in rng.sample(sorted(held), min(2, len(held))))
+        after_set = (held | set(added)) - set(removed)
+        a = _announce(run.sender, run.epoch + 1, _digest(after_set), added, removed)
+        after = run.advances(a)
+        assert after is not None
+        run.push_changes(a, float(step), after)
+        sets[k] = after_set
+        for b in rng.sample(blocks, 5):
+            expected = {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
+            assert {id(r) for r in holders.holding(BlockHash(b))} == expected, (step, b)
+    assert holders.found_anew > 8  # forgotten blocks were found again by asking every run
+    # A run nobody holds any more goes away by itself.
+    b = next(b for b in blocks if b in sets[0])
+    del runs[0], sets[0], run
+    gc.collect()
+    assert {id(r) for r in holders.holding(BlockHash(b))} == \
+        {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
