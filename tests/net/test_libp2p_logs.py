@@ -32,6 +32,12 @@ def test_the_routine_stream_failure_is_demoted_to_debug(caplog: pytest.LogCaptur
         ("ERROR", "Some other basic_host error")
     ]
     caplog.clear()
+    logging.getLogger("libp2p.pubsub.gossipsub").warning(
+        "pending message queue for peer %s exceeded limit (%d > %d), dropping oldest messages",
+        "12D3KooWClient", 101, 100)
+    logging.getLogger("libp2p.transport.tcp.tcp").error(
+        "Failed to open TCP stream: %s", "all attempts to connect to 127.0.0.1:9 failed")
+    assert caplog.records == []
     # Where py-libp2p's logs are wanted at DEBUG, the record is there, as DEBUG.
     caplog.set_level(logging.DEBUG, logger="libp2p")
     basic_host.error(ROUTINE)
