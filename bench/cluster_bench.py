@@ -233,7 +233,8 @@ async def run_workload(setup: Setup, policy: str, *, extras: bool, args: argpars
         setup.nodes,
         engine=setup.engine,
         # One compute thread per node: several nodes share the machine's cores.
-        extra_args=("--threads", "1") if real else (),
+        # -v: each routing decision and its estimates in the node's log (<workdir>/<policy>/node*.err).
+        extra_args=("--threads", "1", "-v") if real else (),
         ready_timeout_s=300 if real else None,
         policy=node_policy,
         costs_file=setup.costs_file,
