@@ -17,7 +17,11 @@ error translation). A request is *waiting* (FIFO), then *running*: first *prefil
    does not fit, admission stops (FIFO: no request overtakes the head, so a large request
    is not starved) and waits for running requests to end. A request that could not fit even
    alone is refused at ``submit`` with InvalidRequestError; one that cannot fit when nothing
-   runs (memory pinned by someone else) fails instead of waiting forever.
+   runs (memory pinned by someone else) fails instead of waiting forever. The head also
+   waits while a running request is prefilling blocks of its prompt that the cache lacks:
+   when that prefill completes its prompt's blocks are stored at once (not at its end), and
+   the head, admitted at the next step, finds them cached instead of computing them a second
+   time beside it (the node's core already counts such blocks as cached).
 3. **Prefill.** Requests whose decoder reports no ``prefill_remaining`` (backends that do not
    chunk) are ready at once. The others are prefilled **together**: taken by fewest prompt
    tokens left (ties: the oldest), each given all it has left until one step's budget of
@@ -436,6 +440,8 @@ class BatchScheduler:
             return
         while self._waiting and len(self._running) < self.max_running:
             key, job = self._waiting[0]
+            if self._prefilling_its_prefix(job):
+                return  # admitted once that prefill has stored the blocks (FIFO: none overtakes)
             fits = self._attempt(out, key, job, job.reserve_kv)
             while fits is False and self._spill_for(out):
                 fits = self._attempt(out, key, job, job.reserve_kv)
@@ -457,6 +463,34 @@ class BatchScheduler:
             started = self._attempt(out, key, job, job.start)
             if started is not _FAILED:
                 self._emit(out, key, job, (started,))
+
+    def _prefilling_its_prefix(self, job: RequestJob) -> bool:
+        """Whether a running request is prefilling blocks of ``job``'s prompt that the cache
+        lacks. Started now, ``job`` would compute them a second time beside it, and both
+        prompts would prefill at half speed; held until that prefill ends (its blocks are then
+        stored: ``RequestJob.store_prompt``), it finds them cached. The node's core counts
+        them so (blocks of requests queued or running here are as good as cached), and so
+        does the simulated engine; before this hold, a llama.cpp node took 39.6 s to the
+        first token of a request the core expected in 4.8 s (docs/performance.md)."""
+        cache = self.engine.radix_cache
+        if cache is None:
+            return False
+        bs = cache.block_size
+        head = job.prompt[: len(job.prompt) - 1]  # what ``start`` matches
+        cached_blocks: int | None = None
+        for entry in self._running.values():
+            if entry.ready:
+                continue
+            other = entry.job.prompt
+            n = min(len(head), len(other))
+            if n < bs or head[:bs] != other[:bs]:
+                continue
+            common = next((i for i in range(n) if head[i] != other[i]), n)
+            if cached_blocks is None:
+                cached_blocks = cache.match(head, touch=False).tokens // bs
+            if common // bs > cached_blocks:
+                return True
+        return False
 
     def _prefill(self, out: StepResult) -> list[tuple[Key, _Running]]:
         """Run one prefill batch; the requests whose prompts it completed (their decoders'
@@ -529,7 +563,14 @@ class BatchScheduler:
             if finished is True:
                 entry.ready = True
                 completed.append((key, entry))
+                if any(self._shares_first_block(entry.job, job) for _, job in self._waiting):
+                    self._attempt(out, key, entry.job, entry.job.store_prompt)
         return completed
+
+    def _shares_first_block(self, leader: RequestJob, job: RequestJob) -> bool:
+        cache = self.engine.radix_cache
+        bs = 1 if cache is None else cache.block_size
+        return len(job.prompt) > bs and job.prompt[:bs] == leader.prompt[:bs]
 
     def _prefill_batch(self, decoders: Sequence[Decoder], shares: Sequence[int]) -> list[bool]:
         done = self.engine.prefill_batch(decoders, shares)

@@ -294,6 +294,13 @@ class RequestJob:
         self.decoder = engine.open_decoder(request)
         self.mark_run_start()
 
+    def store_prompt(self) -> None:
+        """Put the prompt's blocks in the cache now that its prefill is done, not at the end:
+        a request with the same prefix, held back while this one prefilled it
+        (``BatchScheduler``), then finds them (the end stores only the blocks after them)."""
+        if self._cache is not None and self.decoder is not None:
+            self.engine._store(self._cache, self.decoder, self.prompt, [], self._prefix)
+
     def cancel_unstarted(self) -> list[EngineEvent]:
         """End a request cancelled before it started: no cache lookup, no decoder."""
         self._count()

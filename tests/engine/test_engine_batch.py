@@ -213,6 +213,46 @@ def test_a_completing_prompt_does_not_wait_for_a_longer_prompts_chunk() -> None:
     assert {key: _ids(events[key]) for key in expected} == expected
 
 
+def test_a_request_sharing_a_prefix_in_prefill_waits_for_it_and_hits() -> None:
+    """A request whose prompt shares blocks with one being prefilled is admitted once that
+    prefill has stored them, and finds them cached, instead of computing them beside it (the
+    node's core counts them as cached: ``Requests.local_match_blocks``). One that shares
+    nothing is admitted at once; the same tokens either way."""
+    engine = _engine(max_batch_size=4, prefill_chunk_tokens=8)
+    shared = _prompt(1, 40)
+    leader, follower, stranger = shared + [7, 8, 9, 11], shared + [12, 13], _prompt(2, 20)
+    expected = {name: _alone(engine, p, 3) for name, p in
+                (("leader", leader), ("follower", follower), ("stranger", stranger))}
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))  # no hits
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("leader", leader, SamplingParams(max_tokens=3))
+    events: dict[object, list[object]] = {}
+    for _ in range(2):  # the leader is in its prefill (44 tokens in chunks of 8)
+        for key, item in scheduler.step():
+            events.setdefault(key, []).append(item)
+    assert scheduler.statistics().prefilling == 1
+    scheduler.submit("follower", follower, SamplingParams(max_tokens=3))
+    for key, item in scheduler.step():
+        events.setdefault(key, []).append(item)
+    assert "follower" not in events  # held: not started
+    assert scheduler.statistics().waiting == 1
+    for key, item in _drive(scheduler).items():
+        events.setdefault(key, []).extend(item)
+    started = {k: next(e for e in v if isinstance(e, Started)) for k, v in events.items()}
+    assert started["follower"].cached_tokens == 40  # the shared 10 blocks, from the leader
+    assert _ids(events["leader"]) == expected["leader"]
+    assert _ids(events["follower"]) == expected["follower"]
+    # A prompt that shares nothing is not held.
+    engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
+    scheduler = BatchScheduler(engine)
+    scheduler.submit("leader", leader, SamplingParams(max_tokens=3))
+    scheduler.step()
+    scheduler.submit("stranger", stranger, SamplingParams(max_tokens=3))
+    assert any(key == "stranger" for key, _ in scheduler.step())
+    events = _drive(scheduler)
+    assert _ids(events["stranger"]) == expected["stranger"]
+
+
 def _batch_starts(engine: BatchRecordingEngine) -> list[tuple[int, int]]:
     """(first chunk index, chunk count) of every prefill batch the engine ran."""
     starts, i = [], 0
