@@ -632,7 +632,7 @@ def _as_node_host(host: Host) -> NodeHost:
 def stream_is_relayed(stream: FramedStream) -> bool:
     """Whether ``stream`` runs over a relayed connection (its remote address is then the
     relay's, not the peer's)."""
-    return is_relayed(stream._stream.muxed_conn)
+    return relayed_connection(stream) is not None
 
 
 def relayed_connection(stream: object) -> object | None:
