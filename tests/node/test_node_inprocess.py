@@ -183,11 +183,18 @@ async def test_a_node_lost_is_redialed_without_waiting_for_peer_exchange(monkeyp
     through nodes[1], but a peer heard of only through gossip is never dialed for it)."""
     import peerinfer.node.peers as peers
 
-    monkeypatch.setattr(peers, "PEER_EXCHANGE_INTERVAL_S", 1e6)
+    # Peer exchange runs often until nodes[2] has met nodes[0] (the one exchange at connection
+    # can come before nodes[1] knows nodes[0], and then only a later exchange introduces them),
+    # and is off from then on: after a pause longer than any sleep begun at the short interval
+    # (at most 1.5x it), every exchange loop sleeps at the long one.
+    monkeypatch.setattr(peers, "PEER_EXCHANGE_INTERVAL_S", 0.2)
     async with cluster(3) as nodes:
         first, _, last = nodes
         assert first.host is not None and last.host is not None
         await wait_until(lambda: last.host.is_connected(first.peer_id) and last.peers.has_met(first.peer_id))  # type: ignore[union-attr]
+        monkeypatch.setattr(peers, "PEER_EXCHANGE_INTERVAL_S", 1e6)
+        await trio.sleep(1.0)
+        await wait_until(lambda: last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
         await last.host.disconnect(first.peer_id)
         await wait_until(lambda: last.peers.is_lost(first.peer_id) or last.host.is_connected(first.peer_id))  # type: ignore[union-attr]
         await wait_until(lambda: last.host.is_connected(first.peer_id), timeout=30)  # type: ignore[union-attr]
