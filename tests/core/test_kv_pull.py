@@ -28,6 +28,7 @@ from peerinfer.core.node import (
     ProbeLink,
     PullChecked,
     PullFailed,
+    PullLimit,
     RunLocal,
     TransferMeasured,
 )
@@ -52,7 +53,8 @@ def holder(matched: int, queued: int = 0, peer: PeerId = H, rtt: float = 0.01,
 
 
 def decide(cands: list[Candidate], mbps: float | dict[PeerId, float | None], prompt_tokens: int = 2000,
-           trusted: frozenset[PeerId] | None = None, pull: PullSettings = PULL):  # type: ignore[no-untyped-def]
+           trusted: frozenset[PeerId] | None = None, pull: PullSettings = PULL,
+           limits: dict[PeerId, int] | None = None, block_size: int = 1):  # type: ignore[no-untyped-def]
     request = RouteRequest(prompt_tokens=prompt_tokens, max_tokens=16)
     base = POLICY.choose(request, cands, random.Random(0))
     rates = mbps if isinstance(mbps, dict) else {c.peer: mbps for c in cands}
@@ -66,6 +68,7 @@ def decide(cands: list[Candidate], mbps: float | dict[PeerId, float | None], pro
         POLICY, request, cands, base, pull,
         trusted=lambda p: trusted is None or p in trusted,
         bandwidth=bandwidth, probe=probed.append,
+        limit=(limits or {}).get, block_size=block_size,
     )
     return base, out, probed
 
@@ -110,6 +113,35 @@ def test_small_gains_are_not_pulled() -> None:
     cands = [local(matched=1900), holder(1984, queued=3)]
     _, out, probed = decide(cands, {H: None})
     assert out.pull_from is None and probed == []  # 84 tokens: below min_pull_tokens
+
+
+def test_a_holder_with_a_byte_bound_is_pulled_from_for_the_whole_blocks_that_fit() -> None:
+    """A relayed link's budget (``PullLimit``): the pull is planned, and estimated, for the
+    blocks that fit it; a bound that leaves too little gains nothing and is not probed."""
+    cands = [local(), holder(1984, queued=3)]
+    per_block = 16 * PULL.kv_bytes_per_token
+    _, full, _ = decide(cands, 10_000, block_size=16)
+    assert full.pull_tokens == 1984
+    _, part, _ = decide(cands, 10_000, limits={H: 100 * per_block + per_block // 2}, block_size=16)
+    assert part.pull_from == H and part.pull_tokens == 1600
+    assert part.pull_bytes is not None and part.pull_bytes <= 100 * per_block + per_block // 2
+    assert full.estimated_ttft_s is not None and part.estimated_ttft_s is not None
+    assert part.estimated_ttft_s > full.estimated_ttft_s  # the rest is recomputed here
+    # A local match counts first: the bound is on what comes beyond it.
+    _, beyond, _ = decide([local(matched=320), holder(1984, queued=3)], 10_000,
+                          limits={H: 100 * per_block}, block_size=16)
+    assert beyond.pull_tokens == 1600
+    base, spent, probed = decide(cands, {H: None}, limits={H: per_block}, block_size=16)
+    assert spent == base and probed == []  # 16 tokens: below min_pull_tokens, not probed
+    always = PullSettings(mode="always")
+    request = RouteRequest(prompt_tokens=2000, max_tokens=16)
+    local_only = POLICY.choose(request, [cands[0]], random.Random(0))
+    out = consider_pull(None, request, cands, local_only, always, trusted=lambda p: True,
+                        bandwidth=lambda p: 1.0 * MB, limit={H: 20 * per_block}.get, block_size=16)
+    assert out.pull_from == H and out.pull_tokens == 320
+    out = consider_pull(None, request, cands, local_only, always, trusted=lambda p: True,
+                        bandwidth=lambda p: 1.0 * MB, limit={H: 0}.get, block_size=16)
+    assert out == local_only
 
 
 def test_always_mode_pulls_from_the_longest_trusted_holder() -> None:
@@ -377,6 +409,25 @@ def test_a_failed_pull_holds_off_pulls_from_that_holder_for_a_while_or_for_good(
     a.handle(PullFailed(b.peer_id, "format", "this node's KV format is x"), 2.2 + PULL_HOLDOFF_S)
     assert a.route(tokens, PARAMS, 2.3 + PULL_HOLDOFF_S).pull_from is None
     assert a.choice.pull_held_off(b.peer_id, 1e9)
+
+
+def test_a_pull_limit_bounds_the_pulls_planned_from_that_holder() -> None:
+    """``PullLimit``: the shell's byte bound for a relayed holder; the pull is planned for what
+    fits, not at all once it is spent, and in full again when the bound is lifted."""
+    a, b, shared = _busy_holder_and_puller()
+    tokens = shared + prompt(9, 16)
+    a.handle(TransferMeasured(b.peer_id, 1 << 20, 0.0011, 0.001), 1.5)
+    assert a.route(tokens, PARAMS, 2.0).pull_tokens == 1024
+    block = a.hasher.block_size * PULL.kv_bytes_per_token
+    assert a.handle(PullLimit(b.peer_id, 40 * block + 7), 2.0) == []
+    assert a.choice.pull_limit(b.peer_id) == 40 * block + 7
+    d = a.route(tokens, PARAMS, 2.1)
+    assert d.pull_from == b.peer_id and d.pull_tokens == 40 * a.hasher.block_size
+    a.handle(PullLimit(b.peer_id, 0), 2.1)
+    assert a.route(tokens, PARAMS, 2.2).pull_from is None
+    a.handle(PullLimit(b.peer_id, None), 2.2)
+    assert a.choice.pull_limit(b.peer_id) is None
+    assert a.route(tokens, PARAMS, 2.3).pull_tokens == 1024
 
 
 def test_a_pull_that_fails_its_check_bans_the_peer() -> None:

@@ -80,7 +80,9 @@ What it decides
   Before a pull is used the shell recomputes the tokens ``pull_sample`` names and reports
   ``PullChecked``: a mismatch is a failed audit (a ``BanPeer``). A pull that gives nothing
   otherwise (refused, timed out) is reported as ``PullFailed``: no pulls from that holder for
-  ``PULL_HOLDOFF_S`` (for good when its KV format is not this node's).
+  ``PULL_HOLDOFF_S`` (for good when its KV format is not this node's). A holder reached only
+  through a relay carries a byte bound (``PullLimit``, from the shell): a pull from it is
+  planned for the blocks that fit, or not made.
 * **Fail over.** A forward that fails, is refused as busy, or gives no first token before its
   deadline goes to the next candidate in the policy's ranking, and finally to the local engine.
   A failure after tokens were streamed resumes locally from the prompt plus the tokens already
@@ -166,6 +168,7 @@ from peerinfer.core.node.events import (
     Publish,
     PullChecked,
     PullFailed,
+    PullLimit,
     Reject,
     ResumeLocal,
     RunLocal,
@@ -215,6 +218,7 @@ __all__ = [
     "ProbeLink",
     "PullChecked",
     "PullFailed",
+    "PullLimit",
     "Publish",
     "Reject",
     "ResumeLocal",

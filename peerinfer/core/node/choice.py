@@ -89,6 +89,9 @@ class Choice:
         self._pull_allowed = pull is not None and (config.private_swarm or pull.open_swarm)
         #: holders not to pull from until then (``note_pull_failed``; inf: never)
         self._pull_holdoff: dict[PeerId, float] = {}
+        #: the KV bytes each holder may still send (``note_pull_limit``: a relayed link's
+        #: budget); absent: no such bound
+        self._pull_limits: dict[PeerId, int] = {}
 
     def load(self, queued: int, running: int) -> Load:
         """This node's load as announced, with ``queued`` and ``running`` requests."""
@@ -205,6 +208,8 @@ class Choice:
             trusted=lambda peer: self.may_pull_from(peer, now) and not self.pull_held_off(peer, now),
             bandwidth=lambda peer: links.bandwidth(peer, now),
             probe=probe,
+            limit=self._pull_limits.get,
+            block_size=self._block_size,
         )
 
     def may_pull_from(self, peer: PeerId, now: float) -> bool:
@@ -229,6 +234,23 @@ class Choice:
                 del holdoff[p]
             while len(holdoff) > MAX_PULL_HOLDOFFS:
                 del holdoff[next(iter(holdoff))]
+
+    def note_pull_limit(self, peer: PeerId, nbytes: int | None) -> None:
+        """At most ``nbytes`` of KV may come from ``peer`` from now on (None: no bound), as
+        the shell says of a relayed link (``PullLimit``). Bounded like the hold-offs: the
+        oldest bound goes first (a peer without one is only pulled from in full, and the
+        shell still bounds what it asks for)."""
+        limits = self._pull_limits
+        limits.pop(peer, None)
+        if nbytes is None:
+            return
+        limits[peer] = max(0, nbytes)
+        while len(limits) > MAX_PULL_HOLDOFFS:
+            del limits[next(iter(limits))]
+
+    def pull_limit(self, peer: PeerId) -> int | None:
+        """The KV bytes ``peer`` may still send (``note_pull_limit``), None for no bound."""
+        return self._pull_limits.get(peer)
 
     def pull_held_off(self, peer: PeerId, now: float) -> bool:
         """Whether pulls from ``peer`` are held off after a failed one (``note_pull_failed``)."""

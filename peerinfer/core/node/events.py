@@ -39,6 +39,7 @@ __all__ = [
     "ProbeLink",
     "PullChecked",
     "PullFailed",
+    "PullLimit",
     "Publish",
     "Reject",
     "ResumeLocal",
@@ -245,6 +246,17 @@ class PullFailed:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class PullLimit:
+    """At most ``nbytes`` of KV may come from ``peer`` from now on, or None for no such bound.
+    The shell says so for a peer it reaches only through a relay, whose circuit closes past its
+    byte limit (``peerinfer.node.kvpull.RELAYED_KV_BYTES``): pulls from it are then planned
+    for what fits (the rest recomputed), or not at all. Ignored when pulls are off."""
+
+    peer: PeerId
+    nbytes: int | None
+
+
 Event = (
     ClientRequest
     | AnnounceReceived
@@ -264,6 +276,7 @@ Event = (
     | TransferMeasured
     | PullChecked
     | PullFailed
+    | PullLimit
 )
 
 # ---------------------------------------------------------------------------------------------

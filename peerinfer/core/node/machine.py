@@ -55,6 +55,7 @@ from peerinfer.core.node.events import (
     ProbeLink,
     PullChecked,
     PullFailed,
+    PullLimit,
     Silence,
     SyncFailed,
     SyncResponseReceived,
@@ -458,6 +459,10 @@ class NodeCore:
         self.choice.note_pull_failed(ev.peer, ev.reason, now)
         return []
 
+    def _on_pull_limit(self, ev: PullLimit, now: float) -> list[Effect]:
+        self.choice.note_pull_limit(ev.peer, ev.nbytes)
+        return []
+
     def _on_audit_finished(self, ev: AuditFinished, now: float) -> list[Effect]:
         return self._banned(ev.peer, self.trust.on_audit_finished(ev, now), now)
 
@@ -651,4 +656,5 @@ _HANDLERS: dict[type, Callable[[NodeCore, object, float], list[Effect]]] = {
     TransferMeasured: NodeCore._on_transfer_measured,  # type: ignore[dict-item]
     PullChecked: NodeCore._on_pull_checked,  # type: ignore[dict-item]
     PullFailed: NodeCore._on_pull_failed,  # type: ignore[dict-item]
+    PullLimit: NodeCore._on_pull_limit,  # type: ignore[dict-item]
 }

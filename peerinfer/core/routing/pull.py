@@ -23,6 +23,8 @@ The pull is chosen when its best estimate beats the policy's own choice (the loc
 the policy serves here, the target's when it forwards) by ``max(min_gain_s, min_gain_fraction *
 that)``. Only holders that gain ``min_pull_tokens`` over the local match, that are trusted for
 pulls, and whose link has a bandwidth figure are considered; the others are asked to be probed.
+A holder with a byte bound (a relayed link's budget, ``limit``) is estimated for the whole
+blocks that fit it (the rest recomputed here), and left out when what fits gains too little.
 
 So the pull estimate falls as the bandwidth grows, and the choice to pull is monotonic in every
 link's bandwidth; with pulls off (``NodeConfig.kv_pull`` None) this module is never called.
@@ -102,12 +104,15 @@ def consider_pull(
     trusted: Callable[[PeerId], bool],
     bandwidth: Callable[[PeerId], float | None],
     probe: Callable[[PeerId], None] | None = None,
+    limit: Callable[[PeerId], int | None] = lambda peer: None,
+    block_size: int = 1,
 ) -> RouteDecision:
     """``decision``, or a local decision with a pull when pulling beats it (see the module).
 
     ``trusted(peer)``: whether this node may pull from ``peer``; ``bandwidth(peer)``: the link's
     bytes/s, None when unknown (then ``probe(peer)`` is called for each trusted holder that
-    would gain enough). ``policy``: the cost policy whose estimates are compared; None only in
+    would gain enough). ``limit(peer)``: the KV bytes ``peer`` may still send, None for no
+    bound (``within_limit``). ``policy``: the cost policy whose estimates are compared; None only in
     ``"always"`` mode. In ``"always"`` mode a local decision pulls from the trusted holder with
     the longest match beyond this node's, whatever the estimates say (a benchmark baseline).
     """
@@ -115,6 +120,17 @@ def consider_pull(
     prompt = request.prompt_tokens
     floor = local.matched_tokens + settings.min_pull_tokens
     best: PullOption | None = None
+    bytes_per_block = settings.kv_bytes_per_token * max(1, block_size)
+
+    def within_limit(c: Candidate) -> Candidate:
+        """``c`` as a pull may use it: its match cut to the whole blocks beyond this node's
+        that its byte bound lets come."""
+        bound = limit(c.peer)
+        if bound is None:
+            return c
+        fits = local.matched_tokens + (max(0, bound) // bytes_per_block) * max(1, block_size)
+        return c if c.matched_tokens <= fits else replace(c, matched_tokens=fits)
+
     if settings.mode == "always":
         if not decision.is_local:
             return decision
@@ -123,6 +139,9 @@ def consider_pull(
             if c.is_local or min(c.matched_tokens, max(0, prompt - 1)) < floor:
                 continue
             if not trusted(c.peer):
+                continue
+            c = within_limit(c)
+            if min(c.matched_tokens, max(0, prompt - 1)) < floor:
                 continue
             if longest is None or c.matched_tokens > longest.matched_tokens:
                 longest = c
@@ -149,6 +168,9 @@ def consider_pull(
             continue
         if not trusted(c.peer):
             continue
+        c = within_limit(c)
+        if min(c.matched_tokens, max(0, prompt - 1)) < floor:
+            continue  # what its link may still carry gains too little (nor is it probed)
         bw = bandwidth(c.peer)
         if bw is None:
             if probe is not None:
