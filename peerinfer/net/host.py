@@ -392,6 +392,15 @@ class Host:
         """Whether we are connected to ``peer_id`` and only through relays (no direct path)."""
         return self._connections.only_relayed(peer_id)
 
+    def relayed_connections(self, peer_id: str) -> list[object]:
+        """The connections to ``peer_id`` as ``relayed_connection`` names a stream's (keys for
+        what each circuit carried) when every live one runs through a relay; [] when a direct
+        one exists or none does."""
+        live = self._live_connections(parse_peer_id(peer_id))
+        if not live or not all(is_relayed(c) for c in live):
+            return []
+        return [getattr(c, "muxed_conn", c) for c in live]
+
     async def disconnect(self, peer_id: str) -> None:
         """Close every connection to ``peer_id``; bounded even if the peer is hung (see
         ``Connections.disconnect``)."""

@@ -27,7 +27,10 @@ format. The puller's: ``PULL_FIRST_FRAME_TIMEOUT_S`` for the first frame of a pu
 connection at most ``RELAYED_KV_BYTES`` of KV asked for in the connection's life, pulls and
 probes together (a relay closes a circuit after its byte limit, and with it the peer's only
 connection): a pull asks for the blocks that fit what is left (the rest is recomputed), and
-none when nothing is left (the request is recomputed, the holder not blamed).
+none when nothing is left (the request is recomputed, the holder not blamed). The core knows
+what is left for each peer reached only through relays (``PullLimit``: told at connection,
+after each charge, and every ``PULL_LIMIT_REFRESH_S`` while a bound stands), so it plans
+pulls that fit rather than ones the budget would cut short.
 
 Any failure of a pull (refused, timed out, the holder gone, bytes that do not decode, a sampled
 token whose KV does not match its recompute) leaves the request to be served here by recomputing:
@@ -58,12 +61,20 @@ from peerinfer.core.messages import (
     decode,
     encode,
 )
-from peerinfer.core.node import ProbeLink, PullChecked, PullFailed, RunLocal, TransferMeasured
+from peerinfer.core.node import (
+    ProbeLink,
+    PullChecked,
+    PullFailed,
+    PullLimit,
+    RunLocal,
+    TransferMeasured,
+)
 from peerinfer.engine.base import Engine
 from peerinfer.engine.kvmemo import known_blocks
 from peerinfer.errors import EngineError, PeerInferError, ProtocolError
 from peerinfer.net.api import Stream
-from peerinfer.net.host import relayed_connection
+from peerinfer.net.context import PeerEvent
+from peerinfer.net.host import Host, relayed_connection
 from peerinfer.net.pacing import TokenBucket
 from peerinfer.net.relay import RelaySettings
 from peerinfer.net.streampool import StreamUse
@@ -104,6 +115,9 @@ PULL_WINDOW_BYTES = 4 * 1024 * 1024
 #: (``RelaySettings.circuit_bytes``, ``--relay-circuit-bytes``): three quarters stay for the
 #: rest. A relay configured with less than this budget still closes circuits under pulls.
 RELAYED_KV_BYTES = RelaySettings().circuit_bytes // 4
+#: How often the bounds told to the core (``PullLimit``) are checked again for the peers that
+#: have one: a direct connection that opened beside a relayed one lifts the bound.
+PULL_LIMIT_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +162,9 @@ class KvExchange:
         #: relayed connection -> KV bytes asked for over it so far (``RELAYED_KV_BYTES``); an
         #: entry goes with its connection
         self._relayed_asked: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        #: peer -> the byte bound last told to the core (``PullLimit``); only bounded peers
+        self._limits_told: dict[str, int] = {}
+        self._limits_checked_at = float("-inf")
 
     # ------------------------------------------------------------------ the holder's side
 
@@ -421,6 +438,49 @@ class KvExchange:
         conn = relayed_connection(stream)
         if conn is not None:
             self._relayed_asked[conn] = self._relayed_asked.get(conn, 0) + nbytes
+            peer = getattr(stream, "remote_peer", None)
+            if isinstance(peer, str):
+                self.tell_pull_limit(peer)
+
+    def pull_limit(self, peer: str) -> int | None:
+        """The KV bytes still to be asked of ``peer`` when it is reached only through relays:
+        the most any of its relayed connections has left (a new stream may take any of them);
+        None when a direct connection exists, or none at all."""
+        host = self._ctx.host
+        conns = host.relayed_connections(peer) if isinstance(host, Host) else []
+        if not conns:
+            return None
+        return max(max(0, RELAYED_KV_BYTES - self._relayed_asked.get(c, 0)) for c in conns)
+
+    def tell_pull_limit(self, peer: str) -> None:
+        """Tell the core ``peer``'s bound (``PullLimit``) when it changed, so that it plans
+        pulls that fit rather than ones the budget would cut short."""
+        if self._ctx.options.kv_pull is None or self._ctx.core is None:
+            return
+        limit = self.pull_limit(peer)
+        if self._limits_told.get(peer) == limit:
+            return
+        if limit is None:
+            del self._limits_told[peer]
+        else:
+            self._limits_told[peer] = limit
+        self._ctx.feed(PullLimit(PeerId(peer), limit))
+
+    def refresh_pull_limits(self) -> None:
+        """Check the bounded peers' bounds again (at most every ``PULL_LIMIT_REFRESH_S``): a
+        direct connection opened, or the relayed ones closed."""
+        now = trio.current_time()
+        if now - self._limits_checked_at < PULL_LIMIT_REFRESH_S:
+            return
+        self._limits_checked_at = now
+        for peer in list(self._limits_told):
+            self.tell_pull_limit(peer)
+
+    async def link_event_loop(self, events: trio.MemoryReceiveChannel[PeerEvent]) -> None:
+        """A peer connected or went: its bound as it stands now (``tell_pull_limit``)."""
+        async for ev in events:
+            if ev.kind in ("connected", "disconnected", "unresponsive"):
+                self.tell_pull_limit(ev.peer_id)
 
     # ------------------------------------------------------------------ probes
 

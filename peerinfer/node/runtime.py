@@ -279,6 +279,8 @@ class Node:
                 messages = await host.subscribe(ctx.topic, self.antientropy.validate_announce)
                 nursery.start_soon(self.antientropy.gossip_loop, messages)
                 nursery.start_soon(self.peers.peer_event_loop, host.peer_events())
+                if opts.kv_pull is not None:
+                    nursery.start_soon(self.kv.link_event_loop, host.peer_events())
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self.peers.peer_exchange_loop)
                 nursery.start_soon(self.peers.redial_lost_loop)
@@ -436,6 +438,7 @@ class Node:
             self._wake = trio.Event()
             with trio.move_on_after(delay):
                 await self._wake.wait()
+            self.kv.refresh_pull_limits()
             disk = self._disk_figure()
             if disk is not None and disk != self._disk_announced:
                 self._disk_announced = disk
