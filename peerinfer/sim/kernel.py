@@ -18,7 +18,7 @@ The event heap
                     at most one live tick, at its ``next_deadline()``, re-armed earlier when an
                     effect sets a nearer deadline (a forward, a pull, an unannounced change)
     ``ARRIVAL``     ``(request,)``: a client request reaches its entry node
-    ``GOSSIP``      ``(sender, AnnounceReceived, group, sent_at)``: an announcement reaches
+    ``GOSSIP``      ``(sender, sender's id, Announce, group, sent_at)``: an announcement reaches
                     every recipient at one link delay from the sender (groups of recipients
                     with equal delays are delivered together, then the next group is scheduled)
     ``SYNC``        ``(responder, requester, SyncRequest)``: a pull reaches its responder,
