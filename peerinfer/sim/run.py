@@ -13,7 +13,7 @@ from peerinfer.core.prefix import (
     PrefixHasher,
     scaffold_messages,
 )
-from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.engine.simulated import PlanMemo, SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
 from peerinfer.sim.inputs import EngineLike, PlanLike, SimRequest
@@ -36,6 +36,8 @@ MULTITURN_CONVERSATIONS = 64
 MULTITURN_TURNS = 8
 #: Synthetic RAG: documents in the pool (drawn by the run's skew) under the four system prompts.
 RAG_DOCUMENTS = 200
+#: Each node's context: no prompt of a workload is cut.
+SIM_MAX_CONTEXT = 1 << 20
 
 _MMLU_CACHE: dict[str | None, MMLU] = {}
 
@@ -175,14 +177,17 @@ def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], Eng
     # One hasher for the swarm, with a memo for every distinct prompt of the workload (the
     # prompts repeat: each chain is hashed once, not once per request).
     hasher = PrefixHasher(probe.fingerprint, memo_size=SIM_PROMPT_MEMO_SIZE)
+    # Likewise each distinct prompt is validated, and its completion hashed, once for the swarm.
+    memo = PlanMemo(probe.vocab_size, SIM_MAX_CONTEXT, max_prompts=SIM_PROMPT_MEMO_SIZE)
 
     def make(index: int) -> EngineLike:
         # A mix (peerinfer.sim.mix) gives each node its machine's costs and cache size.
         engine = SimulatedEngine(
             costs=node_costs(config, index),
-            max_context_tokens=1 << 20,
+            max_context_tokens=SIM_MAX_CONTEXT,
             kv_bytes_per_token=config.kv_bytes_per_token,
         )
+        engine.share_plan_memo(memo)
         engine.configure_cache(hasher, capacity_tokens=node_cache_tokens(config, index))
         if config.disk_cache_tokens:
             engine.configure_sim_disk(
