@@ -91,7 +91,7 @@ class _Tokens:
     def __init__(self, engine: SimulatedEngine) -> None:
         self.engine = engine
         self._parts: dict[str, tuple[int, ...]] = {}
-        self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._prompts: dict[tuple[str, str], tuple[tuple[int, ...], int]] = {}
 
     def part(self, text: str) -> tuple[int, ...]:
         got = self._parts.get(text)
@@ -99,7 +99,9 @@ class _Tokens:
             got = self._parts[text] = tuple(self.engine.tokenize(text))
         return got
 
-    def __call__(self, prefix: str, suffix: str) -> tuple[int, ...]:
+    def __call__(self, prefix: str, suffix: str) -> tuple[tuple[int, ...], int]:
+        """The prompt's tokens, and how many whole blocks of them are the prefix's (0 when the
+        prefix's tokens are not the prompt's first ones: then no residency probe)."""
         key = (prefix, suffix)
         got = self._prompts.get(key)
         if got is None:
@@ -107,10 +109,12 @@ class _Tokens:
                 prefix and suffix and prefix[-1].isspace() and not suffix[0].isspace()
             )
             if seam_safe:
-                got = self.part(prefix) + self.part(suffix)
+                prompt = self.part(prefix) + self.part(suffix)
             else:
-                got = tuple(self.engine.tokenize(prefix + suffix))
-            self._prompts[key] = got
+                prompt = tuple(self.engine.tokenize(prefix + suffix))
+            head = self.part(prefix) if prefix else ()
+            shared = len(head) // DEFAULT_BLOCK_SIZE if prompt[: len(head)] == head else 0
+            got = self._prompts[key] = (prompt, shared)
         return got
 
 
@@ -122,6 +126,7 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
     hasher = PrefixHasher(engine.fingerprint)
     scaffolds: dict[tuple[tuple[str, str], ...], int | None] = {}
     params: dict[int, SamplingParams] = {}
+    labels: dict[tuple[int | None, str], str] = {}
     out = []
     for item in workload_items(config):
         if item.scaffold in scaffolds:
@@ -133,12 +138,13 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
         p = params.get(item.max_tokens)
         if p is None:
             p = params[item.max_tokens] = SamplingParams(max_tokens=item.max_tokens)
-        prompt = tokens(item.prefix, item.suffix)
         # The prefix's whole blocks (its tokens are a prefix of the prompt's when the seam is
         # safe; otherwise the residency probe is skipped for it).
-        prefix = tokens.part(item.prefix) if item.prefix else ()
-        shared = len(prefix) // DEFAULT_BLOCK_SIZE if prompt[: len(prefix)] == prefix else 0
-        out.append(SimRequest(prompt, p, _label(item), item.conversation, shared, scaffold))
+        prompt, shared = tokens(item.prefix, item.suffix)
+        label = labels.get((item.conversation, item.prefix_key))
+        if label is None:
+            label = labels[item.conversation, item.prefix_key] = _label(item)
+        out.append(SimRequest(prompt, p, label, item.conversation, shared, scaffold))
     if config.requests and not out:
         raise ConfigError(f"the workload {config.workload!r} holds no requests")
     return out
