@@ -19,7 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from peerinfer.core.announcerun import RunHolders
-from peerinfer.core.messages import PROTOCOL_VERSION, Announce, Record, encode
+from peerinfer.core.messages import PROTOCOL_VERSION, Announce, Load, Record, encode
 from peerinfer.core.node import AnnounceReceived, AnnounceRun
 from peerinfer.sim.kernel import GOSSIP, SimKernel
 from peerinfer.types import PeerId
@@ -84,10 +84,27 @@ def _hashes_size(hs: tuple[int, ...]) -> int:
     """A list of block hashes: almost every one takes msgpack's 9-byte uint64 (one in 2**32
     is below 2**32), so the exact walk runs only when the smallest says it must."""
     n = len(hs)
-    if n and type(hs[0]) is int and min(hs) > _U32 and max(hs) <= _U64:
+    if not n:
+        return 1
+    if type(hs[0]) is int and min(hs) > _U32 and max(hs) <= _U64:
         # (A non-int among ints would make min/max compare it; a float packs in 9 bytes too.)
         return _array_head(n) + 9 * n
     return _value_size(hs)
+
+
+#: msgpack's bytes for a non-negative integer, by its bit length (up to 64)
+_UINT_SIZE = (1,) * 8 + (2,) + (3,) * 8 + (5,) * 16 + (9,) * 32
+#: the sizes of the few distinct senders and speed figures (their values repeat)
+_SIZE_OF: dict[object, int] = {}
+
+
+def _repeated_size(v: str | tuple[int, ...]) -> int:
+    size = _SIZE_OF.get(v)
+    if size is None:
+        if len(_SIZE_OF) >= 4096:
+            _SIZE_OF.clear()
+        size = _SIZE_OF[v] = _value_size(v)
+    return size
 
 
 #: ``Announce``'s fields as this size function lays them out; another layout falls back on
@@ -96,25 +113,40 @@ _ANNOUNCE_FIELDS = (
     "sender", "epoch", "prev_epoch", "root", "count", "load", "added", "removed", "truncated",
     "time_ms",
 )
+_LOAD_FIELDS = ("queued", "running", "slots", "speed", "scaffolds", "disk")
 _FRAME_HEAD = _array_head(2 + len(_ANNOUNCE_FIELDS)) + _int_size(PROTOCOL_VERSION) + _int_size(
     Announce.TAG
 )
 
 
 def _announce_size(a: Announce) -> int:
-    return (
+    """The frame's bytes: ``encode``'s ``[version, tag, *fields]`` with ``Load._to_fields``'
+    layout (the queue figures and the speed, then the scaffolds when there are scaffolds or a
+    disk figure, then the disk figure), every integer non-negative (else ``_encoded_size``)."""
+    load = a.load
+    epoch, prev, root, count, time_ms = a.epoch, a.prev_epoch, a.root, a.count, a.time_ms
+    queued, running, slots = load.queued, load.running, load.slots
+    if min(epoch, prev, root, count, time_ms, queued, running, slots) < 0:
+        return _encoded_size(a)
+    u = _UINT_SIZE
+    size = (
         _FRAME_HEAD
-        + _value_size(a.sender)
-        + _int_size(a.epoch)
-        + _int_size(a.prev_epoch)
-        + _int_size(a.root)
-        + _int_size(a.count)
-        + _value_size(a.load._to_fields())
+        + _repeated_size(a.sender)
+        + u[epoch.bit_length()] + u[prev.bit_length()] + u[root.bit_length()]
+        + u[count.bit_length()]
+        + 1  # the load's array (at most 6 fields)
+        + u[queued.bit_length()] + u[running.bit_length()] + u[slots.bit_length()]
+        + _repeated_size(load.speed)
         + _hashes_size(a.added)
         + _hashes_size(a.removed)
         + 1  # truncated: a bool
-        + _int_size(a.time_ms)
+        + u[time_ms.bit_length()]
     )
+    if load.scaffolds or load.disk:
+        size += _hashes_size(load.scaffolds)
+        if load.disk:
+            size += _value_size(load.disk)
+    return size
 
 
 def _encoded_size(a: Announce) -> int:
@@ -127,13 +159,17 @@ def announce_wire_size(a: Announce) -> int:
     the core makes; tests/sim/test_broadcast_size.py compares it with encoding."""
     if type(a) is not Announce or type(a.truncated) is not bool or not _ANNOUNCE_LAYOUT:
         return _encoded_size(a)
-    return _announce_size(a)
+    try:
+        return _announce_size(a)
+    except (AttributeError, IndexError, TypeError):  # a value that is no u64 (bit_length)
+        return _encoded_size(a)
 
 
 _ANNOUNCE_LAYOUT = (
     tuple(f.name for f in fields(Announce)) == _ANNOUNCE_FIELDS
     and Announce.OPTIONAL_TAIL == 0
     and Announce._to_fields is Record._to_fields
+    and tuple(f.name for f in fields(Load)) == _LOAD_FIELDS
 )
 
 

@@ -20,6 +20,8 @@ _EDGES = (
 
 
 def _int(rng: random.Random, top: int = 2**64 - 1) -> int:
+    if rng.random() < 0.01:  # no message carries one; still packed (signed), and counted
+        return -rng.choice(_EDGES[1:-2])
     if rng.random() < 0.5:
         return min(rng.choice(_EDGES), top)
     return rng.randint(0, top) >> rng.randint(0, 63)
@@ -45,7 +47,7 @@ def random_announce(rng: random.Random) -> Announce:
     scaffolds = _hashes(rng)[:128] if rng.random() < 0.3 else ()
     disk = (_int(rng, 1000), _int(rng, 10**15 - 1)) if rng.random() < 0.3 else ()
     load = Load(
-        _int(rng, 2**32 - 1), _int(rng, 2**32 - 1), max(1, _int(rng, 2**32 - 1)), speed,
+        _int(rng, 2**32 - 1), _int(rng, 2**32 - 1), _int(rng, 2**32 - 1) or 1, speed,
         scaffolds, disk,
     )
     return Announce(
