@@ -27,7 +27,8 @@ Announcements that change nothing wait until the recipient next reads its index
 one in at once and ``--no-share`` hands every one to every node, for comparisons (the
 decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
 ``--profile`` prints the top functions of the largest run (cProfile, which inflates small
-calls); ``--sample`` instead samples the Python stack every 2 ms of CPU (``SIGPROF``) and prints
+calls); ``--sample`` instead samples the Python stack on a 2 ms CPU timer (``SIGPROF``; the
+kernel's tick may deliver it less often, about every 4 ms on a 250 Hz kernel) and prints
 the functions most often running (self) and on the stack (inclusive), the figures that add up
 to the run's CPU. ``cpu_s`` is the run's CPU time
 (``time.process_time``) and ``cpu_us_per_request_per_node`` that divided by requests x nodes:
@@ -49,6 +50,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -59,7 +61,8 @@ BASE = SimConfig(requests=0, cache_tokens=8192, delay_ms="5", skew="zipf:1.1", p
 
 
 class _Sampler:
-    """Every 2 ms of the process's CPU, the running Python stack, as ``file:function`` names
+    """On a timer of the process's CPU (2 ms; the kernel's tick may deliver it less often), the
+    running Python stack, as ``file:function`` names
     (a dataclass's generated ``__init__`` named with its caller). Unix only (``SIGPROF``)."""
 
     def __init__(self, every_s: float = 0.002) -> None:
@@ -80,19 +83,19 @@ class _Sampler:
         self.stacks.append(tuple(names))
 
     def __enter__(self) -> _Sampler:
-        signal.signal(signal.SIGPROF, self._take)
+        self._before = signal.signal(signal.SIGPROF, self._take)
         signal.setitimer(signal.ITIMER_PROF, self.every_s, self.every_s)
         return self
 
     def __exit__(self, *exc: object) -> None:
         signal.setitimer(signal.ITIMER_PROF, 0, 0)
-        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+        signal.signal(signal.SIGPROF, self._before)
 
     def report(self, top: int = 40) -> str:
         n = len(self.stacks) or 1
         own = Counter(s[0] for s in self.stacks if s)
         on_stack = Counter(name for s in self.stacks for name in set(s))
-        lines = [f"{len(self.stacks)} samples, every {self.every_s * 1e3:g} ms of CPU", "self:"]
+        lines = [f"{len(self.stacks)} samples, timer {self.every_s * 1e3:g} ms of CPU", "self:"]
         lines += [f"  {100 * c / n:6.2f}% {name}" for name, c in own.most_common(top)]
         lines.append("inclusive:")
         lines += [f"  {100 * c / n:6.2f}% {name}" for name, c in on_stack.most_common(2 * top)]
@@ -101,7 +104,7 @@ class _Sampler:
 
 def bench_one(
     nodes: int, requests: int, profile: bool = False, sample: bool = False, **overrides: object
-) -> tuple[dict, str]:
+) -> tuple[dict[str, Any], str]:
     config = replace(BASE, nodes=nodes, requests=requests, **overrides)  # type: ignore[arg-type]
     prof = cProfile.Profile() if profile else None
     sampler = _Sampler() if sample else None
@@ -133,6 +136,8 @@ def bench_one(
         "requests_per_wall_s": round(requests / s["wall_s"], 1),
         "events_per_wall_s": round(s["events"] / s["wall_s"]),
         "announce_deliveries": s["anti_entropy"]["announce_deliveries"],
+        # the bytes every announcement's recipients were sent (its msgpack frame's length each)
+        "announce_bytes": s["anti_entropy"]["announce_bytes"],
         "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
         # CPU time of the whole run (set-up, loop, summary), the fairer figure on a shared machine
         "cpu_s": round(cpu_s, 2),
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile the largest run")
     parser.add_argument(
         "--sample", action="store_true",
-        help="sample the largest run's stack every 2 ms of CPU (stderr; beside --json too)",
+        help="sample the largest run's stack on a 2 ms CPU timer (stderr; beside --json too)",
     )
     parser.add_argument(
         "--requests", type=int, default=0,
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['us_per_request_per_node']:>7.1f} us/request/node",
                 flush=True,
             )
-    out: dict = {
+    out: dict[str, Any] = {
         "runs": rows,
         "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
                    **churn,
