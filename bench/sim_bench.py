@@ -26,7 +26,11 @@ Announcements that change nothing wait until the recipient next reads its index
 (``AnnounceRun``: a node following it is not handed them one by one); ``--eager`` takes every
 one in at once and ``--no-share`` hands every one to every node, for comparisons (the
 decisions are the same). ``peak_rss_mb`` is the process's peak resident size.
-``--profile`` prints the top functions of the largest run. ``cpu_s`` is the run's CPU time
+``--profile`` prints the top functions of the largest run (cProfile, which inflates small
+calls); ``--sample`` instead samples the Python stack on a 2 ms CPU timer (``SIGPROF``; the
+kernel's tick may deliver it less often, about every 4 ms on a 250 Hz kernel) and prints
+the functions most often running (self) and on the stack (inclusive), the figures that add up
+to the run's CPU. ``cpu_s`` is the run's CPU time
 (``time.process_time``) and ``cpu_us_per_request_per_node`` that divided by requests x nodes:
 on a shared machine the CPU figures are the ones to compare. ``--no-holders`` routes over
 every peer (``NodeConfig.route_among_holders=False``; the same decisions).
@@ -40,10 +44,13 @@ import io
 import json
 import pstats
 import resource
+import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,15 +60,62 @@ from peerinfer.sim.run import simulate  # noqa: E402
 BASE = SimConfig(requests=0, cache_tokens=8192, delay_ms="5", skew="zipf:1.1", policy="cost", seed=1)
 
 
+class _Sampler:
+    """On a timer of the process's CPU (2 ms; the kernel's tick may deliver it less often), the
+    running Python stack, as ``file:function`` names
+    (a dataclass's generated ``__init__`` named with its caller). Unix only (``SIGPROF``)."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        self.every_s = every_s
+        self.stacks: list[tuple[str, ...]] = []
+
+    def _take(self, signum: int, frame: object) -> None:
+        names = []
+        f = frame
+        while f is not None:
+            code = f.f_code  # type: ignore[attr-defined]
+            name = f"{Path(code.co_filename).name}:{code.co_name}"
+            if code.co_filename == "<string>" and f.f_back is not None:  # type: ignore[attr-defined]
+                back = f.f_back.f_code  # type: ignore[attr-defined]
+                name += f"@{Path(back.co_filename).name}:{back.co_name}"
+            names.append(name)
+            f = f.f_back  # type: ignore[attr-defined]
+        self.stacks.append(tuple(names))
+
+    def __enter__(self) -> _Sampler:
+        self._before = signal.signal(signal.SIGPROF, self._take)
+        signal.setitimer(signal.ITIMER_PROF, self.every_s, self.every_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, self._before)
+
+    def report(self, top: int = 40) -> str:
+        n = len(self.stacks) or 1
+        own = Counter(s[0] for s in self.stacks if s)
+        on_stack = Counter(name for s in self.stacks for name in set(s))
+        lines = [f"{len(self.stacks)} samples, timer {self.every_s * 1e3:g} ms of CPU", "self:"]
+        lines += [f"  {100 * c / n:6.2f}% {name}" for name, c in own.most_common(top)]
+        lines.append("inclusive:")
+        lines += [f"  {100 * c / n:6.2f}% {name}" for name, c in on_stack.most_common(2 * top)]
+        return "\n".join(lines)
+
+
 def bench_one(
-    nodes: int, requests: int, profile: bool = False, **overrides: object
-) -> tuple[dict, str]:
+    nodes: int, requests: int, profile: bool = False, sample: bool = False, **overrides: object
+) -> tuple[dict[str, Any], str]:
     config = replace(BASE, nodes=nodes, requests=requests, **overrides)  # type: ignore[arg-type]
     prof = cProfile.Profile() if profile else None
+    sampler = _Sampler() if sample else None
     if prof:
         prof.enable()
     cpu_started = time.process_time()
-    _, s = simulate(config)
+    if sampler is not None:
+        with sampler:
+            _, s = simulate(config)
+    else:
+        _, s = simulate(config)
     cpu_s = time.process_time() - cpu_started
     text = ""
     if prof:
@@ -69,6 +123,8 @@ def bench_one(
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
         text = buf.getvalue()
+    if sampler is not None:
+        text = sampler.report()
     row = {
         "nodes": nodes,
         "requests": requests,
@@ -80,6 +136,8 @@ def bench_one(
         "requests_per_wall_s": round(requests / s["wall_s"], 1),
         "events_per_wall_s": round(s["events"] / s["wall_s"]),
         "announce_deliveries": s["anti_entropy"]["announce_deliveries"],
+        # the bytes every announcement's recipients were sent (its msgpack frame's length each)
+        "announce_bytes": s["anti_entropy"]["announce_bytes"],
         "us_per_request_per_node": round(1e6 * s["wall_s"] / requests / nodes, 1),
         # CPU time of the whole run (set-up, loop, summary), the fairer figure on a shared machine
         "cpu_s": round(cpu_s, 2),
@@ -140,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="also 64 nodes x 100,000 requests")
     parser.add_argument("--profile", action="store_true", help="profile the largest run")
     parser.add_argument(
+        "--sample", action="store_true",
+        help="sample the largest run's stack on a 2 ms CPU timer (stderr; beside --json too)",
+    )
+    parser.add_argument(
         "--requests", type=int, default=0,
         help="requests per run (default: nodes x --requests-per-node)",
     )
@@ -187,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_text = ""
     for i, (n, r) in enumerate(plan):
         row, text = bench_one(
-            n, r, profile=args.profile and i == len(plan) - 1, skew=args.skew, **churn
+            n, r, profile=args.profile and i == len(plan) - 1,
+            sample=args.sample and i == len(plan) - 1, skew=args.skew, **churn
         )
         rows.append(row)
         profile_text = text or profile_text
@@ -198,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['us_per_request_per_node']:>7.1f} us/request/node",
                 flush=True,
             )
-    out: dict = {
+    out: dict[str, Any] = {
         "runs": rows,
         "params": {**BASE.to_dict(), "skew": args.skew, "lazy_announcements": not args.eager,
                    **churn,
@@ -219,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"64 nodes x 100,000 requests: {out['projected_wall_s_64_nodes_100k']} s "
                 f"(at {out['requests_per_wall_s_64_nodes']} req/s)"
             )
-        if profile_text:
+        if profile_text and not args.sample:
             print(profile_text)
+    if args.sample:
+        print(profile_text, file=sys.stderr)
     return 0
 
 

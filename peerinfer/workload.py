@@ -432,29 +432,40 @@ def mmlu_workload(
     prefixes: dict[str, str] = {}
     queues: dict[str, list[MMLUQuestion]] = {}
     next_question: dict[str, int] = {}
+    # A subject's questions come round again (Zipf's head): each formatted once, and the
+    # repeats share the strings (the simulator tokenizes each distinct string once).
+    suffixes: dict[str, list[str | None]] = {}
+    keys: dict[str, str] = {}
+    scaffolds: dict[str, tuple[tuple[str, str], ...]] = {}
     arrivals = _arrivals(n, rate, arrival_rng)
     items: list[WorkloadItem] = []
     for index in range(n):
         pick = subject_rng.random() * cumulative[-1]
         subject = ranking[min(bisect_left(cumulative, pick), len(ranking) - 1)]
         if subject not in prefixes:
-            prefixes[subject] = five_shot_prefix(subject, mmlu.dev(subject))
+            prefix = prefixes[subject] = five_shot_prefix(subject, mmlu.dev(subject))
             queue = mmlu.test(subject)
             question_rng.shuffle(queue)
             queues[subject] = queue
             next_question[subject] = 0
+            suffixes[subject] = [None] * len(queue)
+            keys[subject] = f"mmlu:{subject}"
+            scaffolds[subject] = (("system", prefix),)
         queue = queues[subject]
-        question = queue[next_question[subject] % len(queue)]
+        position = next_question[subject] % len(queue)
         next_question[subject] += 1
+        suffix = suffixes[subject][position]
+        if suffix is None:
+            suffix = suffixes[subject][position] = question_suffix(queue[position])
         items.append(
             WorkloadItem(
                 id=index,
                 arrival_s=arrivals[index],
-                prefix_key=f"mmlu:{subject}",
+                prefix_key=keys[subject],
                 prefix=prefixes[subject],
-                suffix=question_suffix(question),
+                suffix=suffix,
                 max_tokens=max_tokens,
-                scaffold=(("system", prefixes[subject]),),
+                scaffold=scaffolds[subject],
             )
         )
     return items

@@ -26,6 +26,11 @@ anywhere, fast, with the same prefix-cache behaviour as the real engine:
   serves the same request in real time: it sleeps the TTFT, then ``decode_step_s(1)`` per
   further token (times ``time_scale``; 0 never sleeps), checking the cancel token while it
   sleeps. A plan ignores stop sequences (the simulator has no text); ``generate`` honours them.
+* **Memo.** A simulation's engines serve the same prompts (the same tuples) many times over:
+  :class:`PlanMemo`, shared by them (``SimulatedEngine.share_plan_memo``), keeps, per prompt
+  object, that it was validated and its completion, so a plan validates and hashes each
+  distinct prompt once. Both are pure functions of the prompt, the engine's vocabulary and
+  context and the sampling, so a plan is the same with or without it; a node's engine has none.
 * **Disk tier.** :class:`SimDiskTier` is :class:`~peerinfer.engine.disktier.DiskTier`'s
   index (LRU order, a byte budget) without files: the base engine spills every evicted block
   to it, reports a block that moves between memory and disk as no change (so blocks on disk
@@ -66,6 +71,7 @@ from peerinfer.engine.base import (
     wait_cancelled,
 )
 from peerinfer.engine.disktier import DiskTier
+from peerinfer.engine.validation import validate_prompt
 from peerinfer.errors import ConfigError, ProtocolError
 from peerinfer.types import BlockHash
 
@@ -170,6 +176,74 @@ class SimDiskTier(DiskTier):
         self._read_s += nbytes / self.read_bytes_per_s
 
 
+class PlanMemo:
+    """What ``SimulatedEngine.plan`` computes per prompt, shared by a swarm's engines: that
+    a prompt object was validated, and its completion for one (seed, length).
+
+    Keyed by the prompt tuple's identity (hashing a tuple of hundreds of ids costs as much
+    as the work saved); each entry holds the tuple itself, so the key cannot be reused by
+    another object while the entry lives, and a lookup checks ``is``. At most ``max_prompts``
+    prompts, the oldest dropped first (computed again when asked). Sampling parameters are
+    validated once per object as well. Only for engines of one vocabulary and context size
+    (``share_plan_memo`` checks).
+    """
+
+    def __init__(self, vocab_size: int, max_context_tokens: int, max_prompts: int = 32_768) -> None:
+        if max_prompts < 1:
+            raise ConfigError(f"max_prompts must be >= 1, got {max_prompts}")
+        self.vocab_size = vocab_size
+        self.max_context_tokens = max_context_tokens
+        self.max_prompts = max_prompts
+        #: id(prompt) -> [prompt, seed, n, completion or None]
+        self._prompts: dict[int, list[object]] = {}
+        self._params: dict[int, SamplingParams] = {}
+        #: prompts validated, and completions computed, through the memo (for tests)
+        self.validations = 0
+        self.completions = 0
+
+    def prompt(self, engine: SimulatedEngine, tokens: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        """``engine.validate_request(tokens, params)``, from the memo when it holds both."""
+        if self._params.get(id(params)) is not params:
+            prompt = engine.validate_request(tokens, params)
+            if len(self._params) >= 256:
+                self._params.clear()
+            self._params[id(params)] = params
+        else:
+            entry = self._prompts.get(id(tokens))
+            if entry is not None and entry[0] is tokens:
+                return tokens  # type: ignore[return-value]  # (a validated tuple)
+            # The parameters are known good: what validate_request would check next.
+            prompt = validate_prompt(tokens, self.vocab_size, self.max_context_tokens)
+        self.validations += 1
+        if prompt is tokens and id(prompt) not in self._prompts:
+            prompts = self._prompts
+            if len(prompts) >= self.max_prompts:
+                del prompts[next(iter(prompts))]
+            prompts[id(prompt)] = [prompt, -1, -1, None]
+        return prompt
+
+    def completion(
+        self, engine: SimulatedEngine, prompt: tuple[int, ...], params: SamplingParams, n: int
+    ) -> tuple[int, ...]:
+        """``engine.completion_ids(prompt, params, n)`` as a tuple, from the memo if it has it."""
+        seed = _output_seed(params)
+        entry = self._prompts.get(id(prompt))
+        if entry is not None and entry[0] is prompt:
+            if entry[1] == seed and entry[2] == n:
+                return entry[3]  # type: ignore[return-value]
+            out = tuple(engine.completion_ids(prompt, params, n))
+            entry[1:] = [seed, n, out]
+        else:
+            out = tuple(engine.completion_ids(prompt, params, n))
+        self.completions += 1
+        return out
+
+
+def _output_seed(params: SamplingParams) -> int:
+    """The seed a completion is drawn with (greedy: 0, whatever the seed)."""
+    return params.seed if params.temperature > 0 and params.seed is not None else 0
+
+
 def _syllable_word(token: int) -> str:
     n = token
     parts: list[str] = []
@@ -233,6 +307,7 @@ class SimulatedEngine(Engine):
         self._piece_ids: dict[str, int] = {}
         #: the one synthetic encoded block (``encode_block``), made once per size
         self._block_bytes = b""
+        self._plan_memo: PlanMemo | None = None
 
     # ------------------------------------------------------------ identity and tokenizer
 
@@ -271,10 +346,16 @@ class SimulatedEngine(Engine):
 
     def tokenize(self, text: str) -> list[int]:
         out: list[int] = []
-        for match in _PIECES.finditer(text):
-            piece = match.group()
-            for i in range(0, len(piece), _MAX_PIECE_CHARS):
-                out.append(self._piece_id(piece[i : i + _MAX_PIECE_CHARS]))
+        append = out.append
+        known = self._piece_ids.get
+        piece_id = self._piece_id
+        for piece in _PIECES.findall(text):
+            if len(piece) <= _MAX_PIECE_CHARS:  # most pieces: one id, usually known
+                token = known(piece)
+                append(piece_id(piece) if token is None else token)
+            else:
+                for i in range(0, len(piece), _MAX_PIECE_CHARS):
+                    append(piece_id(piece[i : i + _MAX_PIECE_CHARS]))
         return out
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -284,7 +365,7 @@ class SimulatedEngine(Engine):
 
     def completion_ids(self, prompt: Sequence[int], params: SamplingParams, n: int) -> list[int]:
         """The first ``n`` tokens the engine generates for ``prompt`` (greedy: seed ignored)."""
-        seed = params.seed if params.temperature > 0 and params.seed is not None else 0
+        seed = _output_seed(params)
         state = hashlib.blake2b(digest_size=16, person=b"peerinfer-simout")
         state.update(struct.pack(f"<Q{len(prompt)}I", seed, *prompt))
         key = state.digest()
@@ -304,13 +385,20 @@ class SimulatedEngine(Engine):
         self._check_open()
         if params is None:
             params = SamplingParams()
-        prompt = self.validate_request(tokens, params)
+        memo = self._plan_memo
+        prompt = (
+            self.validate_request(tokens, params) if memo is None
+            else memo.prompt(self, tokens, params)
+        )
         if params.temperature > 0 and params.seed is None:
             # Unseeded sampling differs per call, as on a real model; still a pure function of
             # what the caller passed, so draw the seed from the prompt and a counter.
             params = _with_seed(params, self._next_unseeded())
         n = min(params.max_tokens, self._max_context - len(prompt))
-        completion = self.completion_ids(prompt, params, n)
+        completion: Sequence[int] = (
+            self.completion_ids(prompt, params, n) if memo is None
+            else memo.completion(self, prompt, params, n)
+        )
         cache = self._ensure_cache()
         cached = in_memory = disk_tokens = 0
         disk_s = 0.0
@@ -347,6 +435,16 @@ class SimulatedEngine(Engine):
             disk_tokens=disk_tokens,
             disk_s=disk_s,
         )
+
+    def share_plan_memo(self, memo: PlanMemo) -> None:
+        """Let ``plan`` use ``memo`` (shared with the other engines of a simulation): each
+        distinct prompt object is validated, and its completion hashed, once."""
+        if (memo.vocab_size, memo.max_context_tokens) != (self._vocab_size, self._max_context):
+            raise ConfigError(
+                f"a plan memo for vocabulary {memo.vocab_size} and context "
+                f"{memo.max_context_tokens}, not {self._vocab_size} and {self._max_context}"
+            )
+        self._plan_memo = memo
 
     def configure_sim_disk(self, capacity_bytes: int, read_bytes_per_s: float) -> None:
         """Give the cache a :class:`SimDiskTier` of ``capacity_bytes`` read at
@@ -587,4 +685,4 @@ class _SimulatedDecoder(Decoder):
         return [KVSegment(None, self._block_nbytes) for _ in range(first_block, n_full)]
 
 
-__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "Plan", "SimulatedEngine"]
+__all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "Plan", "PlanMemo", "SimulatedEngine"]

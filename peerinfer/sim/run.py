@@ -13,7 +13,7 @@ from peerinfer.core.prefix import (
     PrefixHasher,
     scaffold_messages,
 )
-from peerinfer.engine.simulated import SimulatedEngine
+from peerinfer.engine.simulated import PlanMemo, SimulatedEngine
 from peerinfer.errors import ConfigError
 from peerinfer.sim.config import SimConfig
 from peerinfer.sim.inputs import EngineLike, PlanLike, SimRequest
@@ -36,6 +36,8 @@ MULTITURN_CONVERSATIONS = 64
 MULTITURN_TURNS = 8
 #: Synthetic RAG: documents in the pool (drawn by the run's skew) under the four system prompts.
 RAG_DOCUMENTS = 200
+#: Each node's context: no prompt of a workload is cut.
+SIM_MAX_CONTEXT = 1 << 20
 
 _MMLU_CACHE: dict[str | None, MMLU] = {}
 
@@ -89,7 +91,7 @@ class _Tokens:
     def __init__(self, engine: SimulatedEngine) -> None:
         self.engine = engine
         self._parts: dict[str, tuple[int, ...]] = {}
-        self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._prompts: dict[tuple[str, str], tuple[tuple[int, ...], int]] = {}
 
     def part(self, text: str) -> tuple[int, ...]:
         got = self._parts.get(text)
@@ -97,7 +99,9 @@ class _Tokens:
             got = self._parts[text] = tuple(self.engine.tokenize(text))
         return got
 
-    def __call__(self, prefix: str, suffix: str) -> tuple[int, ...]:
+    def __call__(self, prefix: str, suffix: str) -> tuple[tuple[int, ...], int]:
+        """The prompt's tokens, and how many whole blocks of them are the prefix's (0 when the
+        prefix's tokens are not the prompt's first ones: then no residency probe)."""
         key = (prefix, suffix)
         got = self._prompts.get(key)
         if got is None:
@@ -105,10 +109,12 @@ class _Tokens:
                 prefix and suffix and prefix[-1].isspace() and not suffix[0].isspace()
             )
             if seam_safe:
-                got = self.part(prefix) + self.part(suffix)
+                prompt = self.part(prefix) + self.part(suffix)
             else:
-                got = tuple(self.engine.tokenize(prefix + suffix))
-            self._prompts[key] = got
+                prompt = tuple(self.engine.tokenize(prefix + suffix))
+            head = self.part(prefix) if prefix else ()
+            shared = len(head) // DEFAULT_BLOCK_SIZE if prompt[: len(head)] == head else 0
+            got = self._prompts[key] = (prompt, shared)
         return got
 
 
@@ -120,6 +126,7 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
     hasher = PrefixHasher(engine.fingerprint)
     scaffolds: dict[tuple[tuple[str, str], ...], int | None] = {}
     params: dict[int, SamplingParams] = {}
+    labels: dict[tuple[int | None, str], str] = {}
     out = []
     for item in workload_items(config):
         if item.scaffold in scaffolds:
@@ -131,12 +138,13 @@ def sim_requests(config: SimConfig, engine: SimulatedEngine) -> list[SimRequest]
         p = params.get(item.max_tokens)
         if p is None:
             p = params[item.max_tokens] = SamplingParams(max_tokens=item.max_tokens)
-        prompt = tokens(item.prefix, item.suffix)
         # The prefix's whole blocks (its tokens are a prefix of the prompt's when the seam is
         # safe; otherwise the residency probe is skipped for it).
-        prefix = tokens.part(item.prefix) if item.prefix else ()
-        shared = len(prefix) // DEFAULT_BLOCK_SIZE if prompt[: len(prefix)] == prefix else 0
-        out.append(SimRequest(prompt, p, _label(item), item.conversation, shared, scaffold))
+        prompt, shared = tokens(item.prefix, item.suffix)
+        label = labels.get((item.conversation, item.prefix_key))
+        if label is None:
+            label = labels[item.conversation, item.prefix_key] = _label(item)
+        out.append(SimRequest(prompt, p, label, item.conversation, shared, scaffold))
     if config.requests and not out:
         raise ConfigError(f"the workload {config.workload!r} holds no requests")
     return out
@@ -175,14 +183,17 @@ def engine_factory(config: SimConfig) -> tuple[PrefixHasher, Callable[[int], Eng
     # One hasher for the swarm, with a memo for every distinct prompt of the workload (the
     # prompts repeat: each chain is hashed once, not once per request).
     hasher = PrefixHasher(probe.fingerprint, memo_size=SIM_PROMPT_MEMO_SIZE)
+    # Likewise each distinct prompt is validated, and its completion hashed, once for the swarm.
+    memo = PlanMemo(probe.vocab_size, SIM_MAX_CONTEXT, max_prompts=SIM_PROMPT_MEMO_SIZE)
 
     def make(index: int) -> EngineLike:
         # A mix (peerinfer.sim.mix) gives each node its machine's costs and cache size.
         engine = SimulatedEngine(
             costs=node_costs(config, index),
-            max_context_tokens=1 << 20,
+            max_context_tokens=SIM_MAX_CONTEXT,
             kv_bytes_per_token=config.kv_bytes_per_token,
         )
+        engine.share_plan_memo(memo)
         engine.configure_cache(hasher, capacity_tokens=node_cache_tokens(config, index))
         if config.disk_cache_tokens:
             engine.configure_sim_disk(
