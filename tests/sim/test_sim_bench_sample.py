@@ -25,4 +25,5 @@ def test_sample_prints_where_the_cpu_went_beside_the_json(
     own, _, inclusive = rest.partition("\ninclusive:\n")
     assert "simulator.py:run" in inclusive or "kernel.py:_run" in inclusive
     shares = [float(line.split("%")[0]) for line in own.splitlines()]
-    assert shares and sum(shares) <= 100.01
+    # Each share is printed to 0.01 %, so their sum may pass 100 by half that per line.
+    assert shares and sum(shares) <= 100.0 + 0.005 * len(shares) + 1e-9
