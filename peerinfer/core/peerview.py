@@ -402,17 +402,12 @@ class PeerView:
         are read as the sizes the replicas will have (with masks, taken in first)."""
         if self._index.masks and (self._following or self._changed):
             self._take_changed()
-        pending: dict[PeerId, tuple[int, int, float, int]] = {
+        pending = {
             p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
             for p, k in self._unapplied.items()
         }
-        for peer, kept in self._following.items():
-            run = kept.run
-            if run is not None and run.length != kept.cursor:
-                pending[peer] = (
-                    run.epoch, run.count, run.at, run.count if run.changed_since(kept.cursor) else -1
-                )
-        return self._index.rebalance(pending=pending, before_emptying=self._take_everything)
+        return self._index.rebalance(pending=pending, followed=self._following,
+                                     before_emptying=self._take_everything)
 
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in

@@ -220,6 +220,26 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # also walked over every peer here and required to give the same answer.
     monkeypatch.setattr(replicaindex.ReplicaIndex, "check_run_walks", True)
     run_walks = replicaindex.ReplicaIndex.run_walks
+    # Rebalances sized the short way (every want above the equal share: the tight budgets),
+    # each also sized over every peer's want here and required to give the same; counted with
+    # the followed runs read in place of pending and the spare handed out.
+    from peerinfer.core import replicabudget
+
+    monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
+    short_rebalances = replicabudget.ReplicaBudget.short_rebalances
+    size_short = replicabudget.ReplicaBudget._size_short
+
+    def counting_size_short(self: replicabudget.ReplicaBudget, states: list[object], share: int,
+                            reserve: int, pending: object, followed: object) -> object:
+        out = size_short(self, states, share, reserve, pending, followed)  # type: ignore[arg-type]
+        if followed and any(k.run is not None and k.run.length != k.cursor  # type: ignore[attr-defined]
+                            for k in followed.values()):  # type: ignore[attr-defined]
+            changes["short rebalances reading moved runs"] += 1
+        if any(g != share for g in out[0]):
+            changes["short rebalances handing out spare"] += 1
+        return out
+
+    monkeypatch.setattr(replicabudget.ReplicaBudget, "_size_short", counting_size_short)
     sets = [0, 0]  # replicas holding something after the shared runs, distinct sets among them
     for seed in range(20):
         config = _random_config(seed)
@@ -246,6 +266,9 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["walks without masks"] > 1000 and changes["with newer sets"] > 1000, changes
     assert changes["members heard through runs"] > 1000, changes
     assert replicaindex.ReplicaIndex.run_walks - run_walks > 500, replicaindex.ReplicaIndex.run_walks  # 897
+    assert replicabudget.ReplicaBudget.short_rebalances - short_rebalances > 500
+    assert changes["short rebalances reading moved runs"] > 50, changes  # 92 measured
+    assert changes["short rebalances handing out spare"] > 300, changes  # 603
     # ... and the replicas of a peer that took the same deltas in share one set.
     assert sets[1] * 10 < sets[0] * 6, sets  # 296 of 632 measured; without sharing, all
 
