@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ClassVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from peerinfer.core.node.config import NodeConfig
 from peerinfer.core.node.events import Effect, PingPeer
