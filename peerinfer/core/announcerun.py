@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import takewhile
 from typing import Any, Protocol
 from weakref import WeakSet, ref
 
@@ -56,7 +57,7 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at", "holders", "clock_key",
+                 "digest", "changes", "change_at", "holders", "clock_key", "_depths",
                  "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
@@ -77,6 +78,8 @@ class AnnounceRun:
         self.holders = holders
         #: this run's key in ``holders``' list by time (a weak reference, made there)
         self.clock_key: ref[AnnounceRun] | None = None
+        #: ``depth``'s answers for the set as it is, by the chain's last block
+        self._depths: dict[BlockHash, int] = {}
         if holders is not None:
             holders.moved(self)
 
@@ -107,6 +110,7 @@ class AnnounceRun:
         the flat ``digest``: the run's own copy, if it has none yet."""
         if self.digest is None:
             self.digest = digest.twin()
+            self._depths = {}
             if self.holders is not None:
                 self.holders.seeded(self)
 
@@ -139,6 +143,7 @@ class AnnounceRun:
         """Append ``a``, with changes (``advances`` gave ``after``; the followers over their
         limit left the run first)."""
         self.digest = after
+        self._depths = {}
         if self.holders is not None:
             self.holders.changed(self, a.added, a.removed)
         self.root = a.root
@@ -151,6 +156,26 @@ class AnnounceRun:
         self.change_at.append(self.length)
         if self.holders is not None:
             self.holders.moved(self)
+
+    def depth(self, chain: Sequence[BlockHash]) -> int:
+        """How many of ``chain``'s leading blocks the run's set holds (0 without a set). A
+        chain is named by its last block (each block's hash chains from those before it), so
+        the answer is kept per set for the next follower that routes the same prompt: every
+        route asks each run holding its first block (``ReplicaIndex._walk_runs``), the same
+        run for each of its followers."""
+        digest = self.digest
+        if digest is None or not chain:
+            return 0
+        memo = self._depths
+        last = chain[-1]
+        depth = memo.get(last)
+        if depth is None:
+            flat = digest._flat
+            depth = len(list(takewhile((digest if flat is None else flat).__contains__, chain)))
+            if len(memo) >= 1024:  # (bounded: a set lives until its sender's next change)
+                memo.clear()
+            memo[last] = depth
+        return depth
 
     def changes_since(self, cursor: int) -> tuple[list[Announce], list[int]]:
         """The changed announcements pushed after the run's length was ``cursor``, with the
