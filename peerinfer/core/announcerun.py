@@ -4,7 +4,8 @@ at one time (the simulator: all recipients at one link delay), shared by them.
 ``PeerView`` (``peerinfer.core.peerview``) decides for each recipient whether it follows a run;
 this module is the run itself: what was pushed onto it, and the set of its sender that the
 announcements pushed with changes lead to; ``RunHolders``, the shell's index of its runs' sets
-by block (kept once per sender change), and ``RunReads``, the view through which routing
+by block (kept once per sender change) and list of its runs by their newest announcement's time
+(``stale``: the liveness check, ``Members.check``), and ``RunReads``, the view through which routing
 matches a followed peer against its run's set (``peerinfer.core.index``, "Without masks").
 """
 
@@ -235,7 +236,9 @@ class RunHolders:
     """Per block, the shared runs whose set holds it: for routing without masks, which would
     otherwise ask every followed peer's set whether it holds a prompt's first block
     (``RunReads``). One per shell (the simulator's broadcast), shared by every run it makes,
-    so a run's set is indexed once per change of its sender, not once per recipient.
+    so a run's set is indexed once per change of its sender, not once per recipient. It also
+    lists the runs by their newest announcement's time (``moved``, ``stale``), for the
+    liveness check to visit only the followed members whose run went quiet.
 
     Only blocks asked for are indexed (a prompt's first block: few distinct ones in a
     workload), at most ``max_blocks`` of them, the oldest asked first forgotten (asked again,
