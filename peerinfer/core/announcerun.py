@@ -4,16 +4,19 @@ at one time (the simulator: all recipients at one link delay), shared by them.
 ``PeerView`` (``peerinfer.core.peerview``) decides for each recipient whether it follows a run;
 this module is the run itself: what was pushed onto it, and the set of its sender that the
 announcements pushed with changes lead to; ``RunHolders``, the shell's index of its runs' sets
-by block (kept once per sender change), and ``RunReads``, the view through which routing
+by block (kept once per sender change) and list of its runs by their newest announcement's time
+(``stale``: the liveness check, ``Members.check``), and ``RunReads``, the view through which routing
 matches a followed peer against its run's set (``peerinfer.core.index``, "Without masks").
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import takewhile
 from typing import Any, Protocol
-from weakref import WeakSet
+from weakref import WeakSet, ref
 
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.merkle import MerkleDigest
@@ -55,7 +58,8 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at", "holders", "__weakref__")
+                 "digest", "changes", "change_at", "holders", "clock_key", "_depths",
+                 "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
         self.sender = announce.sender
@@ -73,6 +77,12 @@ class AnnounceRun:
         self.change_at: list[int] = []
         #: the shell's index of the runs whose set holds a block (``RunHolders``), or None
         self.holders = holders
+        #: this run's key in ``holders``' list by time (a weak reference, made there)
+        self.clock_key: ref[AnnounceRun] | None = None
+        #: ``depth``'s answers for the set as it is, by the chain's last block
+        self._depths: dict[BlockHash, int] = {}
+        if holders is not None:
+            holders.moved(self)
 
     def extends(self, a: Announce) -> bool:
         """Whether ``a`` may be pushed: it changes nothing since the run's newest one."""
@@ -93,12 +103,15 @@ class AnnounceRun:
         self.load = a.load
         self.at = at
         self.length += 1
+        if self.holders is not None:
+            self.holders.moved(self)
 
     def seed(self, digest: MerkleDigest) -> None:
         """A follower joins whose replica holds the sender's set at the run's newest epoch as
         the flat ``digest``: the run's own copy, if it has none yet."""
         if self.digest is None:
             self.digest = digest.twin()
+            self._depths = {}
             if self.holders is not None:
                 self.holders.seeded(self)
 
@@ -131,6 +144,7 @@ class AnnounceRun:
         """Append ``a``, with changes (``advances`` gave ``after``; the followers over their
         limit left the run first)."""
         self.digest = after
+        self._depths = {}
         if self.holders is not None:
             self.holders.changed(self, a.added, a.removed)
         self.root = a.root
@@ -141,6 +155,28 @@ class AnnounceRun:
         self.length += 1
         self.changes.append(a)
         self.change_at.append(self.length)
+        if self.holders is not None:
+            self.holders.moved(self)
+
+    def depth(self, chain: Sequence[BlockHash]) -> int:
+        """How many of ``chain``'s leading blocks the run's set holds (0 without a set). A
+        chain is named by its last block (each block's hash chains from those before it), so
+        the answer is kept per set for the next follower that routes the same prompt: every
+        route asks each run holding its first block (``ReplicaIndex._walk_runs``), the same
+        run for each of its followers."""
+        digest = self.digest
+        if digest is None or not chain:
+            return 0
+        memo = self._depths
+        last = chain[-1]
+        depth = memo.get(last)
+        if depth is None:
+            flat = digest._flat
+            depth = len(list(takewhile((digest if flat is None else flat).__contains__, chain)))
+            if len(memo) >= 1024:  # (bounded: a set lives until its sender's next change)
+                memo.clear()
+            memo[last] = depth
+        return depth
 
     def changes_since(self, cursor: int) -> tuple[list[Announce], list[int]]:
         """The changed announcements pushed after the run's length was ``cursor``, with the
@@ -200,7 +236,9 @@ class RunHolders:
     """Per block, the shared runs whose set holds it: for routing without masks, which would
     otherwise ask every followed peer's set whether it holds a prompt's first block
     (``RunReads``). One per shell (the simulator's broadcast), shared by every run it makes,
-    so a run's set is indexed once per change of its sender, not once per recipient.
+    so a run's set is indexed once per change of its sender, not once per recipient. It also
+    lists the runs by their newest announcement's time (``moved``, ``stale``), for the
+    liveness check to visit only the followed members whose run went quiet.
 
     Only blocks asked for are indexed (a prompt's first block: few distinct ones in a
     workload), at most ``max_blocks`` of them, the oldest asked first forgotten (asked again,
@@ -209,7 +247,8 @@ class RunHolders:
     ``push_changes``, which report here: for every indexed block, the runs listed are exactly
     the live runs whose ``digest`` holds it."""
 
-    __slots__ = ("_runs", "_of", "max_blocks", "asked", "found_anew")
+    __slots__ = ("_runs", "_of", "max_blocks", "asked", "found_anew", "_recent", "_late",
+                 "_latest", "_dead")
 
     def __init__(self, max_blocks: int = 4096) -> None:
         self._runs: WeakSet[AnnounceRun] = WeakSet()
@@ -218,6 +257,72 @@ class RunHolders:
         #: how many times a block's holders were asked for, and found by asking every run
         self.asked = 0
         self.found_anew = 0
+        #: the runs by their newest announcement's time ``at``, oldest first (each moved to the
+        #: end when pushed onto: the shell pushes at its clock's time, which never goes back),
+        #: for ``stale``; ``_late``: runs pushed onto at an earlier time than the newest
+        #: (another shell's order), asked one by one. Held weakly, like ``_runs``; the keys of
+        #: runs gone wait in ``_dead`` (a weak reference's callback may come mid-iteration).
+        self._recent: dict[ref[AnnounceRun], None] = {}
+        self._late: set[ref[AnnounceRun]] = set()
+        self._latest = -math.inf
+        self._dead: list[ref[AnnounceRun]] = []
+
+    def _purge(self) -> None:
+        dead, self._dead = self._dead, []
+        for key in dead:
+            self._recent.pop(key, None)
+            self._late.discard(key)
+
+    def moved(self, run: AnnounceRun) -> None:
+        """``run`` was made or pushed onto (its ``at`` is its newest announcement's time), or a
+        node follows it (``PeerView``): listed for ``stale``."""
+        if self._dead:
+            self._purge()
+        key = run.clock_key
+        if key is None:
+            key = run.clock_key = ref(run, self._dead.append)
+        recent = self._recent
+        if run.at >= self._latest:
+            self._latest = run.at
+            recent.pop(key, None)
+            recent[key] = None
+            self._late.discard(key)
+        elif key not in recent:
+            self._late.add(key)
+
+    def stale(self, before: float) -> list[AnnounceRun]:
+        """The runs with followers whose newest announcement came at ``before`` or earlier:
+        a run not listed has its newest after ``before``, or no followers. Runs without
+        followers at ``before`` or earlier are dropped (a node that follows one later lists it
+        again, ``moved``). Time proportional to the runs that old (the senders silent that
+        long, and those replaced), not to every run."""
+        if self._dead:
+            self._purge()
+        out: list[AnnounceRun] = []
+        recent = self._recent
+        drop: list[ref[AnnounceRun]] = []
+        for key in recent:
+            run = key()
+            if run is None:
+                drop.append(key)
+                continue
+            if run.at > before:
+                break
+            if run.followers:
+                out.append(run)
+            else:
+                drop.append(key)
+        for key in drop:
+            del recent[key]
+        late = self._late
+        if late:
+            for key in list(late):
+                run = key()
+                if run is None or not run.followers:
+                    late.discard(key)
+                elif run.at <= before:
+                    out.append(run)
+        return out
 
     def seeded(self, run: AnnounceRun) -> None:
         """``run`` got its set (``AnnounceRun.seed``)."""

@@ -178,6 +178,14 @@ class PeerView:
         return self._following
 
     @property
+    def run_clock(self) -> RunHolders | None:
+        """Where every run this node follows is listed by its newest announcement's time
+        (``RunHolders.stale``), if one place lists them all (the liveness check then visits
+        only the members that can be due, ``Members.check``); else None."""
+        holders = self._run_holders
+        return holders if isinstance(holders, RunHolders) else None
+
+    @property
     def follows_runs(self) -> bool:
         """Whether this node follows any shared run."""
         return bool(self._following)
@@ -341,6 +349,8 @@ class PeerView:
         allowance = self._index.allowance(peer)
         run.followers[self._me] = replica.max_elements if replica.max_elements < allowance else allowance
         self._following[peer] = kept
+        if run.holders is not None:
+            run.holders.moved(run)  # (listed again if dropped as stale without followers)
         holders = self._run_holders
         if holders is not run.holders and holders is not False:
             self._run_holders = run.holders if holders is None and run.holders is not None else False
@@ -402,17 +412,12 @@ class PeerView:
         are read as the sizes the replicas will have (with masks, taken in first)."""
         if self._index.masks and (self._following or self._changed):
             self._take_changed()
-        pending: dict[PeerId, tuple[int, int, float, int]] = {
+        pending = {
             p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
             for p, k in self._unapplied.items()
         }
-        for peer, kept in self._following.items():
-            run = kept.run
-            if run is not None and run.length != kept.cursor:
-                pending[peer] = (
-                    run.epoch, run.count, run.at, run.count if run.changed_since(kept.cursor) else -1
-                )
-        return self._index.rebalance(pending=pending, before_emptying=self._take_everything)
+        return self._index.rebalance(pending=pending, followed=self._following,
+                                     before_emptying=self._take_everything)
 
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in
@@ -485,26 +490,30 @@ class PeerView:
         following = self._following
         if not following:
             return
+        me = self._me
+        pull_idle = self._pull_idle
         for peer in list(following) if touched is None else touched:
             kept = following.get(peer)
             if kept is None:
                 continue
             run = kept.run
             replica = kept.replica
-            if not (
+            # (the check's terms cheapest first, the allowance read once: after a rebalance
+            # that changed the share, every followed peer comes here)
+            allowance = index.allowance(peer)
+            if (
                 run is not None
-                and self._pull_idle(peer)
+                and run.count <= allowance
                 and run.count <= replica.max_elements
-                and run.count <= index.allowance(peer)
                 and replica.epoch == kept.replica_epoch
-                and replica.digest.flat_summary() == kept.summary
                 and index.replica(peer) is replica
+                and pull_idle(peer)
+                and replica.digest.flat_summary() == kept.summary
             ):
-                self.leave_run(peer)
-            else:
-                allowance = index.allowance(peer)
                 limit = replica.max_elements
-                run.followers[self._me] = limit if limit < allowance else allowance
+                run.followers[me] = limit if limit < allowance else allowance
+            else:
+                self.leave_run(peer)
 
     def take_changes_of(self, peer: PeerId) -> None:
         """Take ``peer``'s waiting announcements in if some have changes (its replica's set is

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
 from peerinfer.core.messages import Load
@@ -29,6 +29,51 @@ MIN_ALLOWANCE = 4096
 #: A rebalance that a newcomer needs holds back the shares of ``peers // NEWCOMER_RESERVE``
 #: more peers for the next newcomers (``PeerIndex.add_peer``).
 NEWCOMER_RESERVE = 8
+
+
+class _Run(Protocol):
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def at(self) -> float: ...
+
+    def changed_since(self, cursor: int) -> bool: ...
+
+
+class FollowedRecord(Protocol):
+    """What a rebalance reads of a followed peer's record (``peerinfer.core.peerview``'s
+    ``_Kept``): its shared run, and how far into it the node last looked."""
+
+    @property
+    def run(self) -> _Run | None: ...
+
+    @property
+    def cursor(self) -> int: ...
+
+
+def _merged(
+    pending: Mapping[PeerId, tuple[int, int, float, int]] | None,
+    followed: Mapping[PeerId, FollowedRecord] | None,
+) -> Mapping[PeerId, tuple[int, int, float, int]] | None:
+    """``pending`` with the followed peers whose run moved since their record looked, as
+    ``ReplicaBudget.rebalance`` reads them (the run's entry replaces the peer's in ``pending``)."""
+    if not followed:
+        return pending
+    merged = dict(pending) if pending else {}
+    for peer, kept in followed.items():
+        run = kept.run
+        if run is not None and run.length != kept.cursor:
+            merged[peer] = (
+                run.epoch, run.count, run.at, run.count if run.changed_since(kept.cursor) else -1
+            )
+    return merged
 
 
 class _PeerState:
@@ -130,11 +175,19 @@ class ReplicaBudget:
         assert state.replica is not None
         state.replica.max_elements = allowance
 
+    #: test hook: each rebalance that sizes the short way (below) also sizes the long way, over
+    #: every peer's want with a full sort for the spare, and requires the same allowances
+    #: (``tests/sim/test_sim_lazy.py``, ``tests/core/test_admission_core.py``)
+    check_rebalances: ClassVar[bool] = False
+    #: how many rebalances sized the short way (for those tests: it ran)
+    short_rebalances: ClassVar[int] = 0
+
     def rebalance(
         self,
         *,
         decay: bool = True,
         pending: Mapping[PeerId, tuple[int, int, float, int]] | None = None,
+        followed: Mapping[PeerId, FollowedRecord] | None = None,
         before_emptying: Callable[[], None] | None = None,
         reserve: int = 0,
     ) -> list[PeerId]:
@@ -147,12 +200,24 @@ class ReplicaBudget:
         run's changes, ``AnnounceRun.take_run``, and ``announced_fresh`` would take them in;
         ``size``: how many elements the replica then holds, -1 for as many as now): the
         allowances are computed as if they had been fed in, the index left as it is (what they
-        change and the sizing reads is the peer's claimed count and size and its freshness). ``before_emptying`` is called once, before the
+        change and the sizing reads is the peer's claimed count and size and its freshness).
+        ``followed``: the records of the peers whose shared runs the node follows
+        (``PeerView.following``); a peer whose run moved since the record last looked counts
+        as pending with the run's newest, ``(run.epoch, run.count, run.at, run.count if it
+        changed since else -1)``, instead of its entry in ``pending`` (read per peer, not
+        gathered into a dict first). ``before_emptying`` is called once, before the
         first replica is emptied, for the caller to feed them in then (an emptied replica
         starts over, and must not be confirmed by them afterwards).
 
         ``reserve`` peers more are counted in the equal share, and their shares stay
-        unallocated, for newcomers to take (``add_peer``; the periodic rebalance passes 0)."""
+        unallocated, for newcomers to take (``add_peer``; the periodic rebalance passes 0).
+
+        Where the equal share is below ``MIN_ALLOWANCE`` (and the cap), every peer wants more
+        than it (a want is at least that), so every peer is given the share and the spare goes
+        by hits alone: then no peer's want is computed but the spare's takers', and the order
+        by hits is read only as far as the spare lasts (``_size_short``). The same allowances
+        as sizing every want (``_size_every``): past 256 peers at the default budget, where a
+        rebalance of every peer every few seconds was a tenth of a simulation's CPU."""
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
         self.rebalances += 1
@@ -161,6 +226,52 @@ class ReplicaBudget:
             return []
         budget = self.replica_budget_blocks
         share = budget // (len(states) + reserve)
+        cap = self.max_replica_elements
+        if share < MIN_ALLOWANCE and share < cap:
+            ReplicaBudget.short_rebalances += 1
+            given, sizes, spare = self._size_short(states, share, reserve, pending, followed)
+            if ReplicaBudget.check_rebalances:
+                every = self._size_every(states, share, reserve, _merged(pending, followed))
+                assert (given, sizes, spare) == every, "short rebalance != every peer's"
+        else:
+            given, sizes, spare = self._size_every(states, share, reserve,
+                                                   _merged(pending, followed))
+        emptied = []
+        changed = False
+        for st, allowance in zip(states, given, strict=True):
+            if decay:
+                st.hits *= 0.5
+            replica = st.replica
+            assert replica is not None
+            if allowance != st.allowance or allowance != replica.max_elements:
+                changed = True
+                self._touch(st.peer)
+                st.allowance = allowance
+                replica.max_elements = allowance
+        if changed:
+            self.allowance_changes += 1
+        self._allocated = budget - reserve * share - spare
+        for st, size in zip(states, sizes, strict=True):
+            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
+            if size > st.allowance:
+                if before_emptying is not None:
+                    before_emptying()
+                    before_emptying = None
+                if self.enforce_allowance(st.peer):
+                    emptied.append(st.peer)
+        return emptied
+
+    def _size_every(
+        self,
+        states: list[_PeerState],
+        share: int,
+        reserve: int,
+        pending: Mapping[PeerId, tuple[int, int, float, int]] | None,
+    ) -> tuple[list[int], list[int], int]:
+        """Each peer's allowance (by position in ``states``), its size, and the spare left:
+        every peer given up to the share what it wants, the spare to those wanting more, most
+        hits first."""
+        budget = self.replica_budget_blocks
         cap = self.max_replica_elements
         # By position in ``states``: each peer's size, what it wants, what it is given.
         sizes: list[int] = []
@@ -202,13 +313,12 @@ class ReplicaBudget:
                     wanting_more = True
         spare = budget - reserve * share - sum(given)
         # The spare goes to peers wanting more than their share; none: nothing to order.
-        hungry = spare > 0 and wanting_more
+        if spare > 0 and wanting_more:
 
-        def freshness(s: _PeerState) -> float:
-            news = pending_get(s.peer) if pending_get is not None else None
-            return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
+            def freshness(s: _PeerState) -> float:
+                news = pending_get(s.peer) if pending_get is not None else None
+                return s.fresh_at if news is None or news[2] <= s.fresh_at else news[2]
 
-        if hungry:
             order = sorted(
                 range(len(states)),
                 key=lambda i: (-states[i].hits, -freshness(states[i]), states[i].added_seq),
@@ -220,30 +330,101 @@ class ReplicaBudget:
                 if extra > 0:
                     given[i] += extra
                     spare -= extra
-        emptied = []
-        changed = False
-        for st, allowance in zip(states, given, strict=True):
-            if decay:
-                st.hits *= 0.5
+        return given, sizes, spare
+
+    def _size_short(
+        self,
+        states: list[_PeerState],
+        share: int,
+        reserve: int,
+        pending: Mapping[PeerId, tuple[int, int, float, int]] | None,
+        followed: Mapping[PeerId, FollowedRecord] | None,
+    ) -> tuple[list[int], list[int], int]:
+        """``_size_every`` where the share is below every want (``share < MIN_ALLOWANCE``,
+        ``share < cap``): each peer is given the share and wants more, so the spare is what
+        the shares leave, and it goes to the peers in ``_size_every``'s order (most hits, then
+        the most recently fresh, then the earliest added) while it lasts, each taking up to
+        its want. Sizes are read per peer, wants only for those taking some spare."""
+        n = len(states)
+        given = [share] * n
+        spare = self.replica_budget_blocks - reserve * share - n * share
+        pending_get = pending.get if pending else None
+        followed_get = followed.get if followed else None
+        sizes: list[int] = []
+        for st in states:
+            later = -1
+            moved = False
+            if followed_get is not None:
+                kept = followed_get(st.peer)
+                if kept is not None:
+                    run = kept.run
+                    if run is not None and run.length != kept.cursor:
+                        moved = True
+                        if run.changed_since(kept.cursor):
+                            later = run.count
+            if not moved and pending_get is not None:
+                news = pending_get(st.peer)
+                if news is not None:
+                    later = news[3]
+            if later >= 0:
+                sizes.append(later)
+            else:
+                digest = st.replica.digest  # type: ignore[union-attr]
+                flat = digest._flat
+                sizes.append(len(flat) if flat is not None else len(digest))
+        if spare <= 0:
+            return given, sizes, spare
+        hits = [st.hits for st in states]
+        top = max(hits)
+        if not top > 0.0:
+            return given, sizes, spare  # the first in the order has none: nobody takes any
+
+        def news_of(st: _PeerState) -> tuple[int, int, float, int] | None:
+            if followed_get is not None:
+                kept = followed_get(st.peer)
+                if kept is not None:
+                    run = kept.run
+                    if run is not None and run.length != kept.cursor:
+                        return (run.epoch, run.count, run.at,
+                                run.count if run.changed_since(kept.cursor) else -1)
+            return pending_get(st.peer) if pending_get is not None else None
+
+        def key(i: int) -> tuple[float, float, int]:
+            st = states[i]
+            news = news_of(st)
+            fresh = st.fresh_at if news is None or news[2] <= st.fresh_at else news[2]
+            return -st.hits, -fresh, st.added_seq
+
+        def give(i: int) -> bool:
+            # One step of ``_size_every``'s loop over the order; False: it stops there.
+            nonlocal spare
+            st = states[i]
+            if spare <= 0 or st.hits <= 0.0:
+                return False
             replica = st.replica
             assert replica is not None
-            if allowance != st.allowance or allowance != replica.max_elements:
-                changed = True
-                self._touch(st.peer)
-                st.allowance = allowance
-                replica.max_elements = allowance
-        if changed:
-            self.allowance_changes += 1
-        self._allocated = budget - reserve * share - spare
-        for st, size in zip(states, sizes, strict=True):
-            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
-            if size > st.allowance:
-                if before_emptying is not None:
-                    before_emptying()
-                    before_emptying = None
-                if self.enforce_allowance(st.peer):
-                    emptied.append(st.peer)
-        return emptied
+            announced = replica._announced
+            news = news_of(st)
+            if news is not None and (announced is None or news[0] >= announced[0]):
+                announced = (news[0], 0, news[1])
+            claimed = announced[2] if announced is not None else 0
+            size = sizes[i]
+            want = min(max(2 * max(size, claimed), MIN_ALLOWANCE), self.max_replica_elements)
+            extra = min(spare, want - share)
+            if extra > 0:
+                given[i] += extra
+                spare -= extra
+            return True
+
+        # The order's head: the peers with the most hits, by freshness and age; the rest
+        # (fewer hits) is sorted only if the spare outlasts them.
+        head = sorted((i for i, h in enumerate(hits) if h == top), key=key)
+        if all(give(i) for i in head) and spare > 0:
+            taken = set(head)
+            for i in sorted((j for j in range(n) if j not in taken), key=key):
+                if not give(i):
+                    break
+        return given, sizes, spare
 
     def _touch(self, peer: PeerId) -> None:
         touched = self._touched
@@ -270,4 +451,4 @@ class ReplicaBudget:
         return MAX_REPLICA_ELEMENTS
 
 
-__all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "ReplicaBudget"]
+__all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "FollowedRecord", "ReplicaBudget"]

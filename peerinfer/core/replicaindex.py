@@ -470,12 +470,9 @@ class ReplicaIndex(ReplicaBudget):
             if kept is None or kept.run is not run or sender in spec:
                 continue
             holder = states.get(sender)
-            run_set = run.digest
-            if holder is None or run_set is None:
+            if holder is None:
                 continue
-            run_flat = run_set._flat
-            depth = len(list(takewhile((run_set if run_flat is None else run_flat).__contains__,
-                                       chain)))
+            depth = run.depth(chain)  # (kept per run's set: its followers route alike)
             if depth:
                 by_depth[depth] = by_depth.get(depth, 0) | holder.bit
         out = sorted(by_depth.items())

@@ -61,3 +61,33 @@ def test_holders_are_the_runs_whose_set_holds_the_block_through_changes() -> Non
     gc.collect()
     assert {id(r) for r in holders.holding(BlockHash(b))} == \
         {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
+
+
+def test_a_runs_depth_is_kept_per_set_and_follows_its_changes() -> None:
+    """``AnnounceRun.depth``: the leading blocks of a chain its set holds, kept per chain
+    (by its last block, which names a hash chain) until the set changes; through changes it
+    answers as counting anew (fails if a change keeps the old answers)."""
+    from itertools import takewhile
+
+    rng = random.Random(7)
+    blocks = list(range(1, 31))
+    held = set(rng.sample(blocks, 20))
+    d = _digest(held)
+    run = AnnounceRun(_announce("p", 1, d), 0.0, RunHolders())
+    assert run.depth([BlockHash(1)]) == 0  # no set yet
+    run.seed(d)
+    # Prefixes of one order of the blocks: like a prompt's hash chains, no two end alike.
+    order = [BlockHash(b) for b in rng.sample(blocks, len(blocks))]
+    chains = [order[:k] for k in range(1, len(order) + 1)]
+    for step in range(200):
+        if step % 10 == 9:
+            added = tuple(b for b in rng.sample(blocks, 3) if b not in held)
+            removed = tuple(rng.sample(sorted(held), 2))
+            held = (held | set(added)) - set(removed)
+            a = _announce("p", run.epoch + 1, _digest(held), added, removed)
+            after = run.advances(a)
+            assert after is not None
+            run.push_changes(a, float(step), after)
+        chain = rng.choice(chains)
+        assert run.depth(chain) == len(list(takewhile(held.__contains__, chain))), step
+    assert run._depths  # answers kept

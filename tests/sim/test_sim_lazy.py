@@ -212,6 +212,10 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
         check(self, now, effects, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(members_module.Members, "check", counting_check)
+    # Liveness checks that visited only the members that can be due (``Members._check_by_clock``),
+    # each also run as the loop over every member here and required to act the same.
+    monkeypatch.setattr(members_module.Members, "check_clock", True)
+    clock_checks = members_module.Members.clock_checks
     monkeypatch.setattr(announcerun.AnnounceRun, "push_changes", counting_push_changes)
     monkeypatch.setattr(announcerun.AnnounceRun, "over_limit", counting_over_limit)
     monkeypatch.setattr(announcerun.AnnounceRun, "take_run", staticmethod(counting_take_run))
@@ -220,6 +224,26 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # also walked over every peer here and required to give the same answer.
     monkeypatch.setattr(replicaindex.ReplicaIndex, "check_run_walks", True)
     run_walks = replicaindex.ReplicaIndex.run_walks
+    # Rebalances sized the short way (every want above the equal share: the tight budgets),
+    # each also sized over every peer's want here and required to give the same; counted with
+    # the followed runs read in place of pending and the spare handed out.
+    from peerinfer.core import replicabudget
+
+    monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
+    short_rebalances = replicabudget.ReplicaBudget.short_rebalances
+    size_short = replicabudget.ReplicaBudget._size_short
+
+    def counting_size_short(self: replicabudget.ReplicaBudget, states: list[object], share: int,
+                            reserve: int, pending: object, followed: object) -> object:
+        out = size_short(self, states, share, reserve, pending, followed)  # type: ignore[arg-type]
+        if followed and any(k.run is not None and k.run.length != k.cursor  # type: ignore[attr-defined]
+                            for k in followed.values()):  # type: ignore[attr-defined]
+            changes["short rebalances reading moved runs"] += 1
+        if any(g != share for g in out[0]):
+            changes["short rebalances handing out spare"] += 1
+        return out
+
+    monkeypatch.setattr(replicabudget.ReplicaBudget, "_size_short", counting_size_short)
     sets = [0, 0]  # replicas holding something after the shared runs, distinct sets among them
     for seed in range(20):
         config = _random_config(seed)
@@ -246,6 +270,10 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["walks without masks"] > 1000 and changes["with newer sets"] > 1000, changes
     assert changes["members heard through runs"] > 1000, changes
     assert replicaindex.ReplicaIndex.run_walks - run_walks > 500, replicaindex.ReplicaIndex.run_walks  # 897
+    assert replicabudget.ReplicaBudget.short_rebalances - short_rebalances > 500
+    assert members_module.Members.clock_checks - clock_checks > 1000, members_module.Members.clock_checks
+    assert changes["short rebalances reading moved runs"] > 50, changes  # 92 measured
+    assert changes["short rebalances handing out spare"] > 300, changes  # 603
     # ... and the replicas of a peer that took the same deltas in share one set.
     assert sets[1] * 10 < sets[0] * 6, sets  # 296 of 632 measured; without sharing, all
 
@@ -515,3 +543,50 @@ def test_the_simulators_hasher_hashes_each_distinct_prompt_once(
     small, _ = simulate(config, check=True)
     assert sum(chained.values()) > 2 * distinct  # the small memo hashes them again
     assert _decisions(small) == fast
+
+
+@pytest.mark.parametrize("mode", ["reset", "silent"])
+def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_churn(
+    mode: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Crashed and departed senders leave runs that stop moving while nodes still follow them:
+    the liveness check that visits only the members that can be due (``Members._check_by_clock``)
+    must ping and forget them as the loop over every member does. Each check is cross-checked
+    against the loop here (``check_clock``), and the runs' decisions against runs without the
+    clock (the loop alone)."""
+    from peerinfer.core import peerview
+    from peerinfer.core.node import members as members_module
+
+    config = SimConfig(
+        nodes=12, requests=400, rate=0.5, crash_rate=40.0, leave_rate=20.0, join_rate=60.0,
+        crash_mode=mode, seed=3, skew="zipf:1.0",
+    )
+    overrides = dict(lazy_announcements=True, route_among_holders=True)
+    with monkeypatch.context() as m:
+        m.setattr(sim_module.Simulation, "node_overrides", overrides)
+        m.setattr(members_module.Members, "check_clock", True)
+        checks = members_module.Members.clock_checks
+        stale = members_module.Members.clock_stale_visits
+        by_clock, _ = simulate(config, check=True)
+        assert members_module.Members.clock_checks - checks > 500  # 978 measured
+        assert members_module.Members.clock_stale_visits - stale > 20, \
+            members_module.Members.clock_stale_visits - stale
+    with monkeypatch.context() as m:
+        m.setattr(sim_module.Simulation, "node_overrides", overrides)
+        m.setattr(peerview.PeerView, "run_clock", property(lambda self: None))
+        checks = members_module.Members.clock_checks
+        loop, _ = simulate(config, check=True)
+        assert members_module.Members.clock_checks == checks
+    assert by_clock.pings > 0 and by_clock.drops > 0, (by_clock.pings, by_clock.drops)
+    def decisions(sim: sim_module.Simulation) -> dict[str, object]:
+        live = [c for c in sim.cores if hasattr(c, "index")]  # (not the crashed ones)
+        return {
+            "server": sim.server, "forwards": sim.forwards, "decided": sim.decided,
+            "status": sim.status, "first": sim.first, "finish": sim.finish,
+            "pings": sim.pings, "drops": sim.drops, "stats": [c.statistics() for c in live],
+            "members": [sorted(c.members) for c in live], "rng": [c.rng.getstate() for c in live],
+        }
+
+    ours, theirs = decisions(by_clock), decisions(loop)
+    for key in ours:
+        assert ours[key] == theirs[key], f"{mode}: {key} differs"

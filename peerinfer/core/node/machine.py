@@ -213,7 +213,7 @@ class NodeCore:
         self.members.check(
             now, effects,
             forget=lambda peer: self._forget_peer(peer, now, effects),
-            followed=self.view.following,
+            followed=self.view.following, clock=self.view.run_clock,
         )
         self._maybe_announce(now, effects)
         self.view.expire(now)
