@@ -12,6 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import cluster_floor  # noqa: E402
 
+from peerinfer.engine.simulated import SimulatedEngine  # noqa: E402
+from peerinfer.sim.run import sim_requests  # noqa: E402
+from peerinfer.workload import default_data_dir  # noqa: E402
+
 
 def test_the_bench_point_prints_the_oracle_below_random(capsys: pytest.CaptureFixture[str]) -> None:
     assert cluster_floor.main(["--quick", "--seeds", "1", "--json"]) == 0
@@ -23,4 +27,20 @@ def test_the_bench_point_prints_the_oracle_below_random(capsys: pytest.CaptureFi
     assert 0.2 < row["oracle_over_random"] < 0.95
     assert row["cost_over_random"] == pytest.approx(row["oracle_over_random"] * row["cost_over_oracle"], abs=0.01)
     assert row["random_ttft_mean_s"] > 0
-    assert "lowest oracle / random over the grid" in err
+    # The floor bounds every policy, the oracle included; and it is far above nothing (the
+    # first request of each subject pays a full prefill in it).
+    assert 0.3 < row["floor_over_random"] <= row["oracle_over_random"]
+    assert "lowest floor / random where the caches hold everything: 0." in err
+
+
+def test_the_floor_charges_a_prompt_only_for_what_no_earlier_prompt_shares() -> None:
+    config = cluster_floor.point_config("random", "zipf:1.1", 40, None, 0.035, 1, 3, str(default_data_dir()))
+    requests = sim_requests(config, SimulatedEngine(costs=config.costs))
+    costs = config.costs
+    cold = sum(costs.prefill_s(len(r.tokens), 0) for r in requests) / len(requests)
+    floor = cluster_floor.floor_ttft(config)
+    # Subjects repeat under Zipf 1.1, so most requests find their 5-shot prefix; the first one
+    # finds nothing.
+    assert floor < 0.6 * cold
+    first = requests[0]
+    assert floor * len(requests) >= costs.prefill_s(len(first.tokens), 0)
