@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from peerinfer.cli import build_parser, node_options
+from peerinfer.core.kvpull import DEFAULT_VERIFY_RATE
 from peerinfer.errors import ConfigError
 from peerinfer.node import NodeOptions
 from peerinfer.node.options import core_config
@@ -43,6 +44,19 @@ def test_the_flags_reach_the_core_with_the_engine_kv_size() -> None:
     assert config.kv_pull.kv_bytes_per_token == 23_040
     assert options_of("--kv-pull", "off").kv_pull is None
     assert config_of(options_of("--kv-pull", "always")).kv_pull.mode == "always"
+
+
+def test_the_verify_rate_is_the_operators_to_raise() -> None:
+    assert options_of("--kv-pull", "auto").kv_pull_verify_rate is None
+    default = config_of(options_of("--kv-pull", "auto")).kv_pull
+    assert default is not None and default.verify_rate == DEFAULT_VERIFY_RATE
+    raised = config_of(options_of("--kv-pull", "auto", "--kv-pull-verify-rate", "0.14")).kv_pull
+    assert raised is not None and raised.verify_rate == 0.14
+    with pytest.raises(ConfigError, match="needs --kv-pull"):
+        options_of("--kv-pull-verify-rate", "0.14")
+    for bad in ("0", "1.5", "nan", "-0.1"):
+        with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
+            options_of("--kv-pull", "auto", "--kv-pull-verify-rate", bad)
 
 
 def test_a_private_swarm_trusts_its_members_for_pulls() -> None:
