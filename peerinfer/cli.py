@@ -137,7 +137,7 @@ def _add_node(sub: Any) -> None:
                        help="with --kv-pull: share of each pull's tokens recomputed to check it "
                        "(default 0.05: a peer altering whole blocks is caught at its first pull, one "
                        "altering a single token within 20 pulls ~64%% of the time; 0.14 makes that "
-                       "95%% for ~14-20%% of the compute a pull saves; docs/security.md)")
+                       "95%% for about a fifth of the compute a pull saves; docs/security.md)")
     p.set_defaults(run=_run_node)
 
 

@@ -174,7 +174,7 @@ class NodeOptions:
     #: the share of each pull's tokens recomputed to check it (None: ``PullSettings``'s, 0.05).
     #: A trade the operator makes: 0.05 catches a peer that alters whole blocks at its first
     #: pull and one that alters a single token within 20 pulls in about 64% of cases; 0.14
-    #: raises the latter to 95%, at about 14-20% of the compute a pull saves (docs/security.md).
+    #: raises the latter to 95%, at about a fifth of the compute a pull saves (docs/security.md).
     kv_pull_verify_rate: float | None = None
 
     def __post_init__(self) -> None:
