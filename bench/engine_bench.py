@@ -38,7 +38,10 @@ after a sequence already holding the prefix), the same prompt through raw llama-
 context, no cache: ``raw_ttft_s``, ``raw_decode_tokens_per_s``), single-stream decode tokens/s of
 the llama.cpp engine and of the Transformers engine (float32) on the same text, and, with
 ``--memory``, the resident memory of a fresh process after loading each engine and serving 64
-requests (8 at a time) against GGUF size + KV budget + 300 MB.
+requests (8 at a time) against GGUF size + KV budget + 300 MB. Unless ``--skip-node``, one prompt
+per subject also goes through a real node (``node_vs_raw``: a client on libp2p, in this
+process), paired with raw llama-cpp-python on the same token ids: ``node_miss_over_raw`` and
+``node_decode_over_raw``, always on the wall clock (the client's TTFT is one).
 
 ``--clock cpu`` times everything but the second load with the process's CPU time instead of the
 wall clock. With ``--threads 1`` that is what the wall clock would read on an idle machine: use it
@@ -328,6 +331,71 @@ def _decode_rate(engine: Any, prompt: Sequence[int], n: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def node_vs_raw(engine: Any, workload: list[tuple[str, str, list[str]]], decode_tokens: int,
+                say: Any) -> dict[str, Any]:
+    """The issue's "a request through a node compared with raw llama-cpp-python on the same
+    GGUF, no cache": each prompt sent by a client to one real node (libp2p on 127.0.0.1, the
+    ``local`` policy, in this process), then the same token ids through raw llama-cpp-python
+    (a fresh context), back to back. Both are timed with the wall clock, since the client's
+    TTFT is a wall-clock figure (from sending to the first token arriving): run it on a quiet
+    machine. A prompt starts with its own line (``Request k.``), so nothing of it is cached.
+    Decode tokens/s: the tokens after the first over the time after the first, as the client
+    sees them and as the raw run times its steps."""
+    import trio
+
+    from peerinfer.client import Client
+    from peerinfer.node import Node, NodeOptions
+    from peerinfer.testing.llamacpp_reference import LlamaCppReference
+
+    raw = LlamaCppReference(engine.gguf, extra_buffers=engine.extra_buffers, threads=engine.threads,
+                            clock=time.perf_counter)
+    texts = [f"Request {k}.\n{prefix}{q}" for k, (_s, prefix, questions) in enumerate(workload)
+             for q in questions[1:2]]
+    rows: list[dict[str, float]] = []
+
+    async def run() -> None:
+        options = NodeOptions(engine="unused", listen=("/ip4/127.0.0.1/tcp/0",), mdns=False,
+                              persist_identity=False, policy="local", seed=1)
+        node = Node(options, engine=engine)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            async with Client.connect(node.addresses()[0]) as client:
+                await client.generate("Warm-up: the quick brown fox.", max_tokens=2)
+                for text in texts:
+                    ids = engine.tokenize(text)
+                    res = await client.generate(text, max_tokens=decode_tokens)
+                    if res.cached_tokens or res.prompt_tokens != len(ids):
+                        raise RuntimeError(f"not the same uncached prompt: {res.prompt_tokens} tokens "
+                                           f"({res.cached_tokens} cached), raw {len(ids)}")
+                    # Off the trio loop's thread is not needed: nothing else runs meanwhile.
+                    ref = raw.greedy(ids, decode_tokens)
+                    node_rate = (res.completion_tokens - 1) / max(1e-9, res.latency_s - res.ttft_s)
+                    raw_rate = (len(ref.tokens) - 1) / ref.decode_s
+                    rows.append({"tokens": len(ids), "node_ttft_s": res.ttft_s, "raw_ttft_s": ref.prefill_s,
+                                 "node_decode_tokens_per_s": node_rate, "raw_decode_tokens_per_s": raw_rate,
+                                 "node_tokens": res.completion_tokens, "raw_tokens": len(ref.tokens)})
+                    say(f"through a node: {len(ids):4d} tokens, TTFT {res.ttft_s * 1000:7.1f} ms against raw "
+                        f"{ref.prefill_s * 1000:7.1f} ms; decode {node_rate:5.1f} against {raw_rate:5.1f} tok/s "
+                        f"({res.completion_tokens} and {len(ref.tokens)} tokens)")
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(run)
+    finally:
+        raw.close()
+    med = statistics.median
+    return {
+        "node_ttft_miss_s": med(r["node_ttft_s"] for r in rows),
+        "node_raw_ttft_s": med(r["raw_ttft_s"] for r in rows),
+        "node_miss_over_raw": med(r["node_ttft_s"] / r["raw_ttft_s"] for r in rows),
+        "node_decode_tokens_per_s": med(r["node_decode_tokens_per_s"] for r in rows),
+        "node_raw_decode_tokens_per_s": med(r["raw_decode_tokens_per_s"] for r in rows),
+        "node_decode_over_raw": med(r["node_decode_tokens_per_s"] / r["raw_decode_tokens_per_s"] for r in rows),
+        "node_samples": len(rows),
+        "node_rows": rows,
+    }
+
+
 def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     """The llama.cpp engine's figures (see the module docstring)."""
     import numpy as np
@@ -406,6 +474,9 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": engine.kv_bytes_per_token, "extra_buffers": engine.extra_buffers,
         "context_tokens": engine.context_tokens, "model": engine.model_name,
     }
+    if not args.skip_node:
+        _fresh_cache(engine)
+        result_engine.update(node_vs_raw(engine, workload, args.decode_tokens, say))
     engine.close()
     hf_rates: list[float] = []
     if not args.skip_hf:
@@ -568,6 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall (default) or cpu: process CPU time (a busy machine; use --threads 1)")
     parser.add_argument("--skip-hf", action="store_true", help="llamacpp: skip the Transformers decode figure")
+    parser.add_argument("--skip-node", action="store_true",
+                        help="llamacpp: skip the figures of a request through a real node against raw llama-cpp-python")
     parser.add_argument("--memory", action="store_true", help="llamacpp: resident memory of both engines after 64 requests")
     parser.add_argument("--memory-budget", type=int, default=1 << 30, help="KV budget for --memory (bytes; default 1 GiB)")
     parser.add_argument("--memory-tokens", type=int, default=16, help="tokens per request for --memory (16)")
