@@ -24,6 +24,14 @@ prompts' chains (a tuple of tokens is the key; the memo starts over when full). 
 passes a larger ``memo_size`` (``SIM_PROMPT_MEMO_SIZE``): its workload repeats prompts (64 x
 100,000 on the full MMLU set holds 14,015 distinct ones), and each is then hashed once.
 
+A prompt hashed for the first time often shares a long prefix with one hashed before (MMLU's
+prompts of one subject share a ~1,400-token 5-shot prefix and differ in ~100 tokens; a chat's
+turns extend the conversation). ``prompt_chain`` keeps, for the prompts in its memo, their
+token prefixes ending at every ``PREFIX_STRIDE_BLOCKS``-th block boundary, keyed by Python's
+hash of the prefix and checked equal to it before use: a new prompt's chain takes the longest
+such prefix's hashes as they are and hashes only its blocks after it (``chain`` with
+``parent`` and ``start``; the same hashes, a chain being a pure function of the tokens).
+
 Scaffold hashes
 ---------------
 The ``scaffold_hash`` routing policy (``peerinfer.core.routing``) models Mesh LLM's cache
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Sequence
 
 from peerinfer.errors import ConfigError
@@ -52,6 +61,8 @@ PROMPT_MEMO_SIZE = 512
 #: The simulator's memo (``PrefixHasher(memo_size=...)``): a whole MMLU test set's prompts,
 #: about 30 MB at 2 KB each.
 SIM_PROMPT_MEMO_SIZE = 1 << 15
+#: ``prompt_chain``'s shared prefixes end at every this many blocks (128 tokens at 16 a block)
+PREFIX_STRIDE_BLOCKS = 8
 
 
 def derive_swarm_key(fingerprint: bytes, secret: bytes | None = None) -> bytes:
@@ -72,7 +83,8 @@ def derive_swarm_key(fingerprint: bytes, secret: bytes | None = None) -> bytes:
 class PrefixHasher:
     """Computes block-hash chains for one (model fingerprint, swarm key, block size)."""
 
-    __slots__ = ("block_size", "fingerprint", "key", "root", "_pack", "_prompt_memo", "_memo_size")
+    __slots__ = ("block_size", "fingerprint", "key", "root", "_pack", "_prompt_memo", "_memo_size",
+                 "_prefix_memo")
 
     def __init__(
         self,
@@ -98,6 +110,9 @@ class PrefixHasher:
         self._prompt_memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[BlockHash, ...]]] = {}
         #: how many prompts' chains ``prompt_chain`` keeps before it starts over
         self._memo_size = memo_size
+        #: the memo's prompts' prefixes (``prompt_chain``): hash of ``prompt[:end]`` -> (end,
+        #: prompt, its chain), for ``end`` every ``PREFIX_STRIDE_BLOCKS`` blocks
+        self._prefix_memo: dict[int, tuple[int, tuple[int, ...], tuple[BlockHash, ...]]] = {}
 
     def block_hash(self, parent: BlockHash, block: Sequence[int]) -> BlockHash:
         """The hash of ``block`` (exactly ``block_size`` token ids) following ``parent``."""
@@ -147,10 +162,51 @@ class PrefixHasher:
         # ``chain`` refuses): only a tuple of ints shares the memo's answer.
         if hit is not None and (hit[0] is tokens or set(map(type, tokens)) == {int}):
             return hit[1]
-        chain = tuple(self.chain(tokens))
-        if len(memo) >= self._memo_size:
+        chain = self._new_prompt_chain(tokens)
+        if len(memo) >= self._memo_size or len(self._prefix_memo) >= 16 * self._memo_size:
             memo.clear()
+            self._prefix_memo.clear()
         memo[tokens] = (tokens, chain)
+        return chain
+
+    def _new_prompt_chain(self, tokens: tuple[int, ...]) -> tuple[BlockHash, ...]:
+        """``tuple(self.chain(tokens))`` for a prompt not in the memo, from the longest prefix
+        of it that a memo prompt shares at a ``PREFIX_STRIDE_BLOCKS`` boundary; the prefixes
+        of ``tokens`` past that are noted for the prompts after it."""
+        bs = self.block_size
+        step = PREFIX_STRIDE_BLOCKS * bs
+        prefixes = self._prefix_memo
+        # Each prefix's key chains from the one before (the hash of it and the next
+        # ``step`` tokens): all of them in time linear in the prompt, not quadratic.
+        keys: list[int] = []
+        k = 0
+        for end in range(step, len(tokens) + 1, step):
+            k = hash((k, tokens[end - step : end]))
+            keys.append(k)
+        found = 0
+        head: tuple[BlockHash, ...] = ()
+        for n in range(len(keys), 0, -1):
+            hit = prefixes.get(keys[n - 1])
+            if hit is None:
+                continue
+            end = n * step
+            if hit[0] == end and hit[1][:end] == tokens[:end]:
+                # Equal is not enough: a float equal to a token id is refused by ``chain``
+                # (struct), so the prefix must be made of what ``chain`` takes (as the
+                # prompt it came from was), or the prompt is hashed as a whole.
+                try:
+                    array("Q", tokens[:end])
+                except (TypeError, OverflowError):
+                    break
+                found = n
+                head = hit[2][: end // bs]
+                break
+        if found:
+            chain = head + tuple(self.chain(tokens, head[-1], found * step))
+        else:
+            chain = tuple(self.chain(tokens))
+        for n in range(found + 1, len(keys) + 1):
+            prefixes[keys[n - 1]] = (n * step, tokens, chain)
         return chain
 
     def scaffold_hash(self, parts: Sequence[tuple[str, str]]) -> int | None:
@@ -187,6 +243,7 @@ def scaffold_messages(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, s
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "PREFIX_STRIDE_BLOCKS",
     "PROMPT_MEMO_SIZE",
     "SIM_PROMPT_MEMO_SIZE",
     "SCAFFOLD_ROLES",

@@ -546,6 +546,67 @@ def test_prompt_chain_is_the_chain_memoized_and_refuses_what_chain_refuses() -> 
     assert len(hasher._prompt_memo) <= prefix.PROMPT_MEMO_SIZE
 
 
+@pytest.mark.parametrize("colliding", [False, True])
+def test_prompt_chain_extends_a_shared_prefix_to_the_same_chain(
+    colliding: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt new to the memo that shares a prefix with ones hashed before (MMLU's: one
+    subject's 5-shot examples, then the question) gets exactly ``chain``'s hashes: prefixes
+    shared up to, just before and just past a ``PREFIX_STRIDE_BLOCKS`` boundary, with and
+    without a partial last block, at two block sizes; a prompt equal to a memo prompt's prefix
+    but holding a float is refused as ``chain`` refuses it; the memo's start-over forgets the
+    prefixes too (fails if a new prompt takes one hash too many or too few from the prefix it
+    shares, or extends from the wrong place). ``colliding``: every prefix key is the same
+    (a hash that collides always): the prefixes are told apart by their tokens (fails if a
+    prefix is taken on its key alone)."""
+    import random
+
+    from peerinfer.core import prefix
+
+    if colliding:
+        monkeypatch.setattr(prefix, "hash", lambda _: 7, raising=False)
+
+    class Counting(prefix.PrefixHasher):
+        """Notes where each chain starts: a prompt extended from a shared prefix starts past 0."""
+
+        starts: list[int] = []
+
+        def chain(self, tokens: Any, parent: BlockHash | None = None, start: int = 0) -> list[BlockHash]:
+            Counting.starts.append(start)
+            return super().chain(tokens, parent, start)
+
+    rng = random.Random(25)
+    for bs in (16, 4):
+        step = prefix.PREFIX_STRIDE_BLOCKS * bs
+        hasher = Counting(b"prefix-test", block_size=bs, memo_size=64)
+        Counting.starts = []
+        other = prefix.PrefixHasher(b"prefix-test", block_size=bs)
+        shots = [tuple(rng.randrange(32_000) for _ in range(rng.randrange(3 * step, 6 * step)))
+                 for _ in range(3)]
+        for i in range(300):
+            shot = rng.choice(shots)
+            cut = rng.choice((len(shot), len(shot) // step * step, len(shot) // step * step - 1,
+                              len(shot) // step * step + 1, rng.randrange(len(shot))))
+            tail = tuple(rng.randrange(32_000) for _ in range(rng.randrange(0, 2 * step)))
+            p = shot[:cut] + tail
+            assert hasher.prompt_chain(p) == tuple(other.chain(p)), (bs, i, cut, len(tail))
+        extended = [s for s in Counting.starts if s]
+        assert len(extended) > (5 if colliding else 100), bs
+        assert all(s % step == 0 for s in extended), bs
+        assert len(hasher._prompt_memo) <= 64
+        assert len(hasher._prefix_memo) <= 64 * 6 * 2  # started over with the memo
+    # A prompt equal to a memo prompt's prefix, and longer than it, holding a float: refused.
+    plain = prefix.PrefixHasher(b"prefix-test")
+    base = tuple(range(100, 100 + 5 * 16 * prefix.PREFIX_STRIDE_BLOCKS))
+    plain.prompt_chain(base)
+    floats: Any = tuple(float(t) for t in base[: 2 * 16 * prefix.PREFIX_STRIDE_BLOCKS]) + (7,) * 40
+    with pytest.raises(ValueError):
+        plain.prompt_chain(floats)
+    # Its int twin extends from the shared prefix.
+    ints = tuple(int(t) for t in floats)
+    assert plain.prompt_chain(ints) == tuple(plain.chain(ints))
+
+
 def test_the_touched_record_names_changed_peers_and_stays_bounded() -> None:
     """``take_touched`` names the peers whose allowance or replica changed (a node rechecks
     only the runs of those it follows), and an index nobody takes it from keeps it bounded by
