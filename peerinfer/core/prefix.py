@@ -84,7 +84,7 @@ class PrefixHasher:
     """Computes block-hash chains for one (model fingerprint, swarm key, block size)."""
 
     __slots__ = ("block_size", "fingerprint", "key", "root", "_pack", "_prompt_memo", "_memo_size",
-                 "_prefix_memo")
+                 "_prefix_memo", "_by_id")
 
     def __init__(
         self,
@@ -113,6 +113,10 @@ class PrefixHasher:
         #: the memo's prompts' prefixes (``prompt_chain``): hash of ``prompt[:end]`` -> (end,
         #: prompt, its chain), for ``end`` every ``PREFIX_STRIDE_BLOCKS`` blocks
         self._prefix_memo: dict[int, tuple[int, tuple[int, ...], tuple[BlockHash, ...]]] = {}
+        #: the memo's entries by the id of their prompt tuple, which each entry holds (so the
+        #: id is not reused while it is here): the same tuple asked again (a request's prompt
+        #: at each hop, a simulator's prompts) is found without hashing its tokens
+        self._by_id: dict[int, tuple[tuple[int, ...], tuple[BlockHash, ...]]] = {}
 
     def block_hash(self, parent: BlockHash, block: Sequence[int]) -> BlockHash:
         """The hash of ``block`` (exactly ``block_size`` token ids) following ``parent``."""
@@ -156,6 +160,9 @@ class PrefixHasher:
         (a list is hashed each time: it could change after being used as a key)."""
         if type(tokens) is not tuple:
             return tuple(self.chain(tokens))
+        hit = self._by_id.get(id(tokens))
+        if hit is not None and hit[0] is tokens:
+            return hit[1]
         memo = self._prompt_memo
         hit = memo.get(tokens)
         # An equal tuple that is another object may hold floats equal to the ints (which
@@ -166,7 +173,8 @@ class PrefixHasher:
         if len(memo) >= self._memo_size or len(self._prefix_memo) >= 16 * self._memo_size:
             memo.clear()
             self._prefix_memo.clear()
-        memo[tokens] = (tokens, chain)
+            self._by_id.clear()
+        memo[tokens] = self._by_id[id(tokens)] = (tokens, chain)
         return chain
 
     def _new_prompt_chain(self, tokens: tuple[int, ...]) -> tuple[BlockHash, ...]:

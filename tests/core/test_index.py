@@ -590,10 +590,19 @@ def test_prompt_chain_extends_a_shared_prefix_to_the_same_chain(
             tail = tuple(rng.randrange(32_000) for _ in range(rng.randrange(0, 2 * step)))
             p = shot[:cut] + tail
             assert hasher.prompt_chain(p) == tuple(other.chain(p)), (bs, i, cut, len(tail))
+        # The same tuples asked again: answered from the memo (by identity), nothing hashed;
+        # an equal tuple that is another object too (by value).
+        again = list(hasher._prompt_memo)
+        Counting.starts, before = [], list(Counting.starts)
+        for p in again:
+            assert hasher.prompt_chain(p) is hasher._prompt_memo[p][1]
+            assert hasher.prompt_chain(tuple(list(p))) == tuple(other.chain(p))
+        assert Counting.starts == []
+        Counting.starts = before
         extended = [s for s in Counting.starts if s]
         assert len(extended) > (5 if colliding else 100), bs
         assert all(s % step == 0 for s in extended), bs
-        assert len(hasher._prompt_memo) <= 64
+        assert len(hasher._prompt_memo) <= 64 and len(hasher._by_id) == len(hasher._prompt_memo)
         assert len(hasher._prefix_memo) <= 64 * 6 * 2  # started over with the memo
     # A prompt equal to a memo prompt's prefix, and longer than it, holding a float: refused.
     plain = prefix.PrefixHasher(b"prefix-test")

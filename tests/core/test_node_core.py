@@ -341,3 +341,33 @@ def test_empty_prompt_is_rejected(bad: object) -> None:
     a = make("A")
     effects = a.handle(ClientRequest(RequestId("r"), bad or (), PARAMS), 0.0)  # type: ignore[arg-type]
     assert [r.code for r in of(effects, Reject)] == ["invalid"]
+
+
+def test_the_load_a_node_announces_is_made_anew_whenever_a_figure_in_it_changes() -> None:
+    """``Choice.load`` hands back its last ``Load`` while nothing in it changed (a route and
+    an announcement ask for it each time): through queue figures, scaffold hints, the disk
+    figure and a retuned config with other slots, each answer holds every field a fresh
+    ``Load`` would (fails if the last one is kept past a change of any of them; ``Load``'s
+    equality leaves the speed, hints and disk figure out, so they are compared one by one)."""
+    from peerinfer.core.costmodel import CostModel
+
+    core = make("A", policy="scaffold_hash")
+    choice = core.choice
+    rng = random.Random(14)
+    kept = 0
+    for step in range(400):
+        if step % 50 == 49:
+            core.config = replace(core.config, costs=CostModel().with_slots(rng.choice((1, 2, 4))))
+        if step % 7 == 3:
+            choice.served_scaffold(rng.randrange(1 << 60), float(step))
+        if step % 11 == 5:
+            choice.disk = (rng.randrange(1000), rng.randrange(10**6)) if rng.random() < 0.7 else ()
+        queued, running = rng.randrange(3), rng.randrange(2)
+        before = choice._last_load
+        got = choice.load(queued, running)
+        kept += got is before
+        want = Load(queued=queued, running=running, slots=core.config.costs.slots,
+                    speed=choice._speed, scaffolds=choice._scaffolds, disk=choice.disk)
+        assert (got, got.slots, got.speed, got.scaffolds, got.disk) == \
+            (want, want.slots, want.speed, want.scaffolds, want.disk), step
+    assert kept > 50  # the last one is handed back while nothing changed

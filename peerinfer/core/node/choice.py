@@ -76,6 +76,8 @@ class Choice:
         self._speed: tuple[int, ...] = config.costs.speed()
         #: announced in every load: the disk tier's share and load time (``Load.disk``)
         self.disk: tuple[int, ...] = ()
+        #: ``load()``'s last answer (the speed is fixed for a node's life)
+        self._last_load: Load | None = None
         #: no peer has announced another speed than this node's or more than one slot (then
         #: routing finds the best non-holders among the nearest: ``PeerIndex.holder_candidates``)
         self._plain_loads = True
@@ -94,11 +96,22 @@ class Choice:
         self._pull_limits: dict[PeerId, int] = {}
 
     def load(self, queued: int, running: int) -> Load:
-        """This node's load as announced, with ``queued`` and ``running`` requests."""
-        return Load(
-            queued=queued, running=running, slots=self.config.costs.slots,
+        """This node's load as announced, with ``queued`` and ``running`` requests: the last
+        one made when nothing in it changed (a ``Load`` is frozen; every route and every
+        announcement asks for it, mostly with the same figures; a retuned config may change
+        the slots)."""
+        last = self._last_load
+        slots = self.config.costs.slots
+        if (
+            last is not None and last.queued == queued and last.running == running
+            and last.slots == slots and last.scaffolds is self._scaffolds and last.disk is self.disk
+        ):
+            return last
+        last = self._last_load = Load(
+            queued=queued, running=running, slots=slots,
             speed=self._speed, scaffolds=self._scaffolds, disk=self.disk,
         )
+        return last
 
     def refresh_hints(self, now: float) -> None:
         """Forget the scaffold hints that aged out by ``now`` (``load()`` advertises the rest)."""
