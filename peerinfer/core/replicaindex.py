@@ -17,9 +17,10 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
+from weakref import ref
 
-from peerinfer.core.announcerun import RunHolders, RunReads
+from peerinfer.core.announcerun import AnnounceRun, RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
 from peerinfer.core.merkle import MerkleDigest, NullObserver
@@ -95,6 +96,22 @@ _NONZERO = bytes([0] + [1] * 255)
 #: index of the process: their content is a pure function of the byte position (a simulator
 #: of 1,024 nodes kept 1,024 identical copies: about 2.9 GB, estimated from 2.75 KB per slot).
 _BYTE_TABLES: list[tuple[tuple[int, ...], ...]] = []
+
+
+def leading(
+    chain: Sequence[BlockHash], held: Callable[[BlockHash], bool], refs: Mapping[BlockHash, int]
+) -> int:
+    """How many of ``chain``'s leading blocks are ``held`` or in ``refs`` (a peer's replica
+    and its speculative entries), counted in C: stretches held, each continued by one in the
+    entries (mostly one stretch, or two), not block by block in Python."""
+    n = len(chain)
+    depth = 0
+    while depth < n:
+        depth += len(list(takewhile(held, islice(chain, depth, None))))
+        if depth == n or chain[depth] not in refs:
+            break
+        depth += 1 + len(list(takewhile(refs.__contains__, islice(chain, depth + 1, None))))
+    return depth
 
 
 class ReplicaIndex(ReplicaBudget):
@@ -453,19 +470,19 @@ class ReplicaIndex(ReplicaBudget):
             if later is not None:
                 digest = later
             flat = digest._flat
-            held: set[int] | MerkleDigest = digest if flat is None else flat
-            refs = state.spec_refs
-            if h0 not in held and h0 not in refs:
-                continue
-            depth = 1
-            for h in chain[1:]:
-                if h not in held and h not in refs:
-                    break
-                depth += 1
-            by_depth[depth] = by_depth.get(depth, 0) | state.bit
+            held = (digest if flat is None else flat).__contains__
+            depth = leading(chain, held, state.spec_refs)
+            if depth:
+                by_depth[depth] = by_depth.get(depth, 0) | state.bit
         get_kept = following.get
-        for run in holders.holding(h0):
-            sender = PeerId(run.sender)
+        # The live runs, read off the weak set's references (a copy: a run collected meanwhile
+        # leaves a dead one, passed over) without its Python-level iterator.
+        live: set[ref[AnnounceRun]] = holders.holding(h0).data  # type: ignore[attr-defined]
+        for r in tuple(live):
+            run = r()
+            if run is None:
+                continue
+            sender: PeerId = run.sender  # type: ignore[assignment]  # (a PeerId is a str)
             kept = get_kept(sender)
             if kept is None or kept.run is not run or sender in spec:
                 continue
@@ -762,4 +779,4 @@ class ReplicaIndex(ReplicaBudget):
         assert expected_masks == self._spec_masks
 
 
-__all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "ReplicaFactory", "ReplicaIndex"]
+__all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "ReplicaFactory", "ReplicaIndex", "leading"]

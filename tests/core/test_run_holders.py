@@ -91,3 +91,29 @@ def test_a_runs_depth_is_kept_per_set_and_follows_its_changes() -> None:
         chain = rng.choice(chains)
         assert run.depth(chain) == len(list(takewhile(held.__contains__, chain))), step
     assert run._depths  # answers kept
+
+
+def test_leading_counts_what_the_set_or_the_entries_hold_as_block_by_block() -> None:
+    """``replicaindex.leading`` (a route's walk over a peer not followed: its set and its
+    speculative entries) counts the chain's leading blocks that either holds, as the loop
+    block by block does, whatever the stretches: the set alone, the entries alone, holes in
+    one filled by the other, either empty (fails if a stretch of the entries is not continued
+    by the set after it, or one block too many or too few is counted at a switch)."""
+    from peerinfer.core.replicaindex import leading
+
+    rng = random.Random(31)
+    chain = [BlockHash(1000 + i) for i in range(60)]
+    switched = 0
+    for trial in range(3000):
+        k = rng.randrange(len(chain) + 1)
+        head = chain[: rng.randrange(1, len(chain) + 1)]
+        held = {h for h in chain[:k] if rng.random() < rng.choice((0.0, 0.5, 0.9, 1.0))}
+        refs = {h: 1 for h in chain if h not in held and rng.random() < rng.choice((0.0, 0.5, 1.0))}
+        want = 0
+        for h in head:
+            if h not in held and h not in refs:
+                break
+            want += 1
+        assert leading(head, held.__contains__, refs) == want, trial
+        switched += any(h in refs for h in head[:want]) and any(h in held for h in head[:want])
+    assert switched > 300
