@@ -20,7 +20,8 @@ cache is keyed on the tokens themselves, so it can never produce a wrong answer.
 A whole prompt's chain is a pure function of its tokens, and the same prompt is often hashed
 twice close together (the origin routes it, then the peer it was forwarded to admits it; in the
 simulator every node shares one hasher): ``prompt_chain`` keeps the last ``PROMPT_MEMO_SIZE``
-prompts' chains (a tuple of tokens is the key; the memo starts over when full). A simulator
+prompts' chains (a tuple of tokens is the key, the same tuple object found by its id
+first; the memo starts over when full). A simulator
 passes a larger ``memo_size`` (``SIM_PROMPT_MEMO_SIZE``): its workload repeats prompts (64 x
 100,000 on the full MMLU set holds 14,015 distinct ones), and each is then hashed once.
 
