@@ -613,18 +613,21 @@ def test_the_nodes_own_digests_stay_flat_and_decide_as_eager_ones(
         else:
             assert flats == len(live)
         with monkeypatch.context() as m:
-            original = LocalDigest.__init__
-
-            def eager(self: LocalDigest, *args: int, **kwargs: int) -> None:
-                original(self, *args, **kwargs)
-                self.digest = MerkleDigest()
-
-            m.setattr(LocalDigest, "__init__", eager)
+            m.setattr(LocalDigest, "__init__", _eager_own_digest)
             trie, _ = simulate(config, check=True)
         assert not any(c.local.digest.is_flat for c in trie.cores if hasattr(c, "local"))
         ours, theirs = _churn_decisions(flat), _churn_decisions(trie)
         for key in ours:
             assert ours[key] == theirs[key], f"seed {seed}: {key} differs"
+
+
+_flat_own_digest = LocalDigest.__init__
+
+
+def _eager_own_digest(self: LocalDigest, *args: int, **kwargs: int) -> None:
+    """``LocalDigest.__init__`` holding the eager digest (the trie) it held before."""
+    _flat_own_digest(self, *args, **kwargs)
+    self.digest = MerkleDigest()
 
 
 def _churn_decisions(sim: sim_module.Simulation) -> dict[str, object]:
