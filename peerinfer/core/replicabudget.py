@@ -175,15 +175,12 @@ class ReplicaBudget:
         assert state.replica is not None
         state.replica.max_elements = allowance
 
-    #: test hook: each rebalance that sizes the short way or the wide way (below) also sizes
-    #: the long way, over every peer's want with a full sort for the spare (and the dict of
-    #: every moved run, ``_merged``), and requires the same allowances
+    #: test hook: each rebalance that sizes the short way (below) also sizes the long way, over
+    #: every peer's want with a full sort for the spare, and requires the same allowances
     #: (``tests/sim/test_sim_lazy.py``, ``tests/core/test_admission_core.py``)
     check_rebalances: ClassVar[bool] = False
     #: how many rebalances sized the short way (for those tests: it ran)
     short_rebalances: ClassVar[int] = 0
-    #: rebalances sized by ``_size_wide`` (every index together; tests)
-    wide_rebalances: ClassVar[int] = 0
 
     def rebalance(
         self,
@@ -237,16 +234,8 @@ class ReplicaBudget:
                 every = self._size_every(states, share, reserve, _merged(pending, followed))
                 assert (given, sizes, spare) == every, "short rebalance != every peer's"
         else:
-            wide = self._size_wide(states, share, reserve, pending, followed)
-            if wide is None:  # (some peer wants more than the share, and there is spare)
-                given, sizes, spare = self._size_every(states, share, reserve,
-                                                       _merged(pending, followed))
-            else:
-                ReplicaBudget.wide_rebalances += 1
-                given, sizes, spare = wide
-                if ReplicaBudget.check_rebalances:
-                    every = self._size_every(states, share, reserve, _merged(pending, followed))
-                    assert wide == every, "wide rebalance != every peer's"
+            given, sizes, spare = self._size_every(states, share, reserve,
+                                                   _merged(pending, followed))
         emptied = []
         changed = False
         for st, allowance in zip(states, given, strict=True):
@@ -341,71 +330,6 @@ class ReplicaBudget:
                 if extra > 0:
                     given[i] += extra
                     spare -= extra
-        return given, sizes, spare
-
-    def _size_wide(
-        self,
-        states: list[_PeerState],
-        share: int,
-        reserve: int,
-        pending: Mapping[PeerId, tuple[int, int, float, int]] | None,
-        followed: Mapping[PeerId, FollowedRecord] | None,
-    ) -> tuple[list[int], list[int], int] | None:
-        """``_size_every`` where no peer wants more than the share, or there is no spare (the
-        usual case below 257 peers: replicas far smaller than their share), reading each
-        followed peer's run in place (``_size_short``'s reading) rather than from the dict
-        ``_merged`` builds of every moved run; None where the spare must be handed out by
-        hits (then ``_size_every``, which orders the peers)."""
-        budget = self.replica_budget_blocks
-        cap = self.max_replica_elements
-        sizes: list[int] = []
-        given: list[int] = []
-        pending_get = pending.get if pending else None
-        followed_get = followed.get if followed else None
-        wanting_more = False
-        for st in states:
-            replica = st.replica
-            assert replica is not None
-            announced = replica._announced
-            news = None
-            if followed_get is not None:
-                kept = followed_get(st.peer)
-                if kept is not None:
-                    run = kept.run
-                    if run is not None and run.length != kept.cursor:
-                        news = (run.epoch, run.count,
-                                run.count if run.changed_since(kept.cursor) else -1)
-            if news is None and pending_get is not None:
-                found = pending_get(st.peer)
-                if found is not None:
-                    news = (found[0], found[1], found[3])
-            later = -1
-            if news is not None:
-                later = news[2]
-                if announced is None or news[0] >= announced[0]:
-                    announced = (news[0], 0, news[1])
-            claimed = announced[2] if announced is not None else 0
-            if later >= 0:
-                size = later
-            else:
-                digest = replica.digest
-                flat = digest._flat
-                size = len(flat) if flat is not None else len(digest)
-            sizes.append(size)
-            want = 2 * (size if size > claimed else claimed)
-            if want < MIN_ALLOWANCE:
-                want = MIN_ALLOWANCE
-            if want > cap:
-                want = cap
-            if want < share:
-                given.append(want)
-            else:
-                given.append(share)
-                if want > share:
-                    wanting_more = True
-        spare = budget - reserve * share - sum(given)
-        if spare > 0 and wanting_more:
-            return None
         return given, sizes, spare
 
     def _size_short(

@@ -34,12 +34,10 @@ class _Record:
     cursor: int
 
 
-def _trial(rng: random.Random, wide: bool = False) -> tuple[
-        PeerIndex, dict[PeerId, tuple[int, int, float, int]], dict[PeerId, _Record]]:
+def _trial(rng: random.Random) -> tuple[PeerIndex, dict[PeerId, tuple[int, int, float, int]],
+                                        dict[PeerId, _Record]]:
     n = rng.randint(2, 40)
     share = rng.choice([MIN_ALLOWANCE - 40, MIN_ALLOWANCE - 3, MIN_ALLOWANCE - 1])
-    if wide:  # the share at or above MIN_ALLOWANCE: most wants within it, some above
-        share = rng.choice([MIN_ALLOWANCE, MIN_ALLOWANCE + 1, 5000, 9000])
     index = PeerIndex(replica_budget_blocks=n * share + rng.randrange(n), masks=False)
     peers = [PeerId(f"P{i}") for i in range(n)]
     for p in peers:
@@ -107,45 +105,4 @@ def test_the_cross_check_catches_a_wrong_short_rebalance(monkeypatch: pytest.Mon
     with pytest.raises(AssertionError, match="short rebalance"):
         for _ in range(150):
             index, pending, followed = _trial(rng)
-            index.rebalance(pending=pending, followed=followed)
-
-
-def test_the_wide_rebalance_sizes_as_the_rebalance_over_every_want(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Where the share is at least ``MIN_ALLOWANCE`` and no peer wants more than it (or there is
-    no spare), ``_size_wide`` sizes every peer reading followed runs in place; the hook sizes
-    the long way too and requires the same. Both ways are taken: some trials have a peer that
-    wants more (a replica or claim above half the share) and go the long way."""
-    monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
-    rng = random.Random(26)
-    wide = replicabudget.ReplicaBudget.wide_rebalances
-    short = replicabudget.ReplicaBudget.short_rebalances
-    total = 0
-    for _ in range(200):
-        index, pending, followed = _trial(rng, wide=True)
-        index.rebalance(pending=pending, followed=followed)
-        index.check_invariants()
-        assert sum(index.allowance(p) for p in index.peers()) <= index.replica_budget_blocks
-        total += index.rebalances  # (newcomers' rebalances too)
-    taken = replicabudget.ReplicaBudget.wide_rebalances - wide
-    shorts = replicabudget.ReplicaBudget.short_rebalances - short  # (newcomers' reserve)
-    assert taken >= 100 and total - taken - shorts >= 30, (taken, shorts, total)
-
-
-def test_the_cross_check_catches_a_wrong_wide_rebalance(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not vacuous: a wide rebalance that reads neither pending announcements nor followed runs
-    fails the hook's comparison."""
-    monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
-    original = replicabudget.ReplicaBudget._size_wide
-
-    def stale(self: replicabudget.ReplicaBudget, states: list[replicabudget._PeerState],
-              share: int, reserve: int, pending: object, followed: object) -> object:
-        return original(self, states, share, reserve, None, None)
-
-    monkeypatch.setattr(replicabudget.ReplicaBudget, "_size_wide", stale)
-    rng = random.Random(26)
-    with pytest.raises(AssertionError, match="wide rebalance"):
-        for _ in range(200):
-            index, pending, followed = _trial(rng, wide=True)
             index.rebalance(pending=pending, followed=followed)
