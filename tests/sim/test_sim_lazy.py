@@ -12,6 +12,7 @@ the replicas holding the same set share the result of a delta (``Simulation.shar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -23,7 +24,7 @@ import pytest
 import peerinfer
 from peerinfer.core import antientropy, node, routing
 from peerinfer.core.costmodel import BATCHED_COSTS, DEFAULT_COSTS
-from peerinfer.core.digest import LocalDigest
+from peerinfer.core.digest import LocalDigest, MerkleDigest
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import Announce, Load
 from peerinfer.core.node import AnnounceReceived
@@ -590,3 +591,55 @@ def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_chur
     ours, theirs = decisions(by_clock), decisions(loop)
     for key in ours:
         assert ours[key] == theirs[key], f"{mode}: {key} differs"
+
+
+def test_the_nodes_own_digests_stay_flat_and_decide_as_eager_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each node's own digest (``LocalDigest``) is flat unless a pull's subtree query built its
+    trie: the same decisions as with the eager trie it kept before, on a run without churn
+    (every digest flat to the end) and one with crashes that reset caches and joins (some
+    tries built by pulls, the rest flat)."""
+    for seed, churn in ((3, False), (11, True)):
+        config = _holders_config(seed)
+        if churn:
+            config = dataclasses.replace(config, crash_rate=40.0, join_rate=40.0)
+        flat, _ = simulate(config, check=True)
+        live = [c for c in flat.cores if hasattr(c, "local")]
+        flats = sum(c.local.digest.is_flat for c in live)
+        assert sum(c.local.count for c in live) > 0
+        if churn:  # a pull's subtree query (after a crash) built some nodes' tries
+            assert 0 < flats < len(live), (flats, len(live))
+        else:
+            assert flats == len(live)
+        with monkeypatch.context() as m:
+            m.setattr(LocalDigest, "__init__", _eager_own_digest)
+            trie, _ = simulate(config, check=True)
+        assert not any(c.local.digest.is_flat for c in trie.cores if hasattr(c, "local"))
+        ours, theirs = _churn_decisions(flat), _churn_decisions(trie)
+        for key in ours:
+            assert ours[key] == theirs[key], f"seed {seed}: {key} differs"
+
+
+_flat_own_digest = LocalDigest.__init__
+
+
+def _eager_own_digest(self: LocalDigest, *args: int, **kwargs: int) -> None:
+    """``LocalDigest.__init__`` holding the eager digest (the trie) it held before."""
+    _flat_own_digest(self, *args, **kwargs)
+    self.digest = MerkleDigest()
+
+
+def _churn_decisions(sim: sim_module.Simulation) -> dict[str, object]:
+    """``_decisions`` of the nodes still up (a crashed node's core is gone), with their own
+    digests' roots, counts and epochs."""
+    live = [c for c in sim.cores if hasattr(c, "index")]
+    return {
+        "server": sim.server, "forwards": sim.forwards, "decided": sim.decided,
+        "estimate": sim.estimate, "cached": sim.cached, "status": sim.status,
+        "first": sim.first, "finish": sim.finish, "pulls": sim.pull_requests,
+        "pings": sim.pings, "drops": sim.drops, "stats": [c.statistics() for c in live],
+        "replicas": [[_replica_state(c, p) for p in c.index.peers()] for c in live],
+        "own": [(c.local.root, c.local.count, c.local.epoch) for c in live],
+        "rng": [c.rng.getstate() for c in live],
+    }
