@@ -60,7 +60,7 @@ DEFAULT_GRID = (
 
 
 def point_config(policy: str, skew: str, requests: int, cache: int | None, rate: float, seed: int,
-                 nodes: int, data: str) -> SimConfig:
+                 nodes: int, data: str | None) -> SimConfig:
     return SimConfig(
         nodes=nodes, requests=requests, policy=policy, delay_ms="0.5", cache_tokens=cache,
         costs=COST_PRESETS["llamacpp"], costs_source="llamacpp", rate=rate, workload="mmlu",
@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only the bench's own point (zipf:1.1, 40 requests)")
     p.add_argument("--json", action="store_true", help="one JSON object per point instead of a table")
     args = p.parse_args(argv)
-    data = str(args.data if args.data is not None else default_data_dir())
+    # None: the packaged MMLU excerpt (a checkout without the full set beside it).
+    full = args.data if args.data is not None else default_data_dir()
+    data = None if full is None else str(full)
     grid = DEFAULT_GRID[:1] if args.quick else DEFAULT_GRID
     if not args.json:
         print("| skew | requests | cache tokens | rate/node | floor / random | oracle / random | cost / random | cost / oracle | random mean TTFT (s) |")

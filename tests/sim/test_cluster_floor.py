@@ -34,7 +34,8 @@ def test_the_bench_point_prints_the_oracle_below_random(capsys: pytest.CaptureFi
 
 
 def test_the_floor_charges_a_prompt_only_for_what_no_earlier_prompt_shares() -> None:
-    config = cluster_floor.point_config("random", "zipf:1.1", 40, None, 0.035, 1, 3, str(default_data_dir()))
+    full = default_data_dir()  # None: the packaged excerpt
+    config = cluster_floor.point_config("random", "zipf:1.1", 40, None, 0.035, 1, 3, None if full is None else str(full))
     requests = sim_requests(config, SimulatedEngine(costs=config.costs))
     costs = config.costs
     cold = sum(costs.prefill_s(len(r.tokens), 0) for r in requests) / len(requests)
