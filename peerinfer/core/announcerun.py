@@ -359,6 +359,13 @@ class RunHolders:
             runs = of[h] = WeakSet(r for r in self._runs if r.digest is not None and h in r.digest)
         return runs
 
+    def live_holding(self, h: BlockHash) -> list[AnnounceRun]:
+        """``holding(h)``'s runs alive now, read off the weak set's references (a copy: a run
+        collected meanwhile leaves a dead one, passed over) rather than through its
+        Python-level iterator, which a route would pay at every run holding its first block."""
+        refs: set[ref[AnnounceRun]] = self.holding(h).data  # type: ignore[attr-defined]
+        return [run for r in tuple(refs) if (run := r()) is not None]
+
 
 class _Followed(Protocol):
     """What ``RunReads`` reads of a followed peer's record (``peerinfer.core.peerview``'s

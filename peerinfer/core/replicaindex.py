@@ -18,9 +18,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice, takewhile
-from weakref import ref
 
-from peerinfer.core.announcerun import AnnounceRun, RunHolders, RunReads
+from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
 from peerinfer.core.merkle import MerkleDigest, NullObserver
@@ -475,13 +474,7 @@ class ReplicaIndex(ReplicaBudget):
             if depth:
                 by_depth[depth] = by_depth.get(depth, 0) | state.bit
         get_kept = following.get
-        # The live runs, read off the weak set's references (a copy: a run collected meanwhile
-        # leaves a dead one, passed over) without its Python-level iterator.
-        live: set[ref[AnnounceRun]] = holders.holding(h0).data  # type: ignore[attr-defined]
-        for r in tuple(live):
-            run = r()
-            if run is None:
-                continue
+        for run in holders.live_holding(h0):
             sender: PeerId = run.sender  # type: ignore[assignment]  # (a PeerId is a str)
             kept = get_kept(sender)
             if kept is None or kept.run is not run or sender in spec:
