@@ -290,4 +290,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from peerinfer.sim.cli import exit_skipping_teardown
+
+    exit_skipping_teardown(main())

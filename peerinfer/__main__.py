@@ -1,5 +1,3 @@
-import sys
+from peerinfer.cli import entry
 
-from peerinfer.cli import main
-
-sys.exit(main())
+entry()

@@ -1,7 +1,5 @@
 """``python -m peerinfer.sim``: the same as ``peerinfer sim``."""
 
-import sys
+from peerinfer.sim.cli import exit_skipping_teardown, main
 
-from peerinfer.sim.cli import main
-
-sys.exit(main())
+exit_skipping_teardown(main())

@@ -289,6 +289,34 @@ def test_python_dash_m_runs_standalone() -> None:
     assert json.loads(done.stdout)["completed"] == 5
 
 
+def test_peerinfer_sim_program_ends_with_its_output_and_status(tmp_path) -> None:
+    """``peerinfer sim`` ends without the interpreter's teardown (``exit_skipping_teardown``):
+    what it printed to a pipe (block-buffered) and the figures it wrote are complete, and an
+    error still exits 2 with its one line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    # (a pipe is block-buffered unless PYTHONUNBUFFERED says otherwise: the case to check)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    base = [sys.executable, "-m", "peerinfer", "sim", "--nodes", "3", "--requests", "40"]
+    done = subprocess.run([*base, "--json", "--figures", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["completed"] == 40
+    assert summary["figures"] and all(
+        Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Path(p).read_bytes()[-8:-4] == b"IEND"
+        for p in summary["figures"]
+    )
+    bad = subprocess.run([*base, "--skew", "zipf:-1"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "zipf" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_cli_reports_bad_options() -> None:
     assert sim_main(["--nodes", "2", "--requests", "5", "--delay-ms", "gauss:1"]) == 2
     assert sim_main(["--nodes", "2", "--requests", "5", "--skew", "zipf:-1"]) == 2
