@@ -410,14 +410,26 @@ class PeerView:
         seconds, over every peer) then leaves the runs to be read when something needs more.
         Returns the peers whose replicas it emptied. Followed runs' announcements with changes
         are read as the sizes the replicas will have (with masks, taken in first)."""
-        if self._index.masks and (self._following or self._changed):
+        index = self._index
+        following = self._following
+        if index.masks and (following or self._changed):
             self._take_changed()
-        pending = {
+        unapplied = self._unapplied
+        # The newest counts of what waits bound every size and claim the sizing reads of it
+        # (a kept record's count, a followed run's): with them small, nothing is sized
+        # (``ReplicaBudget.wants_minimal``).
+        bound = max([k.count for k in unapplied.values()], default=0)
+        for k in following.values():
+            run = k.run
+            if run is not None and run.count > bound:
+                bound = run.count
+        minimal = index.wants_minimal(bound)
+        pending = None if minimal and not index.check_rebalances else {
             p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
-            for p, k in self._unapplied.items()
+            for p, k in unapplied.items()
         }
-        return self._index.rebalance(pending=pending, followed=self._following,
-                                     before_emptying=self._take_everything)
+        return index.rebalance(pending=pending, followed=following,
+                               before_emptying=self._take_everything, minimal=minimal)
 
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in
