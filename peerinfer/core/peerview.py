@@ -58,8 +58,9 @@ class _Kept:
     run: AnnounceRun | None = None
     cursor: int = 0
     #: the followed run's announcements with changes among the ``times`` not taken in, each
-    #: with its position among them (1 = the first not taken in)
-    changes: list[tuple[int, Announce]] | None = None
+    #: as ``AnnounceRun.take_run`` reads it: its position among them (1 = the first not taken
+    #: in), its previous epoch and epoch, and how many elements it changed
+    changes: list[tuple[int, int, int, int]] | None = None
     #: the set the last of ``changes`` leads to (the run's, when it was pushed)
     final: MerkleDigest | None = None
 
@@ -455,12 +456,10 @@ class PeerView:
         if run is None or run.length == kept.cursor:
             return
         if run.changed_since(kept.cursor):
-            changed, at = run.changes_since(kept.cursor)
             steps = kept.changes
             if steps is None:
                 steps = kept.changes = []
-            base = kept.times - kept.cursor
-            steps.extend((base + n, a) for n, a in zip(at, changed, strict=True))
+            steps.extend(run.steps_since(kept.cursor, kept.times - kept.cursor))
             kept.root, kept.count, kept.final = run.root, run.count, run.digest
             self._changed.add(peer)
         kept.times += run.length - kept.cursor
@@ -554,11 +553,7 @@ class PeerView:
         final = kept.final
         assert steps is not None and final is not None
         replica = kept.replica
-        AnnounceRun.take_run(
-            replica,
-            [(n, a.prev_epoch, a.epoch, len(a.added) + len(a.removed)) for n, a in steps],
-            kept.times, kept.epoch, kept.root, kept.count, final,
-        )
+        AnnounceRun.take_run(replica, steps, kept.times, kept.epoch, kept.root, kept.count, final)
         kept.changes = kept.final = None
         summary = replica.digest.flat_summary()
         assert summary is not None
