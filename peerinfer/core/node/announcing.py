@@ -189,6 +189,19 @@ class Announcing:
                     out.append(st.sync_deadline)
         return out
 
+    def next_deadline(self, floor: float) -> float:
+        """``min(floor, *self.deadlines())``, without the list."""
+        deadline = self.next_announce if self.next_announce < floor else floor
+        if self.local.has_pending_changes():
+            gap = self._last_announce + self.config.min_announce_gap_s
+            if gap < deadline:
+                deadline = gap
+        if self._pulls_may_run:
+            for st in self._pulls.values():
+                if st.sync is not None and st.sync_deadline < deadline:
+                    deadline = st.sync_deadline
+        return deadline
+
     # ------------------------------------------------------------------ refusals
 
     def refuse(self, peer: PeerId, reason: str, detail: str) -> None:
