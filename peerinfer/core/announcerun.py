@@ -275,7 +275,7 @@ class RunHolders:
     the live runs whose ``digest`` holds it."""
 
     __slots__ = ("_runs", "_of", "max_blocks", "asked", "found_anew", "_recent", "_late",
-                 "_latest", "_dead")
+                 "_latest", "_dead", "max_count")
 
     def __init__(self, max_blocks: int = 4096) -> None:
         self._runs: WeakSet[AnnounceRun] = WeakSet()
@@ -293,6 +293,10 @@ class RunHolders:
         self._late: set[ref[AnnounceRun]] = set()
         self._latest = -math.inf
         self._dead: list[ref[AnnounceRun]] = []
+        #: the largest ``count`` a run listed here ever had (it only grows): at least every
+        #: run's count now, for a rebalance's bound on what its followers wait to take in
+        #: (``PeerView.rebalance``) without reading each followed run
+        self.max_count = 0
 
     def _purge(self) -> None:
         dead, self._dead = self._dead, []
@@ -305,6 +309,8 @@ class RunHolders:
         node follows it (``PeerView``): listed for ``stale``."""
         if self._dead:
             self._purge()
+        if run.count > self.max_count:  # (a run's count changes only where it is moved)
+            self.max_count = run.count
         key = run.clock_key
         if key is None:
             key = run.clock_key = ref(run, self._dead.append)

@@ -420,10 +420,14 @@ class PeerView:
         # (a kept record's count, a followed run's): with them small, nothing is sized
         # (``ReplicaBudget.wants_minimal``).
         bound = max([k.count for k in unapplied.values()], default=0)
-        for k in following.values():
-            run = k.run
-            if run is not None and run.count > bound:
-                bound = run.count
+        clock = self.run_clock
+        if clock is not None:  # (one place lists every run followed, and bounds their counts)
+            bound = max(bound, clock.max_count)
+        else:
+            for k in following.values():
+                run = k.run
+                if run is not None and run.count > bound:
+                    bound = run.count
         minimal = index.wants_minimal(bound)
         pending = None if minimal and not index.check_rebalances else {
             p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
