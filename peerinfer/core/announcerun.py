@@ -58,8 +58,8 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at", "holders", "clock_key", "_depths",
-                 "__weakref__")
+                 "digest", "changes", "change_at", "change_prev", "change_epoch", "change_size",
+                 "holders", "clock_key", "_depths", "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
         self.sender = announce.sender
@@ -75,6 +75,12 @@ class AnnounceRun:
         self.digest: MerkleDigest | None = None
         self.changes: list[Announce] = []
         self.change_at: list[int] = []
+        #: per changed announcement, what taking it in reads for the change rate: its
+        #: previous epoch, epoch and elements changed (``steps_since``; read once here, not per
+        #: follower)
+        self.change_prev: list[int] = []
+        self.change_epoch: list[int] = []
+        self.change_size: list[int] = []
         #: the shell's index of the runs whose set holds a block (``RunHolders``), or None
         self.holders = holders
         #: this run's key in ``holders``' list by time (a weak reference, made there)
@@ -155,6 +161,9 @@ class AnnounceRun:
         self.length += 1
         self.changes.append(a)
         self.change_at.append(self.length)
+        self.change_prev.append(a.prev_epoch)
+        self.change_epoch.append(a.epoch)
+        self.change_size.append(len(a.added) + len(a.removed))
         if self.holders is not None:
             self.holders.moved(self)
 
@@ -187,6 +196,19 @@ class AnnounceRun:
         i = bisect_right(change_at, cursor)
         return self.changes[i:], change_at[i:]
 
+    def steps_since(self, cursor: int, base: int) -> Iterator[tuple[int, int, int, int]]:
+        """The changed announcements pushed after the run's length was ``cursor``, as
+        ``take_run`` reads them: ``(position, prev_epoch, epoch, changed)``, the position
+        counted from ``base`` (a follower's: ``base`` + the run's length once it was pushed).
+        Made from the run's per-change figures, in C (every follower takes them in)."""
+        change_at = self.change_at
+        if not change_at or change_at[-1] <= cursor:
+            return iter(())
+        i = bisect_right(change_at, cursor)
+        at = change_at[i:] if base == 0 else map(base.__add__, change_at[i:])
+        return zip(at, self.change_prev[i:], self.change_epoch[i:], self.change_size[i:],
+                   strict=True)
+
     def changed_since(self, cursor: int) -> bool:
         """Whether a changed announcement was pushed after the run's length was ``cursor``."""
         change_at = self.change_at
@@ -215,16 +237,21 @@ class AnnounceRun:
             raise ValueError("take_run: a replica that has taken no announcement in")
         rate = replica._rate
         done = 0
-        # (``apply_announce``'s and ``take_unchanged``'s smoothing, step by step: the same floats)
+        # ``apply_announce``'s and ``take_unchanged``'s smoothing, step by step: the same
+        # floats. A step without change, ``0.0 if rate == 0.0 else 0.7 * rate + 0.3 * 0.0``,
+        # is ``rate * 0.7`` to the bit: the rate is never negative, and adding 0.0 to a
+        # non-negative float returns it (and 0.0 stays 0.0).
         for position, prev_epoch, at_epoch, changed in changes:
-            for _ in range(position - 1 - done):
-                rate = 0.0 if rate == 0.0 else 0.7 * rate + 0.3 * 0.0
+            if rate != 0.0:
+                for _ in range(position - 1 - done):
+                    rate *= 0.7
             if at_epoch > prev_epoch:
                 per_epoch = changed / (at_epoch - prev_epoch)
                 rate = per_epoch if rate == 0.0 else 0.7 * rate + 0.3 * per_epoch
             done = position
-        for _ in range(times - done):
-            rate = 0.0 if rate == 0.0 else 0.7 * rate + 0.3 * 0.0
+        if rate != 0.0:
+            for _ in range(times - done):
+                rate *= 0.7
         replica._rate = rate
         if epoch >= replica._announced[0]:
             replica._announced = (epoch, root, count)
@@ -248,7 +275,7 @@ class RunHolders:
     the live runs whose ``digest`` holds it."""
 
     __slots__ = ("_runs", "_of", "max_blocks", "asked", "found_anew", "_recent", "_late",
-                 "_latest", "_dead")
+                 "_latest", "_dead", "max_count")
 
     def __init__(self, max_blocks: int = 4096) -> None:
         self._runs: WeakSet[AnnounceRun] = WeakSet()
@@ -266,6 +293,10 @@ class RunHolders:
         self._late: set[ref[AnnounceRun]] = set()
         self._latest = -math.inf
         self._dead: list[ref[AnnounceRun]] = []
+        #: the largest ``count`` a run listed here ever had (it only grows): at least every
+        #: run's count now, for a rebalance's bound on what its followers wait to take in
+        #: (``PeerView.rebalance``) without reading each followed run
+        self.max_count = 0
 
     def _purge(self) -> None:
         dead, self._dead = self._dead, []
@@ -278,6 +309,8 @@ class RunHolders:
         node follows it (``PeerView``): listed for ``stale``."""
         if self._dead:
             self._purge()
+        if run.count > self.max_count:  # (a run's count changes only where it is moved)
+            self.max_count = run.count
         key = run.clock_key
         if key is None:
             key = run.clock_key = ref(run, self._dead.append)

@@ -240,6 +240,11 @@ class LocalDigest:
 
     def seal_epoch(self) -> EpochDelta:
         """Close the pending changes into a new epoch and return its delta."""
+        return EpochDelta(*self.seal())
+
+    def seal(self) -> tuple[int, int, int, int, tuple[BlockHash, ...], tuple[BlockHash, ...], bool]:
+        """``seal_epoch``'s delta as a plain tuple, in ``EpochDelta``'s field order (the node
+        seals an epoch at every announcement it makes, and reads the fields once)."""
         added = tuple(sorted(self._pending_added))
         removed = tuple(sorted(self._pending_removed))
         self._pending_added = set()
@@ -255,7 +260,7 @@ class LocalDigest:
         truncated = len(added) > MAX_DELTA or len(removed) > MAX_DELTA
         if truncated:
             added, removed = (), ()
-        return EpochDelta(prev, self.epoch, self.root, self.count, added, removed, truncated)
+        return prev, self.epoch, self.digest.root, len(self.digest), added, removed, truncated
 
     def delta_since(self, since_epoch: int) -> tuple[list[int], list[int]] | None:
         """The net changes from epoch ``since_epoch`` to the live set, if the log reaches back."""

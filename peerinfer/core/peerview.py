@@ -58,8 +58,9 @@ class _Kept:
     run: AnnounceRun | None = None
     cursor: int = 0
     #: the followed run's announcements with changes among the ``times`` not taken in, each
-    #: with its position among them (1 = the first not taken in)
-    changes: list[tuple[int, Announce]] | None = None
+    #: as ``AnnounceRun.take_run`` reads it: its position among them (1 = the first not taken
+    #: in), its previous epoch and epoch, and how many elements it changed
+    changes: list[tuple[int, int, int, int]] | None = None
     #: the set the last of ``changes`` leads to (the run's, when it was pushed)
     final: MerkleDigest | None = None
 
@@ -410,14 +411,30 @@ class PeerView:
         seconds, over every peer) then leaves the runs to be read when something needs more.
         Returns the peers whose replicas it emptied. Followed runs' announcements with changes
         are read as the sizes the replicas will have (with masks, taken in first)."""
-        if self._index.masks and (self._following or self._changed):
+        index = self._index
+        following = self._following
+        if index.masks and (following or self._changed):
             self._take_changed()
-        pending = {
+        unapplied = self._unapplied
+        # The newest counts of what waits bound every size and claim the sizing reads of it
+        # (a kept record's count, a followed run's): with them small, nothing is sized
+        # (``ReplicaBudget.wants_minimal``).
+        bound = max([k.count for k in unapplied.values()], default=0)
+        clock = self.run_clock
+        if clock is not None:  # (one place lists every run followed, and bounds their counts)
+            bound = max(bound, clock.max_count)
+        else:
+            for k in following.values():
+                run = k.run
+                if run is not None and run.count > bound:
+                    bound = run.count
+        minimal = index.wants_minimal(bound)
+        pending = None if minimal and not index.check_rebalances else {
             p: (k.epoch, k.count, k.at, k.count if k.changes else -1)
-            for p, k in self._unapplied.items()
+            for p, k in unapplied.items()
         }
-        return self._index.rebalance(pending=pending, followed=self._following,
-                                     before_emptying=self._take_everything)
+        return index.rebalance(pending=pending, followed=following,
+                               before_emptying=self._take_everything, minimal=minimal)
 
     def _take_everything(self) -> None:
         self.index  # noqa: B018 - the property takes every announcement received in
@@ -443,12 +460,10 @@ class PeerView:
         if run is None or run.length == kept.cursor:
             return
         if run.changed_since(kept.cursor):
-            changed, at = run.changes_since(kept.cursor)
             steps = kept.changes
             if steps is None:
                 steps = kept.changes = []
-            base = kept.times - kept.cursor
-            steps.extend((base + n, a) for n, a in zip(at, changed, strict=True))
+            steps.extend(run.steps_since(kept.cursor, kept.times - kept.cursor))
             kept.root, kept.count, kept.final = run.root, run.count, run.digest
             self._changed.add(peer)
         kept.times += run.length - kept.cursor
@@ -542,11 +557,7 @@ class PeerView:
         final = kept.final
         assert steps is not None and final is not None
         replica = kept.replica
-        AnnounceRun.take_run(
-            replica,
-            [(n, a.prev_epoch, a.epoch, len(a.added) + len(a.removed)) for n, a in steps],
-            kept.times, kept.epoch, kept.root, kept.count, final,
-        )
+        AnnounceRun.take_run(replica, steps, kept.times, kept.epoch, kept.root, kept.count, final)
         kept.changes = kept.final = None
         summary = replica.digest.flat_summary()
         assert summary is not None

@@ -181,6 +181,8 @@ class ReplicaBudget:
     check_rebalances: ClassVar[bool] = False
     #: how many rebalances sized the short way (for those tests: it ran)
     short_rebalances: ClassVar[int] = 0
+    #: how many rebalances found every want minimal (``wants_minimal``): nothing sized
+    minimal_rebalances: ClassVar[int] = 0
 
     def rebalance(
         self,
@@ -190,6 +192,7 @@ class ReplicaBudget:
         followed: Mapping[PeerId, FollowedRecord] | None = None,
         before_emptying: Callable[[], None] | None = None,
         reserve: int = 0,
+        minimal: bool = False,
     ) -> list[PeerId]:
         """Recompute every allowance (see :mod:`peerinfer.core.index`, "Memory bounds"); halve the hits (``decay``).
         Returns the peers whose replicas were emptied for holding more than their new
@@ -217,7 +220,13 @@ class ReplicaBudget:
         by hits alone: then no peer's want is computed but the spare's takers', and the order
         by hits is read only as far as the spare lasts (``_size_short``). The same allowances
         as sizing every want (``_size_every``): past 256 peers at the default budget, where a
-        rebalance of every peer every few seconds was a tenth of a simulation's CPU."""
+        rebalance of every peer every few seconds was a tenth of a simulation's CPU.
+
+        ``minimal``: the caller found ``wants_minimal`` true (with ``reserve`` 0) for the
+        newest counts of what waits: every want is ``MIN_ALLOWANCE``, within the share, so
+        every peer is given exactly that and no replica is over it; nothing is sized (and
+        ``pending`` may be left out). Under ``check_rebalances`` the sizing over every want
+        runs too and must agree."""
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
         self.rebalances += 1
@@ -227,6 +236,18 @@ class ReplicaBudget:
         budget = self.replica_budget_blocks
         share = budget // (len(states) + reserve)
         cap = self.max_replica_elements
+        if minimal:
+            ReplicaBudget.minimal_rebalances += 1
+            n = len(states)
+            given = [MIN_ALLOWANCE] * n
+            spare = budget - reserve * share - n * MIN_ALLOWANCE
+            if ReplicaBudget.check_rebalances:
+                every = self._size_every(states, share, reserve, _merged(pending, followed))
+                assert every[0] == given and every[2] == spare, "minimal rebalance != every peer's"
+                assert max(every[1]) <= MIN_ALLOWANCE, "minimal rebalance with a replica over"
+            self._give(states, given, decay)
+            self._allocated = budget - reserve * share - spare
+            return []
         if share < MIN_ALLOWANCE and share < cap:
             ReplicaBudget.short_rebalances += 1
             given, sizes, spare = self._size_short(states, share, reserve, pending, followed)
@@ -236,7 +257,21 @@ class ReplicaBudget:
         else:
             given, sizes, spare = self._size_every(states, share, reserve,
                                                    _merged(pending, followed))
+        self._give(states, given, decay)
+        self._allocated = budget - reserve * share - spare
         emptied = []
+        for st, size in zip(states, sizes, strict=True):
+            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
+            if size > st.allowance:
+                if before_emptying is not None:
+                    before_emptying()
+                    before_emptying = None
+                if self.enforce_allowance(st.peer):
+                    emptied.append(st.peer)
+        return emptied
+
+    def _give(self, states: list[_PeerState], given: list[int], decay: bool) -> None:
+        """Set each peer's allowance to ``given``'s (by position); halve the hits (``decay``)."""
         changed = False
         for st, allowance in zip(states, given, strict=True):
             if decay:
@@ -250,16 +285,40 @@ class ReplicaBudget:
                 replica.max_elements = allowance
         if changed:
             self.allowance_changes += 1
-        self._allocated = budget - reserve * share - spare
-        for st, size in zip(states, sizes, strict=True):
-            # (an emptied replica is a new one: ``size`` is still that of st.replica's)
-            if size > st.allowance:
-                if before_emptying is not None:
-                    before_emptying()
-                    before_emptying = None
-                if self.enforce_allowance(st.peer):
-                    emptied.append(st.peer)
-        return emptied
+
+    def wants_minimal(self, news_bound: int) -> bool:
+        """Whether a rebalance (``reserve`` 0) would size every peer's want at ``MIN_ALLOWANCE``
+        and give each exactly that: the equal share is at least ``MIN_ALLOWANCE`` (and so is
+        the cap), and every size and claim the sizing reads is at most half of it: each
+        replica's, and ``news_bound`` (at least every count of what waits: ``pending``'s and
+        the followed runs', which the sizing reads in their place). Then a rebalance changes
+        nothing but allowances that are not that yet, and empties nothing.
+
+        Why: below 257 peers at the default budget the share is above every want, and the
+        caches a simulation models hold far fewer blocks than half of ``MIN_ALLOWANCE``; the
+        sizing then read every peer's size, claim and waiting news every few seconds to give
+        each the same allowance again (6% of a 64-node simulation's CPU). This reads each
+        replica's size and claim, without the news gathered per peer."""
+        states = self._states
+        half = MIN_ALLOWANCE // 2
+        if (
+            not states
+            or news_bound > half
+            or self.replica_budget_blocks // len(states) < MIN_ALLOWANCE
+            or self.max_replica_elements < MIN_ALLOWANCE
+        ):
+            return False
+        for st in states.values():
+            replica = st.replica
+            assert replica is not None
+            digest = replica.digest
+            flat = digest._flat
+            if (len(flat) if flat is not None else len(digest)) > half:
+                return False
+            announced = replica._announced
+            if announced is not None and announced[2] > half:
+                return False
+        return True
 
     def _size_every(
         self,

@@ -117,3 +117,36 @@ def test_leading_counts_what_the_set_or_the_entries_hold_as_block_by_block() -> 
         assert leading(head, held.__contains__, refs) == want, trial
         switched += any(h in refs for h in head[:want]) and any(h in held for h in head[:want])
     assert switched > 300
+
+
+def test_max_count_is_at_least_every_runs_count_through_changes() -> None:
+    """``RunHolders.max_count`` bounds every listed run's count (a rebalance reads it instead of
+    each followed run: ``PeerView.rebalance``), through runs made and changed to larger sets."""
+    rng = random.Random(8)
+    holders = RunHolders()
+    runs: list[AnnounceRun] = []
+    sets: list[set[int]] = []
+    grew = 0
+    for k in range(6):
+        held = set(rng.sample(range(1, 500), rng.randrange(1, 20)))
+        d = _digest(held)
+        run = AnnounceRun(_announce(f"p{k}", 1, d), 0.0, holders)
+        run.seed(d)
+        runs.append(run)
+        sets.append(held)
+        assert holders.max_count >= max(r.count for r in runs)
+    for step in range(200):
+        k = rng.randrange(len(runs))
+        run, held = runs[k], sets[k]
+        added = tuple(b for b in rng.sample(range(1, 500), rng.randrange(0, 12)) if b not in held)
+        removed = tuple(rng.sample(sorted(held), min(rng.randrange(0, 4), len(held))))
+        after_set = (held | set(added)) - set(removed)
+        a = _announce(run.sender, run.epoch + 1, _digest(after_set), added, removed)
+        after = run.advances(a)
+        assert after is not None
+        before = holders.max_count
+        run.push_changes(a, float(step), after)
+        sets[k] = after_set
+        grew += holders.max_count > before
+        assert holders.max_count >= max(r.count for r in runs), step
+    assert grew > 10, grew  # (not only the runs' first counts)

@@ -232,6 +232,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
     short_rebalances = replicabudget.ReplicaBudget.short_rebalances
+    minimal_rebalances = replicabudget.ReplicaBudget.minimal_rebalances
     size_short = replicabudget.ReplicaBudget._size_short
 
     def counting_size_short(self: replicabudget.ReplicaBudget, states: list[object], share: int,
@@ -272,6 +273,9 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["members heard through runs"] > 1000, changes
     assert replicaindex.ReplicaIndex.run_walks - run_walks > 500, replicaindex.ReplicaIndex.run_walks  # 897
     assert replicabudget.ReplicaBudget.short_rebalances - short_rebalances > 500
+    # (and those that sized nothing, every want minimal: each also sized every way)
+    assert replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances > 500, \
+        replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances
     assert members_module.Members.clock_checks - clock_checks > 1000, members_module.Members.clock_checks
     assert changes["short rebalances reading moved runs"] > 50, changes  # 92 measured
     assert changes["short rebalances handing out spare"] > 300, changes  # 603

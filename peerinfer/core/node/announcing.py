@@ -6,7 +6,7 @@ pulls that repair a replica an announcement could not (see "Announce" and "Pull"
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from peerinfer.core.antientropy import Reconciliation
 from peerinfer.core.digest import LocalDigest
@@ -25,6 +25,55 @@ from peerinfer.errors import ProtocolError
 from peerinfer.types import PeerId
 
 __all__ = ["Announcing"]
+
+#: ``Announce``'s fields in the order ``_make_announce`` takes them
+_ANNOUNCE_FIELDS = (
+    "sender", "epoch", "prev_epoch", "root", "count", "load", "added", "removed", "truncated",
+    "time_ms",
+)
+
+
+def _announce_maker() -> Callable[..., Announce]:
+    """A function that makes an ``Announce`` from its fields, in order, equal to
+    ``Announce(*values)``, without the frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` call per field: twice the cost, at every announcement a node
+    makes): the object is made empty and each slot set through its descriptor. ``Announce``
+    itself when it is not a frozen slotted dataclass of exactly ``_ANNOUNCE_FIELDS`` without
+    ``__post_init__``."""
+    try:
+        if (
+            tuple(f.name for f in fields(Announce)) != _ANNOUNCE_FIELDS
+            or getattr(Announce, "__slots__", None) != _ANNOUNCE_FIELDS
+            or hasattr(Announce, "__post_init__")
+        ):
+            return Announce
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = (
+            vars(Announce)[name].__set__ for name in _ANNOUNCE_FIELDS
+        )
+    except (TypeError, KeyError, AttributeError):  # pragma: no cover - another layout
+        return Announce
+    new = object.__new__
+
+    def make(sender: PeerId, epoch: int, prev_epoch: int, root: int, count: int, load: Load,
+             added: tuple[int, ...], removed: tuple[int, ...], truncated: bool,
+             time_ms: int) -> Announce:
+        a = new(Announce)
+        s0(a, sender)
+        s1(a, epoch)
+        s2(a, prev_epoch)
+        s3(a, root)
+        s4(a, count)
+        s5(a, load)
+        s6(a, added)
+        s7(a, removed)
+        s8(a, truncated)
+        s9(a, time_ms)
+        return a
+
+    return make
+
+
+_make_announce = _announce_maker()
 
 
 @dataclass(slots=True)
@@ -115,23 +164,13 @@ class Announcing:
 
     def publish(self, now: float, load: Load, me: PeerId) -> Publish:
         """Seal the digest's epoch and announce it with ``load`` (``due`` said so)."""
-        delta = self.local.seal_epoch()
+        prev_epoch, epoch, root, count, added, removed, truncated = self.local.seal()
         self._last_announce = now
         self.next_announce = now + self.config.announce_interval_s
         self.stats["announces_sent"] += 1
         return Publish(
-            Announce(
-                sender=me,
-                epoch=delta.epoch,
-                prev_epoch=delta.prev_epoch,
-                root=delta.root,
-                count=delta.count,
-                load=load,
-                added=tuple(delta.added),
-                removed=tuple(delta.removed),
-                truncated=delta.truncated,
-                time_ms=max(0, int(now * 1000)),
-            )
+            _make_announce(me, epoch, prev_epoch, root, count, load, added, removed, truncated,
+                           max(0, int(now * 1000)))
         )
 
     def announce_soon(self, now: float) -> None:
@@ -149,6 +188,19 @@ class Announcing:
                 if st.sync is not None:
                     out.append(st.sync_deadline)
         return out
+
+    def next_deadline(self, floor: float) -> float:
+        """``min(floor, *self.deadlines())``, without the list."""
+        deadline = self.next_announce if self.next_announce < floor else floor
+        if self.local.has_pending_changes():
+            gap = self._last_announce + self.config.min_announce_gap_s
+            if gap < deadline:
+                deadline = gap
+        if self._pulls_may_run:
+            for st in self._pulls.values():
+                if st.sync is not None and st.sync_deadline < deadline:
+                    deadline = st.sync_deadline
+        return deadline
 
     # ------------------------------------------------------------------ refusals
 
