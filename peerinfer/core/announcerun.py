@@ -242,7 +242,7 @@ class RunHolders:
     Runs are held weakly: one that nobody follows and the shell replaced goes away by itself;
     its slot's bits are cleared, and only then is the slot handed out again (lowest first)."""
 
-    __slots__ = ("_masks", "_slots", "_free", "_gone", "walks", "_recent", "_late",
+    __slots__ = ("_masks", "_slots", "senders", "_free", "_gone", "walks", "_recent", "_late",
                  "_latest", "_dead")
 
     def __init__(self) -> None:
@@ -250,6 +250,9 @@ class RunHolders:
         self._masks: dict[BlockHash, int] = {}
         #: per slot, its run (weakly), None for a free slot
         self._slots: list[ref[AnnounceRun] | None] = []
+        #: per slot, the sender of the run seeded into it last (a route reads a run's sender
+        #: here, then the run it follows for that sender: the slot's run when it holds the slot)
+        self.senders: list[str] = []
         self._free: list[int] = []  # a heap: the lowest free slot is reused first
         #: slots of runs gone whose bits are still set (cleared by ``_clear_gone``)
         self._gone: list[int] = []
@@ -334,6 +337,8 @@ class RunHolders:
         else:
             slot = len(slots)
             slots.append(None)
+            self.senders.append("")
+        self.senders[slot] = run.sender
         gone = self._gone
         slots[slot] = ref(run, lambda _: gone.append(slot))
         run.holder_slot = slot

@@ -474,19 +474,21 @@ class ReplicaIndex(ReplicaBudget):
             if depth:
                 by_depth[depth] = by_depth.get(depth, 0) | state.bit
         get_kept = following.get
-        run_in = holders.run
+        senders = holders.senders
         # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
-        # chain); of those, the runs this node follows for their senders.
+        # chain); of those, the runs this node follows for their senders (the run a node
+        # follows is alive, so it is the slot's run when it holds that slot).
         for depth, slots in holders.walk(chain):
             while slots:
                 low = slots & -slots
                 slots ^= low
-                run = run_in(low.bit_length() - 1)
-                if run is None:
-                    continue
-                sender: PeerId = run.sender  # type: ignore[assignment]  # (a PeerId is a str)
+                slot = low.bit_length() - 1
+                sender: PeerId = senders[slot]  # type: ignore[assignment]  # (a PeerId is a str)
                 kept = get_kept(sender)
-                if kept is None or kept.run is not run or sender in spec:
+                if kept is None:
+                    continue
+                run = kept.run
+                if run is None or run.holder_slot != slot or sender in spec:
                     continue
                 holder = states.get(sender)
                 if holder is not None:
