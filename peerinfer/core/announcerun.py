@@ -242,8 +242,8 @@ class RunHolders:
     Runs are held weakly: one that nobody follows and the shell replaced goes away by itself;
     its slot's bits are cleared, and only then is the slot handed out again (lowest first)."""
 
-    __slots__ = ("_masks", "_slots", "senders", "_free", "_gone", "walks", "_recent", "_late",
-                 "_latest", "_dead")
+    __slots__ = ("_masks", "_slots", "senders", "_free", "_gone", "_recent", "_late", "_latest",
+                 "_dead")
 
     def __init__(self) -> None:
         #: per block, the slots of the seeded runs whose set holds it (no empty masks)
@@ -256,8 +256,6 @@ class RunHolders:
         self._free: list[int] = []  # a heap: the lowest free slot is reused first
         #: slots of runs gone whose bits are still set (cleared by ``_clear_gone``)
         self._gone: list[int] = []
-        #: how many walks were answered (tests)
-        self.walks = 0
         #: the runs by their newest announcement's time ``at``, oldest first (each moved to the
         #: end when pushed onto: the shell pushes at its clock's time, which never goes back),
         #: for ``stale``; ``_late``: runs pushed onto at an earlier time than the newest
@@ -402,7 +400,6 @@ class RunHolders:
         whose run is gone may be among them (``run``: None). The running AND of the blocks'
         masks, in C (``accumulate``), cut where it empties, and grouped by value: a route pays
         per block a dict lookup and an AND, and per distinct depth a step in Python."""
-        self.walks += 1
         if self._gone:
             self._clear_gone()
         out: list[tuple[int, int]] = []
@@ -467,8 +464,8 @@ class RunReads(Mapping[PeerId, MerkleDigest]):
     It also tells the index how to match without asking every peer (``holders``: every run
     the node follows is indexed there): a peer whose run the node follows is matched against
     the run's set, the very set it reads either way (its replica's, taken in from the run, when
-    nothing changed since). So the index asks the runs holding the prompt's first block, and
-    every other peer alone (``ReplicaIndex._walk_runs``)."""
+    nothing changed since). So the index reads those peers' depths off the runs' walk
+    (``RunHolders.walk``), and asks every other peer alone (``ReplicaIndex._walk_runs``)."""
 
     __slots__ = ("following", "changed", "unapplied", "holders")
 

@@ -35,9 +35,10 @@ speculative entries for the chain's leading blocks instead, O(peers) per route, 
 replica's (the set a shared run's waiting changes lead to: ``peerinfer.core.announcerun``).
 Nothing is skipped then (``max_replica_blocks`` bounds only the masks; the replica budget
 bounds the replicas). When every run the caller follows reports to one ``RunHolders`` (the
-simulator's), ``newer`` is a ``RunReads`` view and the walk asks only the runs whose set holds
-the chain's first block, and the peers not followed one by one (``ReplicaIndex._walk_runs``):
-the same answer, in time proportional to those.
+simulator's), ``newer`` is a ``RunReads`` view and the walk reads the followed peers' depths
+off one walk of the runs' own masks (``RunHolders.walk``: per block, the runs whose set holds
+it), and asks the peers not followed one by one (``ReplicaIndex._walk_runs``): the same
+answer, in time proportional to the chain's matched length and the holders, not to every peer.
 
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
