@@ -35,9 +35,10 @@ speculative entries for the chain's leading blocks instead, O(peers) per route, 
 replica's (the set a shared run's waiting changes lead to: ``peerinfer.core.announcerun``).
 Nothing is skipped then (``max_replica_blocks`` bounds only the masks; the replica budget
 bounds the replicas). When every run the caller follows reports to one ``RunHolders`` (the
-simulator's), ``newer`` is a ``RunReads`` view and the walk asks only the runs whose set holds
-the chain's first block, and the peers not followed one by one (``ReplicaIndex._walk_runs``):
-the same answer, in time proportional to those.
+simulator's), ``newer`` is a ``RunReads`` view and the walk reads the followed peers' depths
+off one walk of the runs' own masks (``RunHolders.walk``: per block, the runs whose set holds
+it), and asks the peers not followed one by one (``ReplicaIndex._walk_runs``): the same
+answer, in time proportional to the chain's matched length and the holders, not to every peer.
 
 *Incremental upkeep.* The index is the observer of every replica it creates: the digest calls
 ``block_added(h)`` / ``block_removed(h)`` for each real change, and the peer's observer flips
@@ -102,11 +103,11 @@ from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
 from peerinfer.core.replicaindex import ReplicaFactory, ReplicaIndex
-from peerinfer.core.routing import Candidate, make_candidate
+from peerinfer.core.routing import Candidate, Row, make_candidate
 from peerinfer.types import BlockHash, PeerId
 
 
-def _first(item: tuple[int, Candidate]) -> int:
+def _first(item: tuple[int, object]) -> int:
     return item[0]
 
 
@@ -121,16 +122,30 @@ NEAR_SCAN = 32
 
 class HolderCandidates:
     """``PeerIndex.holder_candidates``'s answer: the pruned list, the positions of its
-    stand-ins in it, and ``every()``, the full list of ``candidates()`` (built on demand)."""
+    stand-ins in it, and ``every()``, the full list of ``candidates()`` (built on demand).
+    Asked for ``rows``, the pruned list may come as ``rows`` instead (``candidates`` None):
+    each candidate's ``make_candidate`` arguments as a tuple, the local one first, for a
+    policy that builds only the candidates it reads (``CostPolicy.choose_rows``); ``plain``
+    then says that every row announced the caller's speed (or none)."""
 
-    __slots__ = ("candidates", "stand_ins", "every")
+    __slots__ = ("candidates", "stand_ins", "every", "rows", "plain")
 
     def __init__(
-        self, candidates: list[Candidate], stand_ins: set[int], every: Callable[[], list[Candidate]]
+        self, candidates: list[Candidate] | None, stand_ins: set[int],
+        every: Callable[[], list[Candidate]], rows: list[Row] | None = None, plain: bool = True,
     ) -> None:
         self.candidates = candidates
         self.stand_ins = stand_ins
         self.every = every
+        self.rows = rows
+        self.plain = plain
+
+    def listed(self) -> list[Candidate]:
+        """The pruned list as candidates (built from the rows if it came as rows)."""
+        if self.candidates is None:
+            assert self.rows is not None
+            self.candidates = [make_candidate(*row) for row in self.rows]
+        return self.candidates
 
 
 class PeerIndex(ReplicaIndex):
@@ -275,6 +290,7 @@ class PeerIndex(ReplicaIndex):
         plain_loads: bool = False,
         rtt_version: object = None,
         newer: Mapping[PeerId, MerkleDigest] | None = None,
+        rows: bool = False,
     ) -> HolderCandidates:
         """``candidates()`` pruned for a policy that estimates a plain non-holder by its load and
         round trip alone (``CostPolicy.choose_among_holders``), with the full list at hand.
@@ -297,7 +313,9 @@ class PeerIndex(ReplicaIndex):
         idle one (outstanding 0), at most ``NEAR_SCAN`` of them, and each is a stand-in. Every
         one left out then has at least the last one's rtt and outstanding count (the same
         front, found without visiting the rest). When no idle one comes within the bound, all
-        are visited as above."""
+        are visited as above.
+
+        With ``rows``, the bounded form's list comes as rows (``HolderCandidates.rows``)."""
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
         holders: list[int] | None = [] if plain_loads and rtt_version is not None else None
         matched = self._matched_by_slot(chain, block_size, cap, holders, newer)
@@ -313,9 +331,13 @@ class PeerIndex(ReplicaIndex):
             near = self._near_candidates(
                 holders, matched, local_peer, local_matched_tokens, local_load, now, rtt_s,
                 default_rtt_s, inflight, exclude, max_digest_age_s, heard, cap, rtt_version,
+                own_speed,
             )
             if near is not None:
-                return HolderCandidates(near[0], near[1], every)
+                found, stand_ins, same_speed = near
+                if rows:
+                    return HolderCandidates(None, stand_ins, every, found, same_speed)
+                return HolderCandidates([make_candidate(*row) for row in found], stand_ins, every)
         make = make_candidate
         kept: list[tuple[int, Candidate]] = [
             (
@@ -396,19 +418,21 @@ class PeerIndex(ReplicaIndex):
         heard: Mapping[PeerId, tuple[Load, float]] | None,
         cap: float,
         rtt_version: object,
-    ) -> tuple[list[Candidate], set[int]] | None:
-        """``holder_candidates``' bounded form (see there); None when no idle plain non-holder
-        comes within ``NEAR_SCAN``. Positions here are the peers' ``added_seq``, which grows
-        in ``_states``' order."""
+        own_speed: tuple[int, ...],
+    ) -> tuple[list[Row], set[int], bool] | None:
+        """``holder_candidates``' bounded form (see there), as rows (``make_candidate``'s
+        arguments), with whether every row's speed is ``own_speed`` (or none); None when no
+        idle plain non-holder comes within ``NEAR_SCAN``. Positions here are the peers'
+        ``added_seq``, which grows in ``_states``' order."""
         get_inflight = inflight.get if inflight else None
-        make = make_candidate
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s
         heard_get = heard.get if heard else None
         excluding = bool(exclude)
-        kept: list[tuple[int, Candidate]] = []
+        kept: list[tuple[int, Row]] = []
         append = kept.append
         by_slot = self._by_slot
+        plain = True
         for slot in holders:
             if not matched[slot]:
                 continue  # capped to nothing (a one-token prompt): a plain non-holder below
@@ -425,7 +449,10 @@ class PeerIndex(ReplicaIndex):
             if fresh_at < oldest or peer == local_peer or (excluding and peer in exclude):
                 continue
             age = now - fresh_at
-            append((state.added_seq, make(
+            speed = load.speed
+            if speed and speed != own_speed:
+                plain = False
+            append((state.added_seq, (
                 peer, False, matched[slot], load, get_rtt(peer, default_rtt_s),
                 age if age > 0.0 else 0.0, get_inflight(peer, 0) if get_inflight is not None else 0,
             )))
@@ -458,7 +485,10 @@ class PeerIndex(ReplicaIndex):
             if sent > n:
                 n = sent
             age = now - fresh_at
-            append((seq, make(peer, False, 0, load, rtt, age if age > 0.0 else 0.0, sent)))
+            speed = load.speed
+            if speed and speed != own_speed:
+                plain = False
+            append((seq, (peer, False, 0, load, rtt, age if age > 0.0 else 0.0, sent)))
             stand_in_seqs.add(seq)
             if n == 0:
                 found = True
@@ -469,14 +499,14 @@ class PeerIndex(ReplicaIndex):
         if not found:
             return None
         kept.sort(key=_first)
-        local = make(
+        local: Row = (
             local_peer, True, int(min(local_matched_tokens, cap)), local_load, 0.0, 0.0,
             get_inflight(local_peer, 0) if get_inflight is not None else 0,
         )
         out = [local]
-        out.extend(c for _, c in kept)
+        out.extend(row for _, row in kept)
         stand_ins = {i + 1 for i, (seq, _) in enumerate(kept) if seq in stand_in_seqs}
-        return out, stand_ins
+        return out, stand_ins, plain
 
 
 __all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "HolderCandidates", "PeerIndex", "ReplicaFactory", "ReplicaIndex"]

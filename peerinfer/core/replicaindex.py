@@ -449,10 +449,11 @@ class ReplicaIndex(ReplicaBudget):
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> list[tuple[int, int]]:
         """``_walk_sets`` for a node whose followed runs are all indexed in ``holders``: a
-        followed peer reads its run's set (``RunReads``), so of those only the runs whose set
-        holds the chain's first block are asked; the peers not followed, and followed ones
-        with speculative entries, are asked one by one as there. The same answer in time
-        proportional to those, not to every peer (a swarm's node follows nearly every peer)."""
+        followed peer reads its run's set (``RunReads``), so those are read off ``holders``'
+        walk, which counts every run's depth at once; the peers not followed, and followed
+        ones with speculative entries, are asked one by one as there. The same answer in
+        time proportional to the chain's matched length, the runs holding its first block and
+        the peers asked alone, not to every peer (a swarm's node follows nearly every peer)."""
         states = self._states
         following = reads.following
         spec = self._spec_holders
@@ -461,7 +462,6 @@ class ReplicaIndex(ReplicaBudget):
             alone |= spec.keys() & following.keys()
         by_depth: dict[int, int] = {}
         newer_get = reads.get
-        h0 = chain[0]
         for peer in alone:
             state = states[peer]
             digest = state.replica.digest  # type: ignore[union-attr]
@@ -474,17 +474,25 @@ class ReplicaIndex(ReplicaBudget):
             if depth:
                 by_depth[depth] = by_depth.get(depth, 0) | state.bit
         get_kept = following.get
-        for run in holders.live_holding(h0):
-            sender: PeerId = run.sender  # type: ignore[assignment]  # (a PeerId is a str)
-            kept = get_kept(sender)
-            if kept is None or kept.run is not run or sender in spec:
-                continue
-            holder = states.get(sender)
-            if holder is None:
-                continue
-            depth = run.depth(chain)  # (kept per run's set: its followers route alike)
-            if depth:
-                by_depth[depth] = by_depth.get(depth, 0) | holder.bit
+        senders = holders.senders
+        # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
+        # chain); of those, the runs this node follows for their senders (the run a node
+        # follows is alive, so it is the slot's run when it holds that slot).
+        for depth, slots in holders.walk(chain):
+            while slots:
+                low = slots & -slots
+                slots ^= low
+                slot = low.bit_length() - 1
+                sender: PeerId = senders[slot]  # type: ignore[assignment]  # (a PeerId is a str)
+                kept = get_kept(sender)
+                if kept is None:
+                    continue
+                run = kept.run
+                if run is None or run.holder_slot != slot or sender in spec:
+                    continue
+                holder = states.get(sender)
+                if holder is not None:
+                    by_depth[depth] = by_depth.get(depth, 0) | holder.bit
         out = sorted(by_depth.items())
         ReplicaIndex.run_walks += 1
         if ReplicaIndex.check_run_walks:

@@ -19,7 +19,7 @@ import pytest
 from peerinfer.core.costmodel import DEFAULT_COSTS
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import Load
-from peerinfer.core.routing import CostPolicy, RouteRequest
+from peerinfer.core.routing import Candidate, CostPolicy, RouteRequest, Row, make_candidate
 from peerinfer.types import BlockHash, PeerId
 
 BS = 16
@@ -103,3 +103,64 @@ def test_holder_candidates_decide_as_every_candidate(plain: bool, weight: float)
                                          want.estimated_ttft_s, want.max_outstanding), trial
     # Both ways are exercised (with the charge a busy stand-in wins less often: fewer asks).
     assert pruned > 300 and asked_every > 20, (pruned, asked_every)
+
+
+def _as_row(c: Candidate) -> Row:
+    return (c.peer, c.is_local, c.matched_tokens, c.load, c.rtt_s, c.digest_age_s, c.inflight)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_choosing_over_rows_is_choosing_over_the_candidates(plain: bool) -> None:
+    """``CostPolicy.choose_rows`` (the pruned list as ``make_candidate``'s arguments, of which
+    it builds only those it reads) decides as ``choose_among_holders`` over the candidates,
+    every field (``ranked`` and the reason too) and the dice after it; the rows
+    ``holder_candidates(rows=True)`` gives are the candidates it gives otherwise. The loads
+    are varied beyond what a route hands it (batches, other speeds, a disk tier, a busy
+    local node), so that every branch of the estimate is held to ``_ttfts``' floats (fails
+    if one operation of one branch is reordered)."""
+    from dataclasses import replace
+
+    by_rows = by_candidates = asked_every = 0
+    for trial in range(600):
+        rng = random.Random(f"rows:{plain}:{trial}")
+        index, options = _random_index(rng, plain)
+        chain = options.pop("chain")
+        policy = CostPolicy(DEFAULT_COSTS, mean_service_s=rng.choice([0.005, 0.02, 0.1, None]))
+        request = RouteRequest(prompt_tokens=len(chain) * BS, max_tokens=8, chain=tuple(chain))
+        asked = dict(chain=chain, own_speed=DEFAULT_COSTS.speed(), plain_loads=plain,
+                     rtt_version=1, **options)
+        held = index.holder_candidates(**asked)  # type: ignore[arg-type]
+        as_rows = index.holder_candidates(rows=True, **asked)  # type: ignore[arg-type]
+        assert as_rows.stand_ins == held.stand_ins
+        if as_rows.rows is not None:
+            by_rows += 1
+            assert [make_candidate(*r) for r in as_rows.rows] == held.candidates, trial
+            assert as_rows.listed() == held.candidates
+        else:
+            by_candidates += 1
+            assert as_rows.candidates == held.candidates
+        candidates = held.listed()
+        if rng.random() < 0.5:  # loads no route hands it, for the arithmetic's every branch
+            candidates = [
+                replace(c, load=replace(
+                    c.load,
+                    slots=rng.choice([1, 4]),
+                    running=rng.randint(0, 4),
+                    speed=rng.choice([(), (), OTHER_SPEED]),
+                    disk=rng.choice([(), (), (500, 2000)]),
+                ), matched_tokens=rng.choice([c.matched_tokens, 0, len(chain) * BS]))
+                for c in candidates
+            ]
+        dice = random.Random(trial)
+        want = policy.choose_among_holders(request, candidates, dice, held.stand_ins)
+        want_dice = dice.getstate()
+        rows = [_as_row(c) for c in candidates]
+        assert policy._row_ttfts(request, rows, {}) == policy._ttfts(request, candidates, {})
+        dice = random.Random(trial)
+        got = policy.choose_rows(request, rows, dice, held.stand_ins)
+        assert got == want, trial
+        assert dice.getstate() == want_dice, trial
+        asked_every += got is None
+    assert asked_every > 10, asked_every
+    # Rows only where the nearest plain non-holders were searched (``plain_loads``).
+    assert by_rows > 300 if plain else by_rows == 0, (by_rows, by_candidates)

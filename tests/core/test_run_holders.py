@@ -1,6 +1,6 @@
 """``RunHolders``: per block, exactly the live shared runs whose set holds it, kept through
-runs seeded, changed and dropped, and through forgetting the blocks asked for longest ago
-(issue 25: a route asks only the runs holding its prompt's first block)."""
+runs seeded, changed and dropped (slots reused), and its walk: every run's depth in a chain at
+once, as each run counts it (issue 25: a route reads the runs' depths off one walk)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,42 @@ def _announce(sender: str, epoch: int, d: MerkleDigest, added: tuple[int, ...] =
                     load=Load(), added=added, removed=removed)
 
 
+def _change(run: AnnounceRun, held: set[int], blocks: list[int], rng: random.Random,
+            at: float) -> set[int]:
+    added = tuple(b for b in rng.sample(blocks, 3) if b not in held)
+    removed = tuple(b for b in rng.sample(sorted(held), min(2, len(held))))
+    after_set = (held | set(added)) - set(removed)
+    a = _announce(run.sender, run.epoch + 1, _digest(after_set), added, removed)
+    after = run.advances(a)
+    assert after is not None
+    run.push_changes(a, at, after)
+    return after_set
+
+
+def _walk_by_run(holders: RunHolders, chain: list[BlockHash]) -> dict[int, int]:
+    """``holders.walk``'s answer as {id(run): depth}, each run named once."""
+    out: dict[int, int] = {}
+    last = 0
+    for depth, slots in holders.walk(chain):
+        assert slots and depth > last  # depths ascending, masks not empty
+        last = depth
+        while slots:
+            low = slots & -slots
+            slots ^= low
+            run = holders.run(low.bit_length() - 1)
+            if run is not None:
+                assert id(run) not in out
+                out[id(run)] = depth
+    return out
+
+
 def test_holders_are_the_runs_whose_set_holds_the_block_through_changes() -> None:
+    """For sampled blocks, exactly the runs whose set holds each, through 300 changes and a
+    run dropped; a new run takes the freed slot without inheriting its bits (fails if a
+    removal is not applied or a gone run's bits are left set)."""
     rng = random.Random(25)
     blocks = list(range(1, 41))
-    holders = RunHolders(max_blocks=8)  # small: blocks are forgotten and found again
+    holders = RunHolders()
     runs: list[AnnounceRun] = []
     sets: list[set[int]] = []
     for k in range(12):
@@ -42,55 +74,70 @@ def test_holders_are_the_runs_whose_set_holds_the_block_through_changes() -> Non
         sets.append(held)
     for step in range(300):
         k = rng.randrange(len(runs))
-        run, held = runs[k], sets[k]
-        added = tuple(b for b in rng.sample(blocks, 3) if b not in held)
-        removed = tuple(b for b in rng.sample(sorted(held), min(2, len(held))))
-        after_set = (held | set(added)) - set(removed)
-        a = _announce(run.sender, run.epoch + 1, _digest(after_set), added, removed)
-        after = run.advances(a)
-        assert after is not None
-        run.push_changes(a, float(step), after)
-        sets[k] = after_set
+        sets[k] = _change(runs[k], sets[k], blocks, rng, float(step))
         for b in rng.sample(blocks, 5):
             expected = {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
             assert {id(r) for r in holders.holding(BlockHash(b))} == expected, (step, b)
-    assert holders.found_anew > 8  # forgotten blocks were found again by asking every run
-    # A run nobody holds any more goes away by itself.
+    # A run nobody holds any more goes away by itself, and its bits with it.
     b = next(b for b in blocks if b in sets[0])
+    slot = runs[0].holder_slot
     del runs[0], sets[0], run
     gc.collect()
     assert {id(r) for r in holders.holding(BlockHash(b))} == \
         {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
+    # A new run reuses the slot and holds only its own set's blocks.
+    held = {b}
+    d = _digest(held)
+    run = AnnounceRun(_announce("new", 1, d), 0.0, holders)
+    run.seed(d)
+    assert run.holder_slot == slot
+    runs.append(run)
+    sets.append(held)
+    for b in blocks:
+        expected = {id(r) for r, s in zip(runs, sets, strict=True) if b in s}
+        assert {id(r) for r in holders.holding(BlockHash(b))} == expected, b
+    assert holders.blocks() == len(set().union(*sets))
 
 
-def test_a_runs_depth_is_kept_per_set_and_follows_its_changes() -> None:
-    """``AnnounceRun.depth``: the leading blocks of a chain its set holds, kept per chain
-    (by its last block, which names a hash chain) until the set changes; through changes it
-    answers as counting anew (fails if a change keeps the old answers)."""
+def test_the_walk_gives_every_runs_depth_as_it_counts_it() -> None:
+    """``RunHolders.walk``: for prefixes of orders of the blocks (like a prompt's hash
+    chains) and through changes of the runs' sets, each run holding the first block at the
+    depth ``AnnounceRun.depth`` counts (the leading blocks its set holds), every other run
+    absent (fails if a block's mask misses a change, or a depth is off by one at a group's
+    end)."""
     from itertools import takewhile
 
     rng = random.Random(7)
     blocks = list(range(1, 31))
-    held = set(rng.sample(blocks, 20))
-    d = _digest(held)
-    run = AnnounceRun(_announce("p", 1, d), 0.0, RunHolders())
-    assert run.depth([BlockHash(1)]) == 0  # no set yet
-    run.seed(d)
-    # Prefixes of one order of the blocks: like a prompt's hash chains, no two end alike.
-    order = [BlockHash(b) for b in rng.sample(blocks, len(blocks))]
-    chains = [order[:k] for k in range(1, len(order) + 1)]
-    for step in range(200):
-        if step % 10 == 9:
-            added = tuple(b for b in rng.sample(blocks, 3) if b not in held)
-            removed = tuple(rng.sample(sorted(held), 2))
-            held = (held | set(added)) - set(removed)
-            a = _announce("p", run.epoch + 1, _digest(held), added, removed)
-            after = run.advances(a)
-            assert after is not None
-            run.push_changes(a, float(step), after)
-        chain = rng.choice(chains)
-        assert run.depth(chain) == len(list(takewhile(held.__contains__, chain))), step
-    assert run._depths  # answers kept
+    holders = RunHolders()
+    runs: list[AnnounceRun] = []
+    sets: list[set[int]] = []
+    for k in range(10):
+        held = set(rng.sample(blocks, rng.choice((5, 20, 28, 30))))
+        d = _digest(held)
+        run = AnnounceRun(_announce(f"p{k}", 1, d), 0.0, holders)
+        assert run.depth([BlockHash(1)]) == 0  # no set yet
+        run.seed(d)
+        runs.append(run)
+        sets.append(held)
+    orders = [[BlockHash(b) for b in rng.sample(blocks, len(blocks))] for _ in range(4)]
+    deep = 0
+    for step in range(400):
+        if step % 5 == 4:
+            k = rng.randrange(len(runs))
+            sets[k] = _change(runs[k], sets[k], blocks, rng, float(step))
+        order = rng.choice(orders)
+        chain = order[: rng.randrange(1, len(order) + 1)]
+        want = {}
+        for run, held in zip(runs, sets, strict=True):
+            depth = len(list(takewhile(held.__contains__, chain)))
+            assert run.depth(chain) == depth, step
+            if depth:
+                want[id(run)] = depth
+        assert _walk_by_run(holders, chain) == want, step
+        deep += any(d == len(chain) for d in want.values()) and len(chain) > 1
+    assert deep > 20  # whole chains held, not only short depths
+    assert holders.walk([]) == []
 
 
 def test_leading_counts_what_the_set_or_the_entries_hold_as_block_by_block() -> None:

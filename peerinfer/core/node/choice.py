@@ -183,12 +183,25 @@ class Choice:
         else:
             # Only the peers holding part of the prompt, and the plain non-holders' stand-ins
             # (PeerIndex.holder_candidates); every candidate only when a stand-in could win.
+            # The cost policy without the charge, when no candidate needs believing otherwise
+            # and no pull reads the list: the list as rows, of which the policy builds only
+            # the candidates it reads (``CostPolicy.choose_rows``, the same decision).
+            policy = self.policy
+            rows = (
+                type(policy) is CostPolicy and not policy.extra_work_weight
+                and not self._pull_allowed and not self.reputation.demoted()
+            )
             pruned = index.holder_candidates(
                 chain, own_speed=self._speed, plain_loads=self._plain_loads,
-                rtt_version=rtt_version, **options,  # type: ignore[arg-type]
+                rtt_version=rtt_version, rows=rows, **options,  # type: ignore[arg-type]
             )
-            candidates = self._believed(pruned.candidates, now)
-            decision = among_holders(request, candidates, self.rng, pruned.stand_ins)
+            if pruned.rows is not None and pruned.plain:
+                decision = policy.choose_rows(  # type: ignore[attr-defined]
+                    request, pruned.rows, self.rng, pruned.stand_ins
+                )
+            else:
+                candidates = self._believed(pruned.listed(), now)
+                decision = among_holders(request, candidates, self.rng, pruned.stand_ins)
             if decision is None:
                 candidates = self._believed(pruned.every(), now)
                 decision = self.policy.choose(request, candidates, self.rng)

@@ -130,6 +130,7 @@ from peerinfer.core.routing.candidates import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
+    Row,
     describe_peer,
     make_candidate,
 )
@@ -204,6 +205,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "Row",
     "MAX_SCAFFOLD_HINTS",
     "SCAFFOLD_HINT_LIFETIME_S",
     "ScaffoldHashPolicy",

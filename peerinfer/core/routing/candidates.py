@@ -35,6 +35,11 @@ class Candidate:
     inflight: int = 0
 
 
+#: A candidate as ``make_candidate``'s arguments: (peer, is_local, matched_tokens, load, rtt_s,
+#: digest_age_s, inflight); a policy that reads few of a route's candidates builds only those
+#: (``CostPolicy.choose_rows``).
+Row = tuple[PeerId, bool, int, Load, float, float, int]
+
 _new_candidate = Candidate.__new__
 _set_peer, _set_is_local, _set_matched, _set_load, _set_rtt, _set_age, _set_inflight = (
     Candidate.__dict__[name].__set__

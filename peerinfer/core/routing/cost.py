@@ -15,13 +15,16 @@ from peerinfer.core.routing.candidates import (
     Candidate,
     RouteDecision,
     RouteRequest,
+    Row,
     _age_text,
     _load_ratio,
     _load_text,
     _local_index,
     _who,
+    make_candidate,
 )
 from peerinfer.errors import ConfigError
+from peerinfer.types import PeerId
 
 #: The most distinct peer speeds a ``cost`` policy keeps a cost model for (then it starts over).
 _PEER_COSTS_MAX = 256
@@ -229,6 +232,104 @@ class CostPolicy:
                 return None  # a remote wins, and left-out peers may tie with it
         return self._choose(request, candidates, rng, local_i, ttfts, memo, charges, True)
 
+    def choose_rows(
+        self,
+        request: RouteRequest,
+        rows: Sequence[Row],
+        rng: random.Random,
+        stand_ins: Container[int],
+    ) -> RouteDecision | None:
+        """``choose_among_holders`` over the candidates given as ``rows`` (``make_candidate``'s
+        arguments, the local one first: ``PeerIndex.holder_candidates(rows=True)``), without
+        the extra-work charge: the same decision, field for field, ``ranked`` and the reason
+        included. Only the candidates the decision reads are built (the local one, the
+        target, the best remote, ties): a route's list holds ~17 candidates at 64 nodes and
+        reads two or three of them."""
+        assert not self.extra_work_weight, "choose_rows: the charge needs every candidate"
+        memo: _Memo = {}
+        ttfts = self._row_ttfts(request, rows, memo)
+        # (``choose_among_holders``' scan, read off the stable order ``_choose`` needs anyway:
+        # the best remote is the first non-local one in it, the lowest position among equals)
+        order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+        first = order[0]
+        best_remote = first if first else (order[1] if len(order) > 1 else -1)
+        if best_remote >= 0:
+            best = ttfts[best_remote]
+            floor = math.inf  # the best stand-in's estimate
+            for i in stand_ins:  # type: ignore[attr-defined]  # (a set of positions)
+                t = ttfts[i]
+                if t < floor:
+                    floor = t
+            if best >= floor:
+                local_ttft = ttfts[0]
+                if local_ttft - best > max(self.min_gain_s, self.min_gain_fraction * local_ttft):
+                    return None  # a remote wins, and left-out peers may tie with it
+        return self._choose(
+            request, _RowCandidates(rows), rng, 0, ttfts, memo, None, True,
+            [row[0] for row in rows], order,
+        )
+
+    def _row_ttfts(self, request: RouteRequest, rows: Sequence[Row], memo: _Memo) -> list[float]:
+        """``_ttfts`` of the candidates ``rows`` stand for, the same arithmetic read off the
+        tuples (tests/core/test_route_among_holders.py holds the two to the same floats)."""
+        prompt = request.prompt_tokens
+        costs = self.costs
+        cold = costs.prefill_s(prompt, 0)
+        saving = costs.prefill_s_per_token - costs.cached_s_per_token
+        cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
+        saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
+        chunk = costs.prefill_chunk_tokens
+        cold_chunks = costs.prefill_chunks(prompt)
+        step = costs.decode_step_s
+        service = self._service
+        backlog = self._backlog
+        decay = self._decay
+        exp = math.exp
+        service_one = service(request, 1, memo)
+        own_speed = self._speed
+        ttfts: list[float] = []
+        append = ttfts.append
+        for row in rows:
+            _, is_local, matched, load, rtt, age, inflight = row
+            speed = load.speed
+            if speed and speed != own_speed:
+                append(self._estimate(make_candidate(*row), request, memo)[0])
+                continue
+            slots = load.slots
+            n = load.queued + load.running
+            if inflight > n:
+                n = inflight
+            m = matched if matched < prompt else prompt
+            if is_local:
+                p = 1.0
+                rtt = 0.0
+            else:
+                if m == 0 and (n == 0 or slots <= 1):
+                    append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
+                    continue
+                p = 1.0 if not age > 0.0 else exp(-age * decay)
+            if n == 0 or slots <= 1:
+                wait = (n - 0.5) * service_one if n >= 1 else 0.0
+                prefill = cold - p * m * saving
+            else:
+                if n >= slots:
+                    wait = (n - slots + 0.5) * service(request, slots, memo) / slots
+                    decoders = slots - 1
+                else:
+                    wait = 0.0
+                    decoders = n
+                wait += backlog(request, decoders, memo)
+                hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
+                prefill = (
+                    cold_busy
+                    - p * m * saving_busy
+                    + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
+                )
+            if load.disk:
+                prefill += p * m * load.disk_s_per_token
+            append(rtt + wait + prefill)
+        return ttfts
+
     def _charges(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
         """Each candidate's extra-work charge, in order: ``w * E(c) * n(c) / s(c)``.
 
@@ -345,43 +446,65 @@ class CostPolicy:
         memo: _Memo,
         charges: list[float] | None = None,
         charged: bool = False,
+        peers: Sequence[PeerId] | None = None,
+        order: list[int] | None = None,
     ) -> RouteDecision:
         """The choice by ``ttfts``; with ``charges`` (the extra-work charge), by ``ttfts`` plus
-        the charges (already added when ``charged``): the scores."""
+        the charges (already added when ``charged``): the scores. ``peers``: the candidates'
+        peers, in order, when ``candidates`` builds each one asked for (``_RowCandidates``);
+        ``order``: the positions sorted by the scores, stably, if the caller has it."""
         prompt = request.prompt_tokens
         if charges is not None and not charged:
             ttfts = [t + c for t, c in zip(ttfts, charges, strict=True)]
+            order = None
         # Stable: equal estimates keep the caller's order in the failover list.
-        order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+        if order is None:
+            order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
         local_ttft = ttfts[local_i]
-        best_remote = next((i for i in order if i != local_i), None)
+        first = order[0]
+        best_remote: int | None = (
+            first if first != local_i else (order[1] if len(order) > 1 else None)
+        )
         margin = max(self.min_gain_s, self.min_gain_fraction * local_ttft)
         target_i = local_i
         if best_remote is not None and local_ttft - ttfts[best_remote] > margin:
             best_ttft = ttfts[best_remote]
-            tied = [i for i in order if ttfts[i] == best_ttft and i != local_i]
+            # The equals of the best are next to it in the order (but for the local one).
+            tied = []
+            for i in order:
+                if i != local_i:
+                    if ttfts[i] != best_ttft:
+                        break
+                    tied.append(i)
             if len(tied) > 1:
                 lightest = min(_load_ratio(candidates[i]) for i in tied)
                 tied = [i for i in tied if _load_ratio(candidates[i]) == lightest]
             target_i = tied[rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
             best_remote = target_i
-        estimates = {
-            i: self._estimate(candidates[i], request, memo)
-            for i in {local_i, target_i, best_remote}
-            if i is not None
-        }
-        max_outstanding = None
+        local = candidates[local_i]
+        target = candidates[target_i]
         if target_i != local_i:
-            runner_up = min(ttfts[i] for i in range(len(ttfts)) if i != target_i)
-            max_outstanding = self._outstanding_within(
-                runner_up, candidates[target_i], request, memo,
+            # (the best remote is the target) The runner-up is the best of the others, read
+            # off the order; the local figure the reason gives is its match (``_estimate``'s
+            # cached tokens at confidence 1).
+            ttft, cached, wait = self._estimate(target, request, memo)
+            runner_up = ttfts[first] if first != target_i else ttfts[order[1]]
+            max_outstanding: int | None = self._outstanding_within(
+                runner_up, target, request, memo,
                 0.0 if charges is None else charges[target_i],
             )
-        local = candidates[local_i]
-        local_cached = estimates[local_i][1]
-        target = candidates[target_i]
-        ttft, cached, wait = estimates[target_i]
-        ranked = (target.peer, *(candidates[i].peer for i in order if i != target_i))
+            local_matched = local.matched_tokens
+            local_cached = 1.0 * (local_matched if local_matched < prompt else prompt)
+        else:
+            ttft, cached, wait = self._estimate(local, request, memo)
+            local_cached = cached
+            max_outstanding = None
+        if peers is None:
+            ranked = (target.peer, *(candidates[i].peer for i in order if i != target_i))
+        elif first == target_i:
+            ranked = tuple(map(peers.__getitem__, order))
+        else:
+            ranked = (target.peer, *(peers[i] for i in order if i != target_i))
         # With the charge, ``local_ttft`` and the remotes' figures are scores; say so.
         charge_text = ""
         if charges is not None:
@@ -397,10 +520,10 @@ class CostPolicy:
                 )
             else:
                 r = candidates[best_remote]
-                r_ttft = estimates[best_remote][0]
+                r_ttft = self._estimate(r, request, memo)[0]
                 reason = (
                     f"cost: local est. TTFT {local_ttft:.3f} s ({local_cached:.0f}/{prompt} "
-                    f"tokens cached, queue {estimates[local_i][2]:.3f} s); best remote "
+                    f"tokens cached, queue {wait:.3f} s); best remote "
                     f"{_who(r)} {r_ttft:.3f} s does not beat it by the "
                     f"{margin:.3f} s margin{charge_text}"
                 )
@@ -463,3 +586,22 @@ class CostPolicy:
             if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
                 return k
         return 0
+
+
+class _RowCandidates(Sequence[Candidate]):
+    """The candidates ``rows`` stand for, each built when first asked for (``choose_rows``)."""
+
+    __slots__ = ("_rows", "_made")
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self._rows = rows
+        self._made: dict[int, Candidate] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> Candidate:  # type: ignore[override]
+        c = self._made.get(i)
+        if c is None:
+            c = self._made[i] = make_candidate(*self._rows[i])
+        return c
