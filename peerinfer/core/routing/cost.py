@@ -269,13 +269,24 @@ class CostPolicy:
             [row[0] for row in rows], order,
         )
 
-    def _row_ttfts(self, request: RouteRequest, rows: Sequence[Row], memo: _Memo) -> list[float]:
-        """``_ttfts`` of the candidates ``rows`` stand for, the same arithmetic read off the
-        tuples (tests/core/test_route_among_holders.py holds the two to the same floats)."""
+    def _row_ttfts(
+        self,
+        request: RouteRequest,
+        rows: Sequence[Row],
+        memo: _Memo,
+        candidates: Sequence[Candidate] | None = None,
+    ) -> list[float]:
+        """The estimated TTFT of each candidate ``rows`` stand for (``make_candidate``'s
+        arguments), in order: ``_estimate``'s arithmetic, inlined (this runs once per peer per
+        request). A node with nothing running or with one slot takes the first branch: no
+        batch, the single-slot estimate. ``candidates``: the same, built, for a peer of another
+        speed (``_estimate`` takes a candidate). tests/core/test_route_among_holders.py holds
+        the result to ``_estimate``'s floats."""
         prompt = request.prompt_tokens
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
         saving = costs.prefill_s_per_token - costs.cached_s_per_token
+        # While others decode: the busy prefill rate, and one decode step per prompt chunk.
         cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
         saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
         chunk = costs.prefill_chunk_tokens
@@ -293,7 +304,9 @@ class CostPolicy:
             _, is_local, matched, load, rtt, age, inflight = row
             speed = load.speed
             if speed and speed != own_speed:
-                append(self._estimate(make_candidate(*row), request, memo)[0])
+                # Another machine's speed: the reference form, with its cost model.
+                c = make_candidate(*row) if candidates is None else candidates[len(ttfts)]
+                append(self._estimate(c, request, memo)[0])
                 continue
             slots = load.slots
             n = load.queued + load.running
@@ -305,6 +318,7 @@ class CostPolicy:
                 rtt = 0.0
             else:
                 if m == 0 and (n == 0 or slots <= 1):
+                    # Nothing matched, no batch: the confidence multiplies 0 (most peers).
                     append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
                     continue
                 p = 1.0 if not age > 0.0 else exp(-age * decay)
@@ -325,7 +339,7 @@ class CostPolicy:
                     - p * m * saving_busy
                     + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
                 )
-            if load.disk:
+            if load.disk:  # a hit partly on disk loads those blocks first (Load.disk)
                 prefill += p * m * load.disk_s_per_token
             append(rtt + wait + prefill)
         return ttfts
@@ -369,72 +383,14 @@ class CostPolicy:
     def _ttfts(
         self, request: RouteRequest, candidates: Sequence[Candidate], memo: _Memo
     ) -> list[float]:
-        """Every candidate's estimated TTFT, in order (``_estimate``'s arithmetic, inlined)."""
-        prompt = request.prompt_tokens
-        costs = self.costs
-        cold = costs.prefill_s(prompt, 0)
-        saving = costs.prefill_s_per_token - costs.cached_s_per_token
-        # While others decode: the busy prefill rate, and one decode step per prompt chunk.
-        cold_busy = costs.prefill_s(prompt, 0, 1) - costs.prefill_chunks(prompt) * costs.decode_step_s(1)
-        saving_busy = costs.prefill_busy_rate - costs.cached_s_per_token
-        chunk = costs.prefill_chunk_tokens
-        cold_chunks = costs.prefill_chunks(prompt)
-        step = costs.decode_step_s
-        service = self._service
-        backlog = self._backlog
-        decay = self._decay
-        exp = math.exp
-        # The hot loop: the same arithmetic as ``_estimate``, inlined (this runs once per peer
-        # per request). A node with nothing running or with one slot takes the first branch:
-        # no batch, the single-slot estimate.
-        service_one = service(request, 1, memo)
-        own_speed = self._speed
-        ttfts: list[float] = []
-        append = ttfts.append
-        for c in candidates:
-            load = c.load
-            speed = load.speed
-            if speed and speed != own_speed:
-                # Another machine's speed: the reference form, with its cost model.
-                append(self._estimate(c, request, memo)[0])
-                continue
-            slots = load.slots
-            n = load.queued + load.running
-            if c.inflight > n:
-                n = c.inflight
-            m = c.matched_tokens if c.matched_tokens < prompt else prompt
-            if c.is_local:
-                p = 1.0
-                rtt = 0.0
-            else:
-                rtt = c.rtt_s
-                if m == 0 and (n == 0 or slots <= 1):
-                    # Nothing matched, no batch: the confidence multiplies 0 (most peers).
-                    append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
-                    continue
-                age = c.digest_age_s
-                p = 1.0 if not age > 0.0 else exp(-age * decay)
-            if n == 0 or slots <= 1:
-                wait = (n - 0.5) * service_one if n >= 1 else 0.0
-                prefill = cold - p * m * saving
-            else:
-                if n >= slots:
-                    wait = (n - slots + 0.5) * service(request, slots, memo) / slots
-                    decoders = slots - 1
-                else:
-                    wait = 0.0
-                    decoders = n
-                wait += backlog(request, decoders, memo)
-                hit_chunks = (prompt - m + chunk - 1) // chunk if m < prompt else 1
-                prefill = (
-                    cold_busy
-                    - p * m * saving_busy
-                    + step(decoders) * (p * hit_chunks + (1.0 - p) * cold_chunks)
-                )
-            if load.disk:  # a hit partly on disk loads those blocks first (Load.disk)
-                prefill += p * m * load.disk_s_per_token
-            append(rtt + wait + prefill)
-        return ttfts
+        """Every candidate's estimated TTFT, in order: ``_row_ttfts`` over their figures (one
+        arithmetic for both forms; a candidate of another speed goes to ``_estimate`` as it
+        is)."""
+        rows = [
+            (c.peer, c.is_local, c.matched_tokens, c.load, c.rtt_s, c.digest_age_s, c.inflight)
+            for c in candidates
+        ]
+        return self._row_ttfts(request, rows, memo, candidates)
 
     def _choose(
         self,
