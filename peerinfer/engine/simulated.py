@@ -410,7 +410,14 @@ class SimulatedEngine(Engine):
                 # from the disk tier first, and what they add to the match is read from disk.
                 in_memory = cache.match(head, touch=False).tokens
                 self._load_from_disk(cache, head)
-            cached = cache.match(head).tokens
+            seq = prompt + tuple(completion[:-1])
+            # One walk for the match and the insert. A swarm's engines share the cores'
+            # hasher, which has this prompt's chain already (the core hashed the same tuple
+            # when it took the request in): the cached blocks are then found by hash.
+            chain = cache.hasher.prompt_chain(prompt) if memo is not None else ()
+            cached = cache.match_insert(
+                seq, len(head), self.kv_bytes_per_token * cache.block_size, chain
+            )
             if disk is not None and cached > in_memory:
                 rate = (
                     disk.read_bytes_per_s
@@ -419,8 +426,6 @@ class SimulatedEngine(Engine):
                 )
                 disk_tokens = cached - in_memory
                 disk_s = disk_tokens * self.kv_bytes_per_token / rate
-            seq = prompt + tuple(completion[:-1])
-            cache.insert(seq, nbytes=self.kv_bytes_per_token * cache.block_size)
         changes = self.take_cache_changes()
         return Plan(
             prompt_tokens=len(prompt),
