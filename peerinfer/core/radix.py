@@ -59,7 +59,7 @@ import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import index
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import ConfigError
@@ -421,14 +421,13 @@ class RadixCache:
         n_full = len(tokens) // bs
         by_hash = self._by_hash
         root = self._root
-        path: list[RadixNode]
+        path: list[RadixNode] = []
         if chain:
             chain = chain[:n_full]
-            path = list(map(by_hash.get, chain))  # type: ignore[arg-type]  # (None: not cached)
-            if None in path:
-                del path[path.index(None) :]
-        else:
-            path = []
+            found = list(map(by_hash.get, chain))  # (None: not cached)
+            if None in found:
+                del found[found.index(None) :]
+            path = cast("list[RadixNode]", found)
         node = path[-1] if path else root
         # The rest of the cached prefix, by the tokens (past the chain, or without one).
         k = len(path)
