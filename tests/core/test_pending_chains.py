@@ -15,7 +15,7 @@ from collections import Counter
 from peerinfer.core.costmodel import DEFAULT_COSTS
 from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import SamplingParams
-from peerinfer.core.node import ClientRequest, NodeConfig
+from peerinfer.core.node import ClientRequest, Effect, NodeConfig
 from peerinfer.core.node.requests import LOCAL_PHASES, Requests, _common_prefix
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.types import BlockHash, PeerId, RequestId
@@ -72,18 +72,18 @@ def test_local_match_blocks_counts_what_the_pending_blocks_and_the_digest_hold()
                 ev = ClientRequest(rid, tokens, PARAMS, True, PeerId(f"P{rng.randrange(3)}"), None)
                 if requests.refusal(ev) is not None:
                     continue
-                req = requests.hold(ev, HASHER.prompt_chain(tokens))
-                effects: list[object] = []
-                if requests.admit(req, None, effects):  # type: ignore[arg-type]
-                    requests.start_queued(effects)  # type: ignore[arg-type]
+                new = requests.hold(ev, HASHER.prompt_chain(tokens))
+                effects: list[Effect] = []
+                if requests.admit(new, None, effects):
+                    requests.start_queued(effects)
                     held.append(rid)
             elif op < 0.55 and held:
                 rid = rng.choice(held)
-                req = requests.get(rid)
+                running = requests.get(rid)
                 effects = []
-                if req is not None and req.phase.value == "running":
-                    requests.local_finished(rid, 1, effects)  # type: ignore[arg-type]
-                    requests.start_queued(effects)  # type: ignore[arg-type]
+                if running is not None and running.phase.value == "running":
+                    requests.local_finished(rid, 1, effects)
+                    requests.start_queued(effects)
                     held.remove(rid)
             elif op < 0.75:
                 chain = HASHER.prompt_chain(prompt_of(rng, bases))
@@ -91,16 +91,15 @@ def test_local_match_blocks_counts_what_the_pending_blocks_and_the_digest_hold()
                     if rng.random() < 0.8:
                         digest.add(h)
             else:
-                h = rng.choice(list(digest)) if len(digest) else None
-                if h is not None:
-                    digest.discard(h)
+                if len(digest):
+                    digest.discard(rng.choice(list(digest)))
             for _ in range(3):
                 tokens = prompt_of(rng, bases)
                 pick = rng.random()
                 if held and pick < 0.3:  # the very chain object of a pending request
-                    req = requests.get(rng.choice(held))
-                    if req is not None:
-                        tokens = req.tokens
+                    picked = requests.get(rng.choice(held))
+                    if picked is not None:
+                        tokens = picked.tokens
                 chain = HASHER.prompt_chain(tokens)
                 want, pending = reference(requests, held, chain, digest)
                 assert requests.local_match_blocks(chain, digest) == want
