@@ -56,10 +56,11 @@ after the tree is consistent again; they must not raise and must not call back i
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import index
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.errors import ConfigError
@@ -406,7 +407,7 @@ class RadixCache:
         evictions and callbacks as the two calls, from one walk instead of two (``head`` must
         not exceed ``len(tokens)``). ``chain``, the chain hashes of leading full blocks of
         ``tokens`` when the caller has them (``PrefixHasher.prompt_chain``), finds the cached
-        blocks they name by hash, counted in C, and names the new ones without hashing them;
+        blocks they name by hash, by halving, and names the new ones without hashing them;
         the blocks after it are walked by their tokens. A hash names its whole prefix (64
         bits: a collision, which this never checks for, is as unlikely as anywhere else in
         the protocol), so only a caller whose chain is the cache hasher's should pass one.
@@ -421,41 +422,44 @@ class RadixCache:
         n_full = len(tokens) // bs
         by_hash = self._by_hash
         root = self._root
-        path: list[RadixNode] = []
+        node = root
+        k = 0  # the leading blocks cached
         if chain:
             chain = chain[:n_full]
-            found = list(map(by_hash.get, chain))  # (None: not cached)
-            if None in found:
-                del found[found.index(None) :]
-            path = cast("list[RadixNode]", found)
-        node = path[-1] if path else root
-        # The rest of the cached prefix, by the tokens (past the chain, or without one).
-        k = len(path)
+            # The tree is prefix-closed, so the chain's cached blocks are a prefix of it: the
+            # first one not cached is found by halving, and its parent ends the path.
+            k = bisect_left(range(len(chain)), True, key=lambda i: chain[i] not in by_hash)
+            if k:
+                node = by_hash[chain[k - 1]]
         if k == len(chain):
+            # The rest of the cached prefix, by the tokens (past the chain, or without one).
             children = node.children
             for key in zip(*[iter(tokens[k * bs : n_full * bs])] * bs, strict=False):
                 child = children.get(key)
                 if child is None:
                     break
-                path.append(child)
+                k += 1
                 node = child
                 children = child.children
         # The match: a query of the leading blocks of ``tokens[:head]``.
-        matched = min(len(path), head // bs)
+        matched = min(k, head // bs)
         self._queries += 1
         self._query_tokens += head
         if matched:
             self._hit_queries += 1
             self._hit_tokens += matched * bs
-        # The insert: every node of the path stamped, then the blocks not cached.
+        # The insert: every node of the path stamped (the bottom's ancestors), then the
+        # blocks not cached.
         self._tick = tick = self._tick + 2
-        root.last_access = tick
-        for n in path:
+        n = node
+        while n is not root:
             n.last_access = tick
+            n = n.parent  # type: ignore[assignment]  # (only the root's is None)
+        root.last_access = tick
         block_hash = self.hasher.block_hash
         n_chain = len(chain)
         try:
-            for i in range(len(path), n_full):
+            for i in range(k, n_full):
                 block = tokens[i * bs : (i + 1) * bs]
                 h = chain[i] if i < n_chain else block_hash(node.hash, block)  # (bad ids: ValueError)
                 key = tuple(map(index, block))
