@@ -403,11 +403,11 @@ class SimulatedEngine(Engine):
         cached = in_memory = disk_tokens = 0
         disk_s = 0.0
         if cache is not None:
-            head = prompt[: len(prompt) - 1]
             disk = self._disk
             if disk is not None:
                 # As a real engine's job: the blocks continuing the cached prefix come back
                 # from the disk tier first, and what they add to the match is read from disk.
+                head = prompt[: len(prompt) - 1]
                 in_memory = cache.match(head, touch=False).tokens
                 self._load_from_disk(cache, head)
             seq = prompt + tuple(completion[:-1])
@@ -415,8 +415,8 @@ class SimulatedEngine(Engine):
             # hasher, which has this prompt's chain already (the core hashed the same tuple
             # when it took the request in): the cached blocks are then found by hash.
             chain = cache.hasher.prompt_chain(prompt) if memo is not None else ()
-            cached = cache.match_insert(
-                seq, len(head), self.kv_bytes_per_token * cache.block_size, chain
+            cached = cache.match_insert(  # (the match is of the prompt but its last token)
+                seq, max(0, len(prompt) - 1), self.kv_bytes_per_token * cache.block_size, chain
             )
             if disk is not None and cached > in_memory:
                 rate = (
