@@ -123,3 +123,67 @@ def test_common_prefix_is_the_first_place_two_chains_differ() -> None:
                 break
             want += 1
         assert _common_prefix(a, b) == want == _common_prefix(b, a)
+
+
+def test_the_timers_read_the_forwarded_requests_in_the_order_they_were_held() -> None:
+    """``deadlines`` and ``expired_forwards`` read the FORWARDED requests kept aside; they must
+    give what reading every held request gives, in the same order, through forwards,
+    failovers (which keep a request's place), first tokens, ends and fallbacks to the local
+    engine."""
+    from peerinfer.core.node.requests import Phase
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        cfg = NodeConfig(peer_id=PeerId("A"), policy="local", costs=DEFAULT_COSTS.with_slots(2))
+        requests = Requests(cfg, PeerId("A"), now=0.0)
+        forwards = 0
+        for step in range(400):
+            now = step * 0.1
+            requests.clock = now
+            held = requests.held()
+            op = rng.random()
+            effects: list[Effect] = []
+            if op < 0.35 or not held:
+                rid = RequestId(f"r{seed}-{step}")
+                ev = ClientRequest(rid, (1, 2, 3, 4, 5), PARAMS)
+                if requests.refusal(ev) is not None:
+                    continue
+                req = requests.hold(ev, HASHER.prompt_chain(ev.tokens))
+                if rng.random() < 0.75:
+                    peer = PeerId(f"P{rng.randrange(3)}")
+                    req.tried.append(peer)
+                    requests.stats["forwarded"] += 1  # (as the node counts its forwards)
+                    requests.transition(req, Phase.FORWARDED, target=peer,
+                                        deadline=now + rng.uniform(0.0, 3.0))
+                    forwards += 1
+                elif requests.admit(req, None, effects):
+                    requests.start_queued(effects)
+            else:
+                req = rng.choice(held)
+                pick = rng.random()
+                if (req.phase is Phase.FORWARDED and pick < 0.3
+                        and len(req.tried) < cfg.max_forward_attempts):  # a failover
+                    peer = PeerId(f"P{rng.randrange(3)}")
+                    req.tried.append(peer)
+                    requests.stats["forwarded"] += 1  # (as the node counts its forwards)
+                    requests.transition(req, Phase.FORWARDED, target=peer,
+                                        deadline=now + rng.uniform(0.0, 3.0))
+                elif req.phase is Phase.FORWARDED and pick < 0.55:
+                    requests.transition(req, Phase.RELAYING)
+                elif req.phase is Phase.FORWARDED and pick < 0.7:
+                    requests.transition(req, Phase.QUEUED)
+                    requests.start_queued(effects)
+                elif req.phase in (Phase.FORWARDED, Phase.RELAYING):
+                    requests.end(req, effects)
+                elif req.phase is Phase.RUNNING:
+                    requests.local_finished(req.request_id, 1, effects)
+                    requests.start_queued(effects)
+            every = requests.held()
+            assert requests.deadlines() == [r.deadline for r in every if r.deadline is not None]
+            for when in (now, now + 1.0, now + 5.0):
+                want = [r for r in every if r.phase is Phase.FORWARDED and r.deadline is not None
+                        and r.deadline <= when]
+                got = requests.expired_forwards(when)
+                assert [r.request_id for r in got] == [r.request_id for r in want]
+            requests.check_invariants()
+        assert forwards > 50

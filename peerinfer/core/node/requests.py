@@ -190,6 +190,10 @@ class Requests:
         self._pending_chains: dict[int, list[Any]] = {}
         #: requests forwarded and not finished, per peer
         self.inflight: dict[PeerId, int] = {}
+        #: the FORWARDED requests (those with a first-token deadline) in the order they were
+        #: held: a request enters FORWARDED right after it is held, or stays in it (a
+        #: failover), so this is ``_requests``' order (the timers read it, not every request)
+        self._forwarded: dict[RequestId, HeldRequest] = {}
         self.stats = dict.fromkeys(
             (
                 "requests",
@@ -235,14 +239,12 @@ class Requests:
 
     def deadlines(self) -> list[float]:
         """The first-token deadlines of the forwarded requests."""
-        return [r.deadline for r in self._requests.values() if r.deadline is not None]
+        return [r.deadline for r in self._forwarded.values() if r.deadline is not None]
 
     def expired_forwards(self, now: float) -> list[HeldRequest]:
         """The requests forwarded whose first token did not come by ``now``."""
         return [
-            r
-            for r in self._requests.values()
-            if r.phase is Phase.FORWARDED and r.deadline is not None and r.deadline <= now
+            r for r in self._forwarded.values() if r.deadline is not None and r.deadline <= now
         ]
 
     @property
@@ -447,6 +449,9 @@ class Requests:
                     check(req.phase is not Phase.PREEMPTED or rid in share.paused,
                           f"{rid!r} is paused in another requester's share")
         check(dict(inflight) == self.inflight, f"in-flight per peer {self.inflight} != {dict(inflight)}")
+        check(list(self._forwarded) == [rid for rid, r in self._requests.items()
+                                        if r.phase is Phase.FORWARDED],
+              "the forwarded requests kept for the timers are not the FORWARDED ones in order")
         check(dict(pending) == self.pending_local, "blocks pending locally != the local chains")
         check({k: s.outstanding for k, s in self._shares.items()} == dict(outstanding),
               "a share does not count its requests (or an empty share is kept)")
@@ -614,6 +619,8 @@ class Requests:
             self._forward_done(req.target)
             req.target = None
         req.deadline = None
+        if old is Phase.FORWARDED and new is not Phase.FORWARDED:
+            del self._forwarded[rid]
         was_local, is_local = old in LOCAL_PHASES, new in LOCAL_PHASES
         if was_local and not is_local:
             self._release_pending(req)
@@ -653,6 +660,7 @@ class Requests:
             req.target = target
             req.deadline = deadline
             self.inflight[target] = self.inflight.get(target, 0) + 1
+            self._forwarded[rid] = req  # (a failover keeps its place)
         elif new is Phase.DONE:
             del self._requests[rid]
 
