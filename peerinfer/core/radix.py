@@ -56,6 +56,7 @@ after the tree is consistent again; they must not raise and must not call back i
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import index
@@ -396,6 +397,86 @@ class RadixCache:
         if payloads is not None and len(payloads) > n_full:
             unused.append(payloads[n_full])
         return InsertResult(inserted, len(path) * bs, tuple(path), tuple(unused))
+
+    def match_insert(
+        self, tokens: Sequence[int], head: int, nbytes: int = 0, chain: Sequence[BlockHash] = ()
+    ) -> int:
+        """``match(tokens[:head]).tokens``, then ``insert(tokens, nbytes=nbytes)``, in one walk.
+
+        A request served whole (the simulated engine's plan): the same tree, ticks, statistics,
+        evictions and callbacks as the two calls, from one walk instead of two (``head`` must
+        not exceed ``len(tokens)``). ``chain``, the chain hashes of leading full blocks of
+        ``tokens`` when the caller has them (``PrefixHasher.prompt_chain``), finds the cached
+        blocks they name by hash, by halving, and names the new ones without hashing them;
+        the blocks after it are walked by their tokens. A hash names its whole prefix (64
+        bits: a collision, which this never checks for, is as unlikely as anywhere else in
+        the protocol), so only a caller whose chain is the cache hasher's should pass one.
+        Returns the matched tokens. The match's own pushes are left out: every node it would
+        stamp, the insert stamps again, so an entry it pushed would be stale (the LRU order
+        of the evictable leaves is their ticks')."""
+        bs = self.block_size
+        if not 0 <= head <= len(tokens):
+            raise ValueError(f"head {head} outside the {len(tokens)} tokens")
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        n_full = len(tokens) // bs
+        by_hash = self._by_hash
+        root = self._root
+        node = root
+        k = 0  # the leading blocks cached
+        if chain:
+            chain = chain[:n_full]
+            # The tree is prefix-closed, so the chain's cached blocks are a prefix of it: the
+            # first one not cached is found by halving, and its parent ends the path.
+            k = bisect_left(range(len(chain)), True, key=lambda i: chain[i] not in by_hash)
+            if k:
+                node = by_hash[chain[k - 1]]
+        if k == len(chain):
+            # The rest of the cached prefix, by the tokens (past the chain, or without one).
+            children = node.children
+            for key in zip(*[iter(tokens[k * bs : n_full * bs])] * bs, strict=False):
+                child = children.get(key)
+                if child is None:
+                    break
+                k += 1
+                node = child
+                children = child.children
+        # The match: a query of the leading blocks of ``tokens[:head]``.
+        matched = min(k, head // bs)
+        self._queries += 1
+        self._query_tokens += head
+        if matched:
+            self._hit_queries += 1
+            self._hit_tokens += matched * bs
+        # The insert: every node of the path stamped (the bottom's ancestors), then the
+        # blocks not cached.
+        self._tick = tick = self._tick + 2
+        n = node
+        while n is not root:
+            n.last_access = tick
+            n = n.parent  # type: ignore[assignment]  # (only the root's is None)
+        root.last_access = tick
+        block_hash = self.hasher.block_hash
+        n_chain = len(chain)
+        try:
+            for i in range(k, n_full):
+                block = tokens[i * bs : (i + 1) * bs]
+                h = chain[i] if i < n_chain else block_hash(node.hash, block)  # (bad ids: ValueError)
+                key = tuple(map(index, block))
+                if not self._make_room(bs, nbytes, node):
+                    break
+                child = RadixNode(node, key, h, None, nbytes, tick)
+                node.children[key] = child
+                by_hash[h] = child
+                self._bytes += nbytes
+                self._inserted += 1
+                node = child
+                for observer in self._observers:
+                    observer.block_added(h)
+        finally:
+            if node is not root and not node.children and not node.lock_ref:
+                self._push(node)
+        return matched * bs
 
     # ---------------------------------------------------------------- pins
 

@@ -403,14 +403,21 @@ class SimulatedEngine(Engine):
         cached = in_memory = disk_tokens = 0
         disk_s = 0.0
         if cache is not None:
-            head = prompt[: len(prompt) - 1]
             disk = self._disk
             if disk is not None:
                 # As a real engine's job: the blocks continuing the cached prefix come back
                 # from the disk tier first, and what they add to the match is read from disk.
+                head = prompt[: len(prompt) - 1]
                 in_memory = cache.match(head, touch=False).tokens
                 self._load_from_disk(cache, head)
-            cached = cache.match(head).tokens
+            seq = prompt + tuple(completion[:-1])
+            # One walk for the match and the insert. A swarm's engines share the cores'
+            # hasher, which has this prompt's chain already (the core hashed the same tuple
+            # when it took the request in): the cached blocks are then found by hash.
+            chain = cache.hasher.prompt_chain(prompt) if memo is not None else ()
+            cached = cache.match_insert(  # (the match is of the prompt but its last token)
+                seq, max(0, len(prompt) - 1), self.kv_bytes_per_token * cache.block_size, chain
+            )
             if disk is not None and cached > in_memory:
                 rate = (
                     disk.read_bytes_per_s
@@ -419,8 +426,6 @@ class SimulatedEngine(Engine):
                 )
                 disk_tokens = cached - in_memory
                 disk_s = disk_tokens * self.kv_bytes_per_token / rate
-            seq = prompt + tuple(completion[:-1])
-            cache.insert(seq, nbytes=self.kv_bytes_per_token * cache.block_size)
         changes = self.take_cache_changes()
         return Plan(
             prompt_tokens=len(prompt),

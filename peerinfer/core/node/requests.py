@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from peerinfer.core.fairshare import (
     Share,
@@ -146,6 +147,25 @@ def _after(params: SamplingParams, generated: tuple[int, ...]) -> SamplingParams
                    constraint=constraint)
 
 
+def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """How many leading hashes two chains share. Chains agree at place ``i`` exactly when
+    they agree at every place up to ``i`` (a chain hash names its whole prefix), so this
+    searches the first place where they differ by halving (a few probes, not a walk)."""
+    hi = min(len(a), len(b))
+    if not hi or a[0] != b[0]:
+        return 0
+    if a[hi - 1] == b[hi - 1]:
+        return hi
+    lo = 1  # a[lo - 1] == b[lo - 1] and a[hi - 1] != b[hi - 1]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class Requests:
     """The requests this node holds (by id), its requesters' shares of the engine, and the
     counts that follow from their phases: waiting (``queued``), ``running``, local starts,
@@ -163,10 +183,17 @@ class Requests:
         self.local_starts = 0
         #: the time of the event (or tick) being handled: when a phase change happens
         self.clock = now
-        #: blocks of requests queued or running here: the local engine will hold them soon
-        self.pending_local: dict[BlockHash, int] = {}
+        #: the chains of the requests queued or running here, whose blocks the local engine
+        #: will hold soon: id(chain) -> [chain, requests]. Kept per chain, not per block: a
+        #: request's chain is taken in and let go as one entry, and a block is pending when
+        #: some pending chain has it at its place (``local_match_blocks``)
+        self._pending_chains: dict[int, list[Any]] = {}
         #: requests forwarded and not finished, per peer
         self.inflight: dict[PeerId, int] = {}
+        #: the FORWARDED requests (those with a first-token deadline) in the order they were
+        #: held: a request enters FORWARDED right after it is held, or stays in it (a
+        #: failover), so this is ``_requests``' order (the timers read it, not every request)
+        self._forwarded: dict[RequestId, HeldRequest] = {}
         self.stats = dict.fromkeys(
             (
                 "requests",
@@ -212,23 +239,44 @@ class Requests:
 
     def deadlines(self) -> list[float]:
         """The first-token deadlines of the forwarded requests."""
-        return [r.deadline for r in self._requests.values() if r.deadline is not None]
+        return [r.deadline for r in self._forwarded.values() if r.deadline is not None]
 
     def expired_forwards(self, now: float) -> list[HeldRequest]:
         """The requests forwarded whose first token did not come by ``now``."""
         return [
-            r
-            for r in self._requests.values()
-            if r.phase is Phase.FORWARDED and r.deadline is not None and r.deadline <= now
+            r for r in self._forwarded.values() if r.deadline is not None and r.deadline <= now
         ]
+
+    @property
+    def pending_local(self) -> dict[BlockHash, int]:
+        """The blocks of the requests queued or running here, each with how many of them
+        hold it (made from the pending chains: for checks and tests)."""
+        out: dict[BlockHash, int] = {}
+        for chain, count in self._pending_chains.values():
+            for h in chain:
+                out[h] = out.get(h, 0) + count
+        return out
 
     def local_match_blocks(self, chain: Sequence[BlockHash], digest: MerkleDigest) -> int:
         """The leading blocks of ``chain`` the local engine holds (``digest``) or will soon
-        (requests queued or running here)."""
-        pending = self.pending_local
-        n = 0
-        for h in chain:
-            if h in digest or h in pending:
+        (requests queued or running here).
+
+        Block by block, a block counts when the digest holds it or a pending chain has it.
+        A chain hash names its whole prefix, so a pending chain has block ``i`` exactly where
+        it has block ``i`` at place ``i`` (the chains agree up to there), and that holds for
+        the blocks before ``i`` too: the pending blocks of ``chain`` are its longest common
+        prefix with a pending chain, and only the blocks after it are asked of the digest."""
+        m = 0
+        for other, _ in self._pending_chains.values():
+            if other is chain:
+                m = len(chain)
+                break
+            k = _common_prefix(chain, other)
+            if k > m:
+                m = k
+        n = m
+        for h in chain[m:]:
+            if h in digest:
                 n += 1
             else:
                 break
@@ -401,6 +449,9 @@ class Requests:
                     check(req.phase is not Phase.PREEMPTED or rid in share.paused,
                           f"{rid!r} is paused in another requester's share")
         check(dict(inflight) == self.inflight, f"in-flight per peer {self.inflight} != {dict(inflight)}")
+        check(list(self._forwarded) == [rid for rid, r in self._requests.items()
+                                        if r.phase is Phase.FORWARDED],
+              "the forwarded requests kept for the timers are not the FORWARDED ones in order")
         check(dict(pending) == self.pending_local, "blocks pending locally != the local chains")
         check({k: s.outstanding for k, s in self._shares.items()} == dict(outstanding),
               "a share does not count its requests (or an empty share is kept)")
@@ -568,6 +619,8 @@ class Requests:
             self._forward_done(req.target)
             req.target = None
         req.deadline = None
+        if old is Phase.FORWARDED and new is not Phase.FORWARDED:
+            del self._forwarded[rid]
         was_local, is_local = old in LOCAL_PHASES, new in LOCAL_PHASES
         if was_local and not is_local:
             self._release_pending(req)
@@ -576,9 +629,11 @@ class Requests:
             if share.outstanding == 0:
                 del self._shares[req.share]
         elif is_local and not was_local:
-            pending = self.pending_local
-            for h in req.chain:
-                pending[h] = pending.get(h, 0) + 1
+            entry = self._pending_chains.get(id(req.chain))
+            if entry is None:  # (the entry holds the chain: its id is not reused meanwhile)
+                self._pending_chains[id(req.chain)] = [req.chain, 1]
+            else:
+                entry[1] += 1
             joined = self._shares.get(req.share)
             if joined is None:
                 joined = Share(served=newcomer_service(self._shares.values()))
@@ -605,6 +660,7 @@ class Requests:
             req.target = target
             req.deadline = deadline
             self.inflight[target] = self.inflight.get(target, 0) + 1
+            self._forwarded[rid] = req  # (a failover keeps its place)
         elif new is Phase.DONE:
             del self._requests[rid]
 
@@ -618,13 +674,12 @@ class Requests:
         self.transition(req, Phase.DONE)
 
     def _release_pending(self, req: HeldRequest) -> None:
-        pending = self.pending_local
-        for h in req.chain:
-            c = pending.get(h, 0) - 1
-            if c <= 0:
-                pending.pop(h, None)
-            else:
-                pending[h] = c
+        key = id(req.chain)
+        entry = self._pending_chains[key]
+        if entry[1] == 1:
+            del self._pending_chains[key]
+        else:
+            entry[1] -= 1
 
     def _forward_done(self, peer: PeerId) -> None:
         n = self.inflight.get(peer, 0) - 1
