@@ -791,17 +791,5 @@ def _report(command: str, exc: PeerInferError) -> int:
     return 2 if isinstance(exc, ConfigError) else 1
 
 
-def entry() -> None:
-    """The ``peerinfer`` program: ``main``, then exit with its status. After ``peerinfer sim``
-    the process ends without freeing the simulation's heap object by object
-    (``exit_skipping_teardown``: a minute after a 1,024-node run); tests call ``main``."""
-    status = main()
-    if sys.argv[1:2] == ["sim"]:
-        from peerinfer.sim.cli import exit_skipping_teardown
-
-        exit_skipping_teardown(status)
-    sys.exit(status)
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())
