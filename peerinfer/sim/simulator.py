@@ -144,8 +144,8 @@ class Simulation(SimKernel):
     #: delta (one ``peerinfer.core.digest.DeltaMemo`` per run); False: each applies it itself
     share_deltas = True
     #: index the shared runs' sets by block (``peerinfer.core.announcerun.RunHolders``), so a
-    #: node's route asks the runs holding the prompt's first block instead of every peer;
-    #: False: every peer (the same decisions)
+    #: node's route counts every run's depth along the prompt's chain from their masks
+    #: (``RunHolders.walk``) instead of asking every peer; False: every peer (the same decisions)
     index_runs = True
 
     def __init__(
