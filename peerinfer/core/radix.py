@@ -380,16 +380,11 @@ class RadixCache:
                     if payloads is not None:
                         unused.extend(payloads[i:n_full])
                     break
-                child = RadixNode(node, key, h, None if payloads is None else payloads[i], size, tick)
-                node.children[key] = child
-                self._by_hash[h] = child
-                self._bytes += size
-                self._inserted += 1
+                node = self._attach(
+                    node, key, h, None if payloads is None else payloads[i], size, tick
+                )
                 inserted += 1
-                path.append(child)
-                node = child
-                for observer in self._observers:
-                    observer.block_added(h)
+                path.append(node)
         finally:
             # The bottom of the path is the only node this insert can have made a leaf.
             if node is not root and not node.children and not node.lock_ref:
@@ -465,18 +460,26 @@ class RadixCache:
                 key = tuple(map(index, block))
                 if not self._make_room(bs, nbytes, node):
                     break
-                child = RadixNode(node, key, h, None, nbytes, tick)
-                node.children[key] = child
-                by_hash[h] = child
-                self._bytes += nbytes
-                self._inserted += 1
-                node = child
-                for observer in self._observers:
-                    observer.block_added(h)
+                node = self._attach(node, key, h, None, nbytes, tick)
         finally:
             if node is not root and not node.children and not node.lock_ref:
                 self._push(node)
         return matched * bs
+
+    def _attach(
+        self, parent: RadixNode, key: tuple[int, ...], h: BlockHash, payload: Any, size: int,
+        tick: int,
+    ) -> RadixNode:
+        """A new block under ``parent`` (room made by the caller): indexed, counted, and told
+        to the observers (``insert`` and ``match_insert`` both add blocks this way)."""
+        child = RadixNode(parent, key, h, payload, size, tick)
+        parent.children[key] = child
+        self._by_hash[h] = child
+        self._bytes += size
+        self._inserted += 1
+        for observer in self._observers:
+            observer.block_added(h)
+        return child
 
     # ---------------------------------------------------------------- pins
 
