@@ -187,18 +187,16 @@ class Choice:
             # and no pull reads the list: the list as rows, of which the policy builds only
             # the candidates it reads (``CostPolicy.choose_rows``, the same decision).
             policy = self.policy
-            rows = (
+            by_rows = policy if (
                 type(policy) is CostPolicy and not policy.extra_work_weight
                 and not self._pull_allowed and not self.reputation.demoted()
-            )
+            ) else None
             pruned = index.holder_candidates(
                 chain, own_speed=self._speed, plain_loads=self._plain_loads,
-                rtt_version=rtt_version, rows=rows, **options,  # type: ignore[arg-type]
+                rtt_version=rtt_version, rows=by_rows is not None, **options,  # type: ignore[arg-type]
             )
-            if pruned.rows is not None and pruned.plain:
-                decision = policy.choose_rows(  # type: ignore[attr-defined]
-                    request, pruned.rows, self.rng, pruned.stand_ins
-                )
+            if by_rows is not None and pruned.rows is not None and pruned.plain:
+                decision = by_rows.choose_rows(request, pruned.rows, self.rng, pruned.stand_ins)
             else:
                 candidates = self._believed(pruned.listed(), now)
                 decision = among_holders(request, candidates, self.rng, pruned.stand_ins)
