@@ -378,10 +378,11 @@ class PeerView:
             self._take_changed()
         unapplied = self._unapplied
         if (following or unapplied) and index.speculative_blocks() > 0:
-            # Few peers hold speculative entries (those routed to lately): ask for them.
+            # Few peers hold speculative entries (those routed to lately): of what waits for
+            # them, routing needs only the drops of their entries that taking it in would
+            # confirm (the rest it reads as it reads every peer: ``heard``, ``newer``).
             for peer in index.speculative_peers():
-                if peer in following or peer in unapplied:
-                    self.take(peer)
+                self._confirm_waiting(peer)
         if not (following or unapplied):
             return index, None, None
         newer: Mapping[PeerId, MerkleDigest] | None = None
@@ -403,6 +404,31 @@ class PeerView:
                         if final is not None:
                             newer[p] = final
         return index, _Heard(following, unapplied), newer
+
+    #: tests: ``_confirm_waiting`` takes the peer in instead (the reference it stands for)
+    confirm_by_taking = False
+
+    def _confirm_waiting(self, peer: PeerId) -> None:
+        """Drop ``peer``'s speculative entries that taking in its waiting announcements would
+        confirm (``take``: ``announced(peer, load, at, fresh=True)`` at the newest one's time
+        ``at``, after ``_catch_up``), and take nothing in. Taking in later confirms at that
+        time or a later one: a superset of these drops, each done once (an entry is dropped
+        at most once), so the speculative entries are at every read what taking in now would
+        have left them; the rest of what waits (the set, the load, the freshness) routing
+        reads without taking it in, as for the peers without entries."""
+        if PeerView.confirm_by_taking:
+            if peer in self._following or peer in self._unapplied:
+                self.take(peer)
+            return
+        kept = self._following.get(peer)
+        if kept is not None and kept.run is not None and kept.run.length != kept.cursor:
+            at = kept.run.at  # (what ``_catch_up`` would set ``kept.at`` to)
+        else:
+            kept = self._unapplied.get(peer)
+            if kept is None:
+                return  # nothing waits
+            at = kept.at
+        self._index.confirm(peer, at)
 
     def rebalance(self) -> list[PeerId]:
         """``self.index.rebalance()`` without taking in first what waits (kept announcements,
