@@ -169,6 +169,8 @@ class ReplicaIndex(ReplicaBudget):
         self._next_slot = 0
         self._added_seq = 0
         self._masks: dict[BlockHash, int] = {}
+        #: per hash, the peers with a live speculative entry holding it (only with ``masks``:
+        #: the walk over them reads it; without, each peer's counts are asked alone)
         self._spec_masks: dict[BlockHash, int] = {}
         self._spec_queue: deque[_SpecEntry] = deque()  # every entry, oldest first (some dead)
         self._spec_live = 0
@@ -517,14 +519,21 @@ class ReplicaIndex(ReplicaBudget):
         while self._spec_blocks + len(blocks) > self.max_speculative_blocks:
             self._drop_entry(self._spec_queue.popleft())
         entry = _SpecEntry(state, blocks, time)
-        bit = state.bit
         refs = state.spec_refs
-        spec = self._spec_masks
-        for h in blocks:
-            count = refs.get(h, 0)
-            refs[h] = count + 1
-            if not count:
-                spec[h] = spec.get(h, 0) | bit
+        if self.masks:
+            bit = state.bit
+            spec = self._spec_masks
+            for h in blocks:
+                count = refs.get(h, 0)
+                refs[h] = count + 1
+                if not count:
+                    spec[h] = spec.get(h, 0) | bit
+        else:
+            # Without masks no walk reads a combined speculative mask (each peer with entries
+            # is asked alone, by its counts: ``_walk_sets``), so none is kept.
+            get = refs.get
+            for h in blocks:
+                refs[h] = get(h, 0) + 1
         self._spec_queue.append(entry)
         if state.spec_entries is None:
             state.spec_entries = deque()
@@ -564,6 +573,8 @@ class ReplicaIndex(ReplicaBudget):
 
     def speculative_holders(self, h: BlockHash) -> list[PeerId]:
         """The peers with a live speculative entry containing ``h`` (for tests and status)."""
+        if not self.masks:
+            return [s.peer for s in self._by_slot.values() if h in s.spec_refs]
         m = self._spec_masks.get(h, 0)
         return [s.peer for s in self._by_slot.values() if m & s.bit]
 
@@ -571,7 +582,11 @@ class ReplicaIndex(ReplicaBudget):
 
     def memory_entries(self) -> int:
         """Hash-keyed entries the index holds: combined masks plus speculative structures."""
-        return len(self._masks) + len(self._spec_masks) + self._spec_blocks
+        if self.masks:
+            spec_keys = len(self._spec_masks)
+        else:  # the hashes a combined speculative mask would have had (none is kept)
+            spec_keys = len(set().union(*(s.spec_refs.keys() for s in self._states.values())))
+        return len(self._masks) + spec_keys + self._spec_blocks
 
     def replica_blocks(self) -> int:
         """Elements held by all replicas together (owned by the replicas, bounded by them)."""
@@ -687,18 +702,26 @@ class ReplicaIndex(ReplicaBudget):
         entry.alive = False
         state = entry.state
         refs = state.spec_refs
-        spec = self._spec_masks
-        for h in entry.blocks:
-            count = refs[h] - 1
-            if count:
-                refs[h] = count
-            else:
-                del refs[h]
-                m = spec[h] & ~state.bit
-                if m:
-                    spec[h] = m
+        if self.masks:
+            spec = self._spec_masks
+            for h in entry.blocks:
+                count = refs[h] - 1
+                if count:
+                    refs[h] = count
                 else:
-                    del spec[h]
+                    del refs[h]
+                    m = spec[h] & ~state.bit
+                    if m:
+                        spec[h] = m
+                    else:
+                        del spec[h]
+        else:  # (no combined speculative masks: ``add_speculative``)
+            for h in entry.blocks:
+                count = refs[h] - 1
+                if count:
+                    refs[h] = count
+                else:
+                    del refs[h]
         state.spec_live -= 1
         self._spec_live -= 1
         self._spec_blocks -= len(entry.blocks)
@@ -777,7 +800,10 @@ class ReplicaIndex(ReplicaBudget):
                 expected_masks[h] = expected_masks.get(h, 0) | state.bit
         assert sum(s.spec_live for s in states.values()) == self._spec_live
         assert self._spec_holders == {p: s for p, s in states.items() if s.spec_entries}
-        assert expected_masks == self._spec_masks
+        if self.masks:
+            assert expected_masks == self._spec_masks
+        else:
+            assert not self._spec_masks, "speculative masks kept without masks"
 
 
 __all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "ReplicaFactory", "ReplicaIndex", "leading"]

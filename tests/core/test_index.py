@@ -629,3 +629,61 @@ def test_the_touched_record_names_changed_peers_and_stays_bounded() -> None:
         index.add_peer(PeerId(f"c{k}"))
     assert index.take_touched() is None
     assert index.take_touched() == {}
+
+
+def test_speculative_entries_without_masks_answer_as_with_them() -> None:
+    """Without masks the index keeps no combined speculative masks (a walk asks each peer's
+    counts alone): driven through the same random adds, confirmations, expiries, budget drops
+    and removals, an index without masks must answer as one with them: the speculative
+    holders of every hash, the blocks held, the memory entries and every match."""
+    import random
+
+    rng = random.Random(25)
+    params = dict(max_peers=4, max_speculative_blocks=40, speculative_ttl_s=6.0,
+                  confirm_grace_s=1.0)
+    indexes = [make_index(masks=True, **params), make_index(masks=False, **params)]
+    universe = [BlockHash(h) for h in range(1, 30)]
+    clock = 0.0
+    added = shared = 0
+    for _ in range(600):
+        op = rng.random()
+        peer = rng.choice(P[:6])
+        if op < 0.1:
+            for index in indexes:
+                index.add_peer(peer)
+        elif op < 0.15:
+            for index in indexes:
+                index.remove_peer(peer)
+        elif op < 0.3:
+            h = rng.choice(universe)
+            for index in indexes:
+                if peer in index:
+                    digest_of(index, peer).add(h)
+        elif op < 0.65:
+            chain = universe[rng.randrange(3):][: rng.randrange(1, 20)]
+            for index in indexes:
+                index.add_speculative(peer, chain, clock)
+            added += peer in indexes[0]
+        elif op < 0.8:
+            for index in indexes:
+                index.confirm(peer, clock)
+        elif op < 0.85:
+            for index in indexes:
+                index.expire(clock)
+        else:
+            clock += rng.choice([0.5, 1.0, 2.0])
+        with_masks, without = indexes
+        for index in indexes:
+            index.check_invariants()
+        assert not without._spec_masks
+        assert without.speculative_blocks() == with_masks.speculative_blocks()
+        # (less the replicas' combined masks, which only the index with masks keeps)
+        assert without.memory_entries() == with_masks.memory_entries() - len(with_masks._masks)
+        for h in universe:
+            holders = with_masks.speculative_holders(h)
+            assert without.speculative_holders(h) == holders
+            shared += len(holders) > 1
+        chain = universe[rng.randrange(5):]
+        assert without.match_blocks(chain) == with_masks.match_blocks(chain)
+    # Not vacuous: many entries, often several peers' holding one hash.
+    assert added > 80 and shared > 500, (added, shared)
