@@ -99,6 +99,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
 
+from peerinfer.core.announcerun import RunReads
 from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
@@ -198,6 +199,18 @@ class PeerIndex(ReplicaIndex):
         """Per slot, the prompt tokens its peer holds (0: none), counting a hit for each holder
         (whose slots are appended to ``holders``, if given)."""
         matched = [0] * self._next_slot
+        if type(newer) is RunReads and newer.holders is not None and chain and not self.masks:
+            # (``_walk_sets``' walk over the runs, read as the peers' states themselves)
+            for depth, group in self._holders_by_depth(chain, newer, newer.holders).items():
+                tokens = depth * block_size
+                if tokens > cap:
+                    tokens = int(cap)
+                for state in group:
+                    matched[state.slot] = tokens
+                    state.hits += 1.0  # a hit for the replica budget, as below
+                    if holders is not None:
+                        holders.append(state.slot)
+            return matched
         for depth, mask in self._walk(chain, newer):
             tokens = depth * block_size
             if tokens > cap:

@@ -450,19 +450,35 @@ class ReplicaIndex(ReplicaBudget):
     def _walk_runs(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> list[tuple[int, int]]:
-        """``_walk_sets`` for a node whose followed runs are all indexed in ``holders``: a
+        """``_walk_sets`` for a node whose followed runs are all indexed in ``holders``
+        (``_holders_by_depth``), as ``(depth, mask)`` pairs."""
+        out = []
+        for depth, group in sorted(self._holders_by_depth(chain, reads, holders).items()):
+            mask = 0
+            for state in group:
+                mask |= state.bit
+            out.append((depth, mask))
+        return out
+
+    def _holders_by_depth(
+        self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
+    ) -> dict[int, list[_PeerState]]:
+        """The peers holding ``chain``'s first block, by how many of its leading blocks they
+        hold (in no order), for a node whose followed runs are all indexed in ``holders``: a
         followed peer reads its run's set (``RunReads``), so those are read off ``holders``'
         walk, which counts every run's depth at once; the peers not followed, and followed
-        ones with speculative entries, are asked one by one as there. The same answer in
-        time proportional to the chain's matched length, the runs holding its first block and
-        the peers asked alone, not to every peer (a swarm's node follows nearly every peer)."""
+        ones with speculative entries, are asked one by one as in ``_walk_sets``. The same
+        answer in time proportional to the chain's matched length, the runs holding its first
+        block and the peers asked alone, not to every peer (a swarm's node follows nearly
+        every peer). A route reads the peers' states themselves (``_matched_by_slot``): no
+        mask of them is made and read back."""
         states = self._states
         following = reads.following
         spec = self._spec_holders
         alone = states.keys() - following.keys()
         if spec:
             alone |= spec.keys() & following.keys()
-        by_depth: dict[int, int] = {}
+        by_depth: dict[int, list[_PeerState]] = {}
         newer_get = reads.get
         for peer in alone:
             state = states[peer]
@@ -474,13 +490,19 @@ class ReplicaIndex(ReplicaBudget):
             held = (digest if flat is None else flat).__contains__
             depth = leading(chain, held, state.spec_refs)
             if depth:
-                by_depth[depth] = by_depth.get(depth, 0) | state.bit
+                group = by_depth.get(depth)
+                if group is None:
+                    by_depth[depth] = [state]
+                else:
+                    group.append(state)
         get_kept = following.get
+        get_state = states.get
         senders = holders.senders
         # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
         # chain); of those, the runs this node follows for their senders (the run a node
         # follows is alive, so it is the slot's run when it holds that slot).
         for depth, slots in holders.walk(chain):
+            group = by_depth.get(depth)
             while slots:
                 low = slots & -slots
                 slots ^= low
@@ -492,15 +514,23 @@ class ReplicaIndex(ReplicaBudget):
                 run = kept.run
                 if run is None or run.holder_slot != slot or sender in spec:
                     continue
-                holder = states.get(sender)
+                holder = get_state(sender)
                 if holder is not None:
-                    by_depth[depth] = by_depth.get(depth, 0) | holder.bit
-        out = sorted(by_depth.items())
+                    if group is None:
+                        group = by_depth[depth] = [holder]
+                    else:
+                        group.append(holder)
         ReplicaIndex.run_walks += 1
         if ReplicaIndex.check_run_walks:
             every = self._walk_sets(chain, {p: d for p, d in reads.items()})
-            assert out == every, f"walk over runs {out} != over every peer {every}"
-        return out
+            found: dict[int, int] = {}
+            for depth, group in by_depth.items():
+                for state in group:
+                    assert not found.get(depth, 0) & state.bit, f"{state.peer} twice at {depth}"
+                    found[depth] = found.get(depth, 0) | state.bit
+            assert sorted(found.items()) == every, \
+                f"walk over runs {sorted(found.items())} != over every peer {every}"
+        return by_depth
 
     # ---------------------------------------------------------------------- speculation
 

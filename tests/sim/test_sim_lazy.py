@@ -79,6 +79,8 @@ def _decisions(sim: sim_module.Simulation) -> dict[str, object]:
                   for c in sim.cores],
         # Each replica's own state as well, what only later pulls would show (their sizing).
         "replicas": [[_replica_state(c, p) for p in c.index.peers()] for c in sim.cores],
+        # The hits each route counted for the replica budget (which rebalances read).
+        "hits": [[c.index._states[p].hits for p in c.index.peers()] for c in sim.cores],
         # Every node's dice: a decision that drew otherwise (a tie broken among other peers)
         # leaves another state, whatever it chose.
         "rng": [c.rng.getstate() for c in sim.cores],
