@@ -104,7 +104,7 @@ from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
 from peerinfer.core.replicaindex import ReplicaFactory, ReplicaIndex
-from peerinfer.core.routing import Candidate, Row, make_candidate
+from peerinfer.core.routing import Candidate, Row, RowBound, make_candidate
 from peerinfer.types import BlockHash, PeerId
 
 
@@ -127,19 +127,22 @@ class HolderCandidates:
     Asked for ``rows``, the pruned list may come as ``rows`` instead (``candidates`` None):
     each candidate's ``make_candidate`` arguments as a tuple, the local one first, for a
     policy that builds only the candidates it reads (``CostPolicy.choose_rows``); ``plain``
-    then says that every row announced the caller's speed (or none)."""
+    then says that every row announced the caller's speed (or none). Asked with a ``bound``,
+    rows come with ``ttfts``, their scores, and leave out candidates that cannot matter."""
 
-    __slots__ = ("candidates", "stand_ins", "every", "rows", "plain")
+    __slots__ = ("candidates", "stand_ins", "every", "rows", "plain", "ttfts")
 
     def __init__(
         self, candidates: list[Candidate] | None, stand_ins: set[int],
         every: Callable[[], list[Candidate]], rows: list[Row] | None = None, plain: bool = True,
+        ttfts: list[float] | None = None,
     ) -> None:
         self.candidates = candidates
         self.stand_ins = stand_ins
         self.every = every
         self.rows = rows
         self.plain = plain
+        self.ttfts = ttfts
 
     def listed(self) -> list[Candidate]:
         """The pruned list as candidates (built from the rows if it came as rows)."""
@@ -304,6 +307,7 @@ class PeerIndex(ReplicaIndex):
         rtt_version: object = None,
         newer: Mapping[PeerId, MerkleDigest] | None = None,
         rows: bool = False,
+        bound: RowBound | None = None,
     ) -> HolderCandidates:
         """``candidates()`` pruned for a policy that estimates a plain non-holder by its load and
         round trip alone (``CostPolicy.choose_among_holders``), with the full list at hand.
@@ -328,7 +332,13 @@ class PeerIndex(ReplicaIndex):
         front, found without visiting the rest). When no idle one comes within the bound, all
         are visited as above.
 
-        With ``rows``, the bounded form's list comes as rows (``HolderCandidates.rows``)."""
+        With ``rows``, the bounded form's list comes as rows (``HolderCandidates.rows``).
+        With a ``bound`` too (``CostPolicy.row_bound``), the bounded form scores each row as
+        it makes it, the local one first and then the holders deepest first, and leaves out
+        the holders, and the stand-ins' search, whose ``bound.floor`` is above the second-best
+        score so far: they cannot matter to the decision (a holder's floor rises as its match
+        falls, so the first left out ends the holders). The rows then come with their scores
+        (``HolderCandidates.ttfts``). The same hits are counted."""
         cap = math.inf if max_matched_tokens is None else max_matched_tokens
         holders: list[int] | None = [] if plain_loads and rtt_version is not None else None
         matched = self._matched_by_slot(chain, block_size, cap, holders, newer)
@@ -344,12 +354,12 @@ class PeerIndex(ReplicaIndex):
             near = self._near_candidates(
                 holders, matched, local_peer, local_matched_tokens, local_load, now, rtt_s,
                 default_rtt_s, inflight, exclude, max_digest_age_s, heard, cap, rtt_version,
-                own_speed,
+                own_speed, bound if rows else None,
             )
             if near is not None:
-                found, stand_ins, same_speed = near
+                found, stand_ins, same_speed, ttfts = near
                 if rows:
-                    return HolderCandidates(None, stand_ins, every, found, same_speed)
+                    return HolderCandidates(None, stand_ins, every, found, same_speed, ttfts)
                 return HolderCandidates([make_candidate(*row) for row in found], stand_ins, every)
         make = make_candidate
         kept: list[tuple[int, Candidate]] = [
@@ -432,23 +442,53 @@ class PeerIndex(ReplicaIndex):
         cap: float,
         rtt_version: object,
         own_speed: tuple[int, ...],
-    ) -> tuple[list[Row], set[int], bool] | None:
+        bound: RowBound | None = None,
+    ) -> tuple[list[Row], set[int], bool, list[float] | None] | None:
         """``holder_candidates``' bounded form (see there), as rows (``make_candidate``'s
-        arguments), with whether every row's speed is ``own_speed`` (or none); None when no
-        idle plain non-holder comes within ``NEAR_SCAN``. Positions here are the peers'
-        ``added_seq``, which grows in ``_states``' order."""
+        arguments), with whether every row's speed is ``own_speed`` (or none) and, with a
+        ``bound``, the rows' scores; None when no idle plain non-holder comes within
+        ``NEAR_SCAN`` (searched for unless the bound says no stand-in can matter). Positions
+        here are the peers' ``added_seq``, which grows in ``_states``' order."""
         get_inflight = inflight.get if inflight else None
         get_rtt = rtt_s.get
         oldest = now - max_digest_age_s
         heard_get = heard.get if heard else None
         excluding = bool(exclude)
+        order = self._rtt_order
+        if self._rtt_order_key != (rtt_version, self._membership_changes):
+            order = self._rtt_order = sorted(
+                ((get_rtt(p, default_rtt_s), st.added_seq, st) for p, st in self._states.items()),
+                key=_rtt_and_seq,
+            )
+            self._rtt_order_key = (rtt_version, self._membership_changes)
+        local: Row = (
+            local_peer, True, int(min(local_matched_tokens, cap)), local_load, 0.0, 0.0,
+            get_inflight(local_peer, 0) if get_inflight is not None else 0,
+        )
+        # With a bound: the scores by position, the local one's first; the least round trip
+        # of any peer (every peer's is in ``order``), under every remote candidate's.
+        scores: dict[int, float] = {}
+        rtt_floor = 0.0
+        if bound is not None:
+            scores[-1] = bound.score(local)
+            rtt_floor = order[0][0] if order else 0.0
+            holders.sort(key=matched.__getitem__, reverse=True)  # deepest first
         kept: list[tuple[int, Row]] = []
         append = kept.append
         by_slot = self._by_slot
         plain = True
+        group_tokens = -1
+        group_floor = math.inf
         for slot in holders:
-            if not matched[slot]:
+            tokens = matched[slot]
+            if not tokens:
                 continue  # capped to nothing (a one-token prompt): a plain non-holder below
+            if bound is not None:
+                if tokens != group_tokens:
+                    group_tokens = tokens
+                    group_floor = bound.floor(tokens, rtt_floor)
+                if group_floor > bound.second:
+                    break  # (and so is every holder after it: they match no more)
             state = by_slot[slot]
             peer = state.peer
             fresh_at = state.fresh_at
@@ -465,20 +505,21 @@ class PeerIndex(ReplicaIndex):
             speed = load.speed
             if speed and speed != own_speed:
                 plain = False
-            append((state.added_seq, (
-                peer, False, matched[slot], load, get_rtt(peer, default_rtt_s),
+            row: Row = (
+                peer, False, tokens, load, get_rtt(peer, default_rtt_s),
                 age if age > 0.0 else 0.0, get_inflight(peer, 0) if get_inflight is not None else 0,
-            )))
-        order = self._rtt_order
-        if self._rtt_order_key != (rtt_version, self._membership_changes):
-            order = self._rtt_order = sorted(
-                ((get_rtt(p, default_rtt_s), st.added_seq, st) for p, st in self._states.items()),
-                key=_rtt_and_seq,
             )
-            self._rtt_order_key = (rtt_version, self._membership_changes)
+            append((state.added_seq, row))
+            if bound is not None:
+                scores[state.added_seq] = bound.score(row)
         stand_in_seqs: set[int] = set()
         visited = 0
         found = False
+        if bound is not None and bound.floor(0, rtt_floor) > bound.second:
+            # No plain non-holder can matter: the stand-ins' search is left out, and with it
+            # the fallback to every peer when it finds no idle one (which decides the same).
+            found = True
+            order = []
         for rtt, seq, state in order:
             if matched[state.slot]:
                 continue  # a holder: taken above
@@ -501,7 +542,10 @@ class PeerIndex(ReplicaIndex):
             speed = load.speed
             if speed and speed != own_speed:
                 plain = False
-            append((seq, (peer, False, 0, load, rtt, age if age > 0.0 else 0.0, sent)))
+            row = (peer, False, 0, load, rtt, age if age > 0.0 else 0.0, sent)
+            append((seq, row))
+            if bound is not None:
+                scores[seq] = bound.score(row)
             stand_in_seqs.add(seq)
             if n == 0:
                 found = True
@@ -512,14 +556,11 @@ class PeerIndex(ReplicaIndex):
         if not found:
             return None
         kept.sort(key=_first)
-        local: Row = (
-            local_peer, True, int(min(local_matched_tokens, cap)), local_load, 0.0, 0.0,
-            get_inflight(local_peer, 0) if get_inflight is not None else 0,
-        )
         out = [local]
         out.extend(row for _, row in kept)
         stand_ins = {i + 1 for i, (seq, _) in enumerate(kept) if seq in stand_in_seqs}
-        return out, stand_ins, plain
+        ttfts = None if bound is None else [scores[-1], *(scores[seq] for seq, _ in kept)]
+        return out, stand_ins, plain, ttfts
 
 
 __all__ = ["MIN_ALLOWANCE", "NEWCOMER_RESERVE", "HolderCandidates", "PeerIndex", "ReplicaFactory", "ReplicaIndex"]

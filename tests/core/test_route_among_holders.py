@@ -19,7 +19,14 @@ import pytest
 from peerinfer.core.costmodel import DEFAULT_COSTS
 from peerinfer.core.index import PeerIndex
 from peerinfer.core.messages import Load
-from peerinfer.core.routing import Candidate, CostPolicy, RouteRequest, Row, make_candidate
+from peerinfer.core.routing import (
+    Candidate,
+    CostPolicy,
+    RouteDecision,
+    RouteRequest,
+    Row,
+    make_candidate,
+)
 from peerinfer.types import BlockHash, PeerId
 
 BS = 16
@@ -164,3 +171,75 @@ def test_choosing_over_rows_is_choosing_over_the_candidates(plain: bool) -> None
     assert asked_every > 10, asked_every
     # Rows only where the nearest plain non-holders were searched (``plain_loads``).
     assert by_rows > 300 if plain else by_rows == 0, (by_rows, by_candidates)
+
+
+def _decide_over_rows(
+    index: PeerIndex, asked: dict[str, object], policy: CostPolicy, request: RouteRequest,
+    dice: random.Random, bounded: bool,
+) -> tuple[RouteDecision, list[Row] | None, list[float]]:
+    """``Choice.decide``'s route over rows, with the bound (``CostPolicy.row_bound``) or
+    without; and the rows given to the policy, and each peer's hits counted by the walk."""
+    before = {p: s.hits for p, s in index._states.items()}
+    bound = policy.row_bound(request) if bounded else None
+    held = index.holder_candidates(rows=True, bound=bound, **asked)  # type: ignore[arg-type]
+    hits = [index._states[p].hits - before[p] for p in index._states]
+    if held.rows is not None:
+        assert held.plain
+        if bound is not None:
+            assert held.ttfts is not None
+            # The scores made as the rows were made are the policy's.
+            assert held.ttfts == policy._row_ttfts(request, held.rows, {})
+        got = policy.choose_rows(request, held.rows, dice, held.stand_ins, bound, held.ttfts)
+    else:
+        got = policy.choose_among_holders(request, held.listed(), dice, held.stand_ins)
+    if got is None:
+        got = policy.choose(request, held.every(), dice)
+    return got, held.rows, hits
+
+
+def test_rows_that_cannot_matter_are_left_out_and_decide_the_same() -> None:
+    """A route over rows with the bound (``RowBound``: the holders deepest first, each scored
+    as it is made, those whose floor is above the second-best score left out, and the
+    stand-ins' search with them) decides as without it, every field but ``ranked``, with the
+    same dice and hits; its ``ranked`` is the full one less what was left out. Round trips
+    and loads from few values, and a queue term from small to large, so that scores tie and
+    a busy deep holder loses to a shallow one. Fails when the floor leaves out what can tie
+    (``>=`` for ``>``), ignores the match (the holders' floor as the stand-ins') or the round
+    trip."""
+    from dataclasses import replace
+
+    left_out = searches_skipped = routes = 0
+    for trial in range(1500):
+        rng = random.Random(f"bound:{trial}")
+        index, options = _random_index(rng, True)
+        chain = options.pop("chain")
+        if trial % 2:
+            # Ties at the floor: idle peers heard from just now (confidence 1) at the least
+            # round trip, scoring exactly their floor.
+            peers = index.peers()
+            options["rtt_s"] = {p: rng.choice([0.01, 0.02]) for p in peers}
+            heard = dict(options["heard"] or {})  # type: ignore[call-overload]
+            for p in rng.sample(peers, (len(peers) + 1) // 2):
+                heard[p] = (Load(), 10.0)
+            options["heard"] = heard
+        policy = CostPolicy(DEFAULT_COSTS, mean_service_s=rng.choice([0.005, 0.02, 0.1, 1.0, None]))
+        request = RouteRequest(prompt_tokens=len(chain) * BS, max_tokens=8, chain=tuple(chain))
+        asked = dict(chain=chain, own_speed=DEFAULT_COSTS.speed(), plain_loads=True,
+                     rtt_version=1, **options)
+        dice = random.Random(trial)
+        want, want_rows, want_hits = _decide_over_rows(index, asked, policy, request, dice, False)
+        want_dice = dice.getstate()
+        dice = random.Random(trial)
+        got, got_rows, got_hits = _decide_over_rows(index, asked, policy, request, dice, True)
+        assert dice.getstate() == want_dice, trial
+        assert got_hits == want_hits, trial
+        assert replace(got, ranked=want.ranked) == want, trial
+        kept = set(got.ranked)
+        assert got.ranked == tuple(p for p in want.ranked if p in kept), trial
+        if got_rows is not None:
+            routes += 1
+            left_out += len(want.ranked) - len(got.ranked)
+            searches_skipped += want_rows is None or not any(r[2] == 0 for r in got_rows[1:])
+    # Not vacuous: many rows left out, and stand-ins' searches too.
+    assert routes > 1000 and left_out > 2000 and searches_skipped > 300, (
+        routes, left_out, searches_skipped)

@@ -191,12 +191,24 @@ class Choice:
                 type(policy) is CostPolicy and not policy.extra_work_weight
                 and not self._pull_allowed and not self.reputation.demoted()
             ) else None
+            # Over rows, the candidates that cannot matter are left out as the index makes
+            # them (``CostPolicy.row_bound``; the decision is the same but for ``ranked``,
+            # which nothing reads on this path: no pull).
+            bound = by_rows.row_bound(request) if by_rows is not None else None
             pruned = index.holder_candidates(
                 chain, own_speed=self._speed, plain_loads=self._plain_loads,
-                rtt_version=rtt_version, rows=by_rows is not None, **options,  # type: ignore[arg-type]
+                rtt_version=rtt_version, rows=by_rows is not None, bound=bound,
+                **options,  # type: ignore[arg-type]
             )
             if by_rows is not None and pruned.rows is not None and pruned.plain:
-                decision = by_rows.choose_rows(request, pruned.rows, self.rng, pruned.stand_ins)
+                decision = by_rows.choose_rows(
+                    request, pruned.rows, self.rng, pruned.stand_ins, bound, pruned.ttfts
+                )
+            elif pruned.ttfts is not None:
+                # (not met: a node notes every load, and plain loads make plain rows) Rows
+                # were left out of the list: decide over every candidate instead.
+                candidates = self._believed(pruned.every(), now)
+                decision = self.policy.choose(request, candidates, self.rng)
             else:
                 candidates = self._believed(pruned.listed(), now)
                 decision = among_holders(request, candidates, self.rng, pruned.stand_ins)

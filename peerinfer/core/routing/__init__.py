@@ -4,10 +4,11 @@ Every policy implements one interface, ``choose(request, candidates, rng) -> Rou
 It is a pure decision: the candidates carry everything known (matched prefix length, announced
 load, round trip, digest age, requests we already sent there), randomness comes from ``rng``,
 and the decision carries a human-readable ``reason`` and ``ranked``, the failover order (best
-first, every candidate exactly once, the target first). Exactly one candidate is the local node,
-and serving locally is always possible. ``round_robin`` keeps a turn counter; the others keep no
-state between calls (``scaffold_hash``'s hints are the node's, ``ScaffoldHints``, read through
-the candidates' loads).
+first, every candidate exactly once, the target first; a node's route over rows lists only
+the candidates that could matter, ``RowBound``: nothing reads it there). Exactly one candidate
+is the local node, and serving locally is always possible. ``round_robin`` keeps a turn
+counter; the others keep no state between calls (``scaffold_hash``'s hints are the node's,
+``ScaffoldHints``, read through the candidates' loads).
 
 Load below means ``outstanding / slots`` where ``outstanding = max(queued + running, inflight)``:
 a peer's announced load already counts the requests we sent it once the announcement catches
@@ -134,7 +135,7 @@ from peerinfer.core.routing.candidates import (
     describe_peer,
     make_candidate,
 )
-from peerinfer.core.routing.cost import CostPolicy
+from peerinfer.core.routing.cost import CostPolicy, RowBound
 from peerinfer.core.routing.pull import PullOption, consider_pull
 from peerinfer.core.routing.scaffold import (
     MAX_SCAFFOLD_HINTS,
@@ -206,6 +207,7 @@ __all__ = [
     "RouteRequest",
     "RoutingPolicy",
     "Row",
+    "RowBound",
     "MAX_SCAFFOLD_HINTS",
     "SCAFFOLD_HINT_LIFETIME_S",
     "ScaffoldHashPolicy",

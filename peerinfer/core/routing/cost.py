@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.messages import Load
@@ -238,16 +238,24 @@ class CostPolicy:
         rows: Sequence[Row],
         rng: random.Random,
         stand_ins: Container[int],
+        bound: RowBound | None = None,
+        ttfts: list[float] | None = None,
     ) -> RouteDecision | None:
         """``choose_among_holders`` over the candidates given as ``rows`` (``make_candidate``'s
         arguments, the local one first: ``PeerIndex.holder_candidates(rows=True)``), without
         the extra-work charge: the same decision, field for field, ``ranked`` and the reason
         included. Only the candidates the decision reads are built (the local one, the
         target, the best remote, ties): a route's list holds ~17 candidates at 64 nodes and
-        reads two or three of them."""
+        reads two or three of them. ``bound`` and ``ttfts``: the rows were scored as the
+        index made them (``holder_candidates(bound=...)``), and those that could not matter
+        were left out: the same decision but for ``ranked``, which ranks the rows given."""
         assert not self.extra_work_weight, "choose_rows: the charge needs every candidate"
-        memo: _Memo = {}
-        ttfts = self._row_ttfts(request, rows, memo)
+        if ttfts is None:
+            memo: _Memo = {}
+            ttfts = self._row_ttfts(request, rows, memo)
+        else:
+            assert bound is not None
+            memo = bound.memo
         # (``choose_among_holders``' scan, read off the stable order ``_choose`` needs anyway:
         # the best remote is the first non-local one in it, the lowest position among equals)
         order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
@@ -269,19 +277,18 @@ class CostPolicy:
             [row[0] for row in rows], order,
         )
 
-    def _row_ttfts(
-        self,
-        request: RouteRequest,
-        rows: Sequence[Row],
-        memo: _Memo,
-        candidates: Sequence[Candidate] | None = None,
-    ) -> list[float]:
+    def _row_ttfts(self, request: RouteRequest, rows: Sequence[Row], memo: _Memo) -> list[float]:
         """The estimated TTFT of each candidate ``rows`` stand for (``make_candidate``'s
-        arguments), in order: ``_estimate``'s arithmetic, inlined (this runs once per peer per
-        request). A node with nothing running or with one slot takes the first branch: no
-        batch, the single-slot estimate. ``candidates``: the same, built, for a peer of another
-        speed (``_estimate`` takes a candidate). tests/core/test_route_among_holders.py holds
-        the result to ``_estimate``'s floats."""
+        arguments), in order (``_row_scorer``)."""
+        return list(map(self._row_scorer(request, memo), rows))
+
+    def _row_scorer(self, request: RouteRequest, memo: _Memo) -> Callable[[Row], float]:
+        """The estimated TTFT of the candidate a row stands for (``make_candidate``'s
+        arguments): ``_estimate``'s arithmetic, inlined (this runs once per peer per request).
+        A node with nothing running or with one slot takes the first branch: no batch, the
+        single-slot estimate (``RowBound.floor`` bounds that branch from below). A peer of
+        another speed goes to ``_estimate`` with its cost model.
+        tests/core/test_route_among_holders.py holds the result to ``_estimate``'s floats."""
         prompt = request.prompt_tokens
         costs = self.costs
         cold = costs.prefill_s(prompt, 0)
@@ -298,16 +305,13 @@ class CostPolicy:
         exp = math.exp
         service_one = service(request, 1, memo)
         own_speed = self._speed
-        ttfts: list[float] = []
-        append = ttfts.append
-        for row in rows:
+
+        def score(row: Row) -> float:
             _, is_local, matched, load, rtt, age, inflight = row
             speed = load.speed
             if speed and speed != own_speed:
                 # Another machine's speed: the reference form, with its cost model.
-                c = make_candidate(*row) if candidates is None else candidates[len(ttfts)]
-                append(self._estimate(c, request, memo)[0])
-                continue
+                return self._estimate(make_candidate(*row), request, memo)[0]
             slots = load.slots
             n = load.queued + load.running
             if inflight > n:
@@ -319,8 +323,7 @@ class CostPolicy:
             else:
                 if m == 0 and (n == 0 or slots <= 1):
                     # Nothing matched, no batch: the confidence multiplies 0 (most peers).
-                    append(rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold)
-                    continue
+                    return rtt + ((n - 0.5) * service_one if n >= 1 else 0.0) + cold
                 p = 1.0 if not age > 0.0 else exp(-age * decay)
             if n == 0 or slots <= 1:
                 wait = (n - 0.5) * service_one if n >= 1 else 0.0
@@ -341,8 +344,16 @@ class CostPolicy:
                 )
             if load.disk:  # a hit partly on disk loads those blocks first (Load.disk)
                 prefill += p * m * load.disk_s_per_token
-            append(rtt + wait + prefill)
-        return ttfts
+            return rtt + wait + prefill
+
+        return score
+
+    def row_bound(self, request: RouteRequest) -> RowBound:
+        """What a route needs to leave out the candidates that cannot matter to its decision
+        (``RowBound``; ``PeerIndex.holder_candidates(bound=...)``, then ``choose_rows`` with
+        its scores)."""
+        assert not self.extra_work_weight, "row_bound: the charge needs every candidate"
+        return RowBound(self, request)
 
     def _charges(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
         """Each candidate's extra-work charge, in order: ``w * E(c) * n(c) / s(c)``.
@@ -390,7 +401,7 @@ class CostPolicy:
             (c.peer, c.is_local, c.matched_tokens, c.load, c.rtt_s, c.digest_age_s, c.inflight)
             for c in candidates
         ]
-        return self._row_ttfts(request, rows, memo, candidates)
+        return self._row_ttfts(request, rows, memo)
 
     def _choose(
         self,
@@ -542,6 +553,65 @@ class CostPolicy:
             if self._estimate(c, request, memo, k)[0] - rtt <= runner_up_s:
                 return k
         return 0
+
+
+class RowBound:
+    """A route's scores of its candidates as the index makes them, deepest holders first
+    (``score``), and a floor under the score of a candidate not made yet (``floor``): one
+    whose floor is above the second-best score so far (``second``) cannot matter to the
+    decision, and ``PeerIndex.holder_candidates(bound=...)`` leaves it out, unscored and
+    unbuilt; ``CostPolicy.choose_rows`` decides over the rest.
+
+    What a decision reads of its scores (``_choose``, ``choose_rows``): the local one, the
+    best remote with its equals, the runner-up (the best but the target) and the stand-ins'
+    best. Each of the first is the best or the second-best score of all, or equal to it; so
+    a candidate whose score is above the second-best one so far (``second``, which only
+    falls as more are scored) is none of them, and neither is any candidate left out once
+    it is known to score above it. The stand-ins' best matters only where the best remote
+    is at least it, so never when all stand-ins are left out that way.
+
+    The floor: only for routes where every load is plain (one slot, this
+    node's speed or none: ``plain_loads``, for which the index builds rows), without the
+    extra-work charge. A remote candidate matching ``m`` tokens is then estimated at
+    ``(rtt + wait) + (cold - p * m * saving)``, plus a disk term that is never negative
+    (validated figures), with ``wait >= 0`` and a confidence ``p <= 1``: at least
+    ``rtt_floor + (cold - m * saving)`` for a round trip of at least ``rtt_floor`` and a
+    positive ``saving`` (else at least ``rtt_floor + cold``), in floats too, since each
+    operation rounds monotonically. A candidate is left out only where that floor is above
+    ``second``: strictly, so it ties with nothing the decision reads."""
+
+    __slots__ = ("memo", "_score", "best", "second", "_prompt", "_cold", "_saving")
+
+    def __init__(self, policy: CostPolicy, request: RouteRequest) -> None:
+        #: the memo of service and backlog times, shared with the decision
+        self.memo: _Memo = {}
+        self._score = policy._row_scorer(request, self.memo)
+        #: the best and second-best scores so far
+        self.best = math.inf
+        self.second = math.inf
+        costs = policy.costs
+        self._prompt = request.prompt_tokens
+        self._cold = costs.prefill_s(self._prompt, 0)  # (as ``_row_scorer`` has it)
+        self._saving = costs.prefill_s_per_token - costs.cached_s_per_token
+
+    def score(self, row: Row) -> float:
+        """The row's estimated TTFT (``CostPolicy._row_scorer``), kept among the best two."""
+        t = self._score(row)
+        if t < self.second:
+            if t < self.best:
+                self.best, self.second = t, self.best
+            else:
+                self.second = t
+        return t
+
+    def floor(self, matched_tokens: int, rtt_floor: float) -> float:
+        """At most the score of any remote candidate matching ``matched_tokens`` with a round
+        trip of at least ``rtt_floor`` (see above): one above ``second`` cannot matter."""
+        saving = self._saving
+        if saving > 0.0:
+            m = matched_tokens if matched_tokens < self._prompt else self._prompt
+            return rtt_floor + (self._cold - m * saving)
+        return rtt_floor + self._cold
 
 
 class _RowCandidates(Sequence[Candidate]):
