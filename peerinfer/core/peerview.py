@@ -369,9 +369,10 @@ class PeerView:
         with announcements received but not taken in (kept ones, and followed runs'
         announcements since this node last looked: ``heard`` of ``PeerIndex.candidates``),
         and without masks the sets their changes lead to (``newer``): what routing reads of
-        them, without taking the rest in. Peers with speculative entries are taken in first
-        (their confirmation drops entries the walk would see); with masks, so are the peers
-        with changes waiting (the masks must hold them)."""
+        them, without taking the rest in. Of what waits for the peers with speculative
+        entries, the drops of entries its confirmation makes are made first (the walk would
+        see them: ``_confirm_waiting``); with masks, the peers with changes waiting are taken
+        in first (the masks must hold them)."""
         index = self._index
         following = self._following
         if index.masks and (following or self._changed):

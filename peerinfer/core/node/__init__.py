@@ -59,8 +59,9 @@ What it decides
   A shell that hands the same announcements to many recipients at once (the simulator) may
   share them as an ``AnnounceRun``: a node that kept the run's newest one follows it and is not
   handed the next ones; it reads them from the run when it next reads that peer (routing reads
-  only their loads and freshness, a rebalance only their claimed counts and freshness, and so
-  for kept ones; everything else takes them in), and leaves the run when a
+  only their loads, freshness and sets, and drops the speculative entries they confirm; a
+  rebalance only their claimed counts and freshness; and so for kept ones; everything else
+  takes them in), and leaves the run when a
   pull, a rebalance or an emptied replica would make taking one in do more.
 * **Replica budget.** All replicas together hold at most ``replica_budget_blocks`` hashes; the
   index splits that budget into per-peer allowances (``PeerIndex.rebalance``, every
