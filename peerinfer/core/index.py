@@ -198,6 +198,7 @@ class PeerIndex(ReplicaIndex):
         """Per slot, the prompt tokens its peer holds (0: none), counting a hit for each holder
         (whose slots are appended to ``holders``, if given)."""
         matched = [0] * self._next_slot
+        hits = self._hits
         for depth, mask in self._walk(chain, newer):
             tokens = depth * block_size
             if tokens > cap:
@@ -208,7 +209,7 @@ class PeerIndex(ReplicaIndex):
             for slot in slots:
                 matched[slot] = tokens
                 # A hit for the replica budget: this peer's replica helped route a prompt.
-                self._by_slot[slot].hits += 1.0
+                hits[slot] += 1.0
         return matched
 
     def _every_candidate(

@@ -165,6 +165,8 @@ class ReplicaIndex(ReplicaBudget):
         self._states: dict[PeerId, _PeerState] = {}
         #: at least every replica's size and claim (``SizeWatch``; ``wants_minimal`` reads it)
         self._size_watch = SizeWatch()
+        self._hits: list[float] = []
+        self._all_minimal = False
         self._observers: dict[PeerId, _PeerObserver] = {}
         self._by_slot: dict[int, _PeerState] = {}
         self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
@@ -203,11 +205,13 @@ class ReplicaIndex(ReplicaBudget):
         else:
             slot = self._next_slot
             self._next_slot += 1
+            self._hits.append(0.0)
         self._added_seq += 1
         self.allowance_changes += 1
         self._touch(peer)
         self._membership_changes += 1
-        state = _PeerState(peer, slot, self._added_seq)
+        self._all_minimal = False
+        state = _PeerState(peer, slot, self._added_seq, self._hits)
         observer = _PeerObserver(self, state)
         self._states[peer] = state
         self._observers[peer] = observer
@@ -729,7 +733,10 @@ class ReplicaIndex(ReplicaBudget):
         assert len(states) <= self.max_peers
         assert sum(s.allowance for s in states.values()) == self._allocated
         assert self._allocated <= self.replica_budget_blocks
-        assert all(s.replica is not None and s.replica.max_elements <= s.allowance for s in states.values())
+        # (equal, not only within: ``ReplicaBudget._give_minimal`` reads the allowance alone)
+        assert all(s.replica is not None and s.replica.max_elements == s.allowance for s in states.values())
+        assert not self._all_minimal or all(s.allowance == MIN_ALLOWANCE for s in states.values())
+        assert len(self._hits) == self._next_slot
         assert set(self._observers) == set(states)
         assert all(o.armed for o in self._observers.values())
         assert {s.slot: s for s in states.values()} == self._by_slot

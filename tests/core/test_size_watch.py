@@ -169,3 +169,60 @@ def test_a_claim_left_out_of_the_mark_is_caught(monkeypatch: pytest.MonkeyPatch)
                 index.check_invariants()
                 assert index.wants_minimal(0) == _reference(index)
 
+
+def test_a_minimal_rebalance_leaves_the_index_as_giving_every_peer_the_minimum_does() -> None:
+    """``ReplicaBudget._give_minimal`` (a minimal rebalance halves the hits in the index's list,
+    reads no peer's state while every allowance is ``MIN_ALLOWANCE`` since the last one, and
+    no replica whose peer's allowance is that) against ``_give`` with every allowance that, as
+    it was: the same allowances, replica limits, halved hits, touched peers and change count,
+    over rounds of minimal rebalances between allowances set by newcomers (with and without a
+    reserve), by hand, by emptied replicas and by rebalances of every kind."""
+    rng = random.Random(3)
+    touched_some = untouched = 0
+    for _ in range(100):
+        n = rng.randint(1, 12)
+        index = PeerIndex(replica_budget_blocks=n * rng.choice([MIN_ALLOWANCE, 2 * MIN_ALLOWANCE]),
+                          masks=False)
+        peers = [PeerId(f"P{i}") for i in range(n)]
+        for p in peers[: n // 2]:
+            index.add_peer(p)
+        for _ in range(4):
+            for p in rng.sample(peers, rng.randint(0, n)):
+                action = rng.random()
+                if p not in index or action < 0.2:
+                    index.add_peer(p)  # (a newcomer: a share, or a rebalance with a reserve)
+                    continue
+                state = index._states[p]
+                if action < 0.5:
+                    state.hits = rng.choice([0.0, 1.0, 3.0, 5e-324])
+                elif action < 0.7:
+                    index._set_allowance(state, rng.choice([1, MIN_ALLOWANCE, 3 * MIN_ALLOWANCE]))
+                elif action < 0.75:
+                    index.rebalance(decay=rng.random() < 0.5)
+                elif action < 0.8:  # a replica wanting more than the minimum, then sized
+                    replica = index.replica(p)
+                    assert replica is not None
+                    replica.digest.apply_delta(_blocks(rng, 3 * HALF), [])
+                    index.rebalance(decay=rng.random() < 0.5)
+                elif action < 0.9:
+                    index.enforce_allowance(p)
+                else:
+                    index.remove_peer(p)
+            states = list(index._states.values())
+            assert all(s.replica is not None and s.replica.max_elements == s.allowance
+                       for s in states)
+            decay = rng.random() < 0.8
+            expected = [(s.hits * 0.5 if decay else s.hits, MIN_ALLOWANCE, MIN_ALLOWANCE)
+                        for s in states]
+            expected_touched = [s.peer for s in states if s.allowance != MIN_ALLOWANCE]
+            changes = index.allowance_changes + bool(expected_touched)
+            index.take_touched()
+            index.rebalance(decay=decay, minimal=True)
+            assert [(s.hits, s.allowance, s.replica.max_elements)  # type: ignore[union-attr]
+                    for s in states] == expected
+            assert list(index.take_touched() or ()) == expected_touched
+            assert index.allowance_changes == changes
+            index.check_invariants()
+            touched_some += bool(expected_touched)
+            untouched += not expected_touched
+    assert touched_some > 100 and untouched > 50, (touched_some, untouched)
