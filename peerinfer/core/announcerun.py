@@ -244,6 +244,7 @@ class AnnounceRun:
         replica._rate = rate
         if epoch >= replica._announced[0]:
             replica._announced = (epoch, root, count)
+            replica.note_claim()
         replica.digest.adopt(final)
         replica.epoch = epoch
 

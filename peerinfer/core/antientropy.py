@@ -233,7 +233,10 @@ class Replica:
 
     ``epoch`` is 0 until a root has been verified. ``observer`` is told of every change (the
     peer index uses it). Announcements of more than ``max_elements`` elements are refused
-    (``refused`` counts them): the replica keeps its state and asks for no pull.
+    (``refused`` counts them): the replica keeps its state and asks for no pull. A count
+    claimed (``claimed``) raises the digest's ``watch``, if it has one (``SizeWatch``), as the
+    digest's own growth does: whoever sets ``_announced`` other than through these methods
+    (``AnnounceRun.take_run``) must call ``note_claim``.
     """
 
     __slots__ = ("digest", "epoch", "max_elements", "refused", "_announced", "_rate")
@@ -258,6 +261,19 @@ class Replica:
     @property
     def count(self) -> int:
         return len(self.digest)
+
+    @property
+    def claimed(self) -> int:
+        """The count of the newest announcement taken in (0: none)."""
+        announced = self._announced
+        return 0 if announced is None else announced[2]
+
+    def note_claim(self) -> None:
+        """Raise the digest's ``watch`` to the count claimed (see ``SizeWatch``)."""
+        watch = self.digest.watch
+        announced = self._announced
+        if watch is not None and announced is not None and announced[2] > watch.high:
+            watch.high = announced[2]
 
     def matches(self, root: int, count: int) -> bool:
         return self.digest.root == root and len(self.digest) == count
@@ -293,9 +309,10 @@ class Replica:
         if self._announced is not None and not truncated and epoch > prev_epoch:
             per_epoch = (len(added) + len(removed)) / (epoch - prev_epoch)
             self._rate = per_epoch if self._rate == 0.0 else 0.7 * self._rate + 0.3 * per_epoch
+        digest = self.digest
         if self._announced is None or epoch >= self._announced[0]:
             self._announced = (epoch, root, count)
-        digest = self.digest
+            self.note_claim()
         if not truncated and prev_epoch == self.epoch and (added or removed):
             digest.apply_delta(added, removed)
         if self.matches(root, count):
@@ -319,6 +336,7 @@ class Replica:
         # Their epochs ascend, so the last one is the newest heard if any of them is.
         if self._announced is None or epoch >= self._announced[0]:
             self._announced = (epoch, root, count)
+            self.note_claim()
         self.epoch = epoch
 
     def start_pull(

@@ -202,6 +202,7 @@ class PeerIndex(ReplicaIndex):
         """Per slot, the prompt tokens its peer holds (0: none), counting a hit for each holder
         (whose slots are appended to ``holders``, if given)."""
         matched = [0] * self._next_slot
+        hits = self._hits
         if type(newer) is RunReads and newer.holders is not None and chain and not self.masks:
             # (``_walk_sets``' walk over the runs, read as the peers' states themselves)
             for depth, group in self._holders_by_depth(chain, newer, newer.holders).items():
@@ -209,10 +210,11 @@ class PeerIndex(ReplicaIndex):
                 if tokens > cap:
                     tokens = int(cap)
                 for state in group:
-                    matched[state.slot] = tokens
-                    state.hits += 1.0  # a hit for the replica budget, as below
+                    slot = state.slot
+                    matched[slot] = tokens
+                    hits[slot] += 1.0  # a hit for the replica budget, as below
                     if holders is not None:
-                        holders.append(state.slot)
+                        holders.append(slot)
             return matched
         for depth, mask in self._walk(chain, newer):
             tokens = depth * block_size
@@ -224,7 +226,7 @@ class PeerIndex(ReplicaIndex):
             for slot in slots:
                 matched[slot] = tokens
                 # A hit for the replica budget: this peer's replica helped route a prompt.
-                self._by_slot[slot].hits += 1.0
+                hits[slot] += 1.0
         return matched
 
     def _every_candidate(

@@ -26,7 +26,9 @@ from peerinfer.core.merklehash import (
 )
 from peerinfer.types import BlockHash
 
-__all__ = ["BatchCacheObserver", "CacheObserver", "DeltaMemo", "MerkleDigest", "NullObserver"]
+__all__ = [
+    "BatchCacheObserver", "CacheObserver", "DeltaMemo", "MerkleDigest", "NullObserver", "SizeWatch",
+]
 
 
 class CacheObserver(Protocol):
@@ -96,6 +98,22 @@ class NullObserver:
         pass
 
 
+class SizeWatch:
+    """A high-water mark over a group of sets (a peer index's replicas): ``high`` is at least
+    the size of every ``MerkleDigest`` that holds it as its ``watch``, and every count their
+    replicas claim (``Replica.claimed``). Whatever can grow either raises it (``add``,
+    ``apply_delta``, ``adopt``; ``Replica.apply_announce``, ``take_unchanged`` and
+    ``AnnounceRun.take_run`` for claims); nothing lowers it but its owner, after reading every
+    set (``ReplicaBudget.wants_minimal``). Why: an index's rebalance asks whether every size and
+    claim is small, every few seconds at every node; with the mark small it answers without
+    reading any replica."""
+
+    __slots__ = ("high",)
+
+    def __init__(self) -> None:
+        self.high = 0
+
+
 class MerkleDigest:
     """A set of ``BlockHash`` with its incrementally maintained Merkle summary.
 
@@ -108,7 +126,7 @@ class MerkleDigest:
 
     __slots__ = (
         "_inner", "_leaves", "_observer", "_batch_observer", "_lazy", "_flat", "_flat_pair",
-        "_flat_shared", "_root_memo", "_memo",
+        "_flat_shared", "_root_memo", "_memo", "watch",
     )
 
     def __init__(
@@ -126,6 +144,8 @@ class MerkleDigest:
         self._flat_shared = False  # ``_flat`` is a shared delta result: copy before changing it
         self._root_memo = (0, 0, 0)  # (pair, count, root) of the last root computed
         self._memo = memo  # shared delta results (a simulator's replicas), or None
+        #: raised to this set's size whenever it grows (``SizeWatch``), if set
+        self.watch: SizeWatch | None = None
 
     @property
     def is_flat(self) -> bool:
@@ -181,6 +201,9 @@ class MerkleDigest:
             self._flat_pair ^= _contribution_of(h)
         elif not self._add_position(mix(h)):
             return False
+        watch = self.watch
+        if watch is not None and len(self) > watch.high:
+            watch.high = len(self)
         if self._observer is not None:
             self._observer.block_added(h)
         return True
@@ -223,6 +246,9 @@ class MerkleDigest:
             if hit is not None and hit[0] is added and hit[1] is removed:
                 self._flat, self._flat_pair = hit[2], hit[3]
                 self._flat_shared = True
+                watch = self.watch
+                if watch is not None and len(hit[2]) > watch.high:
+                    watch.high = len(hit[2])
                 if hit[4] or hit[5]:
                     batch(hit[4], hit[5])
                 return
@@ -248,6 +274,9 @@ class MerkleDigest:
                 pair ^= c if c is not None else _contribution_of(h)
                 new.append(BlockHash(h))
         self._flat_pair = pair
+        watch = self.watch
+        if watch is not None and len(flat) > watch.high:
+            watch.high = len(flat)
         if key is not None:
             assert shared is not None
             deltas = shared.deltas
@@ -291,6 +320,9 @@ class MerkleDigest:
         self._flat, self._flat_pair, self._flat_shared = flat, other._flat_pair, True
         other._flat_shared = True
         self._root_memo = other._root_memo
+        watch = self.watch
+        if watch is not None and len(flat) > watch.high:
+            watch.high = len(flat)
         if gone or new:
             batch(new, gone)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
+from peerinfer.core.merkle import SizeWatch
 from peerinfer.core.messages import Load
 from peerinfer.types import BlockHash, PeerId
 
@@ -94,10 +95,10 @@ class _PeerState:
         "spec_entries",
         "spec_live",
         "allowance",
-        "hits",
+        "_hits_of",
     )
 
-    def __init__(self, peer: PeerId, slot: int, added_seq: int) -> None:
+    def __init__(self, peer: PeerId, slot: int, added_seq: int, hits_of: list[float]) -> None:
         self.peer = peer
         self.slot = slot
         self.bit = 1 << slot
@@ -113,7 +114,18 @@ class _PeerState:
         self.spec_entries: deque[_SpecEntry] | None = None
         self.spec_live = 0
         self.allowance = 0
-        self.hits = 0.0
+        #: the index's hits by slot (``ReplicaBudget._hits``): this peer's is at ``slot``
+        self._hits_of = hits_of
+        hits_of[slot] = 0.0
+
+    @property
+    def hits(self) -> float:
+        """This peer's hits (halved at every rebalance): kept in the index's list by slot."""
+        return self._hits_of[self.slot]
+
+    @hits.setter
+    def hits(self, hits: float) -> None:
+        self._hits_of[self.slot] = hits
 
 
 class _SpecEntry:
@@ -138,6 +150,14 @@ class ReplicaBudget:
     rebalances: int
     max_peers: int
     _states: dict[PeerId, _PeerState]
+    _size_watch: SizeWatch
+    #: each slot's peer's hits (a free slot's: anything, reset when the slot is handed out):
+    #: in one list, so a rebalance halves them all in one comprehension, without visiting
+    #: each peer's state (every one a cache miss)
+    _hits: list[float]
+    #: every peer's allowance (and replica limit) is ``MIN_ALLOWANCE``: set by a minimal
+    #: rebalance, cleared wherever an allowance is set (``_give_minimal`` then reads no state)
+    _all_minimal: bool
 
     if TYPE_CHECKING:
 
@@ -168,6 +188,7 @@ class ReplicaBudget:
         return True
 
     def _set_allowance(self, state: _PeerState, allowance: int) -> None:
+        self._all_minimal = False
         self.allowance_changes += 1
         self._touch(state.peer)
         self._allocated += allowance - state.allowance
@@ -230,24 +251,25 @@ class ReplicaBudget:
         if reserve < 0:
             raise ValueError("reserve must be >= 0")
         self.rebalances += 1
-        states = list(self._states.values())
-        if not states:
+        n = len(self._states)
+        if not n:
             return []
         budget = self.replica_budget_blocks
-        share = budget // (len(states) + reserve)
+        share = budget // (n + reserve)
         cap = self.max_replica_elements
         if minimal:
             ReplicaBudget.minimal_rebalances += 1
-            n = len(states)
-            given = [MIN_ALLOWANCE] * n
             spare = budget - reserve * share - n * MIN_ALLOWANCE
             if ReplicaBudget.check_rebalances:
+                states = list(self._states.values())
                 every = self._size_every(states, share, reserve, _merged(pending, followed))
-                assert every[0] == given and every[2] == spare, "minimal rebalance != every peer's"
+                assert every[0] == [MIN_ALLOWANCE] * n and every[2] == spare, \
+                    "minimal rebalance != every peer's"
                 assert max(every[1]) <= MIN_ALLOWANCE, "minimal rebalance with a replica over"
-            self._give(states, given, decay)
+            self._give_minimal(decay)
             self._allocated = budget - reserve * share - spare
             return []
+        states = list(self._states.values())
         if share < MIN_ALLOWANCE and share < cap:
             ReplicaBudget.short_rebalances += 1
             given, sizes, spare = self._size_short(states, share, reserve, pending, followed)
@@ -272,10 +294,11 @@ class ReplicaBudget:
 
     def _give(self, states: list[_PeerState], given: list[int], decay: bool) -> None:
         """Set each peer's allowance to ``given``'s (by position); halve the hits (``decay``)."""
+        if decay:
+            self._halve_hits()
+        self._all_minimal = False
         changed = False
         for st, allowance in zip(states, given, strict=True):
-            if decay:
-                st.hits *= 0.5
             replica = st.replica
             assert replica is not None
             if allowance != st.allowance or allowance != replica.max_elements:
@@ -285,6 +308,36 @@ class ReplicaBudget:
                 replica.max_elements = allowance
         if changed:
             self.allowance_changes += 1
+
+    def _halve_hits(self) -> None:
+        """Halve every peer's hits (each the same float as ``hits *= 0.5``), in place."""
+        hits = self._hits
+        hits[:] = [h * 0.5 for h in hits]
+
+    def _give_minimal(self, decay: bool) -> None:
+        """``_give`` with every allowance ``MIN_ALLOWANCE``: no peer's state is read when every
+        allowance is that already (``_all_minimal``, as the last minimal rebalance left them),
+        and no replica where its peer's allowance is (a replica's ``max_elements`` equals its
+        peer's allowance: ``_give``, ``_set_allowance`` and ``add_peer`` set both, and
+        ``ReplicaIndex.check_invariants`` asserts it). Why: a minimal rebalance visited every
+        peer's state and replica to halve its hits and find its allowance unchanged, a cache
+        miss or two per peer (34 us of 63 peers at 64 nodes, 2% of the run)."""
+        if decay:
+            self._halve_hits()
+        if self._all_minimal:
+            return
+        changed = False
+        for st in self._states.values():
+            if st.allowance != MIN_ALLOWANCE:
+                changed = True
+                self._touch(st.peer)
+                st.allowance = MIN_ALLOWANCE
+                replica = st.replica
+                assert replica is not None
+                replica.max_elements = MIN_ALLOWANCE
+        if changed:
+            self.allowance_changes += 1
+        self._all_minimal = True
 
     def wants_minimal(self, news_bound: int) -> bool:
         """Whether a rebalance (``reserve`` 0) would size every peer's want at ``MIN_ALLOWANCE``
@@ -297,8 +350,11 @@ class ReplicaBudget:
         Why: below 257 peers at the default budget the share is above every want, and the
         caches a simulation models hold far fewer blocks than half of ``MIN_ALLOWANCE``; the
         sizing then read every peer's size, claim and waiting news every few seconds to give
-        each the same allowance again (6% of a 64-node simulation's CPU). This reads each
-        replica's size and claim, without the news gathered per peer."""
+        each the same allowance again (6% of a 64-node simulation's CPU). The replicas' sizes
+        and claims are bounded by the index's high-water mark (``SizeWatch``, raised wherever
+        one may grow): with the mark at most half, no replica is read (reading each one's size
+        and claim was 4% of a 64-node simulation's CPU); above it, every replica is read, and
+        where none is over, the mark comes down to the largest."""
         states = self._states
         half = MIN_ALLOWANCE // 2
         if (
@@ -308,17 +364,42 @@ class ReplicaBudget:
             or self.max_replica_elements < MIN_ALLOWANCE
         ):
             return False
-        for st in states.values():
+        watch = self._size_watch
+        if watch.high <= half:
+            if ReplicaBudget.check_rebalances:
+                assert self._largest_size_or_claim(None) <= watch.high, \
+                    "a replica's size or claim above the high-water mark"
+            return True
+        largest = self._largest_size_or_claim(half)
+        if largest > half:
+            return False
+        watch.high = largest  # every replica read: the mark comes down to what is
+        return True
+
+    def _largest_size_or_claim(self, stop: int | None) -> int:
+        """The largest size or claimed count of any replica, read one by one (the reference
+        ``SizeWatch`` bounds); with ``stop``, the first one above it as soon as it is read."""
+        largest = 0
+        for st in self._states.values():
             replica = st.replica
             assert replica is not None
             digest = replica.digest
             flat = digest._flat
-            if (len(flat) if flat is not None else len(digest)) > half:
-                return False
+            size = len(flat) if flat is not None else len(digest)
             announced = replica._announced
-            if announced is not None and announced[2] > half:
-                return False
-        return True
+            if announced is not None and announced[2] > size:
+                size = announced[2]
+            if size > largest:
+                largest = size
+                if stop is not None and largest > stop:
+                    return largest
+        return largest
+
+    def claims_changed(self) -> None:
+        """Some replica's claim (``_announced``) was set other than through ``Replica``'s
+        methods and ``AnnounceRun.take_run`` (a test that builds replicas by hand): read every
+        replica for the high-water mark again (``SizeWatch``)."""
+        self._size_watch.high = self._largest_size_or_claim(None)
 
     def _size_every(
         self,
@@ -433,7 +514,8 @@ class ReplicaBudget:
                 sizes.append(len(flat) if flat is not None else len(digest))
         if spare <= 0:
             return given, sizes, spare
-        hits = [st.hits for st in states]
+        hits_of = self._hits
+        hits = [hits_of[st.slot] for st in states]
         top = max(hits)
         if not top > 0.0:
             return given, sizes, spare  # the first in the order has none: nobody takes any

@@ -22,7 +22,7 @@ from itertools import islice, takewhile
 from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
-from peerinfer.core.merkle import MerkleDigest, NullObserver
+from peerinfer.core.merkle import MerkleDigest, NullObserver, SizeWatch
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import (
     _NO_LOAD,
@@ -163,6 +163,10 @@ class ReplicaIndex(ReplicaBudget):
         self.confirm_grace_s = confirm_grace_s
         self._replica_factory: ReplicaFactory = replica_factory or Replica
         self._states: dict[PeerId, _PeerState] = {}
+        #: at least every replica's size and claim (``SizeWatch``; ``wants_minimal`` reads it)
+        self._size_watch = SizeWatch()
+        self._hits: list[float] = []
+        self._all_minimal = False
         self._observers: dict[PeerId, _PeerObserver] = {}
         self._by_slot: dict[int, _PeerState] = {}
         self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
@@ -203,11 +207,13 @@ class ReplicaIndex(ReplicaBudget):
         else:
             slot = self._next_slot
             self._next_slot += 1
+            self._hits.append(0.0)
         self._added_seq += 1
         self.allowance_changes += 1
         self._touch(peer)
         self._membership_changes += 1
-        state = _PeerState(peer, slot, self._added_seq)
+        self._all_minimal = False
+        state = _PeerState(peer, slot, self._added_seq, self._hits)
         observer = _PeerObserver(self, state)
         self._states[peer] = state
         self._observers[peer] = observer
@@ -215,6 +221,10 @@ class ReplicaIndex(ReplicaBudget):
         # Without masks the replica's changes concern nobody here (its set is read as it is).
         replica = self._replica_factory(observer if self.masks else NullObserver())
         state.replica = replica
+        replica.digest.watch = watch = self._size_watch
+        size = max(len(replica.digest), replica.claimed)  # (a factory's replica is empty)
+        if size > watch.high:
+            watch.high = size
         # Until the next rebalance: an equal share, from what is unallocated; when too little
         # is left, a rebalance that holds back room for the next newcomers (``reserve``): a
         # rebalance is O(peers), and where every peer wants at least its share (past
@@ -254,6 +264,7 @@ class ReplicaIndex(ReplicaBudget):
         bit = state.bit
         masks = self._masks
         assert state.replica is not None
+        state.replica.digest.watch = None  # (a pull may still hold it: it counts no more here)
         if state.indexed:
             for h in state.replica.digest:
                 m = masks.get(h)
@@ -775,7 +786,10 @@ class ReplicaIndex(ReplicaBudget):
         assert len(states) <= self.max_peers
         assert sum(s.allowance for s in states.values()) == self._allocated
         assert self._allocated <= self.replica_budget_blocks
-        assert all(s.replica is not None and s.replica.max_elements <= s.allowance for s in states.values())
+        # (equal, not only within: ``ReplicaBudget._give_minimal`` reads the allowance alone)
+        assert all(s.replica is not None and s.replica.max_elements == s.allowance for s in states.values())
+        assert not self._all_minimal or all(s.allowance == MIN_ALLOWANCE for s in states.values())
+        assert len(self._hits) == self._next_slot
         assert set(self._observers) == set(states)
         assert all(o.armed for o in self._observers.values())
         assert {s.slot: s for s in states.values()} == self._by_slot
@@ -809,6 +823,11 @@ class ReplicaIndex(ReplicaBudget):
             else:
                 assert len(state.replica.digest) >= state.indexed
         assert all(self._states.get(p) is s for p, s in self._pending_rescan.items())
+        for state in states.values():
+            replica = state.replica
+            assert replica is not None and replica.digest.watch is self._size_watch
+            assert max(len(replica.digest), replica.claimed) <= self._size_watch.high, \
+                f"{state.peer}: a replica's size or claim above the index's high-water mark"
         # Speculative structures agree with the live entries.
         live = [e for e in self._spec_queue if e.alive]
         assert len(live) == self._spec_live

@@ -63,6 +63,7 @@ def _trial(rng: random.Random) -> tuple[PeerIndex, dict[PeerId, tuple[int, int, 
             run = _Run(rng.randint(0, 6), rng.choice([5, 2049, 2600]), rng.choice([0.5, 1.5, 3.0]),
                        length, rng.choice([0, length]))
             followed[p] = _Record(run if rng.random() < 0.9 else None, rng.randint(0, length))
+    index.claims_changed()  # (the claims were set by hand)
     return index, pending, followed
 
 
@@ -148,6 +149,7 @@ def _minimal_trial(rng: random.Random) -> tuple[PeerIndex, dict[PeerId, tuple[in
             run = _Run(rng.randint(0, 6), rng.choice(near("run")), 2.0, length, rng.choice([0, length]))
             followed[p] = _Record(run, rng.randint(0, length))
             bound = max(bound, run.count)
+    index.claims_changed()  # (the claims were set by hand)
     return index, pending, followed, bound
 
 
