@@ -201,45 +201,6 @@ class MerkleDigest:
             self._observer.block_removed(h)
         return True
 
-    def change(
-        self, added: Iterable[BlockHash], removed: Iterable[BlockHash]
-    ) -> tuple[list[BlockHash], list[BlockHash]]:
-        """``discard`` every element of ``removed``, then ``add`` every element of ``added``,
-        and return the real changes, ``(added, removed)``, in the order made. The same as those
-        calls one by one, in one loop each for a flat digest without an observer: a node's own
-        digest takes its engine's changes this way after every request it serves."""
-        flat = self._flat
-        new: list[BlockHash] = []
-        gone: list[BlockHash] = []
-        if flat is None or self._observer is not None:
-            for h in removed:
-                if self.discard(h):
-                    gone.append(h)
-            for h in added:
-                if self.add(h):
-                    new.append(h)
-            return new, gone
-        pair = self._flat_pair
-        memo = _CONTRIBUTIONS
-        for h in removed:
-            if h in flat:
-                if self._flat_shared:  # (copied at the first real change, as ``discard`` does)
-                    flat = self._own_flat()
-                flat.discard(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
-                gone.append(h)
-        for h in added:
-            if h not in flat:
-                if self._flat_shared:
-                    flat = self._own_flat()
-                flat.add(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
-                new.append(h)
-        self._flat_pair = pair
-        return new, gone
-
     def apply_delta(self, added: Iterable[int], removed: Iterable[int]) -> None:
         """Discard every element of ``removed``, then add every element of ``added``.
 
