@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from peerinfer.errors import ConfigError
+from peerinfer.quickinit import quick_init
 
 __all__ = [
     "HOT_SHARE",
@@ -93,6 +94,7 @@ WORKLOAD_FORMAT_VERSION = 1
 # MMLU data.
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class MMLUQuestion:
     """One multiple-choice question; ``answer`` is the letter of the right choice."""
@@ -304,6 +306,7 @@ def question_suffix(question: MMLUQuestion) -> str:
 # Workload items and skews.
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class WorkloadItem:
     """One request of a workload. The prompt is ``prefix + suffix``.

@@ -43,6 +43,7 @@ from peerinfer.core.wire import (
     message_types,
     register,
 )
+from peerinfer.quickinit import quick_init
 
 # --------------------------------------------------------------------------------------------
 # Shared records.
@@ -52,6 +53,8 @@ REQUEST_ID = Text(MAX_ID_CHARS)
 HASH = UInt(U64)
 
 
+@quick_init
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Load(Record):
     """A node's announced load: requests waiting, running, and how many it runs at once.

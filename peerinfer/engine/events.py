@@ -8,6 +8,7 @@ from typing import Literal
 
 from peerinfer.core.messages import TokenLogprob
 from peerinfer.core.radix import CacheStats
+from peerinfer.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -54,6 +55,7 @@ class Finished:
 EngineEvent = Started | Tokens | Finished
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CacheChanges:
     """Block hashes that entered and left the engine's cache since the previous report."""

@@ -73,6 +73,7 @@ from peerinfer.engine.base import (
 from peerinfer.engine.disktier import DiskTier
 from peerinfer.engine.validation import validate_prompt
 from peerinfer.errors import ConfigError, ProtocolError
+from peerinfer.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 #: Ids below this are reserved (pad, bos, eos, unk) and never produced by the tokenizer.
@@ -89,6 +90,7 @@ _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What serving a request costs on the simulated engine, computed without waiting.

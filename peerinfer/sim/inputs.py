@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from peerinfer.core.messages import SamplingParams
+from peerinfer.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request of the workload: its tokens, sampling and a label (its subject) for series."""

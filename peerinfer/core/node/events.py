@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from peerinfer.core.messages import Announce, Load, SamplingParams, SyncRequest, SyncResponse
 from peerinfer.core.peerview import AnnounceRun
 from peerinfer.core.routing import RouteDecision
+from peerinfer.quickinit import quick_init
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
 # Events (inputs)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A request to serve. ``forwarded`` requests came from a peer and are never forwarded again."""
@@ -79,6 +81,7 @@ class ClientRequest:
     scaffold: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class AnnounceReceived:
     sender: PeerId
@@ -88,12 +91,14 @@ class AnnounceReceived:
     run: AnnounceRun | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SyncResponseReceived:
     peer: PeerId
     response: SyncResponse
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SyncFailed:
     peer: PeerId
@@ -101,6 +106,7 @@ class SyncFailed:
     reason: str
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LocalStarted:
     """The local engine began a request (it left the queue and took a slot)."""
@@ -109,6 +115,7 @@ class LocalStarted:
     cached_tokens: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LocalFinished:
     """The local engine finished (or failed) a request; ``cache_added``/``cache_removed`` are
@@ -123,6 +130,7 @@ class LocalFinished:
     generated: int = 0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LocalPreempted:
     """The local engine preempted a request as ``PreemptLocal`` asked: it left the running set
@@ -132,6 +140,7 @@ class LocalPreempted:
     generated: int = 0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CacheChanged:
     """Cache changes reported outside a request (start-up snapshot, a cleared cache).
@@ -144,12 +153,14 @@ class CacheChanged:
     disk: tuple[int, int] | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ForwardFirstToken:
     request_id: RequestId
     peer: PeerId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ForwardFinished:
     """A forward ended well. ``cached_tokens`` (as the peer reported them) and ``ttft_s`` (as
@@ -163,6 +174,7 @@ class ForwardFinished:
     completion: tuple[int, ...] = ()
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ForwardFailed:
     """A forward failed. ``reason`` is one of busy, unavailable, timeout, protocol, invalid,
@@ -176,6 +188,7 @@ class ForwardFailed:
     generated: tuple[int, ...] = ()
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PeerSeen:
     """The shell heard from (or connected to) a peer; ``rtt_s`` when a ping measured it."""
@@ -185,6 +198,7 @@ class PeerSeen:
     load: Load | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PeerLost:
     """The shell lost the connection to a peer, or a ping failed."""
@@ -192,6 +206,7 @@ class PeerLost:
     peer: PeerId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Cancel:
     """The client went away; stop the request wherever it is."""
@@ -199,6 +214,7 @@ class Cancel:
     request_id: RequestId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class AuditFinished:
     """An ``AuditForward`` ran: ``ok`` says whether ``peer``'s answer is what the local model
@@ -209,6 +225,7 @@ class AuditFinished:
     detail: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class TransferMeasured:
     """``nbytes`` came from ``peer`` in ``seconds`` (a KV pull or a ``ProbeLink``, request to
@@ -221,6 +238,7 @@ class TransferMeasured:
     rtt_s: float = 0.0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PullChecked:
     """The tokens of a pull from ``peer`` that the verifier sampled
@@ -233,6 +251,7 @@ class PullChecked:
     detail: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PullFailed:
     """A pull from ``peer`` gave nothing, judged or not (``PullChecked`` covers a judged one):
@@ -246,6 +265,7 @@ class PullFailed:
     detail: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PullLimit:
     """At most ``nbytes`` of KV may come from ``peer`` from now on, or None for no such bound.
@@ -283,11 +303,13 @@ Event = (
 # Effects (outputs)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Publish:
     announce: Announce
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SendSyncRequest:
     """Send ``request`` to ``peer`` on the sync protocol and feed back its response (or a
@@ -298,6 +320,7 @@ class SendSyncRequest:
     timeout_s: float
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RunLocal:
     """Run ``tokens`` on the local engine and stream the result to the request's client. When
@@ -311,6 +334,7 @@ class RunLocal:
     resume_after: tuple[int, ...] = ()
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Forward:
     """Forward the request to ``peer`` and relay its token stream to the client; report the first
@@ -327,6 +351,7 @@ class Forward:
     scaffold: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Reject:
     """Answer the request with an error (``code`` as in messages.ERROR_CODES);
@@ -338,6 +363,7 @@ class Reject:
     retry_after_s: float = 0.0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PreemptLocal:
     """Preempt the running request once it has made ``after_tokens`` tokens since it last
@@ -349,6 +375,7 @@ class PreemptLocal:
     after_tokens: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ResumeLocal:
     """Give the preempted request a slot again: it continues where it yielded."""
@@ -356,22 +383,26 @@ class ResumeLocal:
     request_id: RequestId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CancelLocal:
     request_id: RequestId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CancelForward:
     request_id: RequestId
     peer: PeerId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PingPeer:
     peer: PeerId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class DropPeer:
     """The peer left the candidate set (silent too long). The shell may disconnect it."""
@@ -379,6 +410,7 @@ class DropPeer:
     peer: PeerId
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class AuditForward:
     """Re-score ``peer``'s answer ``completion`` to ``tokens`` (greedy or sampled, as ``params``
@@ -391,6 +423,7 @@ class AuditForward:
     completion: tuple[int, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class BanPeer:
     """``peer`` failed an audit: disconnect and refuse it until ``until`` (node clock)."""
@@ -400,6 +433,7 @@ class BanPeer:
     reason: str
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ProbeLink:
     """Measure the link from ``peer``: fetch ``nbytes`` of filler from it and report the
@@ -427,6 +461,7 @@ Effect = (
     | ProbeLink
 )
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Silence:
     """``NodeCore.silence``'s answer: past ``deadline`` the request ends with a timeout error
@@ -438,6 +473,7 @@ class Silence:
     message: str
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PeerSnapshot:
     peer_id: PeerId
@@ -447,6 +483,7 @@ class PeerSnapshot:
     rtt_s: float | None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class NodeStatistics:
     """A frozen snapshot of counters (trio's ``statistics()`` habit)."""

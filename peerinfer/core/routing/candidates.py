@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from peerinfer.core.messages import Load
+from peerinfer.quickinit import quick_init
 from peerinfer.types import BlockHash, PeerId
 
 
@@ -75,6 +76,7 @@ def make_candidate(
     return c
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What the policy knows of the request: its size and its block-hash chain."""
@@ -87,6 +89,7 @@ class RouteRequest:
     scaffold: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """The chosen node, why, and the failover order (``ranked[0] == target``)."""
