@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from peerinfer.errors import ConfigError
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 
 __all__ = [
     "HOT_SHARE",

@@ -43,7 +43,7 @@ from peerinfer.core.wire import (
     message_types,
     register,
 )
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 
 # --------------------------------------------------------------------------------------------
 # Shared records.

@@ -8,7 +8,7 @@ from typing import Literal
 
 from peerinfer.core.messages import TokenLogprob
 from peerinfer.core.radix import CacheStats
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 FinishReason = Literal["stop", "length", "cancelled"]

@@ -73,7 +73,7 @@ from peerinfer.engine.base import (
 from peerinfer.engine.disktier import DiskTier
 from peerinfer.engine.validation import validate_prompt
 from peerinfer.errors import ConfigError, ProtocolError
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 #: Ids below this are reserved (pad, bos, eos, unk) and never produced by the tokenizer.

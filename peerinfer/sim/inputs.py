@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from peerinfer.core.messages import SamplingParams
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 

@@ -18,7 +18,7 @@ import peerinfer.engine.events
 import peerinfer.engine.simulated
 import peerinfer.sim.inputs
 import peerinfer.workload  # noqa: F401
-from peerinfer.quickinit import quick_init, quickened
+from peerinfer.core.quickinit import quick_init, quickened
 
 
 def _classes() -> list[tuple[type, Any]]:

@@ -177,7 +177,7 @@ def shared_tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Transforme
     torch.set_num_threads(1)
     directory = tmp_path_factory.mktemp("tiny-llama-batch")
     _make_tiny_model(directory)
-    engine = TransformersEngine(directory, device="cpu", max_batch_size=3)
+    engine = TransformersEngine(directory, device="cpu", dtype="float32", max_batch_size=3)
     yield engine
     engine.close()
     torch.set_num_threads(before)
@@ -397,7 +397,7 @@ def smol() -> Iterator[TransformersEngine]:
     pytest.importorskip("gguf")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = TransformersEngine(device="cpu", max_batch_size=8)
+    engine = TransformersEngine(device="cpu", dtype="float32", max_batch_size=8)
     yield engine
     engine.close()
     torch.set_num_threads(before)

@@ -206,7 +206,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     torch.set_num_threads(1)
     directory: Path = tmp_path_factory.mktemp("tiny-llama-preempt")
     _make_tiny_model(directory)
-    engine = TransformersEngine(directory, device="cpu", max_batch_size=2)
+    engine = TransformersEngine(directory, device="cpu", dtype="float32", max_batch_size=2)
     engine.configure_cache(PrefixHasher(engine.fingerprint, block_size=4))
     yield engine
     engine.close()
@@ -231,7 +231,7 @@ def smol() -> Iterator[Engine]:
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = TransformersEngine(device="cpu", max_batch_size=2)
+    engine = TransformersEngine(device="cpu", dtype="float32", max_batch_size=2)
     engine.configure_cache(PrefixHasher(engine.fingerprint))
     yield engine
     engine.close()

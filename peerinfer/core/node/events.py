@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from peerinfer.core.messages import Announce, Load, SamplingParams, SyncRequest, SyncResponse
 from peerinfer.core.peerview import AnnounceRun
 from peerinfer.core.routing import RouteDecision
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 __all__ = [

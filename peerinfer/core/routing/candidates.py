@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from peerinfer.core.messages import Load
-from peerinfer.quickinit import quick_init
+from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash, PeerId
 
 
