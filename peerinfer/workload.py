@@ -62,8 +62,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
-from peerinfer.errors import ConfigError
 from peerinfer.core.quickinit import quick_init
+from peerinfer.errors import ConfigError
 
 __all__ = [
     "HOT_SHARE",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from peerinfer.core.quickinit import quick_init
 from peerinfer.core.wire import (
     MAX_DELTA,
     MAX_FRAME_BYTES,
@@ -43,7 +44,6 @@ from peerinfer.core.wire import (
     message_types,
     register,
 )
-from peerinfer.core.quickinit import quick_init
 
 # --------------------------------------------------------------------------------------------
 # Shared records.

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from peerinfer.core.messages import TokenLogprob
-from peerinfer.core.radix import CacheStats
 from peerinfer.core.quickinit import quick_init
+from peerinfer.core.radix import CacheStats
 from peerinfer.types import BlockHash
 
 FinishReason = Literal["stop", "length", "cancelled"]

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.messages import SamplingParams
+from peerinfer.core.quickinit import quick_init
 from peerinfer.engine.base import (
     NEVER_CANCELLED,
     CancelToken,
@@ -73,7 +74,6 @@ from peerinfer.engine.base import (
 from peerinfer.engine.disktier import DiskTier
 from peerinfer.engine.validation import validate_prompt
 from peerinfer.errors import ConfigError, ProtocolError
-from peerinfer.core.quickinit import quick_init
 from peerinfer.types import BlockHash
 
 #: Ids below this are reserved (pad, bos, eos, unk) and never produced by the tokenizer.

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from peerinfer.core.messages import Announce, Load, SamplingParams, SyncRequest, SyncResponse
 from peerinfer.core.peerview import AnnounceRun
-from peerinfer.core.routing import RouteDecision
 from peerinfer.core.quickinit import quick_init
+from peerinfer.core.routing import RouteDecision
 from peerinfer.types import BlockHash, PeerId, RequestId
 
 __all__ = [
