@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgpack  # noqa: E402
 
-from peerinfer.core.antientropy import Replica, reconcile_in_memory  # noqa: E402
+from peerinfer.core.antientropy import Replica  # noqa: E402
 from peerinfer.core.digest import LocalDigest, MerkleDigest  # noqa: E402
 from peerinfer.core.messages import Announce, Load, encode  # noqa: E402
+from peerinfer.core.pull_in_memory import reconcile_in_memory  # noqa: E402
 from peerinfer.types import BlockHash  # noqa: E402
 
 

@@ -269,9 +269,10 @@ def measure_sync(n: int = 10_000, changed: float = 0.01, seed: int = 5) -> dict[
     pull is a Merkle descent, not a delta. Returns bytes, rounds and the ratio of bytes to
     sending the whole set (one SyncResponse listing every element, through the same codec).
     """
-    from peerinfer.core.antientropy import Replica, reconcile_in_memory
+    from peerinfer.core.antientropy import Replica
     from peerinfer.core.digest import LocalDigest
     from peerinfer.core.messages import SyncResponse, encode
+    from peerinfer.core.pull_in_memory import reconcile_in_memory
 
     rng = random.Random(seed)
     elements = [BlockHash(rng.getrandbits(64)) for _ in range(n)]

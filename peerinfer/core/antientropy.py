@@ -90,8 +90,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from peerinfer.core.digest import (
     DELTA_CAP,
@@ -99,7 +98,6 @@ from peerinfer.core.digest import (
     LIST_CAP,
     CacheObserver,
     DeltaMemo,
-    LocalDigest,
     MerkleDigest,
     bitmap_indices,
     contribution,
@@ -115,7 +113,7 @@ from peerinfer.core.digest import (
     unpack_elements,
     unpack_fixed,
 )
-from peerinfer.core.messages import SyncNode, SyncQuery, SyncRequest, SyncResponse, decode, encode
+from peerinfer.core.messages import SyncNode, SyncQuery, SyncRequest, SyncResponse, encode
 from peerinfer.core.pullstate import STATE_OF, PullEvent, PullPhase, accepts, move
 from peerinfer.errors import ProtocolError
 from peerinfer.types import BlockHash
@@ -124,10 +122,8 @@ __all__ = [
     "DEFAULT_MAX_ROUNDS",
     "MAX_REPLICA_ELEMENTS",
     "MAX_PASSES",
-    "ReconcileStats",
     "Reconciliation",
     "Replica",
-    "reconcile_in_memory",
 ]
 
 #: Expected differences per compared descendant in the first round of a pass...
@@ -763,54 +759,3 @@ class Reconciliation:
         else:
             estimate = max(3.0 if hash_size else 1.0, abs(step), prior)
         self._plan(level, prefix, own_count, their_count, estimate, per_child)
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcileStats:
-    """The outcome of one in-memory pull."""
-
-    state: str
-    rounds: int
-    passes: int
-    bytes_sent: int
-    bytes_received: int
-
-    @property
-    def bytes_total(self) -> int:
-        return self.bytes_sent + self.bytes_received
-
-
-def reconcile_in_memory(
-    replica: Replica,
-    local: LocalDigest,
-    *,
-    session: int = 1,
-    attempt: int = 0,
-    estimated_difference: int | None = None,
-    max_rounds: int = DEFAULT_MAX_ROUNDS,
-    between_rounds: Callable[[int], None] | None = None,
-) -> ReconcileStats:
-    """Run a whole pull of ``replica`` from ``local`` through the wire codec, counting bytes.
-
-    ``between_rounds(round)`` (tests) runs after each response is produced, e.g. to change the
-    responder mid-pull.
-    """
-    pull = replica.start_pull(
-        session,
-        local.epoch,
-        local.root,
-        attempt,
-        target_count=local.count,
-        estimated_difference=estimated_difference,
-        max_rounds=max_rounds,
-    )
-    request: SyncRequest | None = pull.first_request()
-    while request is not None:
-        received = decode(encode(request), SyncRequest)
-        assert isinstance(received, SyncRequest)
-        answer = decode(encode(local.answer(received)), SyncResponse)
-        assert isinstance(answer, SyncResponse)
-        if between_rounds is not None:
-            between_rounds(pull.rounds + 1)
-        request = pull.handle_response(answer)
-    return ReconcileStats(pull.state, pull.rounds, pull.passes, pull.bytes_sent, pull.bytes_received)

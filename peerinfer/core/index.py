@@ -105,6 +105,7 @@ from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import MIN_ALLOWANCE, NEWCOMER_RESERVE, _PeerState
 from peerinfer.core.replicaindex import ReplicaFactory, ReplicaIndex
 from peerinfer.core.routing import Candidate, Row, RowBound, make_candidate
+from peerinfer.core.slotmasks import slots_in
 from peerinfer.types import BlockHash, PeerId
 
 
@@ -220,7 +221,7 @@ class PeerIndex(ReplicaIndex):
             tokens = depth * block_size
             if tokens > cap:
                 tokens = int(cap)
-            slots = self._slots_in(mask)
+            slots = slots_in(mask)
             if holders is not None:
                 holders.extend(slots)
             for slot in slots:

@@ -20,7 +20,6 @@ from peerinfer.core.antientropy import (
     DEFAULT_MAX_ROUNDS,
     Reconciliation,
     Replica,
-    reconcile_in_memory,
 )
 from peerinfer.core.digest import (
     LIST_CAP,
@@ -41,6 +40,7 @@ from peerinfer.core.messages import (
     decode,
     encode,
 )
+from peerinfer.core.pull_in_memory import reconcile_in_memory
 from peerinfer.core.pullstate import PullPhase
 from peerinfer.errors import ClosedError, ProtocolError
 from peerinfer.types import BlockHash

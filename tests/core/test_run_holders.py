@@ -146,7 +146,7 @@ def test_leading_counts_what_the_set_or_the_entries_hold_as_block_by_block() -> 
     block by block does, whatever the stretches: the set alone, the entries alone, holes in
     one filled by the other, either empty (fails if a stretch of the entries is not continued
     by the set after it, or one block too many or too few is counted at a switch)."""
-    from peerinfer.core.replicaindex import leading
+    from peerinfer.core.slotmasks import leading
 
     rng = random.Random(31)
     chain = [BlockHash(1000 + i) for i in range(60)]

@@ -13,10 +13,11 @@ from functools import partial
 import pytest
 
 from peerinfer.core.announcerun import AnnounceRun
-from peerinfer.core.antientropy import Replica, reconcile_in_memory
+from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import LocalDigest
 from peerinfer.core.index import MIN_ALLOWANCE, PeerIndex
 from peerinfer.core.merkle import DeltaMemo, MerkleDigest, NullObserver
+from peerinfer.core.pull_in_memory import reconcile_in_memory
 from peerinfer.types import BlockHash, PeerId
 
 HALF = MIN_ALLOWANCE // 2
