@@ -468,13 +468,16 @@ class PeerView:
 
     def expire(self, now: float) -> None:
         """Drop speculative entries past their time (``PeerIndex.expire``). Expiry only drops
-        speculative entries, which only their own peer's announcements also drop: the other
-        peers' announcements may wait."""
+        speculative entries, which only their own peer's announcements also drop: of what
+        waits for the peers with entries and kept announcements, only the drops taking it in
+        would make are made first (``_confirm_waiting``, as routing does; taking in would
+        catch a followed run up first, so a kept peer's confirmation is at its run's newest
+        time); the rest may wait, as the other peers' announcements do."""
         index = self._index
         if self._unapplied and index.speculative_blocks():
             unapplied = self._unapplied
             for peer in [p for p in index.speculative_peers() if p in unapplied]:
-                self.take(peer)
+                self._confirm_waiting(peer)
         index.expire(now)
 
     # ------------------------------------------------------------------ taking in, leaving runs

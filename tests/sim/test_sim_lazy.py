@@ -655,10 +655,11 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before a route, a peer with speculative entries had what waited for it taken in (its
-    confirmation drops entries the walk would see). Now only those drops are made
-    (``PeerView._confirm_waiting``): after every ``for_routing`` each node's speculative
-    entries must be those that taking in (``confirm_by_taking``, the reference) leaves, and
-    the runs must decide the same, on random runs and a busy one."""
+    confirmation drops entries the walk would see), and before an expiry those of them with
+    kept announcements. Now only those drops are made (``PeerView._confirm_waiting``): after
+    every ``for_routing`` and every ``expire`` each node's speculative entries must be those
+    that taking in (``confirm_by_taking``, the reference) leaves, and the runs must decide
+    the same, on random runs and a busy one."""
     from peerinfer.core import peerview, replicaindex
 
     def spec_state(view: peerview.PeerView) -> tuple[object, ...]:
@@ -681,15 +682,21 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     def run(config: SimConfig, by_taking: bool) -> tuple[dict[str, object], list[object]]:
         states: list[object] = []
         for_routing = peerview.PeerView.for_routing
+        expire = peerview.PeerView.expire
 
         def recording(self: peerview.PeerView) -> object:
             out = for_routing(self)
             states.append(spec_state(self))
             return out
 
+        def recording_expire(self: peerview.PeerView, now: float) -> None:
+            expire(self, now)
+            states.append(("expire", spec_state(self)))
+
         with monkeypatch.context() as m:
             m.setattr(peerview.PeerView, "confirm_by_taking", by_taking)
             m.setattr(peerview.PeerView, "for_routing", recording)
+            m.setattr(peerview.PeerView, "expire", recording_expire)
             if not by_taking:
                 m.setattr(replicaindex.ReplicaIndex, "confirm", counting_confirm)
             return _run(config, True, monkeypatch), states
