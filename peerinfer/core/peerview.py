@@ -568,6 +568,35 @@ class PeerView:
                 or peer in self._changed:
             self.take(peer)
 
+    #: tests: ``waiting_changes_of`` takes the peer's changes in instead and answers None
+    #: (``take_changes_of``: the reference it stands for)
+    take_target_changes = False
+
+    def waiting_changes_of(self, peer: PeerId) -> tuple[MerkleDigest, Load] | None:
+        """What ``take_changes_of(peer)`` would leave ``peer``'s replica's set and the index's
+        load of it at, without taking anything in, when announcements with changes wait for
+        it (else None: the replica's set and the index's load are what taking in would leave
+        them; the load's freshness aside, which the routes read from ``heard``). The set is
+        the followed run's newest (``_catch_up`` would move the record to it and ``take``
+        adopt it) or the kept record's final one; the load, the run's newest (a catch-up sets
+        the record's) or the record's. Its speculative entries need no take-in: routing
+        confirmed them just before (``for_routing``), and a new entry is younger than what
+        the waiting announcements confirm. With masks the peer is taken in (the masks must
+        hold its set)."""
+        kept = self._following.get(peer)
+        run = kept.run if kept is not None else None
+        ahead = run if run is not None and kept is not None and run.length != kept.cursor else None
+        run_changed = ahead is not None and kept is not None and ahead.changed_since(kept.cursor)
+        if not (run_changed or peer in self._changed):
+            return None
+        if self._index.masks or PeerView.take_target_changes:
+            self.take(peer)
+            return None
+        final = ahead.digest if run_changed and ahead is not None else self._unapplied[peer].final
+        load = ahead.load if ahead is not None else self._unapplied[peer].load
+        assert final is not None
+        return final, load
+
     def _take_changed(self) -> None:
         """Take in every peer whose followed run got announcements with changes since this node
         last looked, and every kept record holding such (their sets are what routing and the
