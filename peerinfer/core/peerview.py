@@ -468,13 +468,16 @@ class PeerView:
 
     def expire(self, now: float) -> None:
         """Drop speculative entries past their time (``PeerIndex.expire``). Expiry only drops
-        speculative entries, which only their own peer's announcements also drop: the other
-        peers' announcements may wait."""
+        speculative entries, which only their own peer's announcements also drop: of what
+        waits for the peers with entries and kept announcements, only the drops taking it in
+        would make are made first (``_confirm_waiting``, as routing does; taking in would
+        catch a followed run up first, so a kept peer's confirmation is at its run's newest
+        time); the rest may wait, as the other peers' announcements do."""
         index = self._index
         if self._unapplied and index.speculative_blocks():
             unapplied = self._unapplied
             for peer in [p for p in index.speculative_peers() if p in unapplied]:
-                self.take(peer)
+                self._confirm_waiting(peer)
         index.expire(now)
 
     # ------------------------------------------------------------------ taking in, leaving runs
@@ -564,6 +567,35 @@ class PeerView:
         if (kept is not None and kept.run is not None and kept.run.changed_since(kept.cursor)) \
                 or peer in self._changed:
             self.take(peer)
+
+    #: tests: ``waiting_changes_of`` takes the peer's changes in instead and answers None
+    #: (``take_changes_of``: the reference it stands for)
+    take_target_changes = False
+
+    def waiting_changes_of(self, peer: PeerId) -> tuple[MerkleDigest, Load] | None:
+        """What ``take_changes_of(peer)`` would leave ``peer``'s replica's set and the index's
+        load of it at, without taking anything in, when announcements with changes wait for
+        it (else None: the replica's set and the index's load are what taking in would leave
+        them; the load's freshness aside, which the routes read from ``heard``). The set is
+        the followed run's newest (``_catch_up`` would move the record to it and ``take``
+        adopt it) or the kept record's final one; the load, the run's newest (a catch-up sets
+        the record's) or the record's. Its speculative entries need no take-in: routing
+        confirmed them just before (``for_routing``), and a new entry is younger than what
+        the waiting announcements confirm. With masks the peer is taken in (the masks must
+        hold its set)."""
+        kept = self._following.get(peer)
+        run = kept.run if kept is not None else None
+        ahead = run if run is not None and kept is not None and run.length != kept.cursor else None
+        run_changed = ahead is not None and kept is not None and ahead.changed_since(kept.cursor)
+        if not (run_changed or peer in self._changed):
+            return None
+        if self._index.masks or PeerView.take_target_changes:
+            self.take(peer)
+            return None
+        final = ahead.digest if run_changed and ahead is not None else self._unapplied[peer].final
+        load = ahead.load if ahead is not None else self._unapplied[peer].load
+        assert final is not None
+        return final, load
 
     def _take_changed(self) -> None:
         """Take in every peer whose followed run got announcements with changes since this node

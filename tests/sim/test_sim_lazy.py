@@ -655,10 +655,11 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before a route, a peer with speculative entries had what waited for it taken in (its
-    confirmation drops entries the walk would see). Now only those drops are made
-    (``PeerView._confirm_waiting``): after every ``for_routing`` each node's speculative
-    entries must be those that taking in (``confirm_by_taking``, the reference) leaves, and
-    the runs must decide the same, on random runs and a busy one."""
+    confirmation drops entries the walk would see), and before an expiry those of them with
+    kept announcements. Now only those drops are made (``PeerView._confirm_waiting``): after
+    every ``for_routing`` and every ``expire`` each node's speculative entries must be those
+    that taking in (``confirm_by_taking``, the reference) leaves, and the runs must decide
+    the same, on random runs and a busy one."""
     from peerinfer.core import peerview, replicaindex
 
     def spec_state(view: peerview.PeerView) -> tuple[object, ...]:
@@ -681,15 +682,21 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     def run(config: SimConfig, by_taking: bool) -> tuple[dict[str, object], list[object]]:
         states: list[object] = []
         for_routing = peerview.PeerView.for_routing
+        expire = peerview.PeerView.expire
 
         def recording(self: peerview.PeerView) -> object:
             out = for_routing(self)
             states.append(spec_state(self))
             return out
 
+        def recording_expire(self: peerview.PeerView, now: float) -> None:
+            expire(self, now)
+            states.append(("expire", spec_state(self)))
+
         with monkeypatch.context() as m:
             m.setattr(peerview.PeerView, "confirm_by_taking", by_taking)
             m.setattr(peerview.PeerView, "for_routing", recording)
+            m.setattr(peerview.PeerView, "expire", recording_expire)
             if not by_taking:
                 m.setattr(replicaindex.ReplicaIndex, "confirm", counting_confirm)
             return _run(config, True, monkeypatch), states
@@ -706,3 +713,61 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     # Not vacuous: many peers' waiting announcements confirmed without being taken in, and
     # many of those confirmations dropped entries.
     assert counts["confirms"] > 300 and counts["dropping"] > 100, counts
+
+
+def test_the_targets_claim_reads_what_waits_without_taking_it_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before a forward, the target had the announcements with changes waiting for it taken
+    in (``PeerView.take_changes_of``) so that its digest claim and its speed read its replica
+    and load current. Now they read what taking in would leave (``PeerView.
+    waiting_changes_of``: the followed run's or the kept record's newest set and load) and
+    nothing is taken in. With ``take_target_changes`` (the reference) the target is taken in
+    as before: every claim, every speed the probation reads and the runs' decisions must be
+    the same, on random runs (tight budgets: runs left, records kept with changes) and a
+    busy one."""
+    from peerinfer.core import peerview
+    from peerinfer.core.node import choice
+
+    counts = Counter[str]()
+    waiting_changes_of = peerview.PeerView.waiting_changes_of
+
+    def counting(self: peerview.PeerView, peer: PeerId) -> object:
+        out = waiting_changes_of(self, peer)
+        counts["read without taking in"] += out is not None
+        return out
+
+    def run(config: SimConfig, by_taking: bool) -> tuple[dict[str, object], list[object]]:
+        seen: list[object] = []
+        digest_claim = choice.Choice.digest_claim
+        believed_speed = choice.Choice.believed_speed
+
+        def recording_claim(self: choice.Choice, peer: PeerId, *args: object) -> int:
+            out = digest_claim(self, peer, *args)  # type: ignore[arg-type]
+            seen.append(("claim", peer, out))
+            return out
+
+        def recording_speed(self: choice.Choice, peer: PeerId, speed: tuple[int, ...],
+                            now: float) -> tuple[int, ...] | None:
+            seen.append(("speed", peer, speed, now))
+            return believed_speed(self, peer, speed, now)
+
+        with monkeypatch.context() as m:
+            m.setattr(peerview.PeerView, "take_target_changes", by_taking)
+            m.setattr(choice.Choice, "digest_claim", recording_claim)
+            m.setattr(choice.Choice, "believed_speed", recording_speed)
+            if not by_taking:
+                m.setattr(peerview.PeerView, "waiting_changes_of", counting)
+            return _run(config, True, monkeypatch), seen
+
+    configs = [_random_config(seed) for seed in range(8)]
+    configs.append(SimConfig(nodes=12, requests=400, policy="cost", delay_ms="5",
+                             cache_tokens=4096, skew="zipf:1.0", rate=1.0, seed=3))
+    for config in configs:
+        reference, reference_seen = run(config, True)
+        fast, fast_seen = run(config, False)
+        assert fast_seen == reference_seen, config
+        for key in reference:
+            assert fast[key] == reference[key], f"{config}: {key} differs"
+    # Not vacuous: many targets had changes waiting, read without being taken in.
+    assert counts["read without taking in"] > 100, counts

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from peerinfer.core.kvpull import LinkEstimator
+from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Load, SamplingParams
 from peerinfer.core.node.config import NodeConfig
 from peerinfer.core.peerview import PeerView
@@ -342,13 +343,21 @@ class Choice:
         # () is "as this node" to the cost policy.
         return replace(c, load=replace(c.load, speed=() if believed == self._speed else believed))
 
-    def digest_claim(self, peer: PeerId, chain: Sequence[BlockHash], prompt_tokens: int) -> int:
+    def digest_claim(
+        self,
+        peer: PeerId,
+        chain: Sequence[BlockHash],
+        prompt_tokens: int,
+        newest: MerkleDigest | None = None,
+    ) -> int:
         """The prompt tokens ``peer``'s own announced digest says it holds: what it is held to
-        (not this node's speculative entries, nor routing's discounts)."""
+        (not this node's speculative entries, nor routing's discounts). ``newest``: its set
+        as the announcements with changes waiting for it leave it (``PeerView.
+        waiting_changes_of``), else its replica's."""
         replica = self._view.as_is.replica(peer)  # unchanged announcements leave the digest alone
         if replica is None:
             return 0
-        n = replica.digest.leading(chain)
+        n = (replica.digest if newest is None else newest).leading(chain)
         return min(n * self._block_size, max(0, prompt_tokens - 1))
 
 

@@ -368,13 +368,20 @@ class NodeCore:
         self.requests.transition(
             req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
         )
-        # The claim reads the target's replica: the changes waiting for it are taken in first.
-        self.view.take_changes_of(peer)
+        # The claim reads the target's set, and the probation its speed: with changes waiting
+        # for it, those taking them in would leave (read without taking them in, as routing
+        # reads them: nothing else takes a followed peer's changes in, the run keeps them).
         index = self.view.as_is
-        req.claimed_tokens = self.choice.digest_claim(peer, req.chain, len(req.tokens))
-        req.speed_on_probation = (
-            self.choice.believed_speed(peer, index.load(peer).speed, now) is not None
-        )
+        waiting = self.view.waiting_changes_of(peer)
+        if waiting is None:
+            claimed = self.choice.digest_claim(peer, req.chain, len(req.tokens))
+            speed = index.load(peer).speed
+        else:
+            newest_set, newest_load = waiting
+            claimed = self.choice.digest_claim(peer, req.chain, len(req.tokens), newest_set)
+            speed = newest_load.speed
+        req.claimed_tokens = claimed
+        req.speed_on_probation = self.choice.believed_speed(peer, speed, now) is not None
         # Right after _decide's PeerView.for_routing: the peers with speculative entries are
         # taken in, and a new entry is younger than whatever the others' followed runs confirm.
         index.add_speculative(peer, req.chain, now)
