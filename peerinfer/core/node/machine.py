@@ -382,8 +382,9 @@ class NodeCore:
             speed = newest_load.speed
         req.claimed_tokens = claimed
         req.speed_on_probation = self.choice.believed_speed(peer, speed, now) is not None
-        # Right after _decide's PeerView.for_routing: the peers with speculative entries are
-        # taken in, and a new entry is younger than whatever the others' followed runs confirm.
+        # Right after _decide's PeerView.for_routing: the entries that what waits for their
+        # peers would confirm are dropped (``PeerView._confirm_waiting``), and a new entry is
+        # younger than whatever the peers' waiting announcements confirm.
         index.add_speculative(peer, req.chain, now)
         self.requests.stats["forwarded"] += 1
         effects.append(
