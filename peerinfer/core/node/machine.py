@@ -197,16 +197,19 @@ class NodeCore:
         handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
-        changes = self._peer_index.allowance_changes
+        index = self._peer_index
+        changes = index.allowance_changes
         self.requests.clock = now
         effects: list[Effect] = handler(self, event, now)
-        self.view.recheck_following(changes)
+        if index.allowance_changes != changes:  # (else ``recheck_following`` has nothing to do)
+            self.view.recheck_following(changes)
         return effects
 
     def tick(self, now: float) -> list[Effect]:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
-        changes = self._peer_index.allowance_changes
+        index = self._peer_index
+        changes = index.allowance_changes
         self.requests.clock = now
         self._check_forward_deadlines(now, effects)
         self.announcing.check_deadlines(now, effects)
@@ -218,10 +221,11 @@ class NodeCore:
         self._maybe_announce(now, effects)
         self.view.expire(now)
         if now >= self._next_rebalance:
-            self._next_rebalance = now + self.config.rebalance_interval_s
+            self._next_rebalance = now + self._config.rebalance_interval_s
             for peer in self.view.rebalance():
                 self.announcing.replica_emptied(peer)
-        self.view.recheck_following(changes)
+        if index.allowance_changes != changes:
+            self.view.recheck_following(changes)
         return effects
 
     def take_refusals(self) -> list[tuple[PeerId, str, str]]:
@@ -236,11 +240,7 @@ class NodeCore:
     def next_deadline(self) -> float:
         """The latest time by which ``tick`` must run again."""
         # (no list of every candidate: the simulator asks after every tick and most events)
-        deadline = self.announcing.next_deadline(self._next_rebalance)
-        for d in self.requests.deadlines():
-            if d < deadline:
-                deadline = d
-        return deadline
+        return self.requests.earliest_deadline(self.announcing.next_deadline(self._next_rebalance))
 
     def answer_sync(self, request: SyncRequest) -> SyncResponse:
         """The responder side of a pull: a pure function of this node's digest."""
@@ -324,7 +324,7 @@ class NodeCore:
         matched = self.requests.local_match_blocks(req.chain, self.local.digest)
         cached = min(matched * bs, max(0, len(req.tokens) - 1))
         return RouteDecision(
-            target=self.peer_id, is_local=True, expected_cached_tokens=cached, reason=reason
+            target=self._config.peer_id, is_local=True, expected_cached_tokens=cached, reason=reason
         )
 
     def _on_client_request(self, ev: ClientRequest, now: float) -> list[Effect]:
@@ -348,7 +348,7 @@ class NodeCore:
             self.requests.start_queued(effects)
 
     def _route_and_dispatch(self, req: HeldRequest, now: float, effects: list[Effect]) -> None:
-        attempts_left = self.config.max_forward_attempts - len(req.tried)
+        attempts_left = self._config.max_forward_attempts - len(req.tried)
         if attempts_left > 0:
             decision = self._decide(
                 len(req.tokens), req.params, req.chain, now, req.tried, req.scaffold
@@ -366,7 +366,7 @@ class NodeCore:
         peer = decision.target
         req.tried.append(peer)
         self.requests.transition(
-            req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
+            req, Phase.FORWARDED, target=peer, deadline=now + self._config.first_token_timeout_s
         )
         # The claim reads the target's set, and the probation its speed: with changes waiting
         # for it, those taking them in would leave (read without taking them in, as routing
@@ -394,7 +394,7 @@ class NodeCore:
                 tokens=req.tokens,
                 params=req.params,
                 decision=decision,
-                first_token_timeout_s=self.config.first_token_timeout_s,
+                first_token_timeout_s=self._config.first_token_timeout_s,
                 attempt=len(req.tried),
                 scaffold=req.scaffold,
             )
@@ -552,7 +552,7 @@ class NodeCore:
         if not self.announcing.due(now):
             return
         self.choice.refresh_hints(now)
-        effects.append(self.announcing.publish(now, self.load(), self.peer_id))
+        effects.append(self.announcing.publish(now, self.load(), self._config.peer_id))
 
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
@@ -596,7 +596,7 @@ class NodeCore:
 
     def _on_peer_seen(self, ev: PeerSeen, now: float) -> list[Effect]:
         peer = ev.peer
-        if peer == self.peer_id:
+        if peer == self._config.peer_id:
             return []
         members = self.members
         if ev.rtt_s is None and peer not in members:

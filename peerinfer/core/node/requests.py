@@ -247,6 +247,15 @@ class Requests:
         """The first-token deadlines of the forwarded requests."""
         return [r.deadline for r in self._forwarded.values() if r.deadline is not None]
 
+    def earliest_deadline(self, floor: float) -> float:
+        """``min(floor, *self.deadlines())``, without the list (the simulator asks after
+        every tick and most events)."""
+        for r in self._forwarded.values():
+            d = r.deadline
+            if d is not None and d < floor:
+                floor = d
+        return floor
+
     def expired_forwards(self, now: float) -> list[HeldRequest]:
         """The requests forwarded whose first token did not come by ``now``."""
         return [
