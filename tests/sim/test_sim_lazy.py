@@ -219,7 +219,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # Liveness checks that visited only the members that can be due (``Members._check_by_clock``),
     # each also run as the loop over every member here and required to act the same.
     monkeypatch.setattr(members_module.Members, "check_clock", True)
-    clock_checks = members_module.Members.clock_checks
+    clock_checks = members_module.Members.counts.clock_checks
     monkeypatch.setattr(announcerun.AnnounceRun, "push_changes", counting_push_changes)
     monkeypatch.setattr(announcerun.AnnounceRun, "over_limit", counting_over_limit)
     monkeypatch.setattr(announcerun.AnnounceRun, "take_run", staticmethod(counting_take_run))
@@ -279,7 +279,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # (and those that sized nothing, every want minimal: each also sized every way)
     assert replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances > 500, \
         replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances
-    assert members_module.Members.clock_checks - clock_checks > 1000, members_module.Members.clock_checks
+    assert members_module.Members.counts.clock_checks - clock_checks > 1000, members_module.Members.counts.clock_checks
     assert changes["short rebalances reading moved runs"] > 50, changes  # 92 measured
     assert changes["short rebalances handing out spare"] > 300, changes  # 603
     # ... and the replicas of a peer that took the same deltas in share one set.
@@ -573,18 +573,18 @@ def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_chur
     with monkeypatch.context() as m:
         m.setattr(sim_module.Simulation, "node_overrides", overrides)
         m.setattr(members_module.Members, "check_clock", True)
-        checks = members_module.Members.clock_checks
-        stale = members_module.Members.clock_stale_visits
+        checks = members_module.Members.counts.clock_checks
+        stale = members_module.Members.counts.clock_stale_visits
         by_clock, _ = simulate(config, check=True)
-        assert members_module.Members.clock_checks - checks > 500  # 978 measured
-        assert members_module.Members.clock_stale_visits - stale > 20, \
-            members_module.Members.clock_stale_visits - stale
+        assert members_module.Members.counts.clock_checks - checks > 500  # 978 measured
+        assert members_module.Members.counts.clock_stale_visits - stale > 20, \
+            members_module.Members.counts.clock_stale_visits - stale
     with monkeypatch.context() as m:
         m.setattr(sim_module.Simulation, "node_overrides", overrides)
         m.setattr(peerview.PeerView, "run_clock", property(lambda self: None))
-        checks = members_module.Members.clock_checks
+        checks = members_module.Members.counts.clock_checks
         loop, _ = simulate(config, check=True)
-        assert members_module.Members.clock_checks == checks
+        assert members_module.Members.counts.clock_checks == checks
     assert by_clock.pings > 0 and by_clock.drops > 0, (by_clock.pings, by_clock.drops)
     def decisions(sim: sim_module.Simulation) -> dict[str, object]:
         live = [c for c in sim.cores if hasattr(c, "index")]  # (not the crashed ones)

@@ -72,6 +72,13 @@ from peerinfer.types import BlockHash, PeerId, RequestId
 
 __all__ = ["NodeCore"]
 
+# (module constants: ``Phase.X`` is a slow read on CPython 3.11, see ``requests._QUEUED``)
+_QUEUED = Phase.QUEUED
+_RUNNING = Phase.RUNNING
+_PREEMPTED = Phase.PREEMPTED
+_FORWARDED = Phase.FORWARDED
+_RELAYING = Phase.RELAYING
+
 
 class NodeCore:
     """The sans-IO node. Feed it ``handle(event, now)`` and ``tick(now)``; execute what they return.
@@ -366,7 +373,7 @@ class NodeCore:
         peer = decision.target
         req.tried.append(peer)
         self.requests.transition(
-            req, Phase.FORWARDED, target=peer, deadline=now + self._config.first_token_timeout_s
+            req, _FORWARDED, target=peer, deadline=now + self._config.first_token_timeout_s
         )
         # The claim reads the target's set, and the probation its speed: with changes waiting
         # for it, those taking them in would leave (read without taking them in, as routing
@@ -433,8 +440,8 @@ class NodeCore:
 
     def _on_forward_first_token(self, ev: ForwardFirstToken, now: float) -> list[Effect]:
         req = self.requests.get(ev.request_id)
-        if req is not None and req.phase is Phase.FORWARDED and req.target == ev.peer:
-            self.requests.transition(req, Phase.RELAYING)
+        if req is not None and req.phase is _FORWARDED and req.target == ev.peer:
+            self.requests.transition(req, _RELAYING)
         return []
 
     def _on_forward_finished(self, ev: ForwardFinished, now: float) -> list[Effect]:
@@ -510,12 +517,12 @@ class NodeCore:
             # answer there, nothing is left to resume.
             self.requests.end(req, effects)
             return effects
-        if ev.generated or req.phase is Phase.RELAYING:
+        if ev.generated or req.phase is _RELAYING:
             # Tokens already reached the client: finish here, after them, whatever the queue
             # holds (refusing now would cut a stream the client is reading).
             req.resume_after = req.resume_after + ev.generated
             req.decision = self._local_decision(req, f"resume after {ev.peer} failed mid-stream")
-            self.requests.transition(req, Phase.QUEUED)
+            self.requests.transition(req, _QUEUED)
             self.requests.start_queued(effects)
             return effects
         self._route_and_dispatch(req, now, effects)
@@ -526,10 +533,10 @@ class NodeCore:
         if req is None:
             return []
         effects: list[Effect] = []
-        if req.phase is Phase.RUNNING or req.phase is Phase.PREEMPTED:
+        if req.phase is _RUNNING or req.phase is _PREEMPTED:
             # LocalFinished ends it (the engine holds a preempted one's state too).
             effects.append(CancelLocal(req.request_id))
-        elif req.phase is Phase.QUEUED:
+        elif req.phase is _QUEUED:
             self.requests.end(req, effects)
         elif req.phase in FORWARD_PHASES:
             assert req.target is not None
