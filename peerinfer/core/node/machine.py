@@ -321,14 +321,14 @@ class NodeCore:
         req = self.requests
         return self.choice.decide(
             prompt_tokens, params, chain, now, exclude, scaffold,
-            local_matched_blocks=req.local_match_blocks(chain, self.local.digest),
+            local_matched_blocks=req.local_match_blocks(chain, self.announcing.local.digest),
             queued=req.queued, running=req.running,
             rtt=self.members.rtt, rtt_version=self.members.rtt_version, inflight=req.inflight,
         )
 
     def _local_decision(self, req: HeldRequest, reason: str) -> RouteDecision:
         bs = self.hasher.block_size
-        matched = self.requests.local_match_blocks(req.chain, self.local.digest)
+        matched = self.requests.local_match_blocks(req.chain, self.announcing.local.digest)
         cached = min(matched * bs, max(0, len(req.tokens) - 1))
         return RouteDecision(
             target=self._config.peer_id, is_local=True, expected_cached_tokens=cached, reason=reason
@@ -378,7 +378,7 @@ class NodeCore:
         # The claim reads the target's set, and the probation its speed: with changes waiting
         # for it, those taking them in would leave (read without taking them in, as routing
         # reads them: nothing else takes a followed peer's changes in, the run keeps them).
-        index = self.view.as_is
+        index = self._peer_index  # (``view.as_is``, without the property)
         waiting = self.view.waiting_changes_of(peer)
         if waiting is None:
             claimed = self.choice.digest_claim(peer, req.chain, len(req.tokens))
@@ -432,7 +432,7 @@ class NodeCore:
     def _apply_local_changes(
         self, added: Sequence[BlockHash], removed: Sequence[BlockHash]
     ) -> None:
-        local = self.local
+        local = self.announcing.local
         for h in removed:
             local.block_removed(h)
         for h in added:

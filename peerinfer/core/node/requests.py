@@ -270,6 +270,8 @@ class Requests:
 
     def expired_forwards(self, now: float) -> list[HeldRequest]:
         """The requests forwarded whose first token did not come by ``now``."""
+        if not self._forwarded:  # (every tick asks)
+            return []
         return [
             r for r in self._forwarded.values() if r.deadline is not None and r.deadline <= now
         ]
