@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
@@ -200,10 +201,11 @@ class ReplicaBudget:
     #: every peer's want with a full sort for the spare, and requires the same allowances
     #: (``tests/sim/test_sim_lazy.py``, ``tests/core/test_admission_core.py``)
     check_rebalances: ClassVar[bool] = False
-    #: how many rebalances sized the short way (for those tests: it ran)
-    short_rebalances: ClassVar[int] = 0
-    #: how many rebalances found every want minimal (``wants_minimal``): nothing sized
-    minimal_rebalances: ClassVar[int] = 0
+    #: how many rebalances sized the short way (``short_rebalances``, for those tests: it ran),
+    #: and found every want minimal (``minimal_rebalances``, ``wants_minimal``: nothing sized);
+    #: counted on an object, as writing a class attribute would make CPython drop what it
+    #: specialized for the class's attribute reads (``Members.counts``)
+    rebalance_counts: ClassVar[SimpleNamespace] = SimpleNamespace(short_rebalances=0, minimal_rebalances=0)
 
     def rebalance(
         self,
@@ -258,7 +260,7 @@ class ReplicaBudget:
         share = budget // (n + reserve)
         cap = self.max_replica_elements
         if minimal:
-            ReplicaBudget.minimal_rebalances += 1
+            ReplicaBudget.rebalance_counts.minimal_rebalances += 1
             spare = budget - reserve * share - n * MIN_ALLOWANCE
             if ReplicaBudget.check_rebalances:
                 states = list(self._states.values())
@@ -271,7 +273,7 @@ class ReplicaBudget:
             return []
         states = list(self._states.values())
         if share < MIN_ALLOWANCE and share < cap:
-            ReplicaBudget.short_rebalances += 1
+            ReplicaBudget.rebalance_counts.short_rebalances += 1
             given, sizes, spare = self._size_short(states, share, reserve, pending, followed)
             if ReplicaBudget.check_rebalances:
                 every = self._size_every(states, share, reserve, _merged(pending, followed))

@@ -18,6 +18,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import takewhile
+from types import SimpleNamespace
 
 from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
@@ -429,8 +430,10 @@ class ReplicaIndex(ReplicaBudget):
 
     #: tests: every ``_walk_runs`` also walks every peer and requires the same answer
     check_run_walks = False
-    #: how many walks ``_walk_runs`` answered (every index together; tests)
-    run_walks = 0
+    #: how many walks ``_walk_runs`` answered (every index together; tests), counted on an
+    #: object: writing a class attribute on every route would make CPython drop what it
+    #: specialized for this class's attribute reads (``Members.counts``)
+    walk_counts = SimpleNamespace(run_walks=0)
 
     def _walk_runs(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
@@ -505,7 +508,7 @@ class ReplicaIndex(ReplicaBudget):
                         group = by_depth[depth] = [holder]
                     else:
                         group.append(holder)
-        ReplicaIndex.run_walks += 1
+        ReplicaIndex.walk_counts.run_walks += 1
         if ReplicaIndex.check_run_walks:
             every = self._walk_sets(chain, {p: d for p, d in reads.items()})
             found: dict[int, int] = {}

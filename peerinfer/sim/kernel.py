@@ -165,15 +165,14 @@ class SimKernel:
         """Schedule an event that never keeps a finished run going (churn, heartbeats)."""
         heapq.heappush(self._heap, (t, next(self._seq), kind, *payload))
 
-    def _arm_tick(self, n: int, t: float) -> None:
+    def rearm(self, n: int, now: float) -> None:
+        """Arm node ``n``'s tick at its core's next deadline (just after ``now`` if it is due),
+        unless an earlier one is armed (each node has at most one live tick)."""
+        d = self.cores[n].next_deadline()
+        t = d if d > now else now + 1e-9
         if t < self._tick_at[n]:
             self._tick_at[n] = t
             heapq.heappush(self._heap, (t, next(self._seq), TICK, n))
-
-    def rearm(self, n: int, now: float) -> None:
-        """Arm node ``n``'s tick at its core's next deadline (just after ``now`` if it is due)."""
-        d = self.cores[n].next_deadline()
-        self._arm_tick(n, d if d > now else now + 1e-9)
 
     # ------------------------------------------------------------------ what the subclass does
 

@@ -73,7 +73,7 @@ def test_the_short_rebalance_sizes_as_the_rebalance_over_every_want(
     # Each short rebalance also sizes the long way and asserts the same (the hook).
     monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
     rng = random.Random(25)
-    short = replicabudget.ReplicaBudget.short_rebalances
+    short = replicabudget.ReplicaBudget.rebalance_counts.short_rebalances
     beyond_the_head = 0
     for _ in range(150):
         index, pending, followed = _trial(rng)
@@ -85,7 +85,7 @@ def test_the_short_rebalance_sizes_as_the_rebalance_over_every_want(
         assert sum(index.allowance(p) for p in index.peers()) <= index.replica_budget_blocks
         # The spare went past the peers with the most hits: the rest of the order was read.
         beyond_the_head += sum(1 for p in index.peers() if index.allowance(p) > share) > heads
-    assert replicabudget.ReplicaBudget.short_rebalances - short >= 150  # (and newcomers')
+    assert replicabudget.ReplicaBudget.rebalance_counts.short_rebalances - short >= 150  # (and newcomers')
     assert beyond_the_head > 8, beyond_the_head  # 15 measured
 
 
@@ -161,7 +161,7 @@ def test_a_rebalance_with_every_want_minimal_sizes_as_the_rebalance_over_every_w
     peer what sizing every want gives (the hook compares), and leaves the index as that does."""
     monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
     rng = random.Random(64)
-    minimal = replicabudget.ReplicaBudget.minimal_rebalances
+    minimal = replicabudget.ReplicaBudget.rebalance_counts.minimal_rebalances
     fast = slow = 0
     for _ in range(300):
         index, pending, followed, bound = _minimal_trial(rng)
@@ -173,7 +173,7 @@ def test_a_rebalance_with_every_want_minimal_sizes_as_the_rebalance_over_every_w
             slow += 1
             index.rebalance(pending=pending, followed=followed)
         index.check_invariants()
-    assert replicabudget.ReplicaBudget.minimal_rebalances - minimal == fast
+    assert replicabudget.ReplicaBudget.rebalance_counts.minimal_rebalances - minimal == fast
     assert fast > 60 and slow > 60, (fast, slow)
 
 

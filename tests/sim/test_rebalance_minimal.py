@@ -18,7 +18,7 @@ def test_rebalances_size_nothing_until_a_cache_grows_past_half_the_minimum(
 ) -> None:
     monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
     budget = replicabudget.ReplicaBudget
-    minimal_before = budget.minimal_rebalances
+    minimal_before = budget.rebalance_counts.minimal_rebalances
     seen = {"minimal": 0, "sized": 0}
     rebalance = budget.rebalance
 
@@ -31,7 +31,7 @@ def test_rebalances_size_nothing_until_a_cache_grows_past_half_the_minimum(
     block = 16
     sim, _ = simulate(SimConfig(nodes=4, requests=700, rate=4.0, skew="uniform",
                                 cache_tokens=block * 3 * MIN_ALLOWANCE, seed=3))
-    assert budget.minimal_rebalances - minimal_before == seen["minimal"]
+    assert budget.rebalance_counts.minimal_rebalances - minimal_before == seen["minimal"]
     # Both kinds ran: small caches first, then past half the minimum.
     assert seen["minimal"] > 5 and seen["sized"] > 5, seen
     assert max(len(core.local.digest) for core in sim.cores) > MIN_ALLOWANCE // 2

@@ -219,7 +219,7 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # Liveness checks that visited only the members that can be due (``Members._check_by_clock``),
     # each also run as the loop over every member here and required to act the same.
     monkeypatch.setattr(members_module.Members, "check_clock", True)
-    clock_checks = members_module.Members.clock_checks
+    clock_checks = members_module.Members.counts.clock_checks
     monkeypatch.setattr(announcerun.AnnounceRun, "push_changes", counting_push_changes)
     monkeypatch.setattr(announcerun.AnnounceRun, "over_limit", counting_over_limit)
     monkeypatch.setattr(announcerun.AnnounceRun, "take_run", staticmethod(counting_take_run))
@@ -227,15 +227,15 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     # Routes that asked only the runs holding the prompt's first block (``_walk_runs``), each
     # also walked over every peer here and required to give the same answer.
     monkeypatch.setattr(replicaindex.ReplicaIndex, "check_run_walks", True)
-    run_walks = replicaindex.ReplicaIndex.run_walks
+    run_walks = replicaindex.ReplicaIndex.walk_counts.run_walks
     # Rebalances sized the short way (every want above the equal share: the tight budgets),
     # each also sized over every peer's want here and required to give the same; counted with
     # the followed runs read in place of pending and the spare handed out.
     from peerinfer.core import replicabudget
 
     monkeypatch.setattr(replicabudget.ReplicaBudget, "check_rebalances", True)
-    short_rebalances = replicabudget.ReplicaBudget.short_rebalances
-    minimal_rebalances = replicabudget.ReplicaBudget.minimal_rebalances
+    short_rebalances = replicabudget.ReplicaBudget.rebalance_counts.short_rebalances
+    minimal_rebalances = replicabudget.ReplicaBudget.rebalance_counts.minimal_rebalances
     size_short = replicabudget.ReplicaBudget._size_short
 
     def counting_size_short(self: replicabudget.ReplicaBudget, states: list[object], share: int,
@@ -274,12 +274,12 @@ def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.Mo
     assert changes["handed alone"] >= 10, changes
     assert changes["walks without masks"] > 1000 and changes["with newer sets"] > 1000, changes
     assert changes["members heard through runs"] > 1000, changes
-    assert replicaindex.ReplicaIndex.run_walks - run_walks > 500, replicaindex.ReplicaIndex.run_walks  # 897
-    assert replicabudget.ReplicaBudget.short_rebalances - short_rebalances > 500
+    assert replicaindex.ReplicaIndex.walk_counts.run_walks - run_walks > 500, replicaindex.ReplicaIndex.walk_counts.run_walks  # 897
+    assert replicabudget.ReplicaBudget.rebalance_counts.short_rebalances - short_rebalances > 500
     # (and those that sized nothing, every want minimal: each also sized every way)
-    assert replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances > 500, \
-        replicabudget.ReplicaBudget.minimal_rebalances - minimal_rebalances
-    assert members_module.Members.clock_checks - clock_checks > 1000, members_module.Members.clock_checks
+    assert replicabudget.ReplicaBudget.rebalance_counts.minimal_rebalances - minimal_rebalances > 500, \
+        replicabudget.ReplicaBudget.rebalance_counts.minimal_rebalances - minimal_rebalances
+    assert members_module.Members.counts.clock_checks - clock_checks > 1000, members_module.Members.counts.clock_checks
     assert changes["short rebalances reading moved runs"] > 50, changes  # 92 measured
     assert changes["short rebalances handing out spare"] > 300, changes  # 603
     # ... and the replicas of a peer that took the same deltas in share one set.
@@ -573,18 +573,18 @@ def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_chur
     with monkeypatch.context() as m:
         m.setattr(sim_module.Simulation, "node_overrides", overrides)
         m.setattr(members_module.Members, "check_clock", True)
-        checks = members_module.Members.clock_checks
-        stale = members_module.Members.clock_stale_visits
+        checks = members_module.Members.counts.clock_checks
+        stale = members_module.Members.counts.clock_stale_visits
         by_clock, _ = simulate(config, check=True)
-        assert members_module.Members.clock_checks - checks > 500  # 978 measured
-        assert members_module.Members.clock_stale_visits - stale > 20, \
-            members_module.Members.clock_stale_visits - stale
+        assert members_module.Members.counts.clock_checks - checks > 500  # 978 measured
+        assert members_module.Members.counts.clock_stale_visits - stale > 20, \
+            members_module.Members.counts.clock_stale_visits - stale
     with monkeypatch.context() as m:
         m.setattr(sim_module.Simulation, "node_overrides", overrides)
         m.setattr(peerview.PeerView, "run_clock", property(lambda self: None))
-        checks = members_module.Members.clock_checks
+        checks = members_module.Members.counts.clock_checks
         loop, _ = simulate(config, check=True)
-        assert members_module.Members.clock_checks == checks
+        assert members_module.Members.counts.clock_checks == checks
     assert by_clock.pings > 0 and by_clock.drops > 0, (by_clock.pings, by_clock.drops)
     def decisions(sim: sim_module.Simulation) -> dict[str, object]:
         live = [c for c in sim.cores if hasattr(c, "index")]  # (not the crashed ones)

@@ -72,6 +72,13 @@ from peerinfer.types import BlockHash, PeerId, RequestId
 
 __all__ = ["NodeCore"]
 
+# (module constants: ``Phase.X`` is a slow read on CPython 3.11, see ``requests._QUEUED``)
+_QUEUED = Phase.QUEUED
+_RUNNING = Phase.RUNNING
+_PREEMPTED = Phase.PREEMPTED
+_FORWARDED = Phase.FORWARDED
+_RELAYING = Phase.RELAYING
+
 
 class NodeCore:
     """The sans-IO node. Feed it ``handle(event, now)`` and ``tick(now)``; execute what they return.
@@ -197,16 +204,19 @@ class NodeCore:
         handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"NodeCore cannot handle {type(event).__name__}")
-        changes = self._peer_index.allowance_changes
+        index = self._peer_index
+        changes = index.allowance_changes
         self.requests.clock = now
         effects: list[Effect] = handler(self, event, now)
-        self.view.recheck_following(changes)
+        if index.allowance_changes != changes:  # (else ``recheck_following`` has nothing to do)
+            self.view.recheck_following(changes)
         return effects
 
     def tick(self, now: float) -> list[Effect]:
         """Timers: announcements, sync deadlines, forward deadlines, liveness."""
         effects: list[Effect] = []
-        changes = self._peer_index.allowance_changes
+        index = self._peer_index
+        changes = index.allowance_changes
         self.requests.clock = now
         self._check_forward_deadlines(now, effects)
         self.announcing.check_deadlines(now, effects)
@@ -218,10 +228,11 @@ class NodeCore:
         self._maybe_announce(now, effects)
         self.view.expire(now)
         if now >= self._next_rebalance:
-            self._next_rebalance = now + self.config.rebalance_interval_s
+            self._next_rebalance = now + self._config.rebalance_interval_s
             for peer in self.view.rebalance():
                 self.announcing.replica_emptied(peer)
-        self.view.recheck_following(changes)
+        if index.allowance_changes != changes:
+            self.view.recheck_following(changes)
         return effects
 
     def take_refusals(self) -> list[tuple[PeerId, str, str]]:
@@ -236,11 +247,7 @@ class NodeCore:
     def next_deadline(self) -> float:
         """The latest time by which ``tick`` must run again."""
         # (no list of every candidate: the simulator asks after every tick and most events)
-        deadline = self.announcing.next_deadline(self._next_rebalance)
-        for d in self.requests.deadlines():
-            if d < deadline:
-                deadline = d
-        return deadline
+        return self.requests.earliest_deadline(self.announcing.next_deadline(self._next_rebalance))
 
     def answer_sync(self, request: SyncRequest) -> SyncResponse:
         """The responder side of a pull: a pure function of this node's digest."""
@@ -314,17 +321,17 @@ class NodeCore:
         req = self.requests
         return self.choice.decide(
             prompt_tokens, params, chain, now, exclude, scaffold,
-            local_matched_blocks=req.local_match_blocks(chain, self.local.digest),
+            local_matched_blocks=req.local_match_blocks(chain, self.announcing.local.digest),
             queued=req.queued, running=req.running,
             rtt=self.members.rtt, rtt_version=self.members.rtt_version, inflight=req.inflight,
         )
 
     def _local_decision(self, req: HeldRequest, reason: str) -> RouteDecision:
         bs = self.hasher.block_size
-        matched = self.requests.local_match_blocks(req.chain, self.local.digest)
+        matched = self.requests.local_match_blocks(req.chain, self.announcing.local.digest)
         cached = min(matched * bs, max(0, len(req.tokens) - 1))
         return RouteDecision(
-            target=self.peer_id, is_local=True, expected_cached_tokens=cached, reason=reason
+            target=self._config.peer_id, is_local=True, expected_cached_tokens=cached, reason=reason
         )
 
     def _on_client_request(self, ev: ClientRequest, now: float) -> list[Effect]:
@@ -348,7 +355,7 @@ class NodeCore:
             self.requests.start_queued(effects)
 
     def _route_and_dispatch(self, req: HeldRequest, now: float, effects: list[Effect]) -> None:
-        attempts_left = self.config.max_forward_attempts - len(req.tried)
+        attempts_left = self._config.max_forward_attempts - len(req.tried)
         if attempts_left > 0:
             decision = self._decide(
                 len(req.tokens), req.params, req.chain, now, req.tried, req.scaffold
@@ -366,12 +373,12 @@ class NodeCore:
         peer = decision.target
         req.tried.append(peer)
         self.requests.transition(
-            req, Phase.FORWARDED, target=peer, deadline=now + self.config.first_token_timeout_s
+            req, _FORWARDED, target=peer, deadline=now + self._config.first_token_timeout_s
         )
         # The claim reads the target's set, and the probation its speed: with changes waiting
         # for it, those taking them in would leave (read without taking them in, as routing
         # reads them: nothing else takes a followed peer's changes in, the run keeps them).
-        index = self.view.as_is
+        index = self._peer_index  # (``view.as_is``, without the property)
         waiting = self.view.waiting_changes_of(peer)
         if waiting is None:
             claimed = self.choice.digest_claim(peer, req.chain, len(req.tokens))
@@ -394,7 +401,7 @@ class NodeCore:
                 tokens=req.tokens,
                 params=req.params,
                 decision=decision,
-                first_token_timeout_s=self.config.first_token_timeout_s,
+                first_token_timeout_s=self._config.first_token_timeout_s,
                 attempt=len(req.tried),
                 scaffold=req.scaffold,
             )
@@ -425,7 +432,7 @@ class NodeCore:
     def _apply_local_changes(
         self, added: Sequence[BlockHash], removed: Sequence[BlockHash]
     ) -> None:
-        local = self.local
+        local = self.announcing.local
         for h in removed:
             local.block_removed(h)
         for h in added:
@@ -433,8 +440,8 @@ class NodeCore:
 
     def _on_forward_first_token(self, ev: ForwardFirstToken, now: float) -> list[Effect]:
         req = self.requests.get(ev.request_id)
-        if req is not None and req.phase is Phase.FORWARDED and req.target == ev.peer:
-            self.requests.transition(req, Phase.RELAYING)
+        if req is not None and req.phase is _FORWARDED and req.target == ev.peer:
+            self.requests.transition(req, _RELAYING)
         return []
 
     def _on_forward_finished(self, ev: ForwardFinished, now: float) -> list[Effect]:
@@ -510,12 +517,12 @@ class NodeCore:
             # answer there, nothing is left to resume.
             self.requests.end(req, effects)
             return effects
-        if ev.generated or req.phase is Phase.RELAYING:
+        if ev.generated or req.phase is _RELAYING:
             # Tokens already reached the client: finish here, after them, whatever the queue
             # holds (refusing now would cut a stream the client is reading).
             req.resume_after = req.resume_after + ev.generated
             req.decision = self._local_decision(req, f"resume after {ev.peer} failed mid-stream")
-            self.requests.transition(req, Phase.QUEUED)
+            self.requests.transition(req, _QUEUED)
             self.requests.start_queued(effects)
             return effects
         self._route_and_dispatch(req, now, effects)
@@ -526,10 +533,10 @@ class NodeCore:
         if req is None:
             return []
         effects: list[Effect] = []
-        if req.phase is Phase.RUNNING or req.phase is Phase.PREEMPTED:
+        if req.phase is _RUNNING or req.phase is _PREEMPTED:
             # LocalFinished ends it (the engine holds a preempted one's state too).
             effects.append(CancelLocal(req.request_id))
-        elif req.phase is Phase.QUEUED:
+        elif req.phase is _QUEUED:
             self.requests.end(req, effects)
         elif req.phase in FORWARD_PHASES:
             assert req.target is not None
@@ -552,7 +559,7 @@ class NodeCore:
         if not self.announcing.due(now):
             return
         self.choice.refresh_hints(now)
-        effects.append(self.announcing.publish(now, self.load(), self.peer_id))
+        effects.append(self.announcing.publish(now, self.load(), self._config.peer_id))
 
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
@@ -596,7 +603,7 @@ class NodeCore:
 
     def _on_peer_seen(self, ev: PeerSeen, now: float) -> list[Effect]:
         peer = ev.peer
-        if peer == self.peer_id:
+        if peer == self._config.peer_id:
             return []
         members = self.members
         if ev.rtt_s is None and peer not in members:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar, Protocol
 
 from peerinfer.core.node.config import NodeConfig
@@ -62,10 +63,11 @@ class Members:
     #: test hook: each check that reads the run clock also runs the loop over every member
     #: (on copies) and requires the same pings and forgets (``tests/sim/test_sim_lazy.py``)
     check_clock: ClassVar[bool] = False
-    #: how many checks read the run clock, and the members they visited for a stale run (for
-    #: those tests: it ran)
-    clock_checks: ClassVar[int] = 0
-    clock_stale_visits: ClassVar[int] = 0
+    #: how many checks read the run clock (``clock_checks``), and the members they visited for
+    #: a stale run (``clock_stale_visits``), for those tests: it ran. Counted on an object, not
+    #: as class attributes: CPython drops what it specialized for a class's attribute reads
+    #: (its instances' too) whenever an attribute of the class is written, here every tick.
+    counts: ClassVar[SimpleNamespace] = SimpleNamespace(clock_checks=0, clock_stale_visits=0)
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
@@ -245,8 +247,8 @@ class Members:
             record = record_of(peer)
             if record is not None and record.run is stale and peer in members:
                 due.add(peer)
-                Members.clock_stale_visits += 1
-        Members.clock_checks += 1
+                Members.counts.clock_stale_visits += 1
+        Members.counts.clock_checks += 1
         expected: list[tuple[PeerId, bool]] | None = None
         if Members.check_clock:
             expected, every_due = self._loop_actions(now, followed)
