@@ -546,9 +546,19 @@ class ReplicaIndex(ReplicaBudget):
         else:
             # Without masks no walk reads a combined speculative mask (each peer with entries
             # is asked alone, by its counts: ``_walk_sets``), so none is kept.
-            get = refs.get
-            for h in blocks:
-                refs[h] = get(h, 0) + 1
+            counted = False
+            if not refs:
+                # The peer's only live entry (most are: its next announcement confirms it):
+                # each block counted once, in C. A chain names each prefix once, so its blocks
+                # are distinct; if some repeat, they are counted one by one below.
+                refs.update(dict.fromkeys(blocks, 1))
+                counted = len(refs) == len(blocks)
+                if not counted:
+                    refs.clear()
+            if not counted:
+                get = refs.get
+                for h in blocks:
+                    refs[h] = get(h, 0) + 1
         self._spec_queue.append(entry)
         if state.spec_entries is None:
             state.spec_entries = deque()
@@ -693,6 +703,23 @@ class ReplicaIndex(ReplicaBudget):
         refs = state.spec_refs
         # (without masks no combined speculative masks are kept: ``add_speculative``)
         spec = self._spec_masks if self.masks else None
+        if spec is None and state.spec_live == 1:
+            # The peer's last live entry (nearly every drop: an entry mostly lives alone until
+            # its peer's next announcement): the counts are this entry's blocks alone, so
+            # counting each down would empty them.
+            refs.clear()
+        else:
+            self._uncount_blocks(entry, refs, spec)
+        state.spec_live -= 1
+        self._spec_live -= 1
+        self._spec_blocks -= len(entry.blocks)
+
+    def _uncount_blocks(
+        self, entry: _SpecEntry, refs: dict[BlockHash, int], spec: dict[BlockHash, int] | None
+    ) -> None:
+        """Count ``entry``'s blocks down in its peer's ``refs`` (and, with masks, clear the
+        peer's bit in ``spec`` where a count reaches 0)."""
+        state = entry.state
         for h in entry.blocks:
             count = refs[h] - 1
             if count:
@@ -705,9 +732,6 @@ class ReplicaIndex(ReplicaBudget):
                         spec[h] = m
                     else:
                         del spec[h]
-        state.spec_live -= 1
-        self._spec_live -= 1
-        self._spec_blocks -= len(entry.blocks)
 
     def _compact_queues(self, state: _PeerState) -> None:
         # Dead entries are removed lazily; rebuild a queue once they are the majority so the
