@@ -161,6 +161,10 @@ class ReplicaIndex(ReplicaBudget):
         self._membership_changes = 0
         self._rtt_order: list[tuple[float, int, _PeerState]] = []
         self._rtt_order_key: tuple[object, int] = (None, -1)
+        #: ``_not_followed``'s answer, for which ``following`` and at which counts
+        self._not_followed_set: set[PeerId] = set()
+        self._not_followed_of: object = None
+        self._not_followed_key: tuple[int | None, int] = (None, -1)
 
     # ---------------------------------------------------------------------------- peers
 
@@ -445,6 +449,22 @@ class ReplicaIndex(ReplicaBudget):
             out.append((depth, mask))
         return out
 
+    def _not_followed(
+        self, following: Mapping[PeerId, object], following_changes: int | None
+    ) -> set[PeerId]:
+        """The peers not in ``following`` (read, not to be changed), kept while neither the
+        peers nor ``following`` (counted by ``following_changes``) change: every route asks,
+        and a swarm's node follows nearly every peer, so the answer is mostly empty and the
+        same for many routes. Kept as the set the difference makes, so that it iterates in the
+        same order as one made anew."""
+        key = (following_changes, self._membership_changes)
+        if following_changes is None or self._not_followed_of is not following \
+                or self._not_followed_key != key:
+            self._not_followed_set = self._states.keys() - following.keys()
+            self._not_followed_of = following
+            self._not_followed_key = key
+        return self._not_followed_set
+
     def _holders_by_depth(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> dict[int, list[_PeerState]]:
@@ -460,9 +480,16 @@ class ReplicaIndex(ReplicaBudget):
         states = self._states
         following = reads.following
         spec = self._spec_holders
-        alone = states.keys() - following.keys()
+        alone = self._not_followed(following, reads.following_changes)
         if spec:
-            alone |= spec.keys() & following.keys()
+            also = spec.keys() & following.keys()
+            if also:
+                if alone or len(also) > 1:
+                    # (made as it always was, so that the peers come in the same order)
+                    alone = states.keys() - following.keys()
+                    alone |= also
+                else:
+                    alone = also
         by_depth: dict[int, list[_PeerState]] = {}
         newer_get = reads.get
         for peer in alone:

@@ -738,3 +738,36 @@ def test_speculative_counts_without_masks_equal_the_counting_ones() -> None:
             {p: s.spec_refs for p, s in reference._states.items()}
     # Not vacuous: both fast paths taken often, and repeated blocks added.
     assert first > 100 and last > 30 and repeats > 50, (first, last, repeats)
+
+
+def test_the_peers_not_followed_are_kept_until_the_peers_or_those_followed_change() -> None:
+    """``_not_followed`` (a route's peers asked alone) keeps its answer between routes: through
+    random peers added and removed and peers followed and left (each counted), it must equal
+    the difference made anew, in the same order (the order the peers are asked in)."""
+    import random
+
+    rng = random.Random(11)
+    index = make_index(masks=False)
+    following: dict[PeerId, object] = {}
+    changes = 0
+    kept = 0
+    for _ in range(600):
+        op = rng.random()
+        peer = rng.choice(P[:10])
+        if op < 0.2:
+            index.add_peer(peer)
+        elif op < 0.3:
+            index.remove_peer(peer)
+        elif op < 0.5:
+            if peer not in following:
+                following[peer] = object()
+                changes += 1
+        elif op < 0.6:
+            if following.pop(peer, None) is not None:
+                changes += 1
+        before = index._not_followed_set
+        got = index._not_followed(following, changes)
+        kept += got is before
+        anew = index._states.keys() - following.keys()
+        assert got == anew and list(got) == list(anew)
+    assert kept > 200, kept  # not vacuous: often kept
