@@ -165,6 +165,12 @@ class ReplicaIndex(ReplicaBudget):
         self._not_followed_set: set[PeerId] = set()
         self._not_followed_of: object = None
         self._not_followed_key: tuple[int | None, int] = (None, -1)
+        #: ``_followed_by_run_slot``'s answer, for which ``following`` and ``holders``, at
+        #: which counts
+        self._by_run_slot: list[_PeerState | None] = []
+        self._by_run_slot_of: object = None
+        self._by_run_slot_holders: object = None
+        self._by_run_slot_key: tuple[int | None, int, int] = (None, -1, -1)
 
     # ---------------------------------------------------------------------------- peers
 
@@ -465,6 +471,34 @@ class ReplicaIndex(ReplicaBudget):
             self._not_followed_key = key
         return self._not_followed_set
 
+    def _followed_by_run_slot(
+        self, reads: RunReads, holders: RunHolders
+    ) -> list[_PeerState | None]:
+        """Per slot of ``holders``, the state of the peer this node follows through the run in
+        that slot (the slot's sender, followed, through the run holding the slot: the run a
+        node follows is alive, so it keeps its slot), else None: what a route's walk over the
+        runs reads of each run. Kept while neither the peers, nor the peers followed
+        (``RunReads.following_changes``: a followed peer's run changes only with them), nor
+        the number of slots change."""
+        following = reads.following
+        changes = reads.following_changes
+        senders = holders.senders
+        key = (changes, self._membership_changes, len(senders))
+        if (changes is None or self._by_run_slot_of is not following
+                or self._by_run_slot_holders is not holders or self._by_run_slot_key != key):
+            states = self._states
+            by_run_slot: list[_PeerState | None] = [None] * len(senders)
+            for peer, kept in following.items():
+                run = kept.run
+                slot = -1 if run is None else run.holder_slot
+                if 0 <= slot < len(senders) and senders[slot] == peer:
+                    by_run_slot[slot] = states.get(peer)
+            self._by_run_slot = by_run_slot
+            self._by_run_slot_of = following
+            self._by_run_slot_holders = holders
+            self._by_run_slot_key = key
+        return self._by_run_slot
+
     def _holders_by_depth(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> dict[int, list[_PeerState]]:
@@ -507,31 +541,21 @@ class ReplicaIndex(ReplicaBudget):
                     by_depth[depth] = [state]
                 else:
                     group.append(state)
-        get_kept = following.get
-        get_state = states.get
-        senders = holders.senders
+        followed = self._followed_by_run_slot(reads, holders)
         # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
-        # chain); of those, the runs this node follows for their senders (the run a node
-        # follows is alive, so it is the slot's run when it holds that slot).
+        # chain); of those, the runs this node follows for their senders.
         for depth, slots in holders.walk(chain):
             group = by_depth.get(depth)
             while slots:
                 low = slots & -slots
                 slots ^= low
-                slot = low.bit_length() - 1
-                sender: PeerId = senders[slot]  # type: ignore[assignment]  # (a PeerId is a str)
-                kept = get_kept(sender)
-                if kept is None:
+                holder = followed[low.bit_length() - 1]
+                if holder is None or holder.peer in spec:
                     continue
-                run = kept.run
-                if run is None or run.holder_slot != slot or sender in spec:
-                    continue
-                holder = get_state(sender)
-                if holder is not None:
-                    if group is None:
-                        group = by_depth[depth] = [holder]
-                    else:
-                        group.append(holder)
+                if group is None:
+                    group = by_depth[depth] = [holder]
+                else:
+                    group.append(holder)
         ReplicaIndex.run_walks += 1
         if ReplicaIndex.check_run_walks:
             every = self._walk_sets(chain, {p: d for p, d in reads.items()})
