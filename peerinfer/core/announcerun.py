@@ -501,7 +501,7 @@ class RunReads(Mapping[PeerId, MerkleDigest]):
     nothing changed since). So the index reads those peers' depths off the runs' walk
     (``RunHolders.walk``), and asks every other peer alone (``ReplicaIndex._walk_runs``)."""
 
-    __slots__ = ("following", "changed", "unapplied", "holders")
+    __slots__ = ("following", "changed", "unapplied", "holders", "following_changes")
 
     def __init__(
         self,
@@ -509,9 +509,13 @@ class RunReads(Mapping[PeerId, MerkleDigest]):
         changed: set[PeerId],
         unapplied: Mapping[PeerId, _Followed],
         holders: RunHolders | None,
+        following_changes: int | None = None,
     ) -> None:
         self.following, self.changed, self.unapplied = following, changed, unapplied
         self.holders = holders
+        #: a count that grows whenever a peer joins or leaves ``following`` (the index then
+        #: keeps which of its peers are not followed between routes), or None: not counted
+        self.following_changes = following_changes
 
     def get(self, peer: PeerId, default: Any = None) -> Any:
         kept = self.following.get(peer)

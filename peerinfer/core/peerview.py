@@ -118,7 +118,7 @@ class PeerView:
     """
 
     __slots__ = ("_index", "_me", "lazy", "_kept", "_unapplied", "_following", "_heard_through_run",
-                 "_pull_idle", "_changed", "_run_holders")
+                 "_pull_idle", "_changed", "_run_holders", "_following_changes")
 
     def __init__(
         self,
@@ -138,6 +138,8 @@ class PeerView:
         self._unapplied: dict[PeerId, _Kept] = {}
         #: per peer, the kept record of the shared run this node follows (``AnnounceRun``)
         self._following: dict[PeerId, _Kept] = {}
+        #: grows whenever a peer joins or leaves ``_following`` (``RunReads.following_changes``)
+        self._following_changes = 0
         #: the peers whose kept record holds a followed run's announcements with changes
         self._changed: set[PeerId] = set()
         self._heard_through_run = heard_through_run
@@ -350,6 +352,7 @@ class PeerView:
         allowance = self._index.allowance(peer)
         run.followers[self._me] = replica.max_elements if replica.max_elements < allowance else allowance
         self._following[peer] = kept
+        self._following_changes += 1
         if run.holders is not None:
             run.holders.moved(run)  # (listed again if dropped as stale without followers)
         holders = self._run_holders
@@ -390,7 +393,7 @@ class PeerView:
         holders = self._run_holders
         if not index.masks and isinstance(holders, RunHolders):
             # Every followed run indexed in one place: read per peer, matched run by run.
-            newer = RunReads(following, self._changed, unapplied, holders)
+            newer = RunReads(following, self._changed, unapplied, holders, self._following_changes)
         elif not index.masks:
             # (attributes read inline: every followed peer, every route)
             newer = {
@@ -512,7 +515,10 @@ class PeerView:
     def leave_run(self, peer: PeerId) -> None:
         """Stop following ``peer``'s run (what it got so far is kept, to be taken in)."""
         kept = self._following.pop(peer, None)
-        if kept is None or kept.run is None:
+        if kept is None:
+            return
+        self._following_changes += 1
+        if kept.run is None:
             return
         self._catch_up(peer, kept)
         kept.run.followers.pop(self._me, None)

@@ -162,6 +162,16 @@ class ReplicaIndex(ReplicaBudget):
         self._membership_changes = 0
         self._rtt_order: list[tuple[float, int, _PeerState]] = []
         self._rtt_order_key: tuple[object, int] = (None, -1)
+        #: ``_not_followed``'s answer, for which ``following`` and at which counts
+        self._not_followed_set: set[PeerId] = set()
+        self._not_followed_of: object = None
+        self._not_followed_key: tuple[int | None, int] = (None, -1)
+        #: ``_followed_by_run_slot``'s answer, for which ``following`` and ``holders``, at
+        #: which counts
+        self._by_run_slot: list[_PeerState | None] = []
+        self._by_run_slot_of: object = None
+        self._by_run_slot_holders: object = None
+        self._by_run_slot_key: tuple[int | None, int, int] = (None, -1, -1)
 
     # ---------------------------------------------------------------------------- peers
 
@@ -448,6 +458,50 @@ class ReplicaIndex(ReplicaBudget):
             out.append((depth, mask))
         return out
 
+    def _not_followed(
+        self, following: Mapping[PeerId, object], following_changes: int | None
+    ) -> set[PeerId]:
+        """The peers not in ``following`` (read, not to be changed), kept while neither the
+        peers nor ``following`` (counted by ``following_changes``) change: every route asks,
+        and a swarm's node follows nearly every peer, so the answer is mostly empty and the
+        same for many routes. Kept as the set the difference makes, so that it iterates in the
+        same order as one made anew."""
+        key = (following_changes, self._membership_changes)
+        if following_changes is None or self._not_followed_of is not following \
+                or self._not_followed_key != key:
+            self._not_followed_set = self._states.keys() - following.keys()
+            self._not_followed_of = following
+            self._not_followed_key = key
+        return self._not_followed_set
+
+    def _followed_by_run_slot(
+        self, reads: RunReads, holders: RunHolders
+    ) -> list[_PeerState | None]:
+        """Per slot of ``holders``, the state of the peer this node follows through the run in
+        that slot (the slot's sender, followed, through the run holding the slot: the run a
+        node follows is alive, so it keeps its slot), else None: what a route's walk over the
+        runs reads of each run. Kept while neither the peers, nor the peers followed
+        (``RunReads.following_changes``: a followed peer's run changes only with them), nor
+        the number of slots change."""
+        following = reads.following
+        changes = reads.following_changes
+        senders = holders.senders
+        key = (changes, self._membership_changes, len(senders))
+        if (changes is None or self._by_run_slot_of is not following
+                or self._by_run_slot_holders is not holders or self._by_run_slot_key != key):
+            states = self._states
+            by_run_slot: list[_PeerState | None] = [None] * len(senders)
+            for peer, kept in following.items():
+                run = kept.run
+                slot = -1 if run is None else run.holder_slot
+                if 0 <= slot < len(senders) and senders[slot] == peer:
+                    by_run_slot[slot] = states.get(peer)
+            self._by_run_slot = by_run_slot
+            self._by_run_slot_of = following
+            self._by_run_slot_holders = holders
+            self._by_run_slot_key = key
+        return self._by_run_slot
+
     def _holders_by_depth(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> dict[int, list[_PeerState]]:
@@ -463,9 +517,16 @@ class ReplicaIndex(ReplicaBudget):
         states = self._states
         following = reads.following
         spec = self._spec_holders
-        alone = states.keys() - following.keys()
+        alone = self._not_followed(following, reads.following_changes)
         if spec:
-            alone |= spec.keys() & following.keys()
+            also = spec.keys() & following.keys()
+            if also:
+                if alone or len(also) > 1:
+                    # (made as it always was, so that the peers come in the same order)
+                    alone = states.keys() - following.keys()
+                    alone |= also
+                else:
+                    alone = also
         by_depth: dict[int, list[_PeerState]] = {}
         newer_get = reads.get
         for peer in alone:
@@ -483,31 +544,21 @@ class ReplicaIndex(ReplicaBudget):
                     by_depth[depth] = [state]
                 else:
                     group.append(state)
-        get_kept = following.get
-        get_state = states.get
-        senders = holders.senders
+        followed = self._followed_by_run_slot(reads, holders)
         # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
-        # chain); of those, the runs this node follows for their senders (the run a node
-        # follows is alive, so it is the slot's run when it holds that slot).
+        # chain); of those, the runs this node follows for their senders.
         for depth, slots in holders.walk(chain):
             group = by_depth.get(depth)
             while slots:
                 low = slots & -slots
                 slots ^= low
-                slot = low.bit_length() - 1
-                sender: PeerId = senders[slot]  # type: ignore[assignment]  # (a PeerId is a str)
-                kept = get_kept(sender)
-                if kept is None:
+                holder = followed[low.bit_length() - 1]
+                if holder is None or holder.peer in spec:
                     continue
-                run = kept.run
-                if run is None or run.holder_slot != slot or sender in spec:
-                    continue
-                holder = get_state(sender)
-                if holder is not None:
-                    if group is None:
-                        group = by_depth[depth] = [holder]
-                    else:
-                        group.append(holder)
+                if group is None:
+                    group = by_depth[depth] = [holder]
+                else:
+                    group.append(holder)
         ReplicaIndex.walk_counts.run_walks += 1
         if ReplicaIndex.check_run_walks:
             every = self._walk_sets(chain, {p: d for p, d in reads.items()})
@@ -549,9 +600,19 @@ class ReplicaIndex(ReplicaBudget):
         else:
             # Without masks no walk reads a combined speculative mask (each peer with entries
             # is asked alone, by its counts: ``_walk_sets``), so none is kept.
-            get = refs.get
-            for h in blocks:
-                refs[h] = get(h, 0) + 1
+            counted = False
+            if not refs:
+                # The peer's only live entry (most are: its next announcement confirms it):
+                # each block counted once, in C. A chain names each prefix once, so its blocks
+                # are distinct; if some repeat, they are counted one by one below.
+                refs.update(dict.fromkeys(blocks, 1))
+                counted = len(refs) == len(blocks)
+                if not counted:
+                    refs.clear()
+            if not counted:
+                get = refs.get
+                for h in blocks:
+                    refs[h] = get(h, 0) + 1
         self._spec_queue.append(entry)
         if state.spec_entries is None:
             state.spec_entries = deque()
@@ -696,6 +757,23 @@ class ReplicaIndex(ReplicaBudget):
         refs = state.spec_refs
         # (without masks no combined speculative masks are kept: ``add_speculative``)
         spec = self._spec_masks if self.masks else None
+        if spec is None and state.spec_live == 1:
+            # The peer's last live entry (nearly every drop: an entry mostly lives alone until
+            # its peer's next announcement): the counts are this entry's blocks alone, so
+            # counting each down would empty them.
+            refs.clear()
+        else:
+            self._uncount_blocks(entry, refs, spec)
+        state.spec_live -= 1
+        self._spec_live -= 1
+        self._spec_blocks -= len(entry.blocks)
+
+    def _uncount_blocks(
+        self, entry: _SpecEntry, refs: dict[BlockHash, int], spec: dict[BlockHash, int] | None
+    ) -> None:
+        """Count ``entry``'s blocks down in its peer's ``refs`` (and, with masks, clear the
+        peer's bit in ``spec`` where a count reaches 0)."""
+        state = entry.state
         for h in entry.blocks:
             count = refs[h] - 1
             if count:
@@ -708,9 +786,6 @@ class ReplicaIndex(ReplicaBudget):
                         spec[h] = m
                     else:
                         del spec[h]
-        state.spec_live -= 1
-        self._spec_live -= 1
-        self._spec_blocks -= len(entry.blocks)
 
     def _compact_queues(self, state: _PeerState) -> None:
         # Dead entries are removed lazily; rebuild a queue once they are the majority so the

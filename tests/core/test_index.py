@@ -687,3 +687,87 @@ def test_speculative_entries_without_masks_answer_as_with_them() -> None:
         assert without.match_blocks(chain) == with_masks.match_blocks(chain)
     # Not vacuous: many entries, often several peers' holding one hash.
     assert added > 80 and shared > 500, (added, shared)
+
+
+def test_speculative_counts_without_masks_equal_the_counting_ones() -> None:
+    """Without masks, a peer's first live entry is counted at once and its last one dropped at
+    once (``add_speculative``, ``_drop_entry``: the fast paths); an index with masks counts
+    every block up and down (the reference). Through random adds (some chains repeating a
+    block, some several entries to a peer), confirmations, expiries, budget drops and
+    removals, every peer's counts must be the reference's."""
+    import random
+
+    rng = random.Random(7)
+    params = dict(max_peers=4, max_speculative_blocks=30, speculative_ttl_s=6.0,
+                  confirm_grace_s=1.0)
+    reference, fast = make_index(masks=True, **params), make_index(masks=False, **params)
+    universe = [BlockHash(h) for h in range(1, 12)]
+    clock = 0.0
+    first = last = repeats = 0
+    for _ in range(1500):
+        op = rng.random()
+        peer = rng.choice(P[:5])
+        state = fast._states.get(peer)
+        if op < 0.1:
+            for index in (reference, fast):
+                index.add_peer(peer)
+        elif op < 0.13:
+            for index in (reference, fast):
+                index.remove_peer(peer)
+        elif op < 0.6:
+            if rng.random() < 0.3:  # a block repeated: counted one by one
+                chain = [rng.choice(universe) for _ in range(rng.randrange(2, 8))]
+                repeats += len(set(chain)) < len(chain)
+            else:
+                chain = universe[rng.randrange(3):][: rng.randrange(1, 9)]
+            first += state is not None and not state.spec_refs
+            for index in (reference, fast):
+                index.add_speculative(peer, chain, clock)
+        elif op < 0.8:
+            last += state is not None and state.spec_live == 1
+            for index in (reference, fast):
+                index.confirm(peer, clock)
+        elif op < 0.85:
+            for index in (reference, fast):
+                index.expire(clock)
+        else:
+            clock += rng.choice([0.5, 1.0, 2.0])
+        for index in (reference, fast):
+            index.check_invariants()
+        assert {p: s.spec_refs for p, s in fast._states.items()} == \
+            {p: s.spec_refs for p, s in reference._states.items()}
+    # Not vacuous: both fast paths taken often, and repeated blocks added.
+    assert first > 100 and last > 30 and repeats > 50, (first, last, repeats)
+
+
+def test_the_peers_not_followed_are_kept_until_the_peers_or_those_followed_change() -> None:
+    """``_not_followed`` (a route's peers asked alone) keeps its answer between routes: through
+    random peers added and removed and peers followed and left (each counted), it must equal
+    the difference made anew, in the same order (the order the peers are asked in)."""
+    import random
+
+    rng = random.Random(11)
+    index = make_index(masks=False)
+    following: dict[PeerId, object] = {}
+    changes = 0
+    kept = 0
+    for _ in range(600):
+        op = rng.random()
+        peer = rng.choice(P[:10])
+        if op < 0.2:
+            index.add_peer(peer)
+        elif op < 0.3:
+            index.remove_peer(peer)
+        elif op < 0.5:
+            if peer not in following:
+                following[peer] = object()
+                changes += 1
+        elif op < 0.6:
+            if following.pop(peer, None) is not None:
+                changes += 1
+        before = index._not_followed_set
+        got = index._not_followed(following, changes)
+        kept += got is before
+        anew = index._states.keys() - following.keys()
+        assert got == anew and list(got) == list(anew)
+    assert kept > 200, kept  # not vacuous: often kept
