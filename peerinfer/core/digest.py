@@ -86,7 +86,7 @@ requester reads them as a set).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # The digest is three modules: the arithmetic (merklehash), the set with its summary (merkle) and
@@ -234,6 +234,25 @@ class LocalDigest:
                 self._pending_added.discard(h)
             else:
                 self._pending_removed.add(h)
+
+    def blocks_changed(self, added: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
+        """``block_removed`` for each of ``removed``, then ``block_added`` for each of
+        ``added``: the same digest and pending changes, in one pass over each (the engine
+        reports a request's changes together)."""
+        if not (added or removed):
+            return
+        new, gone = self.digest.apply_changes(added, removed)
+        pending_added, pending_removed = self._pending_added, self._pending_removed
+        for h in gone:
+            if h in pending_added:
+                pending_added.discard(h)
+            else:
+                pending_removed.add(h)
+        for h in new:
+            if h in pending_removed:
+                pending_removed.discard(h)
+            else:
+                pending_added.add(h)
 
     def has_pending_changes(self) -> bool:
         return bool(self._pending_added or self._pending_removed)

@@ -425,11 +425,7 @@ class NodeCore:
     def _apply_local_changes(
         self, added: Sequence[BlockHash], removed: Sequence[BlockHash]
     ) -> None:
-        local = self.local
-        for h in removed:
-            local.block_removed(h)
-        for h in added:
-            local.block_added(h)
+        self.local.blocks_changed(added, removed)
 
     def _on_forward_first_token(self, ev: ForwardFirstToken, now: float) -> list[Effect]:
         req = self.requests.get(ev.request_id)

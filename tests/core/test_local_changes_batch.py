@@ -1,0 +1,90 @@
+"""This node's digest takes a request's cache changes in one call (``LocalDigest.blocks_changed``,
+``MerkleDigest.apply_changes``). It must do exactly what the step-by-step path it replaced
+does, in the same order: the reference here is that path (``block_removed`` then
+``block_added`` per hash), and the comparison includes the order the flat set iterates in (the
+order of the operations on it shows there, and a trie built from the set lists its leaves in
+that order)."""
+
+from __future__ import annotations
+
+import random
+
+from peerinfer.core.digest import LocalDigest, MerkleDigest
+from peerinfer.types import BlockHash
+
+
+def _one_by_one(local: LocalDigest, added: list[BlockHash], removed: list[BlockHash]) -> None:
+    """What ``NodeCore`` did with a request's changes before ``blocks_changed``."""
+    for h in removed:
+        local.block_removed(h)
+    for h in added:
+        local.block_added(h)
+
+
+def _state(local: LocalDigest) -> tuple[object, ...]:
+    digest = local.digest
+    return (
+        local.root, local.count, local.epoch, list(digest), sorted(local._pending_added),
+        sorted(local._pending_removed), list(local._log), local._log_changes, local._log_floor,
+        digest.is_flat, local.has_pending_changes(),
+    )
+
+
+def _batch(rng: random.Random, pool: list[BlockHash]) -> tuple[list[BlockHash], list[BlockHash]]:
+    """Changes as an engine reports them, and worse: repeats, a hash in both lists, hashes
+    removed that are absent and added that are present, empty batches."""
+    added = [rng.choice(pool) for _ in range(rng.randrange(0, 25))]
+    removed = [rng.choice(pool) for _ in range(rng.randrange(0, 25))]
+    if added and rng.random() < 0.3:
+        removed.append(rng.choice(added))
+    return added, removed
+
+
+def test_blocks_changed_equals_the_calls_one_by_one() -> None:
+    for seed in range(8):
+        rng = random.Random(seed)
+        pool = [BlockHash(rng.getrandbits(64)) for _ in range(300)]
+        fast = LocalDigest(epoch_base=5, max_log_changes=150)
+        slow = LocalDigest(epoch_base=5, max_log_changes=150)
+        if seed % 2:  # the eager trie, and (below) a lazy one built by a subtree query
+            fast.digest, slow.digest = MerkleDigest(), MerkleDigest()
+        for step in range(600):
+            added, removed = _batch(rng, pool)
+            fast.blocks_changed(added, removed)
+            _one_by_one(slow, added, removed)
+            assert _state(fast) == _state(slow)
+            if step % 7 == 0:
+                assert fast.seal() == slow.seal()
+            if step % 5 == 0:  # periodic announcements: nothing changed since the last
+                assert fast.seal() == slow.seal()
+            if step == 300 and seed % 4 == 0:
+                fast.digest.children(0, 0, 2)
+                slow.digest.children(0, 0, 2)
+                assert not fast.digest.is_flat
+            assert fast.delta_since(fast.epoch - 3) == slow.delta_since(slow.epoch - 3)
+        fast.digest.check_invariants()
+
+
+def test_apply_changes_returns_the_real_changes_in_order() -> None:
+    rng = random.Random(11)
+    pool = [BlockHash(rng.getrandbits(64)) for _ in range(200)]
+    for lazy in (True, False):
+        fast, slow = MerkleDigest(lazy=lazy), MerkleDigest(lazy=lazy)
+        for _ in range(400):
+            added, removed = _batch(rng, pool)
+            new, gone = fast.apply_changes(added, removed)
+            want_gone = [h for h in removed if slow.discard(h)]
+            want_new = [h for h in added if slow.add(h)]
+            assert (new, gone) == (want_new, want_gone)
+            assert (fast.root, len(fast), list(fast)) == (slow.root, len(slow), list(slow))
+        fast.check_invariants()
+
+
+def test_a_shared_flat_set_is_copied_before_apply_changes_changes_it() -> None:
+    digest = MerkleDigest(lazy=True)
+    digest.apply_changes([BlockHash(1), BlockHash(2)], [])
+    twin = digest.twin()  # shares the set
+    digest.apply_changes([BlockHash(3)], [BlockHash(1)])
+    assert sorted(twin) == [1, 2] and sorted(digest) == [2, 3]
+    twin.check_invariants()
+    digest.check_invariants()
