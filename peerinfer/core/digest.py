@@ -264,22 +264,26 @@ class LocalDigest:
     def seal(self) -> tuple[int, int, int, int, tuple[BlockHash, ...], tuple[BlockHash, ...], bool]:
         """``seal_epoch``'s delta as a plain tuple, in ``EpochDelta``'s field order (the node
         seals an epoch at every announcement it makes, and reads the fields once)."""
-        added = tuple(sorted(self._pending_added))
-        removed = tuple(sorted(self._pending_removed))
-        self._pending_added = set()
-        self._pending_removed = set()
         prev = self.epoch
-        self.epoch += 1
-        self._log.append((self.epoch, added, removed))
+        epoch = self.epoch = prev + 1
+        if self._pending_added or self._pending_removed:
+            added = tuple(sorted(self._pending_added))
+            removed = tuple(sorted(self._pending_removed))
+            self._pending_added = set()
+            self._pending_removed = set()
+        else:  # most announcements are the periodic ones, nothing changed since the last
+            added = removed = ()
+        log = self._log
+        log.append((epoch, added, removed))
         self._log_changes += len(added) + len(removed)
-        while self._log and self._log_changes > self.max_log_changes:
-            epoch, a, r = self._log.popleft()
+        while log and self._log_changes > self.max_log_changes:
+            floor, a, r = log.popleft()
             self._log_changes -= len(a) + len(r)
-            self._log_floor = epoch
+            self._log_floor = floor
         truncated = len(added) > MAX_DELTA or len(removed) > MAX_DELTA
         if truncated:
             added, removed = (), ()
-        return prev, self.epoch, self.digest.root, len(self.digest), added, removed, truncated
+        return prev, epoch, self.digest.root, len(self.digest), added, removed, truncated
 
     def delta_since(self, since_epoch: int) -> tuple[list[int], list[int]] | None:
         """The net changes from epoch ``since_epoch`` to the live set, if the log reaches back."""

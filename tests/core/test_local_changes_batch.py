@@ -1,15 +1,17 @@
 """This node's digest takes a request's cache changes in one call (``LocalDigest.blocks_changed``,
-``MerkleDigest.apply_changes``). It must do exactly what the step-by-step path it replaced
-does, in the same order: the reference here is that path (``block_removed`` then
-``block_added`` per hash), and the comparison includes the order the flat set iterates in (the
-order of the operations on it shows there, and a trie built from the set lists its leaves in
-that order)."""
+``MerkleDigest.apply_changes``), and its periodic announcements seal epochs without changes
+without sorting anything (``LocalDigest.seal``). Each must do exactly what the step-by-step
+path it replaced does, in the same order: the reference here is that path (``block_removed``
+then ``block_added`` per hash, the former ``seal``), and the comparison includes the order the
+flat set iterates in (the order of the operations on it shows there, and a trie built from the
+set lists its leaves in that order)."""
 
 from __future__ import annotations
 
 import random
 
 from peerinfer.core.digest import LocalDigest, MerkleDigest
+from peerinfer.core.messages import MAX_DELTA
 from peerinfer.types import BlockHash
 
 
@@ -19,6 +21,26 @@ def _one_by_one(local: LocalDigest, added: list[BlockHash], removed: list[BlockH
         local.block_removed(h)
     for h in added:
         local.block_added(h)
+
+
+def _old_seal(local: LocalDigest) -> tuple[object, ...]:
+    """``LocalDigest.seal`` as it was before its path for epochs without changes."""
+    added = tuple(sorted(local._pending_added))
+    removed = tuple(sorted(local._pending_removed))
+    local._pending_added = set()
+    local._pending_removed = set()
+    prev = local.epoch
+    local.epoch += 1
+    local._log.append((local.epoch, added, removed))
+    local._log_changes += len(added) + len(removed)
+    while local._log and local._log_changes > local.max_log_changes:
+        epoch, a, r = local._log.popleft()
+        local._log_changes -= len(a) + len(r)
+        local._log_floor = epoch
+    truncated = len(added) > MAX_DELTA or len(removed) > MAX_DELTA
+    if truncated:
+        added, removed = (), ()
+    return prev, local.epoch, local.digest.root, len(local.digest), added, removed, truncated
 
 
 def _state(local: LocalDigest) -> tuple[object, ...]:
@@ -88,3 +110,21 @@ def test_a_shared_flat_set_is_copied_before_apply_changes_changes_it() -> None:
     assert sorted(twin) == [1, 2] and sorted(digest) == [2, 3]
     twin.check_invariants()
     digest.check_invariants()
+
+
+def test_seal_without_changes_equals_the_former_seal() -> None:
+    rng = random.Random(3)
+    pool = [BlockHash(rng.getrandbits(64)) for _ in range(100)]
+    fast = LocalDigest(epoch_base=9, max_log_changes=40)
+    slow = LocalDigest(epoch_base=9, max_log_changes=40)
+    for step in range(500):
+        if rng.random() < 0.4:
+            added, removed = _batch(rng, pool)
+            _one_by_one(fast, added, removed)
+            _one_by_one(slow, added, removed)
+        if step == 250:  # a log limit lowered meanwhile: the next seal trims, changes or not
+            fast.max_log_changes = slow.max_log_changes = 5
+        assert fast.seal() == _old_seal(slow)
+        assert _state(fast) == _state(slow)
+        since = fast.epoch - rng.randrange(0, 6)
+        assert fast.delta_since(since) == slow.delta_since(since)

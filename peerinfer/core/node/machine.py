@@ -545,10 +545,14 @@ class NodeCore:
     # ------------------------------------------------------------------ announcements
 
     def _maybe_announce(self, now: float, effects: list[Effect]) -> None:
-        if not self.announcing.due(now):
+        announcing = self.announcing
+        if not announcing.due(now):
             return
-        self.choice.refresh_hints(now)
-        effects.append(self.announcing.publish(now, self.load(), self.peer_id))
+        choice = self.choice
+        choice.refresh_hints(now)
+        requests = self.requests
+        load = choice.load(requests.queued, requests.running)  # (``self.load()``)
+        effects.append(announcing.publish(now, load, self._config.peer_id))
 
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
