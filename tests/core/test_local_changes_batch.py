@@ -1,10 +1,11 @@
 """This node's digest takes a request's cache changes in one call (``LocalDigest.blocks_changed``,
-``MerkleDigest.apply_changes``), and its periodic announcements seal epochs without changes
-without sorting anything (``LocalDigest.seal``). Each must do exactly what the step-by-step
-path it replaced does, in the same order: the reference here is that path (``block_removed``
-then ``block_added`` per hash, the former ``seal``), and the comparison includes the order the
-flat set iterates in (the order of the operations on it shows there, and a trie built from the
-set lists its leaves in that order)."""
+``MerkleDigest.apply_changes``), its periodic announcements seal epochs without changes
+without sorting anything (``LocalDigest.seal``), and the engine's change log hears each block
+in one call (``_ChangeLog``). Each must do exactly what the step-by-step path it replaced
+does, in the same order: the reference here is that path (``block_removed`` then
+``block_added`` per hash, the former ``seal``, the change log's own steps), and the comparison
+includes the order the flat set iterates in (the order of the operations on it shows there,
+and a trie built from the set lists its leaves in that order)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import random
 
 from peerinfer.core.digest import LocalDigest, MerkleDigest
 from peerinfer.core.messages import MAX_DELTA
+from peerinfer.engine.base import _ChangeLog
 from peerinfer.types import BlockHash
 
 
@@ -128,3 +130,25 @@ def test_seal_without_changes_equals_the_former_seal() -> None:
         assert _state(fast) == _state(slow)
         since = fast.epoch - rng.randrange(0, 6)
         assert fast.delta_since(since) == slow.delta_since(since)
+
+
+def test_the_change_log_hears_the_cache_as_its_own_steps_do() -> None:
+    """``_ChangeLog.block_added``/``block_removed`` (the cache's calls, ``_added``/``_removed``
+    inlined) against those steps, with blocks on disk ("elsewhere") no change."""
+    rng = random.Random(4)
+    pool = [BlockHash(rng.getrandbits(64)) for _ in range(60)]
+    fast, slow = _ChangeLog(), _ChangeLog()
+    fast.elsewhere = slow.elsewhere = set(pool[:10])
+    for step in range(2000):
+        h = rng.choice(pool)
+        if rng.random() < 0.5:
+            fast.block_added(h)
+            if h not in slow.elsewhere:
+                slow._added(h)
+        else:
+            fast.block_removed(h)
+            if h not in slow.elsewhere:
+                slow._removed(h)
+        assert (fast.added, fast.removed) == (slow.added, slow.removed)
+        if step % 50 == 0:
+            assert fast.take() == slow.take()
