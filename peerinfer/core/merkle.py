@@ -9,6 +9,7 @@ arithmetic it uses is in ``peerinfer.core.merklehash``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import takewhile
 from typing import Any, Protocol
 
 from peerinfer.core.merklehash import (
@@ -67,6 +68,9 @@ class DeltaMemo:
         self.deltas.clear()
         self.roots.clear()
 
+
+#: ``type`` of every hash a set holds (``MerkleDigest.leading``)
+_INT_ONLY = frozenset((int,))
 
 #: Memo of ``contribution(mix(h))`` per element ``h`` (a pure function), cleared when full.
 _CONTRIBUTIONS: dict[int, int] = {}
@@ -392,6 +396,16 @@ class MerkleDigest:
         flat = self._flat
         n = 0
         if flat is not None:
+            # The held prefix taken in C; an element of the set is an int in range, so what
+            # equals one is in range, and only its type is left to check (a float equal to a
+            # held hash is no element: ``__contains__``). A route asks this of a peer's digest
+            # for a whole prompt's chain, tens of blocks.
+            try:
+                held = tuple(takewhile(flat.__contains__, chain))
+            except TypeError:  # an unhashable element: block by block below
+                held = None
+            if held is not None and set(map(type, held)) <= _INT_ONLY:
+                return len(held)
             for h in chain:
                 if type(h) is not int or not 0 <= h <= _MASK or h not in flat:
                     break

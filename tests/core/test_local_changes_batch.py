@@ -1,11 +1,12 @@
 """This node's digest takes a request's cache changes in one call (``LocalDigest.blocks_changed``,
 ``MerkleDigest.apply_changes``), its periodic announcements seal epochs without changes
-without sorting anything (``LocalDigest.seal``), and the engine's change log hears each block
-in one call (``_ChangeLog``). Each must do exactly what the step-by-step path it replaced
+without sorting anything (``LocalDigest.seal``), the engine's change log hears each block in one
+call (``_ChangeLog``), and a flat digest counts a chain's held blocks in C
+(``MerkleDigest.leading``). Each must do exactly what the step-by-step path it replaced
 does, in the same order: the reference here is that path (``block_removed`` then
-``block_added`` per hash, the former ``seal``, the change log's own steps), and the comparison
-includes the order the flat set iterates in (the order of the operations on it shows there,
-and a trie built from the set lists its leaves in that order)."""
+``block_added`` per hash, the former ``seal``, the former loops), and the comparison includes
+the order the flat set iterates in (the order of the operations on it shows there, and a trie
+built from the set lists its leaves in that order)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,32 @@ def test_the_change_log_hears_the_cache_as_its_own_steps_do() -> None:
         assert (fast.added, fast.removed) == (slow.added, slow.removed)
         if step % 50 == 0:
             assert fast.take() == slow.take()
+
+
+def _leading_block_by_block(digest: MerkleDigest, chain: list[object]) -> int:
+    """``MerkleDigest.leading`` as it was: ``h in digest`` for each, up to the first that is not."""
+    n = 0
+    for h in chain:
+        if h not in digest:
+            break
+        n += 1
+    return n
+
+
+def test_leading_of_a_flat_digest_equals_the_walk_block_by_block() -> None:
+    rng = random.Random(9)
+    members = [BlockHash(rng.getrandbits(64)) for _ in range(60)]
+    digest = MerkleDigest(lazy=True)
+    digest.update(members[:50])
+    assert digest.is_flat
+    junk: list[object] = [1.0 * members[0], float(members[3]), True, -1, 1 << 70, [1], "x", None]
+    digest.add(BlockHash(1))  # (True == 1.0 == 1: held, but no block hash but the int)
+    for _ in range(500):
+        chain: list[object] = list(rng.sample(members, rng.randrange(0, 60)))
+        if rng.random() < 0.5:
+            chain.sort(key=lambda h: h not in digest)  # a long held prefix
+        if rng.random() < 0.4:
+            chain.insert(rng.randrange(len(chain) + 1), rng.choice(junk))
+        want = _leading_block_by_block(digest, chain)
+        assert digest.leading(chain) == want  # type: ignore[arg-type]
+        assert digest.leading(tuple(chain)) == want  # type: ignore[arg-type]
