@@ -263,20 +263,21 @@ class MerkleDigest:
         # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
         pair = self._flat_pair
         memo = _CONTRIBUTIONS
-        gone: list[BlockHash] = []
-        new: list[BlockHash] = []
+        # (the hashes as given: ``BlockHash`` is ``int`` at run time, and a call per element)
+        gone: list[Any] = []
+        new: list[Any] = []
         for h in removed:
             if h in flat:
                 flat.discard(h)
                 c = memo.get(h)
                 pair ^= c if c is not None else _contribution_of(h)
-                gone.append(BlockHash(h))
+                gone.append(h)
         for h in added:
             if h not in flat:
                 flat.add(h)
                 c = memo.get(h)
                 pair ^= c if c is not None else _contribution_of(h)
-                new.append(BlockHash(h))
+                new.append(h)
         self._flat_pair = pair
         watch = self.watch
         if watch is not None and len(flat) > watch.high:
@@ -353,8 +354,8 @@ class MerkleDigest:
         if batch is None:
             raise ValueError("adopt: the observer must take whole changes (blocks_changed)")
         if flat is not mine and not isinstance(self._observer, NullObserver):
-            gone = [BlockHash(h) for h in mine - flat]
-            new = [BlockHash(h) for h in flat - mine]
+            gone = list(mine - flat)
+            new = list(flat - mine)
         else:
             gone = new = []
         self._flat, self._flat_pair, self._flat_shared = flat, other._flat_pair, True
