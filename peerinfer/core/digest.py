@@ -208,7 +208,7 @@ class LocalDigest:
         self.max_log_changes = max_log_changes
         self._pending_added: set[BlockHash] = set()
         self._pending_removed: set[BlockHash] = set()
-        # (epoch, added, removed) for every epoch after _log_floor, oldest first.
+        # (epoch, added, removed) for every epoch with changes after _log_floor, oldest first.
         self._log: deque[tuple[int, tuple[BlockHash, ...], tuple[BlockHash, ...]]] = deque()
         self._log_changes = 0
         self._log_floor = epoch_base
@@ -266,16 +266,21 @@ class LocalDigest:
         seals an epoch at every announcement it makes, and reads the fields once)."""
         prev = self.epoch
         epoch = self.epoch = prev + 1
+        log = self._log
         if self._pending_added or self._pending_removed:
             added = tuple(sorted(self._pending_added))
             removed = tuple(sorted(self._pending_removed))
             self._pending_added = set()
             self._pending_removed = set()
-        else:  # most announcements are the periodic ones, nothing changed since the last
+            log.append((epoch, added, removed))
+            self._log_changes += len(added) + len(removed)
+        else:
+            # Most announcements are the periodic ones, nothing changed since the last. Their
+            # epochs are not logged: ``delta_since`` reads nothing from them, and the floor
+            # they would have set is always overwritten by the next epoch with changes popped
+            # (popping them never lowers the count); logged, they grew the log by one entry
+            # per announcement interval for as long as the node runs.
             added = removed = ()
-        log = self._log
-        log.append((epoch, added, removed))
-        self._log_changes += len(added) + len(removed)
         while log and self._log_changes > self.max_log_changes:
             floor, a, r = log.popleft()
             self._log_changes -= len(a) + len(r)

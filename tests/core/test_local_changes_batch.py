@@ -50,7 +50,8 @@ def _state(local: LocalDigest) -> tuple[object, ...]:
     digest = local.digest
     return (
         local.root, local.count, local.epoch, list(digest), sorted(local._pending_added),
-        sorted(local._pending_removed), list(local._log), local._log_changes, local._log_floor,
+        sorted(local._pending_removed), [e for e in local._log if e[1] or e[2]],
+        local._log_changes, local._log_floor,
         digest.is_flat, local.has_pending_changes(),
     )
 
@@ -132,6 +133,22 @@ def test_seal_without_changes_equals_the_former_seal() -> None:
         since = fast.epoch - rng.randrange(0, 6)
         assert fast.delta_since(since) == slow.delta_since(since)
 
+
+
+def test_an_empty_seal_after_the_log_limit_was_lowered_trims_as_before() -> None:
+    fast = LocalDigest(epoch_base=1, max_log_changes=100)
+    slow = LocalDigest(epoch_base=1, max_log_changes=100)
+    for i in range(6):  # epochs with changes, each followed by two without
+        for local in (fast, slow):
+            local.blocks_changed([BlockHash(1000 + 10 * i + k) for k in range(5)], [])
+        assert fast.seal() == _old_seal(slow)
+        for _ in range(2):
+            assert fast.seal() == _old_seal(slow)
+    fast.max_log_changes = slow.max_log_changes = 12
+    assert fast.seal() == _old_seal(slow)  # nothing changed: it trims all the same
+    assert _state(fast) == _state(slow)
+    for since in range(fast.epoch + 2):
+        assert fast.delta_since(since) == slow.delta_since(since)
 
 def test_the_change_log_hears_the_cache_as_its_own_steps_do() -> None:
     """``_ChangeLog.block_added``/``block_removed`` (the cache's calls, ``_added``/``_removed``
