@@ -86,7 +86,7 @@ requester reads them as a set).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # The digest is three modules: the arithmetic (merklehash), the set with its summary (merkle) and
@@ -208,7 +208,7 @@ class LocalDigest:
         self.max_log_changes = max_log_changes
         self._pending_added: set[BlockHash] = set()
         self._pending_removed: set[BlockHash] = set()
-        # (epoch, added, removed) for every epoch after _log_floor, oldest first.
+        # (epoch, added, removed) for every epoch with changes after _log_floor, oldest first.
         self._log: deque[tuple[int, tuple[BlockHash, ...], tuple[BlockHash, ...]]] = deque()
         self._log_changes = 0
         self._log_floor = epoch_base
@@ -235,6 +235,25 @@ class LocalDigest:
             else:
                 self._pending_removed.add(h)
 
+    def blocks_changed(self, added: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
+        """``block_removed`` for each of ``removed``, then ``block_added`` for each of
+        ``added``: the same digest and pending changes, in one pass over each (the engine
+        reports a request's changes together)."""
+        if not (added or removed):
+            return
+        new, gone = self.digest.apply_changes(added, removed)
+        pending_added, pending_removed = self._pending_added, self._pending_removed
+        for h in gone:
+            if h in pending_added:
+                pending_added.discard(h)
+            else:
+                pending_removed.add(h)
+        for h in new:
+            if h in pending_removed:
+                pending_removed.discard(h)
+            else:
+                pending_added.add(h)
+
     def has_pending_changes(self) -> bool:
         return bool(self._pending_added or self._pending_removed)
 
@@ -245,22 +264,31 @@ class LocalDigest:
     def seal(self) -> tuple[int, int, int, int, tuple[BlockHash, ...], tuple[BlockHash, ...], bool]:
         """``seal_epoch``'s delta as a plain tuple, in ``EpochDelta``'s field order (the node
         seals an epoch at every announcement it makes, and reads the fields once)."""
-        added = tuple(sorted(self._pending_added))
-        removed = tuple(sorted(self._pending_removed))
-        self._pending_added = set()
-        self._pending_removed = set()
         prev = self.epoch
-        self.epoch += 1
-        self._log.append((self.epoch, added, removed))
-        self._log_changes += len(added) + len(removed)
-        while self._log and self._log_changes > self.max_log_changes:
-            epoch, a, r = self._log.popleft()
+        epoch = self.epoch = prev + 1
+        log = self._log
+        if self._pending_added or self._pending_removed:
+            added = tuple(sorted(self._pending_added))
+            removed = tuple(sorted(self._pending_removed))
+            self._pending_added = set()
+            self._pending_removed = set()
+            log.append((epoch, added, removed))
+            self._log_changes += len(added) + len(removed)
+        else:
+            # Most announcements are the periodic ones, nothing changed since the last. Their
+            # epochs are not logged: ``delta_since`` reads nothing from them, and the floor
+            # they would have set is always overwritten by the next epoch with changes popped
+            # (popping them never lowers the count); logged, they grew the log by one entry
+            # per announcement interval for as long as the node runs.
+            added = removed = ()
+        while log and self._log_changes > self.max_log_changes:
+            floor, a, r = log.popleft()
             self._log_changes -= len(a) + len(r)
-            self._log_floor = epoch
+            self._log_floor = floor
         truncated = len(added) > MAX_DELTA or len(removed) > MAX_DELTA
         if truncated:
             added, removed = (), ()
-        return prev, self.epoch, self.digest.root, len(self.digest), added, removed, truncated
+        return prev, epoch, self.digest.root, len(self.digest), added, removed, truncated
 
     def delta_since(self, since_epoch: int) -> tuple[list[int], list[int]] | None:
         """The net changes from epoch ``since_epoch`` to the live set, if the log reaches back."""

@@ -9,6 +9,7 @@ arithmetic it uses is in ``peerinfer.core.merklehash``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import takewhile
 from typing import Any, Protocol
 
 from peerinfer.core.merklehash import (
@@ -67,6 +68,9 @@ class DeltaMemo:
         self.deltas.clear()
         self.roots.clear()
 
+
+#: ``type`` of every hash a set holds (``MerkleDigest.leading``)
+_INT_ONLY = frozenset((int,))
 
 #: Memo of ``contribution(mix(h))`` per element ``h`` (a pure function), cleared when full.
 _CONTRIBUTIONS: dict[int, int] = {}
@@ -259,20 +263,21 @@ class MerkleDigest:
         # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
         pair = self._flat_pair
         memo = _CONTRIBUTIONS
-        gone: list[BlockHash] = []
-        new: list[BlockHash] = []
+        # (the hashes as given: ``BlockHash`` is ``int`` at run time, and a call per element)
+        gone: list[Any] = []
+        new: list[Any] = []
         for h in removed:
             if h in flat:
                 flat.discard(h)
                 c = memo.get(h)
                 pair ^= c if c is not None else _contribution_of(h)
-                gone.append(BlockHash(h))
+                gone.append(h)
         for h in added:
             if h not in flat:
                 flat.add(h)
                 c = memo.get(h)
                 pair ^= c if c is not None else _contribution_of(h)
-                new.append(BlockHash(h))
+                new.append(h)
         self._flat_pair = pair
         watch = self.watch
         if watch is not None and len(flat) > watch.high:
@@ -287,6 +292,42 @@ class MerkleDigest:
             self._flat_shared = True
         if gone or new:
             batch(new, gone)
+
+    def apply_changes(
+        self, added: Iterable[int], removed: Iterable[int]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Discard every element of ``removed``, then add every element of ``added``, as those
+        calls one by one (an observer hears of each), and return the real changes ``(added,
+        removed)``, each in the order given. A flat digest without an observer does it in one
+        loop each (this node's own digest takes in every request's cache changes so: the calls
+        one by one were three per block); never through the memo (the set is nobody else's)."""
+        flat = self._flat
+        if flat is None or self._observer is not None:
+            were = [BlockHash(h) for h in removed if self.discard(BlockHash(h))]
+            return [BlockHash(h) for h in added if self.add(BlockHash(h))], were
+        if self._flat_shared:
+            flat = self._own_flat()
+        pair = self._flat_pair
+        memo = _CONTRIBUTIONS  # (``_contribution_of`` inlined, as in ``apply_delta``)
+        gone: list[Any] = []  # (the hashes as given, as in ``apply_delta``)
+        new: list[Any] = []
+        for h in removed:
+            if h in flat:
+                flat.discard(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
+                gone.append(h)
+        for h in added:
+            if h not in flat:
+                flat.add(h)
+                c = memo.get(h)
+                pair ^= c if c is not None else _contribution_of(h)
+                new.append(h)
+        self._flat_pair = pair
+        watch = self.watch
+        if watch is not None and len(flat) > watch.high:
+            watch.high = len(flat)
+        return new, gone
 
     def twin(self) -> MerkleDigest:
         """A new flat digest of this one's flat set (shared: either copies before changing it),
@@ -313,8 +354,8 @@ class MerkleDigest:
         if batch is None:
             raise ValueError("adopt: the observer must take whole changes (blocks_changed)")
         if flat is not mine and not isinstance(self._observer, NullObserver):
-            gone = [BlockHash(h) for h in mine - flat]
-            new = [BlockHash(h) for h in flat - mine]
+            gone = list(mine - flat)
+            new = list(flat - mine)
         else:
             gone = new = []
         self._flat, self._flat_pair, self._flat_shared = flat, other._flat_pair, True
@@ -356,6 +397,16 @@ class MerkleDigest:
         flat = self._flat
         n = 0
         if flat is not None:
+            # The held prefix taken in C; an element of the set is an int in range, so what
+            # equals one is in range, and only its type is left to check (a float equal to a
+            # held hash is no element: ``__contains__``). A route asks this of a peer's digest
+            # for a whole prompt's chain, tens of blocks.
+            try:
+                held = tuple(takewhile(flat.__contains__, chain))
+            except TypeError:  # an unhashable element: block by block below
+                held = None
+            if held is not None and set(map(type, held)) <= _INT_ONLY:
+                return len(held)
             for h in chain:
                 if type(h) is not int or not 0 <= h <= _MASK or h not in flat:
                     break

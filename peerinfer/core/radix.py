@@ -278,6 +278,11 @@ class RadixCache:
     def __contains__(self, h: object) -> bool:
         return h in self._by_hash
 
+    def membership(self) -> Callable[[object], bool]:
+        """``h in self`` as a function called in C (the block index's own test, which lives as
+        long as the cache): for a caller that tests many hashes through ``filter``."""
+        return self._by_hash.__contains__
+
     # ---------------------------------------------------------------- match
 
     def match(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:

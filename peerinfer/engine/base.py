@@ -145,13 +145,21 @@ class _ChangeLog:
         self.removed: set[BlockHash] = set()
         self.elsewhere: Container[BlockHash] = ()
 
+    # (``block_added``/``block_removed`` are ``_added``/``_removed`` inlined: the cache calls
+    # them for every block it inserts or evicts, a simulated swarm's engines millions of times.)
     def block_added(self, h: BlockHash) -> None:
         if h not in self.elsewhere:
-            self._added(h)
+            if h in self.removed:
+                self.removed.discard(h)
+            else:
+                self.added.add(h)
 
     def block_removed(self, h: BlockHash) -> None:
         if h not in self.elsewhere:
-            self._removed(h)
+            if h in self.added:
+                self.added.discard(h)
+            else:
+                self.removed.add(h)
 
     def _added(self, h: BlockHash) -> None:
         if h in self.removed:

@@ -163,7 +163,7 @@ class _EngineAdapter:
         disk = engine.disk_tier
         # Held means in memory or on disk, as the engine reports and a peer's pull is served.
         self.cached: Callable[[BlockHash], bool] = (
-            cache.__contains__ if disk is None else lambda h: h in cache or h in disk
+            cache.membership() if disk is None else lambda h: h in cache or h in disk
         )
         self.disk_figure: Callable[[int], tuple[int, int] | None] | None = (
             None if disk is None else engine.disk_figure

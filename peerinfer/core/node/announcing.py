@@ -156,11 +156,12 @@ class Announcing:
     def due(self, now: float) -> bool:
         """Whether an announcement is due: the interval passed, or a change waits and the
         minimum gap since the last one passed."""
-        cfg = self.config
-        changed = self.local.has_pending_changes()
-        due = now >= self.next_announce
-        early = changed and now >= self._last_announce + cfg.min_announce_gap_s
-        return due or early
+        if now >= self.next_announce:
+            return True
+        return (
+            self.local.has_pending_changes()
+            and now >= self._last_announce + self.config.min_announce_gap_s
+        )
 
     def publish(self, now: float, load: Load, me: PeerId) -> Publish:
         """Seal the digest's epoch and announce it with ``load`` (``due`` said so)."""

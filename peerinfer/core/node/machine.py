@@ -432,11 +432,7 @@ class NodeCore:
     def _apply_local_changes(
         self, added: Sequence[BlockHash], removed: Sequence[BlockHash]
     ) -> None:
-        local = self.announcing.local
-        for h in removed:
-            local.block_removed(h)
-        for h in added:
-            local.block_added(h)
+        self.announcing.local.blocks_changed(added, removed)
 
     def _on_forward_first_token(self, ev: ForwardFirstToken, now: float) -> list[Effect]:
         req = self.requests.get(ev.request_id)
@@ -556,10 +552,14 @@ class NodeCore:
     # ------------------------------------------------------------------ announcements
 
     def _maybe_announce(self, now: float, effects: list[Effect]) -> None:
-        if not self.announcing.due(now):
+        announcing = self.announcing
+        if not announcing.due(now):
             return
-        self.choice.refresh_hints(now)
-        effects.append(self.announcing.publish(now, self.load(), self._config.peer_id))
+        choice = self.choice
+        choice.refresh_hints(now)
+        requests = self.requests
+        load = choice.load(requests.queued, requests.running)  # (``self.load()``)
+        effects.append(announcing.publish(now, load, self._config.peer_id))
 
     def _on_announce(self, ev: AnnounceReceived, now: float) -> list[Effect]:
         a = ev.announce
