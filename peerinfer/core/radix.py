@@ -453,14 +453,15 @@ class RadixCache:
         root.last_access = tick
         block_hash = self.hasher.block_hash
         n_chain = len(chain)
+        make_room, attach = self._make_room, self._attach
         try:
             for i in range(k, n_full):
                 block = tokens[i * bs : (i + 1) * bs]
                 h = chain[i] if i < n_chain else block_hash(node.hash, block)  # (bad ids: ValueError)
                 key = tuple(map(index, block))
-                if not self._make_room(bs, nbytes, node):
+                if not make_room(bs, nbytes, node):
                     break
-                node = self._attach(node, key, h, None, nbytes, tick)
+                node = attach(node, key, h, None, nbytes, tick)
         finally:
             if node is not root and not node.children and not node.lock_ref:
                 self._push(node)
@@ -576,7 +577,8 @@ class RadixCache:
         """Evict until ``tokens``/``nbytes`` more fit, sparing ``protect``; False if impossible."""
         cap_t = self.capacity_tokens
         cap_b = None if self.capacity_bytes is None else self.capacity_bytes - self._reserved
-        if (cap_t is None or len(self._by_hash) * self.block_size + tokens <= cap_t) and (
+        by_hash, bs = self._by_hash, self.block_size
+        if (cap_t is None or len(by_hash) * bs + tokens <= cap_t) and (
             cap_b is None or self._bytes + nbytes <= cap_b
         ):
             return True
@@ -584,9 +586,8 @@ class RadixCache:
             return False
         held = False
         try:
-            while (cap_t is not None and len(self._by_hash) * self.block_size + tokens > cap_t) or (
-                cap_b is not None and self._bytes + nbytes > cap_b
-            ):
+            # It does not fit (above): evict, and check again after each block evicted.
+            while True:
                 node = self._pop_evictable()
                 if node is None:
                     return False
@@ -594,7 +595,10 @@ class RadixCache:
                     held = True
                     continue
                 self._evict_node(node)
-            return True
+                if (cap_t is None or len(by_hash) * bs + tokens <= cap_t) and (
+                    cap_b is None or self._bytes + nbytes <= cap_b
+                ):
+                    return True
         finally:
             if held:
                 self._push(protect)
@@ -618,16 +622,19 @@ class RadixCache:
         assert parent is not None
         del parent.children[node.key]
         node.parent = None
-        if self._by_hash.get(node.hash) is node:
-            del self._by_hash[node.hash]
+        h = node.hash
+        by_hash = self._by_hash
+        if by_hash.get(h) is node:
+            del by_hash[h]
         self._bytes -= node.nbytes
         self._evicted += 1
         if not parent.children and not parent.lock_ref and parent.depth > 0:
             self._push(parent)
-        if self._on_evict is not None:
-            self._on_evict(node)
+        on_evict = self._on_evict
+        if on_evict is not None:
+            on_evict(node)
         for observer in self._observers:
-            observer.block_removed(node.hash)
+            observer.block_removed(h)
 
     def _push(self, node: RadixNode) -> None:
         self._seq += 1
