@@ -412,13 +412,18 @@ class SimulatedEngine(Engine):
                 head = prompt[: len(prompt) - 1]
                 in_memory = cache.match(head, touch=False).tokens
                 self._load_from_disk(cache, head)
-            seq = prompt + tuple(completion[:-1])
-            # One walk for the match and the insert. A swarm's engines share the cores'
-            # hasher, which has this prompt's chain already (the core hashed the same tuple
-            # when it took the request in): the cached blocks are then found by hash.
+            # One walk for the match and the insert, of the prompt and the completion but its
+            # last token (not joined: the cached blocks' tokens are not copied). A swarm's
+            # engines share the cores' hasher, which has this prompt's chain already (the core
+            # hashed the same tuple when it took the request in): the cached blocks are then
+            # found by hash.
             chain = cache.hasher.prompt_chain(prompt) if memo is not None else ()
             cached = cache.match_insert(  # (the match is of the prompt but its last token)
-                seq, max(0, len(prompt) - 1), self.kv_bytes_per_token * cache.block_size, chain
+                prompt,
+                max(0, len(prompt) - 1),
+                self.kv_bytes_per_token * cache.block_size,
+                chain,
+                completion[:-1],
             )
             if disk is not None and cached > in_memory:
                 rate = (
