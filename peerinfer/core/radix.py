@@ -400,6 +400,7 @@ class RadixCache:
         nbytes: int = 0,
         chain: Sequence[BlockHash] = (),
         tail: Sequence[int] = (),
+        ints: bool = False,
     ) -> int:
         """``match(seq[:head]).tokens``, then ``insert(seq, nbytes=nbytes)``, in one walk, where
         ``seq`` is ``tokens`` followed by ``tail``.
@@ -416,7 +417,10 @@ class RadixCache:
         the protocol), so only a caller whose chain is the cache hasher's should pass one.
         Returns the matched tokens. The match's own pushes are left out: every node it would
         stamp, the insert stamps again, so an entry it pushed would be stale (the LRU order
-        of the evictable leaves is their ticks')."""
+        of the evictable leaves is their ticks'). ``ints``: the caller knows every token to
+        be an ``int`` (a validated prompt, an engine's output), which ``operator.index`` gives
+        back as it is, so a new block's key is its tuple slice as it is (``insert`` converts
+        each token)."""
         bs = self.block_size
         length = len(tokens) + len(tail)
         if not 0 <= head <= length:
@@ -473,7 +477,7 @@ class RadixCache:
             for i in range(k, n_full):
                 block = rest[i * bs - start : (i + 1) * bs - start]
                 h = chain[i] if i < n_chain else block_hash(node.hash, block)  # (bad ids: ValueError)
-                key = tuple(map(index, block))
+                key = block if ints and type(block) is tuple else tuple(map(index, block))
                 if not make_room(bs, nbytes, node):
                     break
                 node = attach(node, key, h, None, nbytes, tick)

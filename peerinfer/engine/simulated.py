@@ -424,6 +424,7 @@ class SimulatedEngine(Engine):
                 self.kv_bytes_per_token * cache.block_size,
                 chain,
                 completion[:-1],
+                ints=True,  # (the prompt validated, the completion this engine's)
             )
             if disk is not None and cached > in_memory:
                 rate = (

@@ -87,7 +87,7 @@ def run(seed: int, chain_kind: str, cap_tokens: int | None, cap_bytes: int | Non
                 chain = ()
             cut = cuts.choice([len(seq), len(prompt), cuts.randrange(len(seq) + 1)])
             tail = seq[cut:] if cuts.random() < 0.5 else list(seq[cut:])
-            got = one.match_insert(seq[:cut], head, size, chain, tail)
+            got = one.match_insert(seq[:cut], head, size, chain, tail, ints=cuts.random() < 0.5)
             assert got == want
         elif op < 0.80:
             prompt = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 10)))
@@ -154,3 +154,27 @@ def test_match_insert_refuses_what_insert_refuses() -> None:
     assert cache.match_insert((1, 2, 3, 4, 5), 4, 5, hasher.prompt_chain((1, 2, 3, 4))) == 4
     assert cache.match_insert((1, 2, 3), 4, 5, hasher.prompt_chain((1, 2)), (4, 5, 6)) == 4
     cache.check_invariants()
+
+
+def test_match_insert_takes_the_keys_of_ints_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``ints`` a new block's key is its slice (no ``operator.index`` per token), and the
+    tree is the one made by converting each token."""
+    from peerinfer.core import radix
+
+    converted: list[object] = []
+
+    def counted(token: object) -> int:
+        converted.append(token)
+        return index(token)  # type: ignore[arg-type]
+
+    index = radix.index
+    monkeypatch.setattr(radix, "index", counted)
+    hasher = PrefixHasher(b"test-radix-match-insert", block_size=BS)
+    as_is, one_by_one = make(hasher, None, None)[0], make(hasher, None, None)[0]
+    prompt, tail = (1, 2, 3, 4, 5), (6, 7, 8)
+    assert as_is.match_insert(prompt, 4, 1, hasher.prompt_chain(prompt), tail, ints=True) == 0
+    assert not converted
+    assert one_by_one.match_insert(prompt, 4, 1, hasher.prompt_chain(prompt), tail) == 0
+    assert len(converted) == len(prompt + tail) // BS * BS
+    assert state(as_is) == state(one_by_one)
+    as_is.check_invariants()
