@@ -110,12 +110,13 @@ class _Tokens:
             seam_safe = (
                 prefix and suffix and prefix[-1].isspace() and not suffix[0].isspace()
             )
-            if seam_safe:
-                prompt = self.part(prefix) + self.part(suffix)
+            head = self.part(prefix) if prefix else ()
+            if seam_safe:  # (so the prompt starts with the prefix's tokens)
+                prompt = head + self.part(suffix)
+                shared = len(head) // DEFAULT_BLOCK_SIZE
             else:
                 prompt = tuple(self.engine.tokenize(prefix + suffix))
-            head = self.part(prefix) if prefix else ()
-            shared = len(head) // DEFAULT_BLOCK_SIZE if prompt[: len(head)] == head else 0
+                shared = len(head) // DEFAULT_BLOCK_SIZE if prompt[: len(head)] == head else 0
             got = self._prompts[key] = (prompt, shared)
         return got
 
