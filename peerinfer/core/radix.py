@@ -399,27 +399,40 @@ class RadixCache:
         return InsertResult(inserted, len(path) * bs, tuple(path), tuple(unused))
 
     def match_insert(
-        self, tokens: Sequence[int], head: int, nbytes: int = 0, chain: Sequence[BlockHash] = ()
+        self,
+        tokens: Sequence[int],
+        head: int,
+        nbytes: int = 0,
+        chain: Sequence[BlockHash] = (),
+        tail: Sequence[int] = (),
+        ints: bool = False,
     ) -> int:
-        """``match(tokens[:head]).tokens``, then ``insert(tokens, nbytes=nbytes)``, in one walk.
+        """``match(seq[:head]).tokens``, then ``insert(seq, nbytes=nbytes)``, in one walk, where
+        ``seq`` is ``tokens`` followed by ``tail``.
 
-        A request served whole (the simulated engine's plan): the same tree, ticks, statistics,
-        evictions and callbacks as the two calls, from one walk instead of two (``head`` must
-        not exceed ``len(tokens)``). ``chain``, the chain hashes of leading full blocks of
-        ``tokens`` when the caller has them (``PrefixHasher.prompt_chain``), finds the cached
+        A request served whole (the simulated engine's plan: its prompt, and its completion as
+        ``tail``): the same tree, ticks, statistics, evictions and callbacks as the two calls,
+        from one walk instead of two (``head`` must not exceed ``len(seq)``). ``seq`` is never
+        made whole: only its tokens from the first block not cached on are joined (a prompt is
+        hundreds of ids; most are cached). ``chain``, the chain hashes of leading full blocks
+        of ``seq`` when the caller has them (``PrefixHasher.prompt_chain``), finds the cached
         blocks they name by hash, by halving, and names the new ones without hashing them;
         the blocks after it are walked by their tokens. A hash names its whole prefix (64
         bits: a collision, which this never checks for, is as unlikely as anywhere else in
         the protocol), so only a caller whose chain is the cache hasher's should pass one.
         Returns the matched tokens. The match's own pushes are left out: every node it would
         stamp, the insert stamps again, so an entry it pushed would be stale (the LRU order
-        of the evictable leaves is their ticks')."""
+        of the evictable leaves is their ticks'). ``ints``: the caller knows every token to
+        be an ``int`` (a validated prompt, an engine's output), which ``operator.index`` gives
+        back as it is, so a new block's key is its tuple slice as it is (``insert`` converts
+        each token)."""
         bs = self.block_size
-        if not 0 <= head <= len(tokens):
-            raise ValueError(f"head {head} outside the {len(tokens)} tokens")
+        length = len(tokens) + len(tail)
+        if not 0 <= head <= length:
+            raise ValueError(f"head {head} outside the {length} tokens")
         if type(nbytes) is not int or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-        n_full = len(tokens) // bs
+        n_full = length // bs
         by_hash = self._by_hash
         root = self._root
         node = root
@@ -427,21 +440,27 @@ class RadixCache:
         if chain:
             chain = chain[:n_full]
             # The tree is prefix-closed, so the chain's cached blocks are a prefix of it: the
-            # first one not cached is found by halving, and its parent ends the path.
-            k = bisect_left(range(len(chain)), True, key=lambda i: chain[i] not in by_hash)
+            # first one not cached is found by halving (reversed, the blocks cached are the
+            # last ones, and ``bisect`` reads the keys in C), and its parent ends the path.
+            k = len(chain) - bisect_left(chain[::-1], True, key=by_hash.__contains__)
             if k:
                 node = by_hash[chain[k - 1]]
+        # ``seq`` from block ``k`` on: ``rest[j]`` is ``seq[start + j]``.
+        start = k * bs
+        rest = tokens[start:]
+        if tail:
+            rest = tuple(rest) + tuple(tail[max(0, start - len(tokens)) :])
         if k == len(chain):
             # The rest of the cached prefix, by the tokens (past the chain, or without one).
             children = node.children
-            for key in zip(*[iter(tokens[k * bs : n_full * bs])] * bs, strict=False):
+            for key in zip(*[iter(rest[: n_full * bs - start])] * bs, strict=False):
                 child = children.get(key)
                 if child is None:
                     break
                 k += 1
                 node = child
                 children = child.children
-        # The match: a query of the leading blocks of ``tokens[:head]``.
+        # The match: a query of the leading blocks of ``seq[:head]``.
         matched = min(k, head // bs)
         self._queries += 1
         self._query_tokens += head
@@ -458,14 +477,15 @@ class RadixCache:
         root.last_access = tick
         block_hash = self.hasher.block_hash
         n_chain = len(chain)
+        make_room, attach = self._make_room, self._attach
         try:
             for i in range(k, n_full):
-                block = tokens[i * bs : (i + 1) * bs]
+                block = rest[i * bs - start : (i + 1) * bs - start]
                 h = chain[i] if i < n_chain else block_hash(node.hash, block)  # (bad ids: ValueError)
-                key = tuple(map(index, block))
-                if not self._make_room(bs, nbytes, node):
+                key = block if ints and type(block) is tuple else tuple(map(index, block))
+                if not make_room(bs, nbytes, node):
                     break
-                node = self._attach(node, key, h, None, nbytes, tick)
+                node = attach(node, key, h, None, nbytes, tick)
         finally:
             if node is not root and not node.children and not node.lock_ref:
                 self._push(node)
@@ -581,7 +601,8 @@ class RadixCache:
         """Evict until ``tokens``/``nbytes`` more fit, sparing ``protect``; False if impossible."""
         cap_t = self.capacity_tokens
         cap_b = None if self.capacity_bytes is None else self.capacity_bytes - self._reserved
-        if (cap_t is None or len(self._by_hash) * self.block_size + tokens <= cap_t) and (
+        by_hash, bs = self._by_hash, self.block_size
+        if (cap_t is None or len(by_hash) * bs + tokens <= cap_t) and (
             cap_b is None or self._bytes + nbytes <= cap_b
         ):
             return True
@@ -589,9 +610,8 @@ class RadixCache:
             return False
         held = False
         try:
-            while (cap_t is not None and len(self._by_hash) * self.block_size + tokens > cap_t) or (
-                cap_b is not None and self._bytes + nbytes > cap_b
-            ):
+            # It does not fit (above): evict, and check again after each block evicted.
+            while True:
                 node = self._pop_evictable()
                 if node is None:
                     return False
@@ -599,7 +619,10 @@ class RadixCache:
                     held = True
                     continue
                 self._evict_node(node)
-            return True
+                if (cap_t is None or len(by_hash) * bs + tokens <= cap_t) and (
+                    cap_b is None or self._bytes + nbytes <= cap_b
+                ):
+                    return True
         finally:
             if held:
                 self._push(protect)
@@ -623,16 +646,19 @@ class RadixCache:
         assert parent is not None
         del parent.children[node.key]
         node.parent = None
-        if self._by_hash.get(node.hash) is node:
-            del self._by_hash[node.hash]
+        h = node.hash
+        by_hash = self._by_hash
+        if by_hash.get(h) is node:
+            del by_hash[h]
         self._bytes -= node.nbytes
         self._evicted += 1
         if not parent.children and not parent.lock_ref and parent.depth > 0:
             self._push(parent)
-        if self._on_evict is not None:
-            self._on_evict(node)
+        on_evict = self._on_evict
+        if on_evict is not None:
+            on_evict(node)
         for observer in self._observers:
-            observer.block_removed(node.hash)
+            observer.block_removed(h)
 
     def _push(self, node: RadixNode) -> None:
         self._seq += 1

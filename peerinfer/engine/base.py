@@ -145,8 +145,8 @@ class _ChangeLog:
         self.removed: set[BlockHash] = set()
         self.elsewhere: Container[BlockHash] = ()
 
-    # (``block_added``/``block_removed`` are ``_added``/``_removed`` inlined: the cache calls
-    # them for every block it inserts or evicts, a simulated swarm's engines millions of times.)
+    # (``_added`` and ``_removed`` inlined: the cache calls these once per block it adds or
+    # evicts, the hottest calls of a simulated request that misses)
     def block_added(self, h: BlockHash) -> None:
         if h not in self.elsewhere:
             if h in self.removed:
@@ -560,6 +560,8 @@ class Engine(ABC):
 
     def _on_evict(self, node: RadixNode) -> None:
         payload, node.payload = node.payload, None
+        if payload is None and self._disk is None and self._own_blocks is None:
+            return  # nothing to spill, to digest or to free (a simulated engine's blocks)
         try:
             data = None if self._disk is None else self._spill(node, payload)
             dropped(self, node.hash, payload, data)  # a block it computed: digested now

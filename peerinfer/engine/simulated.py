@@ -55,8 +55,9 @@ import math
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain as _chain
 
 from peerinfer.core.costmodel import DEFAULT_COSTS, CostModel
 from peerinfer.core.messages import SamplingParams
@@ -246,6 +247,31 @@ def _output_seed(params: SamplingParams) -> int:
     return params.seed if params.temperature > 0 and params.seed is not None else 0
 
 
+class _PieceTokens(dict[str, tuple[int, ...]]):
+    """A regex piece's token ids, memoized: one id for a piece of at most ``_MAX_PIECE_CHARS``
+    characters, else one per cut of that many. A lookup of a piece not held computes its ids
+    (and keeps them while the memo holds fewer than a million pieces)."""
+
+    __slots__ = ("_piece_id",)
+
+    def __init__(self, piece_id: Callable[[str], int]) -> None:
+        super().__init__()
+        self._piece_id = piece_id
+
+    def __missing__(self, piece: str) -> tuple[int, ...]:
+        piece_id = self._piece_id
+        if len(piece) <= _MAX_PIECE_CHARS:
+            ids: tuple[int, ...] = (piece_id(piece),)
+        else:
+            ids = tuple(
+                piece_id(piece[i : i + _MAX_PIECE_CHARS])
+                for i in range(0, len(piece), _MAX_PIECE_CHARS)
+            )
+        if len(self) < 1_000_000:
+            self[piece] = ids
+        return ids
+
+
 def _syllable_word(token: int) -> str:
     n = token
     parts: list[str] = []
@@ -307,6 +333,9 @@ class SimulatedEngine(Engine):
             f"peerinfer-simulated/1\0{model}\0{vocab_size}".encode(), digest_size=32
         ).digest()
         self._piece_ids: dict[str, int] = {}
+        #: each regex piece's ids (a long piece's several, cut as ``_piece_id``'s callers
+        #: cut it), so that ``tokenize`` maps the pieces it knows in C
+        self._piece_tokens = _PieceTokens(self._piece_id)
         #: the one synthetic encoded block (``encode_block``), made once per size
         self._block_bytes = b""
         self._plan_memo: PlanMemo | None = None
@@ -347,18 +376,10 @@ class SimulatedEngine(Engine):
         return token
 
     def tokenize(self, text: str) -> list[int]:
-        out: list[int] = []
-        append = out.append
-        known = self._piece_ids.get
-        piece_id = self._piece_id
-        for piece in _PIECES.findall(text):
-            if len(piece) <= _MAX_PIECE_CHARS:  # most pieces: one id, usually known
-                token = known(piece)
-                append(piece_id(piece) if token is None else token)
-            else:
-                for i in range(0, len(piece), _MAX_PIECE_CHARS):
-                    append(piece_id(piece[i : i + _MAX_PIECE_CHARS]))
-        return out
+        # Each piece's ids from the memo (a piece not seen before is cut and numbered by
+        # ``_PieceTokens.__missing__``): one C loop over the pieces, no Python step per piece.
+        pieces = _PIECES.findall(text)
+        return list(_chain.from_iterable(map(self._piece_tokens.__getitem__, pieces)))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return "".join(_syllable_word(t) for t in tokens if t >= RESERVED_IDS)
@@ -412,13 +433,19 @@ class SimulatedEngine(Engine):
                 head = prompt[: len(prompt) - 1]
                 in_memory = cache.match(head, touch=False).tokens
                 self._load_from_disk(cache, head)
-            seq = prompt + tuple(completion[:-1])
-            # One walk for the match and the insert. A swarm's engines share the cores'
-            # hasher, which has this prompt's chain already (the core hashed the same tuple
-            # when it took the request in): the cached blocks are then found by hash.
+            # One walk for the match and the insert, of the prompt and the completion but its
+            # last token (not joined: the cached blocks' tokens are not copied). A swarm's
+            # engines share the cores' hasher, which has this prompt's chain already (the core
+            # hashed the same tuple when it took the request in): the cached blocks are then
+            # found by hash.
             chain = cache.hasher.prompt_chain(prompt) if memo is not None else ()
             cached = cache.match_insert(  # (the match is of the prompt but its last token)
-                seq, max(0, len(prompt) - 1), self.kv_bytes_per_token * cache.block_size, chain
+                prompt,
+                max(0, len(prompt) - 1),
+                self.kv_bytes_per_token * cache.block_size,
+                chain,
+                completion[:-1],
+                ints=True,  # (the prompt validated, the completion this engine's)
             )
             if disk is not None and cached > in_memory:
                 rate = (

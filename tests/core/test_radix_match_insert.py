@@ -2,7 +2,9 @@
 
 Two caches take the same random requests, pins, reservations and evictions; one serves each
 request with ``match(tokens[:head])`` and ``insert(tokens)``, the other with ``match_insert``
-(with the prompt's whole chain, a part of it, a chain longer than the request, or none). After
+(with the prompt's whole chain, a part of it, a chain longer than the request, or none; the
+request whole, or cut anywhere into ``tokens`` and ``tail``, the prompt and completion as the
+simulated engine passes them among the cuts). After
 every step they must hold the same blocks with the same ticks, sizes and pins, report the same
 statistics, and have evicted and announced the same blocks in the same order; at the end both
 are drained, which must evict in the same order (the lazy heaps agree on the LRU order).
@@ -59,6 +61,7 @@ def state(cache: RadixCache) -> list[tuple[Any, ...]]:
 def run(seed: int, chain_kind: str, cap_tokens: int | None, cap_bytes: int | None) -> int:
     """Drive both caches through one random history; returns how many blocks were evicted."""
     rng = random.Random(seed)
+    cuts = random.Random(f"cut-{seed}")  # (apart, so that the histories stay those of ``rng``)
     hasher = PrefixHasher(b"test-radix-match-insert", block_size=BS, memo_size=64)
     two, two_log = make(hasher, cap_tokens, cap_bytes)
     one, one_log = make(hasher, cap_tokens, cap_bytes)
@@ -82,7 +85,9 @@ def run(seed: int, chain_kind: str, cap_tokens: int | None, cap_bytes: int | Non
                 chain = hasher.chain(seq + (1,) * (2 * BS))
             else:
                 chain = ()
-            got = one.match_insert(seq, head, size, chain)
+            cut = cuts.choice([len(seq), len(prompt), cuts.randrange(len(seq) + 1)])
+            tail = seq[cut:] if cuts.random() < 0.5 else list(seq[cut:])
+            got = one.match_insert(seq[:cut], head, size, chain, tail, ints=cuts.random() < 0.5)
             assert got == want
         elif op < 0.80:
             prompt = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 10)))
@@ -140,7 +145,36 @@ def test_match_insert_refuses_what_insert_refuses() -> None:
         cache.match_insert((1, 2), 1, -1)
     with pytest.raises(ValueError):
         cache.match_insert((1, -2), 1)
+    with pytest.raises(ValueError):
+        cache.match_insert((1,), 3, 0, (), (2,))
+    with pytest.raises(ValueError):
+        cache.match_insert((1,), 1, 0, (), (-2,))
     assert len(cache) == 0
     assert cache.match_insert((1, 2, 3, 4), 3, 5) == 0
     assert cache.match_insert((1, 2, 3, 4, 5), 4, 5, hasher.prompt_chain((1, 2, 3, 4))) == 4
+    assert cache.match_insert((1, 2, 3), 4, 5, hasher.prompt_chain((1, 2)), (4, 5, 6)) == 4
     cache.check_invariants()
+
+
+def test_match_insert_takes_the_keys_of_ints_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``ints`` a new block's key is its slice (no ``operator.index`` per token), and the
+    tree is the one made by converting each token."""
+    from peerinfer.core import radix
+
+    converted: list[object] = []
+
+    def counted(token: object) -> int:
+        converted.append(token)
+        return index(token)  # type: ignore[arg-type]
+
+    index = radix.index
+    monkeypatch.setattr(radix, "index", counted)
+    hasher = PrefixHasher(b"test-radix-match-insert", block_size=BS)
+    as_is, one_by_one = make(hasher, None, None)[0], make(hasher, None, None)[0]
+    prompt, tail = (1, 2, 3, 4, 5), (6, 7, 8)
+    assert as_is.match_insert(prompt, 4, 1, hasher.prompt_chain(prompt), tail, ints=True) == 0
+    assert not converted
+    assert one_by_one.match_insert(prompt, 4, 1, hasher.prompt_chain(prompt), tail) == 0
+    assert len(converted) == len(prompt + tail) // BS * BS
+    assert state(as_is) == state(one_by_one)
+    as_is.check_invariants()
