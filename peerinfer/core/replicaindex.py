@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.digest import CacheObserver
+from peerinfer.core.followtables import FollowTables
 from peerinfer.core.merkle import MerkleDigest, NullObserver, SizeWatch
 from peerinfer.core.messages import Load
 from peerinfer.core.replicabudget import (
@@ -33,59 +34,12 @@ from peerinfer.core.replicabudget import (
     _PeerState,
     _SpecEntry,
 )
+from peerinfer.core.replicaobserver import PeerObserver
 from peerinfer.core.slotmasks import leading, slots_in
 from peerinfer.errors import ConfigError
 from peerinfer.types import BlockHash, PeerId
 
 ReplicaFactory = Callable[[CacheObserver], Replica]
-
-
-class _PeerObserver:
-    """The observer given to one peer's replica; disarmed when the peer is removed."""
-
-    __slots__ = ("_index", "_state", "armed")
-
-    def __init__(self, index: ReplicaIndex, state: _PeerState) -> None:
-        self._index = index
-        self._state = state
-        self.armed = True
-
-    def block_added(self, h: BlockHash) -> None:
-        if self.armed:
-            self._index._index_block(self._state, h)
-
-    def block_removed(self, h: BlockHash) -> None:
-        if self.armed:
-            self._index._unindex_block(self._state, h)
-
-    def blocks_changed(self, added: list[BlockHash], removed: list[BlockHash]) -> None:
-        if not self.armed:
-            return
-        index, state = self._index, self._state
-        if removed:
-            # ``_unindex_block`` for each, inlined: every recipient of an announcement with
-            # changes runs this for every removed hash (2.2 million calls in a 64-node,
-            # 10,000-request simulation). The rescan check after each removal only sees
-            # ``indexed`` fall, so checking once after the last is the same.
-            masks = index._masks
-            get = masks.get
-            bit = state.bit
-            keep = ~bit
-            indexed = state.indexed
-            for h in removed:
-                m = get(h, 0)
-                if m & bit:
-                    m &= keep
-                    if m:
-                        masks[h] = m
-                    else:
-                        del masks[h]
-                    indexed -= 1
-            state.indexed = indexed
-            if state.skipped and indexed <= (index.max_replica_blocks * 3) // 4:
-                index._pending_rescan[state.peer] = state
-        if added:
-            index._index_blocks(state, added)
 
 
 class ReplicaIndex(ReplicaBudget):
@@ -142,7 +96,7 @@ class ReplicaIndex(ReplicaBudget):
         self._size_watch = SizeWatch()
         self._hits: list[float] = []
         self._all_minimal = False
-        self._observers: dict[PeerId, _PeerObserver] = {}
+        self._observers: dict[PeerId, PeerObserver] = {}
         self._by_slot: dict[int, _PeerState] = {}
         self._free_slots: list[int] = []  # a heap: the lowest free slot is reused first
         self._next_slot = 0
@@ -162,16 +116,8 @@ class ReplicaIndex(ReplicaBudget):
         self._membership_changes = 0
         self._rtt_order: list[tuple[float, int, _PeerState]] = []
         self._rtt_order_key: tuple[object, int] = (None, -1)
-        #: ``_not_followed``'s answer, for which ``following`` and at which counts
-        self._not_followed_set: set[PeerId] = set()
-        self._not_followed_of: object = None
-        self._not_followed_key: tuple[int | None, int] = (None, -1)
-        #: ``_followed_by_run_slot``'s answer, for which ``following`` and ``holders``, at
-        #: which counts
-        self._by_run_slot: list[_PeerState | None] = []
-        self._by_run_slot_of: object = None
-        self._by_run_slot_holders: object = None
-        self._by_run_slot_key: tuple[int | None, int, int] = (None, -1, -1)
+        #: what the walk over runs reads of the peers followed, kept between routes
+        self._follow_tables: FollowTables[_PeerState] = FollowTables()
 
     # ---------------------------------------------------------------------------- peers
 
@@ -199,7 +145,7 @@ class ReplicaIndex(ReplicaBudget):
         self._membership_changes += 1
         self._all_minimal = False
         state = _PeerState(peer, slot, self._added_seq, self._hits)
-        observer = _PeerObserver(self, state)
+        observer = PeerObserver(self, state)
         self._states[peer] = state
         self._observers[peer] = observer
         self._by_slot[slot] = state
@@ -458,50 +404,6 @@ class ReplicaIndex(ReplicaBudget):
             out.append((depth, mask))
         return out
 
-    def _not_followed(
-        self, following: Mapping[PeerId, object], following_changes: int | None
-    ) -> set[PeerId]:
-        """The peers not in ``following`` (read, not to be changed), kept while neither the
-        peers nor ``following`` (counted by ``following_changes``) change: every route asks,
-        and a swarm's node follows nearly every peer, so the answer is mostly empty and the
-        same for many routes. Kept as the set the difference makes, so that it iterates in the
-        same order as one made anew."""
-        key = (following_changes, self._membership_changes)
-        if following_changes is None or self._not_followed_of is not following \
-                or self._not_followed_key != key:
-            self._not_followed_set = self._states.keys() - following.keys()
-            self._not_followed_of = following
-            self._not_followed_key = key
-        return self._not_followed_set
-
-    def _followed_by_run_slot(
-        self, reads: RunReads, holders: RunHolders
-    ) -> list[_PeerState | None]:
-        """Per slot of ``holders``, the state of the peer this node follows through the run in
-        that slot (the slot's sender, followed, through the run holding the slot: the run a
-        node follows is alive, so it keeps its slot), else None: what a route's walk over the
-        runs reads of each run. Kept while neither the peers, nor the peers followed
-        (``RunReads.following_changes``: a followed peer's run changes only with them), nor
-        the number of slots change."""
-        following = reads.following
-        changes = reads.following_changes
-        senders = holders.senders
-        key = (changes, self._membership_changes, len(senders))
-        if (changes is None or self._by_run_slot_of is not following
-                or self._by_run_slot_holders is not holders or self._by_run_slot_key != key):
-            states = self._states
-            by_run_slot: list[_PeerState | None] = [None] * len(senders)
-            for peer, kept in following.items():
-                run = kept.run
-                slot = -1 if run is None else run.holder_slot
-                if 0 <= slot < len(senders) and senders[slot] == peer:
-                    by_run_slot[slot] = states.get(peer)
-            self._by_run_slot = by_run_slot
-            self._by_run_slot_of = following
-            self._by_run_slot_holders = holders
-            self._by_run_slot_key = key
-        return self._by_run_slot
-
     def _holders_by_depth(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
     ) -> dict[int, list[_PeerState]]:
@@ -517,7 +419,8 @@ class ReplicaIndex(ReplicaBudget):
         states = self._states
         following = reads.following
         spec = self._spec_holders
-        alone = self._not_followed(following, reads.following_changes)
+        tables = self._follow_tables
+        alone = tables.not_followed(states, following, reads.following_changes, self._membership_changes)
         if spec:
             also = spec.keys() & following.keys()
             if also:
@@ -544,7 +447,7 @@ class ReplicaIndex(ReplicaBudget):
                     by_depth[depth] = [state]
                 else:
                     group.append(state)
-        followed = self._followed_by_run_slot(reads, holders)
+        followed = tables.by_run_slot(states, reads, holders, self._membership_changes)
         # Every run's depth at once (``RunHolders.walk``: the runs' masks ANDed along the
         # chain); of those, the runs this node follows for their senders.
         for depth, slots in holders.walk(chain):

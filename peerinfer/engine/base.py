@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 from peerinfer.core.messages import MAX_PROMPT_TOKENS, ChatMessage, SamplingParams
 from peerinfer.core.prefix import PrefixHasher
 from peerinfer.core.radix import RadixCache, RadixNode
+from peerinfer.engine.changelog import ChangeLog
 from peerinfer.engine.decoder import (
     NEVER_CANCELLED,
     NO_PREFIX,
@@ -129,57 +130,6 @@ class _IteratorDecoder(Decoder):
             close()
 
 
-class _ChangeLog:
-    """A cache observer that keeps the net set difference since the last ``take()``.
-
-    With a disk tier (``elsewhere``) the engine reports the blocks it holds in memory *or* on
-    disk: a block moving between the two is no change. The radix cache tells it of memory
-    changes (``block_added``/``block_removed``, skipped while the block is on disk); the engine
-    tells it of disk-only changes through ``_added``/``_removed``.
-    """
-
-    __slots__ = ("added", "removed", "elsewhere")
-
-    def __init__(self) -> None:
-        self.added: set[BlockHash] = set()
-        self.removed: set[BlockHash] = set()
-        self.elsewhere: Container[BlockHash] = ()
-
-    # (``_added`` and ``_removed`` inlined: the cache calls these once per block it adds or
-    # evicts, the hottest calls of a simulated request that misses)
-    def block_added(self, h: BlockHash) -> None:
-        if h not in self.elsewhere:
-            if h in self.removed:
-                self.removed.discard(h)
-            else:
-                self.added.add(h)
-
-    def block_removed(self, h: BlockHash) -> None:
-        if h not in self.elsewhere:
-            if h in self.added:
-                self.added.discard(h)
-            else:
-                self.removed.add(h)
-
-    def _added(self, h: BlockHash) -> None:
-        if h in self.removed:
-            self.removed.discard(h)
-        else:
-            self.added.add(h)
-
-    def _removed(self, h: BlockHash) -> None:
-        if h in self.added:
-            self.added.discard(h)
-        else:
-            self.removed.add(h)
-
-    def take(self) -> CacheChanges:
-        out = CacheChanges(tuple(sorted(self.added)), tuple(sorted(self.removed)))
-        self.added = set()
-        self.removed = set()
-        return out
-
-
 class Engine(ABC):
     """The inference backend interface (see the module docstring for the contract).
 
@@ -214,7 +164,7 @@ class Engine(ABC):
 
     _cache: RadixCache | None = None
     _disk: DiskTier | None = None
-    _changes: _ChangeLog | None = None
+    _changes: ChangeLog | None = None
     _counters: _Counters | None = None
     _closed: bool = False
     _own_blocks: OwnBlocks | None = None  # digests of the blocks it computed (engine/kvmemo.py)
@@ -365,7 +315,7 @@ class Engine(ABC):
             return
         if capacity_bytes is None:
             capacity_bytes = self.default_capacity_bytes
-        changes = self._changes if self._changes is not None else _ChangeLog()
+        changes = self._changes if self._changes is not None else ChangeLog()
         cache = RadixCache(
             hasher,
             capacity_tokens=capacity_tokens,

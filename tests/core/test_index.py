@@ -741,7 +741,7 @@ def test_speculative_counts_without_masks_equal_the_counting_ones() -> None:
 
 
 def test_the_peers_not_followed_are_kept_until_the_peers_or_those_followed_change() -> None:
-    """``_not_followed`` (a route's peers asked alone) keeps its answer between routes: through
+    """``FollowTables.not_followed`` (a route's peers asked alone) keeps its answer between routes: through
     random peers added and removed and peers followed and left (each counted), it must equal
     the difference made anew, in the same order (the order the peers are asked in)."""
     import random
@@ -765,8 +765,9 @@ def test_the_peers_not_followed_are_kept_until_the_peers_or_those_followed_chang
         elif op < 0.6:
             if following.pop(peer, None) is not None:
                 changes += 1
-        before = index._not_followed_set
-        got = index._not_followed(following, changes)
+        tables = index._follow_tables
+        before = tables.kept_not_followed
+        got = tables.not_followed(index._states, following, changes, index._membership_changes)
         kept += got is before
         anew = index._states.keys() - following.keys()
         assert got == anew and list(got) == list(anew)

@@ -1,7 +1,7 @@
 """This node's digest takes a request's cache changes in one call (``LocalDigest.blocks_changed``,
 ``MerkleDigest.apply_changes``), its periodic announcements seal epochs without changes
 without sorting anything (``LocalDigest.seal``), the engine's change log hears each block in one
-call (``_ChangeLog``), and a flat digest counts a chain's held blocks in C
+call (``ChangeLog``), and a flat digest counts a chain's held blocks in C
 (``MerkleDigest.leading``). Each must do exactly what the step-by-step path it replaced
 does, in the same order: the reference here is that path (``block_removed`` then
 ``block_added`` per hash, the former ``seal``, the former loops), and the comparison includes
@@ -14,7 +14,7 @@ import random
 
 from peerinfer.core.digest import LocalDigest, MerkleDigest
 from peerinfer.core.messages import MAX_DELTA
-from peerinfer.engine.base import _ChangeLog
+from peerinfer.engine.changelog import ChangeLog
 from peerinfer.types import BlockHash
 
 
@@ -151,11 +151,11 @@ def test_an_empty_seal_after_the_log_limit_was_lowered_trims_as_before() -> None
         assert fast.delta_since(since) == slow.delta_since(since)
 
 def test_the_change_log_hears_the_cache_as_its_own_steps_do() -> None:
-    """``_ChangeLog.block_added``/``block_removed`` (the cache's calls, ``_added``/``_removed``
+    """``ChangeLog.block_added``/``block_removed`` (the cache's calls, ``_added``/``_removed``
     inlined) against those steps, with blocks on disk ("elsewhere") no change."""
     rng = random.Random(4)
     pool = [BlockHash(rng.getrandbits(64)) for _ in range(60)]
-    fast, slow = _ChangeLog(), _ChangeLog()
+    fast, slow = ChangeLog(), ChangeLog()
     fast.elsewhere = slow.elsewhere = set(pool[:10])
     for step in range(2000):
         h = rng.choice(pool)
