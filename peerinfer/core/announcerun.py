@@ -51,8 +51,10 @@ class AnnounceRun:
     allowance: each follower registers that limit (``followers[peer]``), and the shell hands
     the announcement, before pushing it, to the followers whose limit it exceeds (they refuse
     it and leave the run). The others take the run's changes in, in order, when they next read
-    the sender's state (``changes`` and ``change_at``: each changed announcement and the run's
-    length once it was pushed). Routing reads every replica's set, so a node takes those in
+    the sender's state (``change_at``: the run's length once each changed announcement was
+    pushed, with what taking it in reads of it: ``change_prev``, ``change_epoch``,
+    ``change_size``; the announcements themselves are not kept, nor their deltas, which the
+    run's set already holds). Routing reads every replica's set, so a node takes those in
     before it routes (``PeerView.for_routing``).
 
     Why: with N nodes, each announcement otherwise costs N - 1 calls; a shared run costs one
@@ -60,7 +62,7 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at", "change_prev", "change_epoch", "change_size",
+                 "digest", "change_at", "change_prev", "change_epoch", "change_size",
                  "holders", "clock_key", "holder_slot", "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
@@ -75,7 +77,7 @@ class AnnounceRun:
         self.followers: dict[PeerId, int] = {}
         #: the sender's set at ``epoch`` (once a follower joined: ``seed``)
         self.digest: MerkleDigest | None = None
-        self.changes: list[Announce] = []
+        #: per changed announcement, the run's length once it was pushed
         self.change_at: list[int] = []
         #: per changed announcement, what taking it in reads for the change rate: its
         #: previous epoch, epoch and elements changed (``steps_since``; read once here, not per
@@ -159,7 +161,6 @@ class AnnounceRun:
         self.load = a.load
         self.at = at
         self.length += 1
-        self.changes.append(a)
         self.change_at.append(self.length)
         self.change_prev.append(a.prev_epoch)
         self.change_epoch.append(a.epoch)
@@ -176,14 +177,13 @@ class AnnounceRun:
         flat = digest._flat
         return len(list(takewhile((digest if flat is None else flat).__contains__, chain)))
 
-    def changes_since(self, cursor: int) -> tuple[list[Announce], list[int]]:
-        """The changed announcements pushed after the run's length was ``cursor``, with the
-        run's length once each was pushed."""
+    def changes_since(self, cursor: int) -> list[int]:
+        """The run's length once each changed announcement pushed after the run's length was
+        ``cursor`` was pushed (tests: ``steps_since`` is what followers read)."""
         change_at = self.change_at
         if not change_at or change_at[-1] <= cursor:
-            return [], []
-        i = bisect_right(change_at, cursor)
-        return self.changes[i:], change_at[i:]
+            return []
+        return change_at[bisect_right(change_at, cursor):]
 
     def steps_since(self, cursor: int, base: int) -> Iterator[tuple[int, int, int, int]]:
         """The changed announcements pushed after the run's length was ``cursor``, as
