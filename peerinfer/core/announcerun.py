@@ -124,10 +124,13 @@ class AnnounceRun:
             if self.holders is not None:
                 self.holders.seeded(self)
 
-    def advances(self, a: Announce) -> MerkleDigest | None:
+    def advances(self, a: Announce, share: bool = True) -> MerkleDigest | None:
         """The sender's set after ``a``, if ``a`` may be pushed with its changes: it chains from
         the run's newest epoch with a delta (not truncated), the run holds the set, the load
-        keeps its slots and speed, and the delta leads to the announced root and count."""
+        keeps its slots and speed, and the delta leads to the announced root and count.
+        ``share=False``: no other set will take ``a`` in from a delta (every recipient of it
+        follows this run), so the result is not left in the shared memo
+        (``MerkleDigest.apply_delta``)."""
         digest = self.digest
         if (
             digest is None
@@ -139,7 +142,7 @@ class AnnounceRun:
         ):
             return None
         after = digest.twin()
-        after.apply_delta(a.added, a.removed)
+        after.apply_delta(a.added, a.removed, share)
         if len(after) != a.count or after.root != a.root:
             return None  # followers would need a pull: each is handed it
         return after
