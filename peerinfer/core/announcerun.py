@@ -28,6 +28,10 @@ from peerinfer.types import BlockHash, PeerId
 __all__ = ["AnnounceRun", "RunHolders", "RunReads"]
 
 
+#: how many changes a run holds before it first drops those every follower took in
+_TRIM_FIRST = 64
+
+
 class AnnounceRun:
     """One sender's announcements, shared by the recipients of a group.
 
@@ -62,8 +66,8 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "change_at", "change_prev", "change_epoch", "change_size",
-                 "holders", "clock_key", "holder_slot", "__weakref__")
+                 "digest", "cursors", "trim_at", "change_at", "change_prev", "change_epoch",
+                 "change_size", "holders", "clock_key", "holder_slot", "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
         self.sender = announce.sender
@@ -77,6 +81,12 @@ class AnnounceRun:
         self.followers: dict[PeerId, int] = {}
         #: the sender's set at ``epoch`` (once a follower joined: ``seed``)
         self.digest: MerkleDigest | None = None
+        #: each follower's ``cursor`` (``PeerView``: the run's length when it last took the
+        #: run's announcements in; it only grows), as low as the follower's own or lower: the
+        #: changes pushed at or before the lowest are read by nobody again (``_trim``)
+        self.cursors: dict[PeerId, int] = {}
+        #: the length of ``change_at`` at which ``push_changes`` next trims (``_trim``)
+        self.trim_at = _TRIM_FIRST
         #: per changed announcement, the run's length once it was pushed
         self.change_at: list[int] = []
         #: per changed announcement, what taking it in reads for the change rate: its
@@ -168,8 +178,26 @@ class AnnounceRun:
         self.change_prev.append(a.prev_epoch)
         self.change_epoch.append(a.epoch)
         self.change_size.append(len(a.added) + len(a.removed))
+        if len(self.change_at) >= self.trim_at:
+            self._trim()
         if self.holders is not None:
             self.holders.moved(self)
+
+    def _trim(self) -> None:
+        """Drop the changes that every follower took in already: pushed when the run's length
+        was at most the lowest follower's cursor (a follower reads only those pushed after its
+        cursor, ``steps_since``; one that joins later starts at the run's length). The lists
+        would otherwise grow by one entry per change for as long as the run lives. Amortized:
+        the next trim waits until the list is twice what was kept."""
+        change_at = self.change_at
+        lowest = min(self.cursors.values(), default=self.length)
+        dead = bisect_right(change_at, lowest)
+        if dead:
+            del change_at[:dead]
+            del self.change_prev[:dead]
+            del self.change_epoch[:dead]
+            del self.change_size[:dead]
+        self.trim_at = max(2 * len(change_at), _TRIM_FIRST)
 
     def depth(self, chain: Sequence[BlockHash]) -> int:
         """How many of ``chain``'s leading blocks the run's set holds (0 without a set): the
