@@ -28,6 +28,10 @@ from peerinfer.types import BlockHash, PeerId
 __all__ = ["AnnounceRun", "RunHolders", "RunReads"]
 
 
+#: how many changes a run holds before it first drops those every follower took in
+_TRIM_FIRST = 64
+
+
 class AnnounceRun:
     """One sender's announcements, shared by the recipients of a group.
 
@@ -51,8 +55,10 @@ class AnnounceRun:
     allowance: each follower registers that limit (``followers[peer]``), and the shell hands
     the announcement, before pushing it, to the followers whose limit it exceeds (they refuse
     it and leave the run). The others take the run's changes in, in order, when they next read
-    the sender's state (``changes`` and ``change_at``: each changed announcement and the run's
-    length once it was pushed). Routing reads every replica's set, so a node takes those in
+    the sender's state (``change_at``: the run's length once each changed announcement was
+    pushed, with what taking it in reads of it: ``change_prev``, ``change_epoch``,
+    ``change_size``; the announcements themselves are not kept, nor their deltas, which the
+    run's set already holds). Routing reads every replica's set, so a node takes those in
     before it routes (``PeerView.for_routing``).
 
     Why: with N nodes, each announcement otherwise costs N - 1 calls; a shared run costs one
@@ -60,8 +66,8 @@ class AnnounceRun:
     """
 
     __slots__ = ("sender", "root", "count", "epoch", "load", "at", "length", "followers",
-                 "digest", "changes", "change_at", "change_prev", "change_epoch", "change_size",
-                 "holders", "clock_key", "holder_slot", "__weakref__")
+                 "digest", "cursors", "trim_at", "change_at", "change_prev", "change_epoch",
+                 "change_size", "holders", "clock_key", "holder_slot", "__weakref__")
 
     def __init__(self, announce: Announce, at: float, holders: RunHolders | None = None) -> None:
         self.sender = announce.sender
@@ -75,7 +81,13 @@ class AnnounceRun:
         self.followers: dict[PeerId, int] = {}
         #: the sender's set at ``epoch`` (once a follower joined: ``seed``)
         self.digest: MerkleDigest | None = None
-        self.changes: list[Announce] = []
+        #: each follower's ``cursor`` (``PeerView``: the run's length when it last took the
+        #: run's announcements in; it only grows), as low as the follower's own or lower: the
+        #: changes pushed at or before the lowest are read by nobody again (``_trim``)
+        self.cursors: dict[PeerId, int] = {}
+        #: the length of ``change_at`` at which ``push_changes`` next trims (``_trim``)
+        self.trim_at = _TRIM_FIRST
+        #: per changed announcement, the run's length once it was pushed
         self.change_at: list[int] = []
         #: per changed announcement, what taking it in reads for the change rate: its
         #: previous epoch, epoch and elements changed (``steps_since``; read once here, not per
@@ -122,10 +134,13 @@ class AnnounceRun:
             if self.holders is not None:
                 self.holders.seeded(self)
 
-    def advances(self, a: Announce) -> MerkleDigest | None:
+    def advances(self, a: Announce, share: bool = True) -> MerkleDigest | None:
         """The sender's set after ``a``, if ``a`` may be pushed with its changes: it chains from
         the run's newest epoch with a delta (not truncated), the run holds the set, the load
-        keeps its slots and speed, and the delta leads to the announced root and count."""
+        keeps its slots and speed, and the delta leads to the announced root and count.
+        ``share=False``: no other set will take ``a`` in from a delta (every recipient of it
+        follows this run), so the result is not left in the shared memo
+        (``MerkleDigest.apply_delta``)."""
         digest = self.digest
         if (
             digest is None
@@ -137,7 +152,7 @@ class AnnounceRun:
         ):
             return None
         after = digest.twin()
-        after.apply_delta(a.added, a.removed)
+        after.apply_delta(a.added, a.removed, share)
         if len(after) != a.count or after.root != a.root:
             return None  # followers would need a pull: each is handed it
         return after
@@ -159,13 +174,30 @@ class AnnounceRun:
         self.load = a.load
         self.at = at
         self.length += 1
-        self.changes.append(a)
         self.change_at.append(self.length)
         self.change_prev.append(a.prev_epoch)
         self.change_epoch.append(a.epoch)
         self.change_size.append(len(a.added) + len(a.removed))
+        if len(self.change_at) >= self.trim_at:
+            self._trim()
         if self.holders is not None:
             self.holders.moved(self)
+
+    def _trim(self) -> None:
+        """Drop the changes that every follower took in already: pushed when the run's length
+        was at most the lowest follower's cursor (a follower reads only those pushed after its
+        cursor, ``steps_since``; one that joins later starts at the run's length). The lists
+        would otherwise grow by one entry per change for as long as the run lives. Amortized:
+        the next trim waits until the list is twice what was kept."""
+        change_at = self.change_at
+        lowest = min(self.cursors.values(), default=self.length)
+        dead = bisect_right(change_at, lowest)
+        if dead:
+            del change_at[:dead]
+            del self.change_prev[:dead]
+            del self.change_epoch[:dead]
+            del self.change_size[:dead]
+        self.trim_at = max(2 * len(change_at), _TRIM_FIRST)
 
     def depth(self, chain: Sequence[BlockHash]) -> int:
         """How many of ``chain``'s leading blocks the run's set holds (0 without a set): the
@@ -176,14 +208,13 @@ class AnnounceRun:
         flat = digest._flat
         return len(list(takewhile((digest if flat is None else flat).__contains__, chain)))
 
-    def changes_since(self, cursor: int) -> tuple[list[Announce], list[int]]:
-        """The changed announcements pushed after the run's length was ``cursor``, with the
-        run's length once each was pushed."""
+    def changes_since(self, cursor: int) -> list[int]:
+        """The run's length once each changed announcement pushed after the run's length was
+        ``cursor`` was pushed (tests: ``steps_since`` is what followers read)."""
         change_at = self.change_at
         if not change_at or change_at[-1] <= cursor:
-            return [], []
-        i = bisect_right(change_at, cursor)
-        return self.changes[i:], change_at[i:]
+            return []
+        return change_at[bisect_right(change_at, cursor):]
 
     def steps_since(self, cursor: int, base: int) -> Iterator[tuple[int, int, int, int]]:
         """The changed announcements pushed after the run's length was ``cursor``, as

@@ -66,8 +66,12 @@ a new set (a copy, then the delta), the next ones holding the same set (the same
 size: a 128-bit XOR of hashed contributions, which random block hashes do not collide in) adopt
 that set object. A digest holding a shared set copies it before changing it in place (copy on
 write). Replicas that took the same announcements in then share one set in memory instead of
-one each. No memo by default: a real node hands each announcement to one replica, where the memo
-could only cost a copy per announcement. The memo is an object passed in, never module state, so
+one each. A result is left in the memo only where another digest may read it: a shared run
+(``peerinfer.core.announcerun``) whose every recipient follows it, in its sender's last delay
+group, applies the delta for them all, and ``apply_delta(share=False)`` stores nothing (with one
+delay and no loss, every store was such a run's, and none was ever read; with several delays or
+with loss, most lookups hit). No memo by default: a real node hands each announcement to one
+replica, where the memo could only cost a copy per announcement. The memo is an object passed in, never module state, so
 two simulations in one process (or a simulation beside a node) share nothing.
 
 *This node's digest* (``peerinfer.core.localdigest``). ``LocalDigest`` wraps the digest of this node's own cache with *epochs*: the

@@ -228,11 +228,16 @@ class MerkleDigest:
             self._observer.block_removed(h)
         return True
 
-    def apply_delta(self, added: Iterable[int], removed: Iterable[int]) -> None:
+    def apply_delta(
+        self, added: Iterable[int], removed: Iterable[int], share: bool = True
+    ) -> None:
         """Discard every element of ``removed``, then add every element of ``added``.
 
         The same as those calls one by one, but a flat digest does it in one loop each and an
-        observer with ``blocks_changed`` hears of all the real changes in one call.
+        observer with ``blocks_changed`` hears of all the real changes in one call. With a
+        memo, a result another digest left there is taken; ``share=False``: no other digest
+        will apply this delta after this one, so the result is not left there (an entry holds
+        its set, stale once this digest moves on, until the memo is cleared).
         """
         flat = self._flat
         batch = self._batch_observer
@@ -256,6 +261,9 @@ class MerkleDigest:
                 if hit[4] or hit[5]:
                     batch(hit[4], hit[5])
                 return
+            if not share:
+                key = None
+        if key is not None:
             flat = set(flat)  # the result will be shared: never the set we hold
         elif self._flat_shared:
             flat = self._own_flat()

@@ -347,6 +347,7 @@ class PeerView:
     def _follow(self, peer: PeerId, kept: _Kept, run: AnnounceRun) -> None:
         """Follow ``run`` from its newest announcement (the replica is in step with it)."""
         kept.run, kept.cursor = run, run.length
+        run.cursors[self._me] = run.length
         run.seed(kept.replica.digest)
         replica = kept.replica
         allowance = self._index.allowance(peer)
@@ -500,7 +501,7 @@ class PeerView:
             kept.root, kept.count, kept.final = run.root, run.count, run.digest
             self._changed.add(peer)
         kept.times += run.length - kept.cursor
-        kept.cursor = run.length
+        kept.cursor = run.cursors[self._me] = run.length
         kept.epoch, kept.load, kept.at = run.epoch, run.load, run.at
         self._unapplied[peer] = kept
         self._heard_through_run(peer, run)
@@ -522,6 +523,7 @@ class PeerView:
             return
         self._catch_up(peer, kept)
         kept.run.followers.pop(self._me, None)
+        kept.run.cursors.pop(self._me, None)
         kept.run = None
 
     def recheck_following(self, changes: int) -> None:

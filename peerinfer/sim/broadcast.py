@@ -252,7 +252,12 @@ class Broadcast:
         over: list[PeerId] = []
         if run is not None and run.extends(a):
             run.push(a, now)
-        elif run is not None and run.followers and (after := run.advances(a)) is not None:
+        elif run is not None and run.followers and (after := run.advances(
+            a,
+            # another reader of the delta's result: a later group, or a recipient handed ``a``
+            # (one that does not follow; those over their allowance refuse it unread)
+            g + 1 < len(self._groups[s]) or len(run.followers) < len(recipients),
+        )) is not None:
             over = run.over_limit(a)
             if over:
                 alone = AnnounceReceived(sender, a)
