@@ -267,35 +267,13 @@ class MerkleDigest:
             flat = set(flat)  # the result will be shared: never the set we hold
         elif self._flat_shared:
             flat = self._own_flat()
-        # ``_contribution_of`` inlined: this loop runs for every hash of every announcement at
-        # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
-        pair = self._flat_pair
-        memo = _CONTRIBUTIONS
-        # (the hashes as given: ``BlockHash`` is ``int`` at run time, and a call per element)
-        gone: list[Any] = []
-        new: list[Any] = []
-        for h in removed:
-            if h in flat:
-                flat.discard(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
-                gone.append(h)
-        for h in added:
-            if h not in flat:
-                flat.add(h)
-                c = memo.get(h)
-                pair ^= c if c is not None else _contribution_of(h)
-                new.append(h)
-        self._flat_pair = pair
-        watch = self.watch
-        if watch is not None and len(flat) > watch.high:
-            watch.high = len(flat)
+        new, gone = self._change_flat(flat, added, removed)
         if key is not None:
             assert shared is not None
             deltas = shared.deltas
             if len(deltas) >= shared.limit:
                 deltas.clear()
-            deltas[key] = (added, removed, flat, pair, new, gone)
+            deltas[key] = (added, removed, flat, self._flat_pair, new, gone)
             self._flat = flat
             self._flat_shared = True
         if gone or new:
@@ -315,9 +293,20 @@ class MerkleDigest:
             return [BlockHash(h) for h in added if self.add(BlockHash(h))], were
         if self._flat_shared:
             flat = self._own_flat()
+        return self._change_flat(flat, added, removed)
+
+    def _change_flat(
+        self, flat: set[int], added: Iterable[int], removed: Iterable[int]
+    ) -> tuple[list[Any], list[Any]]:
+        """Discard ``removed`` from ``flat`` (the set this digest is to hold), then add
+        ``added``, keeping the pair hash and the size watch: the real changes ``(added,
+        removed)``, each in the order given (``apply_delta``'s and ``apply_changes``' loop)."""
+        # ``_contribution_of`` inlined: this loop runs for every hash of every announcement at
+        # every peer, and the call was a tenth of a 64-node simulation's announcement cost.
         pair = self._flat_pair
-        memo = _CONTRIBUTIONS  # (``_contribution_of`` inlined, as in ``apply_delta``)
-        gone: list[Any] = []  # (the hashes as given, as in ``apply_delta``)
+        memo = _CONTRIBUTIONS
+        # (the hashes as given: ``BlockHash`` is ``int`` at run time, and a call per element)
+        gone: list[Any] = []
         new: list[Any] = []
         for h in removed:
             if h in flat:

@@ -7,8 +7,8 @@ import random
 
 from peerinfer.core.announcerun import AnnounceRun
 from peerinfer.core.merkle import MerkleDigest, NullObserver
-from peerinfer.core.messages import Announce, Load
 from peerinfer.types import BlockHash, PeerId
+from tests.core.test_run_holders import _announce
 
 
 def _digest(hashes: set[int]) -> MerkleDigest:
@@ -17,11 +17,6 @@ def _digest(hashes: set[int]) -> MerkleDigest:
         d.add(BlockHash(h))
     return d
 
-
-def _announce(sender: str, epoch: int, d: MerkleDigest, added: tuple[int, ...] = (),
-              removed: tuple[int, ...] = ()) -> Announce:
-    return Announce(sender=sender, epoch=epoch, prev_epoch=epoch - 1, root=d.root, count=len(d),
-                    load=Load(), added=added, removed=removed)
 
 
 def test_followers_read_the_same_changes_while_the_run_drops_those_all_took_in() -> None:
