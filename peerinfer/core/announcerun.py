@@ -20,6 +20,8 @@ from operator import and_
 from typing import Any, Protocol
 from weakref import ref
 
+from mypy_extensions import mypyc_attr
+
 from peerinfer.core.antientropy import Replica
 from peerinfer.core.merkle import MerkleDigest
 from peerinfer.core.messages import Announce
@@ -32,6 +34,7 @@ __all__ = ["AnnounceRun", "RunHolders", "RunReads"]
 _TRIM_FIRST = 64
 
 
+@mypyc_attr(native_class=False)  # held by weak references, which mypyc's classes lack
 class AnnounceRun:
     """One sender's announcements, shared by the recipients of a group.
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from peerinfer.core.announcerun import AnnounceRun, RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
@@ -411,7 +411,7 @@ class PeerView:
         return index, _Heard(following, unapplied), newer
 
     #: tests: ``_confirm_waiting`` takes the peer in instead (the reference it stands for)
-    confirm_by_taking = False
+    confirm_by_taking: ClassVar[bool] = False
 
     def _confirm_waiting(self, peer: PeerId) -> None:
         """Drop ``peer``'s speculative entries that taking in its waiting announcements would
@@ -578,7 +578,7 @@ class PeerView:
 
     #: tests: ``waiting_changes_of`` takes the peer's changes in instead and answers None
     #: (``take_changes_of``: the reference it stands for)
-    take_target_changes = False
+    take_target_changes: ClassVar[bool] = False
 
     def waiting_changes_of(self, peer: PeerId) -> tuple[MerkleDigest, Load] | None:
         """What ``take_changes_of(peer)`` would leave ``peer``'s replica's set and the index's

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from peerinfer.core.antientropy import MAX_REPLICA_ELEMENTS, Replica
 from peerinfer.core.merkle import SizeWatch
@@ -160,11 +160,13 @@ class ReplicaBudget:
     #: rebalance, cleared wherever an allowance is set (``_give_minimal`` then reads no state)
     _all_minimal: bool
 
-    if TYPE_CHECKING:
+    # The index's (``ReplicaIndex``), which this budgets for; declared here as methods, not
+    # under TYPE_CHECKING, for mypyc (peerinfer/native.py), which compiles no class-body ``if``.
+    def add_peer(self, peer: PeerId) -> Replica:
+        raise NotImplementedError
 
-        def add_peer(self, peer: PeerId) -> Replica: ...
-
-        def remove_peer(self, peer: PeerId) -> None: ...
+    def remove_peer(self, peer: PeerId) -> None:
+        raise NotImplementedError
 
     def allowance(self, peer: PeerId) -> int:
         """How many elements ``peer``'s replica may hold (0 for an unknown peer)."""

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import takewhile
 from types import SimpleNamespace
+from typing import ClassVar
 
 from peerinfer.core.announcerun import RunHolders, RunReads
 from peerinfer.core.antientropy import Replica
@@ -385,11 +386,11 @@ class ReplicaIndex(ReplicaBudget):
         return sorted(by_depth.items())
 
     #: tests: every ``_walk_runs`` also walks every peer and requires the same answer
-    check_run_walks = False
+    check_run_walks: ClassVar[bool] = False
     #: how many walks ``_walk_runs`` answered (every index together; tests), counted on an
     #: object: writing a class attribute on every route would make CPython drop what it
     #: specialized for this class's attribute reads (``Members.counts``)
-    walk_counts = SimpleNamespace(run_walks=0)
+    walk_counts: ClassVar[SimpleNamespace] = SimpleNamespace(run_walks=0)
 
     def _walk_runs(
         self, chain: Sequence[BlockHash], reads: RunReads, holders: RunHolders
