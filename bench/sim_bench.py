@@ -33,7 +33,9 @@ the functions most often running (self) and on the stack (inclusive), the figure
 to the run's CPU. ``cpu_s`` is the run's CPU time
 (``time.process_time``) and ``cpu_us_per_request_per_node`` that divided by requests x nodes:
 on a shared machine the CPU figures are the ones to compare. ``--no-holders`` routes over
-every peer (``NodeConfig.route_among_holders=False``; the same decisions).
+every peer (``NodeConfig.route_among_holders=False``; the same decisions). ``core`` says which
+core ran: the compiled one after ``make native`` (peerinfer/native.py; ~1.15x faster, the same
+decisions), else the pure Python one and why.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from peerinfer import native  # noqa: E402
 from peerinfer.sim.config import SimConfig  # noqa: E402
 from peerinfer.sim.run import simulate  # noqa: E402
 
@@ -148,6 +151,8 @@ def bench_one(
         **({"churn": s["churn"]} if "churn" in s else {}),
         # The process's peak so far (Linux reports KiB): an upper bound for this run's.
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        # which core ran: "compiled (mypyc)" after make native, else "pure Python (why)"
+        "core": native.describe(),
     }
     return row, text
 

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from peerinfer.errors import (
+from peerinfer import native as _native
+
+# Before any core module loads: its compiled form only where built and current (native.py).
+_native.choose()
+
+from peerinfer.errors import (  # noqa: E402
     ClosedError,
     ConfigError,
     EngineError,
