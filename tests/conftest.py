@@ -5,6 +5,7 @@ Hypothesis profile every property test runs under."""
 from __future__ import annotations
 
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -17,6 +18,24 @@ settings.register_profile(
     "peerinfer", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("peerinfer")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where the core runs compiled (peerinfer/native.py), the tests that need it pure are left
+    to make test's second pass (``PEERINFER_PURE=1 pytest -m "pure_python or core_logic"``),
+    which also runs every test of the core itself on the pure modules."""
+    from peerinfer import native
+
+    core_dir = Path(__file__).parent / "core"
+    for item in items:
+        if core_dir in Path(item.path).parents:
+            item.add_marker(pytest.mark.core_logic)
+    if native.compiled():
+        deselected = [item for item in items if item.get_closest_marker("pure_python")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("pure_python")]
+
 
 _REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
 

@@ -119,12 +119,14 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
 
 def test_importing_peerinfer_loads_only_the_error_tree_and_leaks_nothing() -> None:
-    """The docstring's promise: libp2p, torch, trio (and the node) load on first use only."""
+    """The docstring's promise: libp2p, torch, trio (and the node) load on first use only. (The
+    import loads ``native`` too, which decides before any core module loads whether the compiled
+    core may run.)"""
     probe = _fresh_interpreter(_IMPORT_PROBE)
     ours = [m for m in probe["loaded"] if m.split(".")[0] not in sys.stdlib_module_names]
-    assert sorted(ours) == ["peerinfer", "peerinfer.errors"], ours
+    assert sorted(ours) == ["peerinfer", "peerinfer.errors", "peerinfer.native"], ours
     eager = PUBLIC - set(LAZY_HOMES) - {"__version__"}
-    assert set(probe["names"]) == eager | NOT_API | {"errors"}
+    assert set(probe["names"]) == eager | NOT_API | {"errors", "native"}
 
 
 def test_the_version_is_the_packages() -> None:

@@ -572,6 +572,7 @@ def test_a_comparison_marks_exactly_the_differing_descendants() -> None:
     assert answers.counts[0] == len(POOL)
 
 
+@pytest.mark.pure_python
 def test_leading_counts_the_first_elements_of_a_chain_flat_or_not() -> None:
     """``leading(chain)`` is the count of ``h in digest`` up to the first miss, whether the
     digest is flat or holds its trie, and refuses what ``in`` refuses (floats, negatives)."""

@@ -546,6 +546,7 @@ def test_prompt_chain_is_the_chain_memoized_and_refuses_what_chain_refuses() -> 
     assert len(hasher._prompt_memo) <= prefix.PROMPT_MEMO_SIZE
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("colliding", [False, True])
 def test_prompt_chain_extends_a_shared_prefix_to_the_same_chain(
     colliding: bool, monkeypatch: pytest.MonkeyPatch

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from peerinfer.core.digest import LocalDigest, MerkleDigest
 from peerinfer.core.messages import MAX_DELTA
 from peerinfer.engine.changelog import ChangeLog
@@ -182,6 +184,7 @@ def _leading_block_by_block(digest: MerkleDigest, chain: list[object]) -> int:
     return n
 
 
+@pytest.mark.pure_python
 def test_leading_of_a_flat_digest_equals_the_walk_block_by_block() -> None:
     rng = random.Random(9)
     members = [BlockHash(rng.getrandbits(64)) for _ in range(60)]

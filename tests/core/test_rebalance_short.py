@@ -89,6 +89,7 @@ def test_the_short_rebalance_sizes_as_the_rebalance_over_every_want(
     assert beyond_the_head > 8, beyond_the_head  # 15 measured
 
 
+@pytest.mark.pure_python
 def test_the_cross_check_catches_a_wrong_short_rebalance(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: a short rebalance that reads neither pending announcements nor followed
     runs (sizes, claims and freshness as if nothing waited) fails the hook's comparison. (So

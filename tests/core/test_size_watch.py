@@ -152,6 +152,7 @@ def test_the_mark_bounds_every_replica_and_wants_minimal_agrees_with_reading_the
         agreed_small, agreed_large, lowered)
 
 
+@pytest.mark.pure_python
 def test_a_claim_left_out_of_the_mark_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: with claims not raising the mark (``Replica.note_claim`` a no-op), the mark
     falls below a claim larger than the set (a lying announcement), which the index's

@@ -180,6 +180,7 @@ async def honest_ttft(client: Client, prompt: str) -> float:
     return result.ttft_s
 
 
+@pytest.mark.pure_python
 async def test_a_flooding_peer_cannot_starve_an_honest_one(autojump_clock: trio.testing.MockClock) -> None:
     net = MemNetwork()
     with trio.fail_after(150):
@@ -254,6 +255,7 @@ async def http_stream(http: httpx.AsyncClient, key: str, prompt: str, max_tokens
     out.other.append("stream ended without [DONE]")
 
 
+@pytest.mark.pure_python
 async def test_a_flooding_api_key_cannot_starve_another_key() -> None:
     with trio.fail_after(150):
         async with one_node(http="127.0.0.1:0", api_keys=KEYS) as node:

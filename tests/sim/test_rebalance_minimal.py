@@ -13,6 +13,7 @@ from peerinfer.sim.config import SimConfig
 from peerinfer.sim.run import simulate
 
 
+@pytest.mark.pure_python
 def test_rebalances_size_nothing_until_a_cache_grows_past_half_the_minimum(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -120,6 +120,7 @@ def _run(config: SimConfig, lazy: bool, monkeypatch: pytest.MonkeyPatch,
     return _decisions(sim)
 
 
+@pytest.mark.pure_python
 def test_lazy_gives_the_eager_decisions_on_20_random_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     deferred = 0
     original = antientropy.Replica.take_unchanged
@@ -476,6 +477,7 @@ def _holders_config(seed: int) -> SimConfig:
     )
 
 
+@pytest.mark.pure_python
 @pytest.mark.slow
 def test_routing_among_holders_gives_every_peers_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Routing over the peers holding part of the prompt and stand-ins for the rest
@@ -520,6 +522,7 @@ def test_routing_among_holders_gives_every_peers_decisions(monkeypatch: pytest.M
     print(dict(counts))
 
 
+@pytest.mark.pure_python
 def test_the_simulators_hasher_hashes_each_distinct_prompt_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -553,6 +556,7 @@ def test_the_simulators_hasher_hashes_each_distinct_prompt_once(
     assert _decisions(small) == fast
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("mode", ["reset", "silent"])
 def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_churn(
     mode: str, monkeypatch: pytest.MonkeyPatch,
@@ -600,6 +604,7 @@ def test_liveness_by_the_run_clock_acts_as_the_loop_over_every_member_under_chur
         assert ours[key] == theirs[key], f"{mode}: {key} differs"
 
 
+@pytest.mark.pure_python
 def test_the_nodes_own_digests_stay_flat_and_decide_as_eager_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -652,6 +657,7 @@ def _churn_decisions(sim: sim_module.Simulation) -> dict[str, object]:
     }
 
 
+@pytest.mark.pure_python
 def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -708,6 +714,7 @@ def test_routing_confirms_speculative_entries_without_taking_their_peers_in(
     assert counts["confirms"] > 300 and counts["dropping"] > 100, counts
 
 
+@pytest.mark.pure_python
 def test_the_targets_claim_reads_what_waits_without_taking_it_in(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
