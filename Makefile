@@ -30,12 +30,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The compiled core (peerinfer/native.py): mypyc compiles peerinfer/core into C extensions beside
-# the sources (about 4 minutes on 2 cores), rebuilt when a core source changes. The simulator runs
-# ~1.15x faster with it; everything runs without it (pure Python, the same decisions).
+# the sources (about 5 minutes on 2 cores), rebuilt when a source it reads changes. The simulator
+# runs 1.14-1.24x faster with it; everything runs without it (pure Python, the same decisions).
 NATIVE := peerinfer/native_manifest.json
 native: $(NATIVE)
 
-$(NATIVE): $(STAMP) scripts/build_native.py $(shell find peerinfer/core -name '*.py')
+$(NATIVE): $(STAMP) scripts/build_native.py $(shell find peerinfer/core -name '*.py') peerinfer/types.py peerinfer/errors.py
 	$(PY) scripts/build_native.py
 
 lint: $(STAMP)

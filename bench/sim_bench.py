@@ -34,7 +34,7 @@ to the run's CPU. ``cpu_s`` is the run's CPU time
 (``time.process_time``) and ``cpu_us_per_request_per_node`` that divided by requests x nodes:
 on a shared machine the CPU figures are the ones to compare. ``--no-holders`` routes over
 every peer (``NodeConfig.route_among_holders=False``; the same decisions). ``core`` says which
-core ran: the compiled one after ``make native`` (peerinfer/native.py; ~1.15x faster, the same
+core ran: the compiled one after ``make native`` (peerinfer/native.py; 1.14-1.24x faster, the same
 decisions), else the pure Python one and why.
 """
 

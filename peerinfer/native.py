@@ -1,17 +1,18 @@
 """The compiled core: which of peerinfer's pure modules run as C extensions, and when.
 
 ``make native`` (``scripts/build_native.py``) compiles the typed, pure modules of
-``peerinfer/core`` and the simulator's loop with mypyc into C extensions beside their sources,
-and writes ``native_manifest.json`` here: each compiled source's hash. Python's import system
+``peerinfer/core`` with mypyc into C extensions beside their sources, and writes
+``native_manifest.json`` here: the hash of every source the build read. Python's import system
 prefers an extension to the ``.py`` beside it, so nothing else changes. What mypyc compiles
 behaves as the source does for every well-typed call; the simulator's decisions are the same,
-bit for bit (tests/sim/test_native_core.py). The simulator runs about 1.2x faster
-(docs/evaluation.md, "Simulator speed").
+bit for bit (tests/sim/test_native_core.py), and it runs 1.14-1.24x faster (docs/evaluation.md,
+"The compiled core, kept this time").
 
-The extensions are used only when every compiled source still has the hash it was built from:
-an edited source with a stale extension beside it would run the old code, and since mypyc's
-modules call one another directly, not through the import system, one stale module poisons all
-of them. So it is all or none. Otherwise, or with ``PEERINFER_PURE=1`` (the tests that patch
+The extensions are used only when every source the build read still has the hash it had: an
+edited source with a stale extension beside it would run the old code (or, for a module left
+uncompiled, compiled code built against its old constants), and since mypyc's modules call one
+another directly, not through the import system, one stale module poisons all of them. So it
+is all or none. Otherwise, or with ``PEERINFER_PURE=1`` (the tests that patch
 core internals, which compiled classes do not allow), a finder placed ahead of the standard ones
 loads every peerinfer module from its source. ``import peerinfer`` calls ``choose()`` before any
 of these modules can load.

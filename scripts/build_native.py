@@ -2,14 +2,15 @@
 
 Compiles every module of ``peerinfer/core`` but the wire codec and the messages (their classes
 are made by decorators, which mypyc's classes cannot be) into C extensions beside the sources,
-then writes ``peerinfer/native_manifest.json`` with the hash of each compiled source, last: a
-build that fails leaves no manifest, and the sources run as they are.
+then writes ``peerinfer/native_manifest.json`` with the hash of every source the build read
+(the whole core, ``types.py`` and ``errors.py``), last: a build that fails leaves no manifest,
+and the sources run as they are.
 
 Why mypyc: the core is typed strictly already (mypy), so the same source compiles with no second
 language and no annotations of its own; the modules stay plain Python for every reader, every
 test and every machine without a C compiler (docs/architecture.md, "The compiled core").
 
-    python scripts/build_native.py           build (about 4 minutes on 2 cores)
+    python scripts/build_native.py           build (about 5 minutes, on one core)
     python scripts/build_native.py --clean   remove the extensions and the manifest
 """
 
@@ -37,18 +38,25 @@ LEFT_OUT = {
     "peerinfer/core/wire.py",
     "peerinfer/core/quickinit.py",
 }
+#: what the core imports from outside it: the build reads these too (and inlines their
+#: ``Final`` constants), so a change to them makes a build stale as well
+OUTSIDE_INPUTS = ("peerinfer/types.py", "peerinfer/errors.py")
 #: the shared library of every compiled module: ``peerinfer/native__mypyc*.so``
 GROUP = "peerinfer.native"
 
 
+def inputs() -> list[str]:
+    """Every source the build reads: the core's, compiled or not, and what the core imports."""
+    found = [path.relative_to(ROOT).as_posix()
+             for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))]
+    return found + list(OUTSIDE_INPUTS)
+
+
 def sources() -> list[str]:
-    found: list[str] = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            name = path.relative_to(ROOT).as_posix()
-            if name not in LEFT_OUT and path.name != "__init__.py":
-                found.append(name)
-    return found
+    """The sources compiled."""
+    return [name for name in inputs()
+            if name.startswith(PACKAGES) and name not in LEFT_OUT
+            and not name.endswith("/__init__.py")]
 
 
 def extensions() -> list[Path]:
@@ -91,7 +99,8 @@ def build() -> int:
     built = [p.relative_to(ROOT).as_posix() for p in extensions()]
     manifest = {
         "cache_tag": sys.implementation.cache_tag,
-        "sources": {name: native.source_hash(ROOT / name) for name in names},
+        "compiled": names,
+        "sources": {name: native.source_hash(ROOT / name) for name in inputs()},
         "extensions": built,
     }
     native.MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
