@@ -19,7 +19,7 @@ from peerinfer import native
 REPO = Path(__file__).resolve().parents[2]
 
 # Runs that reach the most core code: the cost policy on a skewed load, churn (crashes, joins,
-# lost caches), gossipsub's mesh with pulls of KV from peers, and the eager, unshared path.
+# lost caches), gossipsub's mesh with pulls of KV from peers, and longest_prefix on a uniform load.
 _PROBE = r"""
 import hashlib, json, sys
 from peerinfer import native
